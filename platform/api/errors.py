@@ -1,0 +1,68 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "code"}}`` for every failure."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# HTTP status -> OpenAI's error `type`.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "insufficient_quota",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """Raised by services and routes; rendered as an OpenAI-style error."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.headers = headers
+
+
+def error_response(
+    status_code: int, message: str, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    error_type = _ERROR_TYPES.get(status_code, "server_error" if status_code >= 500 else "error")
+    body = {"error": {"message": message, "type": error_type, "code": code}}
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status_code, exc.message, exc.code, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(exc.status_code, message, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return error_response(422, "; ".join(problems) or "invalid request", "invalid_parameters")

