@@ -1,1 +1,20 @@
-"""loramux engine: one shared base model, many LoRA adapters per batch."""
+"""loramux engine: one shared base model, many LoRA adapters per batch.
+
+from loramux.engine import Engine, EngineConfig, SamplingParams
+"""
+
+from loramux.engine.config import EngineConfig
+from loramux.engine.engine import Engine, EngineError
+from loramux.engine.lora.adapter import AdapterError, LoRARequest
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "AdapterError",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]

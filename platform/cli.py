@@ -20,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP)
     serve.add_argument("--host", help="bind address (default: LORAMUX_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: LORAMUX_PORT or 8000)")
-    serve.add_argument("--data-dir", help="data directory (default: LORAMUX_DATA_DIR or ./.loramux)")
+    serve.add_argument(
+        "--data-dir", help="data directory (default: LORAMUX_DATA_DIR or ./.loramux)"
+    )
     serve.set_defaults(handler=_serve)
     return parser
 

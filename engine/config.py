@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass, checked in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str  # HF-format Llama-family directory
+    kv_cache_bytes: int = 256 * 1024 * 1024  # byte budget of the paged KV cache
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step: decodes + prefill chunks
+    max_prefill_chunk: int | None = None  # cap on one request's prefill tokens per step
+    max_model_len: int | None = None  # context cap (default: the model's)
+    max_adapters_per_step: int | None = None  # distinct adapters in one step (None: no cap)
+    adapter_wait_steps: int = 16  # steps a capped-out adapter waits before others drain for it
+    max_lora_rank: int = 64
+    enable_prefix_caching: bool = True
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    seed: int = 0  # for requests without their own seed
+
+    def __post_init__(self) -> None:
+        positive = (
+            "kv_cache_bytes",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_lora_rank",
+            "adapter_wait_steps",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_prefill_chunk", "max_model_len", "max_adapters_per_step"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive or None, got {value}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(
+                f"EngineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32

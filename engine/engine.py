@@ -1,0 +1,299 @@
+"""The engine loop and its public Python API.
+
+    engine = Engine(EngineConfig(model="path/to/hf-dir"))
+    engine.add_adapter("support-bot", "path/to/peft-dir")
+    outs = engine.generate(["Hi", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0),
+                           adapters=["support-bot", None])
+
+Low level: ``add_request`` / ``step`` / ``abort``. One ``step()`` asks the scheduler
+what to run, has the runner run it, and applies the results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from loramux.engine.config import EngineConfig
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.kv_cache import KVCacheManager
+from loramux.engine.lora.adapter import LoRARequest, load_adapter
+from loramux.engine.lora.pool import LoRAPool
+from loramux.engine.metrics import EngineMetrics
+from loramux.engine.model.loader import load_model
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.runner import ModelRunner, kv_block_bytes
+from loramux.engine.sampler import Sampler, make_generator
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler, SchedulerLimits
+from loramux.engine.sequence import FinishReason, Sequence
+
+
+class EngineError(ValueError):
+    """A request or call the engine refuses; the message says why."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
+        self.model = load_model(config.model, dtype=dtype, device=device)
+        self.model_config = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        num_blocks = config.kv_cache_bytes // kv_block_bytes(self.model, config.block_size, dtype)
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} KV blocks; "
+                "raise it (one block needs "
+                f"{kv_block_bytes(self.model, config.block_size, dtype)} bytes)"
+            )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_chunk=config.max_prefill_chunk,
+                max_adapters_per_step=config.max_adapters_per_step,
+                adapter_wait_steps=config.adapter_wait_steps,
+            ),
+            self.kv,
+        )
+        self.lora_pool = LoRAPool(self.model_config, dtype=dtype, device=device)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            lora_pool=self.lora_pool,
+            sampler=Sampler(config.seed),
+            block_tables=self.kv.block_table,
+        )
+        self.metrics = metrics or EngineMetrics()
+        self.metrics.kv_blocks_total.set(num_blocks)
+        self._adapters: dict[str, LoRARequest] = {}
+        self._adapter_ids = itertools.count(1)
+        self._requests: dict[str, Sequence] = {}
+        self._request_ids = itertools.count()
+        self._prefix_stats = (0, 0)
+
+    # --- adapters ------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str | Path) -> LoRARequest:
+        """Load a PEFT adapter and make it servable under ``name``."""
+        if name in self._adapters:
+            raise EngineError(f"adapter {name!r} is already loaded; remove it first")
+        weights = load_adapter(
+            path,
+            self.model_config,
+            name=name,
+            max_rank=self.config.max_lora_rank,
+            dtype=self.config.torch_dtype,
+            device=self.config.torch_device,
+        )
+        request = LoRARequest(name=name, adapter_id=next(self._adapter_ids), source=str(path))
+        self.lora_pool.load(request.adapter_id, weights)
+        self._adapters[name] = request
+        self.metrics.adapter_loads.inc()
+        return request
+
+    def remove_adapter(self, name: str) -> None:
+        request = self._adapters.get(name)
+        if request is None:
+            raise EngineError(f"adapter {name!r} is not loaded")
+        users = [s.request_id for s in self._requests.values() if s.lora == request]
+        if users:
+            raise EngineError(
+                f"adapter {name!r} is in use by {len(users)} request(s); abort or finish them first"
+            )
+        self.lora_pool.unload(request.adapter_id)
+        del self._adapters[name]
+
+    def list_adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def set_tenant_weight(self, tenant: str | None, weight: float) -> None:
+        self.scheduler.fair.set_weight(tenant, weight)
+
+    # --- requests ------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> None:
+        """Queue a request. Everything is checked before anything changes."""
+        if request_id in self._requests:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise EngineError("params must be a SamplingParams")
+        lora = None
+        if adapter is not None:
+            lora = self._adapters.get(adapter)
+            if lora is None:
+                raise EngineError(f"unknown adapter {adapter!r}; add_adapter() it first")
+        prompt_ids = self._tokenize(prompt)
+        if len(prompt_ids) >= self.max_model_len:
+            raise EngineError(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = make_generator(params.seed, self.config.torch_device)
+        seq = Sequence(
+            request_id,
+            prompt_ids,
+            params,
+            lora=lora,
+            priority=priority,
+            tenant=tenant,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            ),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            generator=generator,
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise EngineError(f"prompt token ids must be in [0, {vocab}); got {bad[:3]}")
+        if not ids:
+            raise EngineError("prompt is empty")
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.abort(seq)
+        seq.finish_abort(FinishReason.ABORT)
+        return self._output(seq, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # --- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that got tokens."""
+        plan = self.scheduler.schedule()
+        if plan.preempted:
+            self.metrics.preemptions.inc(len(plan.preempted))
+        if plan.is_empty:
+            return []
+        now = time.monotonic()
+        for item in plan.scheduled:
+            if item.seq.metrics.first_scheduled_time is None:
+                item.seq.metrics.first_scheduled_time = now
+                self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
+        sampled = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, sampled, time.monotonic())
+        outputs = []
+        for seq, text in updates:
+            self._observe_token(seq)
+            outputs.append(self._output(seq, text, seq.output_token_ids[-1:]))
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+        self._update_gauges()
+        return outputs
+
+    def _observe_token(self, seq: Sequence) -> None:
+        m = seq.metrics
+        self.metrics.generated_tokens.inc()
+        if m.completion_tokens == 1 and m.time_to_first_token is not None:
+            self.metrics.time_to_first_token.observe(m.time_to_first_token)
+        elif m.inter_token_times:
+            self.metrics.inter_token_latency.observe(m.inter_token_times[-1])
+
+    def _update_gauges(self) -> None:
+        self.metrics.running_requests.set(len(self.scheduler.running))
+        self.metrics.waiting_requests.set(len(self.scheduler.waiting))
+        self.metrics.kv_blocks_used.set(self.kv.num_used_blocks)
+        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        old_q, old_h = self._prefix_stats
+        self.metrics.prefix_cache_queries.inc(queries - old_q)
+        self.metrics.prefix_cache_hits.inc(hits - old_h)
+        self._prefix_stats = (queries, hits)
+
+    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.output_text,
+            delta_token_ids=list(delta_ids),
+            delta_text=delta_text,
+            finished=seq.is_finished,
+            finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
+            stop_reason=seq.stop_reason,
+            error=seq.error,
+            logprobs=list(seq.output_logprobs),
+            adapter=None if seq.lora is None else seq.lora.name,
+            metrics=seq.metrics,
+        )
+
+    # --- convenience -------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        adapters: Seq[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion, batched together; one output per prompt, in order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        count = len(prompts)
+        params_list = (
+            [params or SamplingParams()] * count
+            if params is None or isinstance(params, SamplingParams)
+            else list(params)
+        )
+        adapter_list = [None] * count if adapters is None else list(adapters)
+        if len(params_list) != count or len(adapter_list) != count:
+            raise EngineError("prompts, params and adapters must have the same length")
+        ids = [f"generate-{next(self._request_ids)}" for _ in range(count)]
+        added = []
+        try:
+            for rid, prompt, p, adapter in zip(
+                ids, prompts, params_list, adapter_list, strict=True
+            ):
+                self.add_request(rid, prompt, p, adapter=adapter)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # leave nothing behind
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < count:
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

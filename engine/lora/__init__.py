@@ -1,0 +1,1 @@
+"""LoRA adapters: loading PEFT files, residency in the weight pool, per-step metadata."""

@@ -1,0 +1,46 @@
+"""Prometheus metrics of one engine, in its own registry (no process-wide globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "loramux_time_to_first_token_seconds",
+            "Arrival to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "loramux_inter_token_latency_seconds",
+            "Gap between consecutive tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "loramux_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running_requests = Gauge("loramux_running_requests", "Requests running.", registry=r)
+        self.waiting_requests = Gauge("loramux_waiting_requests", "Requests waiting.", registry=r)
+        self.kv_blocks_used = Gauge("loramux_kv_blocks_used", "KV blocks in use.", registry=r)
+        self.kv_blocks_total = Gauge("loramux_kv_blocks_total", "KV blocks in all.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "loramux_prefix_cache_query_tokens", "Prompt tokens looked up.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "loramux_prefix_cache_hit_tokens", "Prompt tokens found cached.", registry=r
+        )
+        self.adapter_loads = Counter(
+            "loramux_adapter_loads", "Adapters loaded into the pool.", registry=r
+        )
+        self.preemptions = Counter("loramux_preemptions", "Sequences preempted.", registry=r)
+        self.generated_tokens = Counter("loramux_generated_tokens", "Tokens generated.", registry=r)

@@ -1,0 +1,126 @@
+"""The base model's architecture, read from an HF ``config.json``.
+
+Only Llama-family decoders (Llama, Mistral-style, Qwen2 with q/k/v bias, SmolLM2):
+the fields the decoder needs, checked once here so the model code can trust them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    mlp_bias: bool = False
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config {name} must be positive")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a projection, by its PEFT/HF short name."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        return shapes[module]
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict) -> ModelConfig:
+        model_type = raw.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; loramux serves Llama-family "
+                f"decoders ({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+            )
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        # transformers 5 moved rope settings into `rope_parameters`; older files keep
+        # `rope_theta` and `rope_scaling` at the top level.
+        rope = dict(raw.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = rope or raw.get("rope_scaling") or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling["rope_type"] = kind
+            if kind == "default":
+                scaling = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: the model must be an HF-format directory")
+        raw = json.loads(path.read_text())
+        # generation_config.json may list extra end-of-turn ids (Llama 3's <|eot_id|>).
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if gen_eos is not None:
+                ids = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+                base = raw.get("eos_token_id")
+                ids |= set(base if isinstance(base, list) else ([] if base is None else [base]))
+                raw = {**raw, "eos_token_id": sorted(ids)}
+        return cls.from_hf_dict(raw)

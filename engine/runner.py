@@ -1,0 +1,113 @@
+"""The runner executes a ``SchedulerOutput``: tensors in, sampled tokens out.
+
+It owns the model, the KV cache tensors, the adapter pool and the sampler; it makes
+no decisions. The batch is laid out in the scheduler's order (grouped by adapter),
+each sequence contributing the tokens ``[num_computed, num_computed + n)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loramux.engine.lora.pool import LoRAPool
+from loramux.engine.model.llama import AttentionMetadata, LlamaForCausalLM
+from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from loramux.engine.scheduler import SchedulerOutput
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    c = model.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize
+    return per_token * block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        lora_pool: LoRAPool,
+        sampler: Sampler,
+        block_tables,  # callable: request_id -> list[int]
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.lora_pool = lora_pool
+        self.sampler = sampler
+        self._block_table = block_tables
+        c = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(c.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run one step; returns request id -> (sampled token, logprobs) for samplers."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables, context_lens, query_lens = [], [], []
+        spans: list[tuple[int, int, int | None]] = []
+        sample_index: list[int] = []
+        rows: list[SamplingRow] = []
+        suppress: list[list[int]] = []
+        bs = self.block_size
+        for item in output.scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            table = self._block_table(seq.request_id)
+            first = len(input_ids)
+            input_ids.extend(seq.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(table)
+            context_lens.append(end)
+            query_lens.append(item.num_tokens)
+            if spans and spans[-1][2] == seq.adapter_id:
+                spans[-1] = (spans[-1][0], len(input_ids), seq.adapter_id)
+            else:
+                spans.append((first, len(input_ids), seq.adapter_id))
+            if item.samples:
+                sample_index.append(len(input_ids) - 1)
+                rows.append(
+                    SamplingRow(
+                        params=seq.params,
+                        prompt_token_ids=seq.prompt_token_ids,
+                        output_token_ids=seq.output_token_ids,
+                        generator=seq.generator,
+                    )
+                )
+                suppress.append(seq.suppressed_token_ids())
+
+        long = {"dtype": torch.long, "device": self.device}
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, **long),
+            slot_mapping=torch.tensor(slots, **long),
+            block_tables=tables,
+            context_lens=context_lens,
+            query_lens=query_lens,
+        )
+        lora = self.lora_pool.build_step(spans)
+        hidden = self.model(torch.tensor(input_ids, **long), meta, self.kv_caches, lora)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_index, **long)])
+        result = self.sampler.sample(logits, rows, suppress_token_ids=suppress)
+        sampling = [item.seq for item in output.scheduled if item.samples]
+        return {
+            seq.request_id: (token, logprobs)
+            for seq, token, logprobs in zip(
+                sampling, result.token_ids, result.logprobs, strict=True
+            )
+        }

@@ -1,0 +1,187 @@
+"""Per-request sampling parameters.
+
+A :class:`SamplingParams` is immutable and validated on construction; every bad value
+raises :class:`ValueError` naming the parameter, the value and the allowed range.
+
+Semantics (the sampler in :mod:`loramux.engine.sampler` implements them, in this order):
+
+* ``min_tokens``: until this many tokens were produced, the engine asks the sampler to
+  suppress EOS and ``stop_token_ids`` (their logits become ``-inf``).
+* ``repetition_penalty`` (Hugging Face style): for every distinct token seen in the
+  prompt *or* the output so far, a positive logit is divided by the penalty and a
+  non-positive one multiplied by it. ``1.0`` is off; ``> 1`` discourages repeats.
+* ``presence_penalty`` / ``frequency_penalty`` (OpenAI style, output tokens only):
+  ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+* ``temperature``: ``0.0`` means greedy (argmax; the filters below are ignored);
+  otherwise logits are divided by it.
+* ``top_k`` keeps the k largest logits (``None`` = off), ``top_p`` keeps the smallest set
+  of most likely tokens whose cumulative probability reaches ``top_p`` (``1.0`` = off),
+  ``min_p`` drops tokens whose probability is below ``min_p`` times the largest
+  probability (``0.0`` = off). They are applied in that order.
+* ``seed``: when set, the request draws from its own generator, so its tokens do not
+  depend on which other requests share the batch.
+* ``logprobs``: ``None`` returns none; ``0`` returns the log-probability of the sampled
+  token; ``N`` (at most 20) also the N most likely tokens. Log-probabilities come from
+  the model's raw logits, before penalties, temperature and filters.
+* ``stop`` / ``stop_token_ids``: generation ends when the output text contains one of the
+  stop strings or a stop token is produced; the matched stop string is cut from the
+  output unless ``include_stop_str_in_output``. ``ignore_eos`` keeps going past EOS.
+* ``max_tokens``: the most tokens generated for the request (at least 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+MAX_LOGPROBS = 20
+"""The largest ``logprobs`` (number of top alternatives) a request may ask for."""
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops. See the module docstring."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        max_tokens = _int("max_tokens", self.max_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        put("max_tokens", max_tokens)
+
+        temperature = _float("temperature", self.temperature)
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+        put("temperature", temperature)
+
+        if self.top_k is not None:
+            top_k = _int("top_k", self.top_k)
+            if top_k < 1:
+                raise ValueError(f"top_k must be None (off) or >= 1, got {top_k}")
+            put("top_k", top_k)
+
+        top_p = _float("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        put("top_p", top_p)
+
+        min_p = _float("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        put("min_p", min_p)
+
+        repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+        put("repetition_penalty", repetition_penalty)
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            put(name, value)
+
+        if self.seed is not None:
+            seed = _int("seed", self.seed)
+            if not _SEED_MIN <= seed <= _SEED_MAX:
+                raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {seed}")
+            put("seed", seed)
+
+        if self.logprobs is not None:
+            logprobs = _int("logprobs", self.logprobs)
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
+            put("logprobs", logprobs)
+
+        put("stop", self._normalise_stop(self.stop))
+        put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            put(name, _bool(name, getattr(self, name)))
+
+        min_tokens = _int("min_tokens", self.min_tokens)
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
+            )
+        put("min_tokens", min_tokens)
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, bytes) or not isinstance(stop, Iterable):
+            raise ValueError(f"stop must be a str or a sequence of str, got {stop!r}")
+        out = tuple(stop)
+        for s in out:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only str, got {s!r} in {out!r}")
+            if not s:
+                raise ValueError(f"stop strings must be non-empty, got {out!r}")
+        return out
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+            raise ValueError(f"stop_token_ids must be a sequence of int, got {ids!r}")
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+                raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r} in {ids!r}")
+            out.append(int(t))
+        return tuple(out)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax (``temperature == 0``)."""
+        return self.temperature == 0.0

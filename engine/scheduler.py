@@ -1,0 +1,298 @@
+"""The scheduler decides each step; it never touches tensors.
+
+Every ``schedule()`` returns a ``SchedulerOutput``: which sequences run, how many of
+their tokens are computed (decodes and chunks of prefill share one token budget),
+and who was preempted. The runner executes it; ``update()`` then applies the
+sampled tokens (stop checks, prefix-cache registration, freeing the finished).
+
+Policy, in order:
+
+1. **Running sequences first**, highest priority first, then earliest arrival. Each
+   gets its next tokens (1 for a decode, a chunk of the remaining prompt otherwise).
+   When KV blocks run out, a running sequence is *preempted by recompute*: its blocks
+   are freed and it goes back to the waiting queue to be computed again later. The
+   victim is the lowest priority, then the latest arrival.
+2. **Waiting sequences** are admitted in order of priority (higher first), then the
+   tenant's *virtual token counter* (lower first), then arrival. The counter is the
+   VTC fair-share rule: each tenant's counter grows by the tokens served to it divided
+   by its weight (prompt tokens count 1, generated tokens 2), and a tenant that comes
+   back after being idle starts at the lowest counter among the active tenants, so it
+   can't bank credit. Within a priority class, tenants thus share token throughput
+   in proportion to their weights.
+3. A waiting sequence of a higher priority than some running ones may preempt them
+   (lowest priority, latest arrival first) when blocks or sequence slots are short.
+4. **Adapter cap** (``max_adapters_per_step``): a step holds at most that many
+   distinct adapters (base-model requests don't count). Running sequences' adapters
+   are in the step first; a waiting sequence whose adapter would exceed the cap is
+   skipped this step and remembers the step it was first skipped. Starvation guard:
+   once the longest-skipped sequence has waited ``adapter_wait_steps`` steps, no
+   other waiting sequence is admitted (not even for adapters already running) until
+   it is. Running sequences finish (each has a finite ``max_tokens``), so its
+   adapter's turn comes within a bounded number of steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loramux.engine.kv_cache import KVCacheManager
+from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+PROMPT_TOKEN_COST = 1.0
+OUTPUT_TOKEN_COST = 2.0
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    samples: bool  # the chunk reaches the last known token, so a new one is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    # In the order the runner lays the batch out: grouped by adapter, so each adapter's
+    # tokens form one contiguous segment for the LoRA kernels.
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_chunk: int | None = None
+    max_adapters_per_step: int | None = None
+    adapter_wait_steps: int = 16
+
+
+class FairShare:
+    """Virtual token counters per tenant (VTC)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str | None, float] = {}
+        self.weights: dict[str | None, float] = {}
+
+    def set_weight(self, tenant: str | None, weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {weight}")
+        self.weights[tenant] = weight
+
+    def counter(self, tenant: str | None) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def activate(self, tenant: str | None, active_tenants: set[str | None]) -> None:
+        """A tenant with no live requests joins: lift it to the lowest active counter."""
+        others = [self.counters.get(t, 0.0) for t in active_tenants if t != tenant]
+        floor = min(others) if others else self.counters.get(tenant, 0.0)
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def charge(self, tenant: str | None, prompt_tokens: int, output_tokens: int) -> None:
+        cost = prompt_tokens * PROMPT_TOKEN_COST + output_tokens * OUTPUT_TOKEN_COST
+        self.counters[tenant] = self.counter(tenant) + cost / self.weights.get(tenant, 1.0)
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager):
+        self.limits = limits
+        self.kv = kv
+        self.fair = FairShare()
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # --- queue -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        active = {s.tenant for s in (*self.waiting, *self.running)}
+        if seq.tenant not in active:
+            self.fair.activate(seq.tenant, active)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- decide ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        limits = self.limits
+        budget = limits.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        adapters: set[int] = set()
+
+        # 1. Running sequences, most important first; the least important are preempted
+        #    when blocks run short.
+        self.running.sort(key=lambda s: (-s.priority, s.metrics.arrival_time))
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = self._chunk(seq, budget)
+            while not self.kv.can_allocate(seq.request_id, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.kv.allocate(seq.request_id, seq.num_computed_tokens + n)
+            scheduled.append(self._scheduled(seq, n))
+            budget -= n
+            if seq.adapter_id is not None:
+                adapters.add(seq.adapter_id)
+
+        # 2./3./4. Waiting sequences.
+        self.waiting.sort(key=self._waiting_order)
+        starving = self._starving_sequence()
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            if seq in preempted or (starving is not None and seq is not starving):
+                continue
+            if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, adapters):
+                if seq.adapter_blocked_since is None:
+                    seq.adapter_blocked_since = self.step_count
+                continue
+            room = self._make_room(seq, budget, len(admitted), preempted, scheduled)
+            if room is None:
+                break
+            n, prefix = room, seq.cached_prefix
+            self.kv.allocate(seq.request_id, seq.num_computed_tokens + n, prefix)
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.cached_prompt_tokens = seq.num_computed_tokens
+            seq.cached_prefix = None
+            seq.adapter_blocked_since = None
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            scheduled.append(self._scheduled(seq, n))
+            budget -= n
+            if seq.adapter_id is not None:
+                adapters.add(seq.adapter_id)
+        for seq in admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+
+        # Group by adapter (base model first) so the runner can form LoRA segments.
+        scheduled.sort(key=lambda item: -1 if item.seq.adapter_id is None else item.seq.adapter_id)
+        tokens = sum(item.num_tokens for item in scheduled)
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted, num_batched_tokens=tokens)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        if self.limits.max_prefill_chunk is not None and seq.num_uncomputed_tokens > 1:
+            n = min(n, self.limits.max_prefill_chunk)
+        return n
+
+    @staticmethod
+    def _scheduled(seq: Sequence, n: int) -> ScheduledSequence:
+        return ScheduledSequence(seq, n, samples=seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _waiting_order(self, seq: Sequence):
+        return (-seq.priority, self.fair.counter(seq.tenant), seq.metrics.arrival_time)
+
+    def _adapter_fits(self, adapter_id: int, adapters: set[int]) -> bool:
+        cap = self.limits.max_adapters_per_step
+        return cap is None or adapter_id in adapters or len(adapters) < cap
+
+    def _starving_sequence(self) -> Sequence | None:
+        blocked = [s for s in self.waiting if s.adapter_blocked_since is not None]
+        if not blocked:
+            return None
+        oldest = min(blocked, key=lambda s: s.adapter_blocked_since)
+        waited = self.step_count - oldest.adapter_blocked_since
+        return oldest if waited >= self.limits.adapter_wait_steps else None
+
+    def _make_room(
+        self,
+        seq: Sequence,
+        budget: int,
+        num_admitted: int,
+        preempted: list[Sequence],
+        scheduled: list[ScheduledSequence],
+    ) -> int | None:
+        """Find a prefix hit and blocks for ``seq``'s next chunk, preempting lower
+        priorities if needed. Returns the chunk size, or None if it can't run now."""
+        while True:
+            if seq.cached_prefix is None:
+                seq.cached_prefix = self.kv.find_cached_prefix(seq.all_token_ids, seq.cache_salt)
+                seq.num_computed_tokens = seq.cached_prefix.num_tokens
+            n = self._chunk(seq, budget)
+            total = seq.num_computed_tokens + n
+            fits_blocks = self.kv.can_allocate(seq.request_id, total, seq.cached_prefix)
+            fits_slots = len(self.running) + num_admitted < self.limits.max_num_seqs
+            if fits_blocks and fits_slots:
+                return n
+            victims = [s for s in self.running if s.priority < seq.priority]
+            if not victims:
+                seq.cached_prefix = None  # the handle goes stale; look up afresh next step
+                seq.num_computed_tokens = 0
+                return None
+            victim = min(victims, key=lambda s: (s.priority, -s.metrics.arrival_time))
+            budget += sum(item.num_tokens for item in scheduled if item.seq is victim)
+            scheduled[:] = [item for item in scheduled if item.seq is not victim]
+            self._preempt(victim, preempted)
+            # The freed blocks may have been our cached prefix: look it up again.
+            seq.cached_prefix = None
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.cached_prefix = None
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+        preempted.append(seq)
+
+    # --- apply results -------------------------------------------------------------
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, object]], now: float
+    ) -> list[tuple[Sequence, str]]:
+        """Advance the scheduled sequences by their computed tokens and sampled token.
+
+        ``sampled`` maps request id -> (token id, logprobs) for the sequences that
+        sampled. Returns (sequence, new text) for every sequence that got a token;
+        finished ones are released.
+        """
+        updates = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += item.num_tokens
+            self.kv.commit(
+                seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt
+            )
+            if not item.samples:
+                self.fair.charge(seq.tenant, item.num_tokens, 0)
+                continue
+            # The last computed token is the one whose logits made the new token: count
+            # it as output, the rest of the chunk as prompt.
+            self.fair.charge(seq.tenant, item.num_tokens - 1, 1)
+            token_id, logprobs = sampled[seq.request_id]
+            text = seq.append_token(token_id, logprobs, now)
+            updates.append((seq, text))
+            if seq.is_finished:
+                self.running.remove(seq)
+                self.kv.free(seq.request_id)
+        return updates
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End a sequence the engine cannot serve, releasing whatever it held."""
+        self.abort(seq)
+        seq.finish_abort(FinishReason.ERROR, error)

@@ -1,0 +1,178 @@
+"""One request's state inside the engine: tokens, progress, stop checks, text, metrics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.sampler import TokenLogprobs
+from loramux.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine could not serve it (e.g. its adapter failed)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora: LoRARequest | None,
+        priority: int,
+        tenant: str | None,
+        detokenizer: IncrementalDetokenizer,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        generator: torch.Generator | None,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.params = params
+        self.lora = lora
+        self.priority = priority
+        self.tenant = tenant
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # the stop string or token that ended it
+        self.error: str | None = None
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.cached_prefix = None  # the prefix-cache hit chosen at admission
+        self.adapter_blocked_since: int | None = None  # step it first lost to the adapter cap
+        self._eos_ids = eos_token_ids
+        self._max_model_len = max_model_len
+        self.metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            prompt_tokens=len(prompt_token_ids),
+        )
+
+    # --- token views -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def adapter_id(self) -> int | None:
+        return None if self.lora is None else self.lora.adapter_id
+
+    @property
+    def cache_salt(self) -> tuple:
+        # Identical prompts on different adapters, or from different tenants, never
+        # share KV blocks: both go into every block hash.
+        return (self.adapter_id, self.tenant)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def suppressed_token_ids(self) -> list[int]:
+        """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens)."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids |= self._eos_ids
+        return sorted(ids)
+
+    # --- progress ----------------------------------------------------------------
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str:
+        """Add a sampled token, run the stop checks; returns the new text to stream."""
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        m = self.metrics
+        m.completion_tokens = len(self.output_token_ids)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_times.append(now - m.last_token_time)
+        m.last_token_time = now
+
+        params = self.params
+        past_min = len(self.output_token_ids) > params.min_tokens or params.min_tokens == 0
+        if not params.ignore_eos and token_id in self._eos_ids and past_min:
+            self._finish(FinishReason.STOP, token_id)
+            return self.detokenizer.finish()
+        if token_id in params.stop_token_ids and past_min:
+            self._finish(FinishReason.STOP, token_id)
+            return self.detokenizer.finish()
+        delta = self.detokenizer.add_token(token_id)
+        if delta.stop_string is not None:
+            self._finish(FinishReason.STOP, delta.stop_string)
+            return delta.text
+        if (
+            len(self.output_token_ids) >= params.max_tokens
+            or self.num_tokens >= self._max_model_len
+        ):
+            self._finish(FinishReason.LENGTH, None)
+            return delta.text + self.detokenizer.finish()
+        return delta.text
+
+    def finish_abort(self, reason: FinishReason, error: str | None = None) -> None:
+        self.error = error
+        self._finish(reason, None)
+
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.monotonic()
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.output_text
