@@ -1,0 +1,552 @@
+"""The engine against transformers + PEFT mixed-adapter ``generate``, on the same prompts.
+
+The issue's CPU benchmark: SmolLM2-135M-Instruct, 32 concurrent requests over 16 LoRA
+adapters (request i uses adapter i % 16), 128 new tokens each, greedy. Both systems run
+in the same process, one after the other, on the same chat-templated prompt token ids:
+
+* engine: ``Engine.generate`` of all requests at once (continuous batching, every
+  adapter in the same forward pass);
+* baseline: one ``PeftModel`` holding all adapters, ``model.generate(...,
+  adapter_names=[...])`` (PEFT's mixed-adapter batching) with left padding, as one batch
+  of all requests and in batches of 8; the faster is the baseline.
+
+Output length is fixed on both sides the same way: EOS is suppressed until the last
+token (``min_tokens = max_tokens`` on the engine, ``min_new_tokens = max_new_tokens`` on
+PEFT), so every request generates exactly ``--max-tokens`` tokens and a greedy token
+sequence means the same thing on both sides.
+
+Reports tokens, wall seconds and tokens/s of each, the ratio engine / PEFT, and greedy
+agreement (requests whose tokens are identical; left padding can legitimately flip a
+near-tie argmax in PEFT's batches, so it is reported, not asserted). Writes a JSON and a
+markdown table with the machine to ``benchmarks/results/``.
+
+    .venv/bin/python benchmarks/engine_vs_peft.py            # full size (several minutes)
+    .venv/bin/python benchmarks/engine_vs_peft.py --quick    # smoke run
+    .venv/bin/python benchmarks/engine_vs_peft.py --profile  # plus a cProfile of the engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_SEVEN = (*QKVO, "gate_proj", "up_proj", "down_proj")
+# Adapter i gets ADAPTER_SHAPES[i % 4]: mixed ranks and target sets.
+ADAPTER_SHAPES = ((8, QKVO), (16, QKVO), (8, ALL_SEVEN), (16, ALL_SEVEN))
+ADAPTER_STD = 0.02  # init std of A and B: a visible but not model-destroying change
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Write a haiku about autumn leaves.",
+    "How do I boil an egg?",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a grey cat.",
+    "Why is the sky blue?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is a prime number?",
+    "How can I learn to play the guitar?",
+    "Translate 'good morning' into Spanish.",
+    "What are the benefits of drinking water?",
+    "Describe a rainy day in two sentences.",
+    "How does a bicycle stay upright?",
+    "Give me a simple recipe for pancakes.",
+    "What is the difference between weather and climate?",
+    "Write a short thank-you note to a teacher.",
+    "How many legs does a spider have?",
+    "What should I pack for a weekend hike?",
+    "Explain what a computer program is.",
+    "Why do leaves change colour in the fall?",
+    "Tell me a fun fact about octopuses.",
+    "How do I make my houseplants grow better?",
+    "What is the tallest mountain in the world?",
+    "Write a two-line poem about the sea.",
+    "How do vaccines work?",
+    "What is the Pythagorean theorem?",
+    "Give me an idea for a birthday party.",
+    "Why do we need sleep?",
+    "What is the best way to save money?",
+    "Describe the taste of a lemon.",
+)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    path: Path
+    rank: int
+    targets: tuple[str, ...]
+
+
+@dataclass
+class RunResult:
+    label: str
+    tokens: list[list[int]]  # per request, in request order
+    seconds: float
+    batch: str  # how the requests were batched
+    extra: dict = field(default_factory=dict)  # system-specific figures
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+    def summary(self) -> dict:
+        return {
+            "label": self.label,
+            "batch": self.batch,
+            "requests": len(self.tokens),
+            "tokens": self.num_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+
+
+# --- setup ---------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=None, help="default 32 (8 with --quick)")
+    parser.add_argument("--adapters", type=int, default=None, help="default 16 (4 with --quick)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 128 (16 --quick)")
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    parser.add_argument(
+        "--peft-batch-sizes",
+        default=None,
+        help="comma-separated PEFT batch sizes to time; the fastest is the baseline "
+        "(default: all requests in one batch, and 8)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON result path; the markdown goes next to it "
+        "(default benchmarks/results/engine_vs_peft_cpu[_quick].json)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=REPO_ROOT / ".loramux" / "bench-cache",
+        help="where the converted model and the adapters are cached",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed runs, run the engine once more under cProfile and write "
+        "the top functions next to the JSON",
+    )
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.requests = args.requests or (8 if quick else 32)
+    args.adapters = args.adapters or (4 if quick else 16)
+    args.max_tokens = args.max_tokens or (16 if quick else 128)
+    if args.peft_batch_sizes is None:
+        sizes = [args.requests] + ([8] if args.requests > 8 else [])
+    else:
+        sizes = [int(s) for s in args.peft_batch_sizes.split(",") if s.strip()]
+    if not sizes or any(s < 1 for s in sizes):
+        parser.error("--peft-batch-sizes needs positive integers")
+    args.peft_batch_sizes = sizes
+    if args.out is None:
+        stem = "engine_vs_peft_cpu_quick" if quick else "engine_vs_peft_cpu"
+        args.out = RESULTS_DIR / f"{stem}.json"
+    if min(args.requests, args.adapters, args.max_tokens) < 1:
+        parser.error("--requests, --adapters and --max-tokens must be positive")
+    return args
+
+
+def machine_info() -> dict:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    import peft
+    import transformers
+
+    uname = platform.uname()
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "processor": platform.processor() or None,
+        "cpu_model": cpu_model,
+        "uname": f"{uname.system} {uname.release} {uname.machine}",
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_count": os.cpu_count(),
+        "mem_total_gib": mem_gib,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
+
+
+def prepare_model(cache_dir: Path) -> Path:
+    from loramux.engine.model.gguf_convert import convert_gguf_to_hf
+    from loramux.platform.base_model import embedded_gguf_path
+
+    return convert_gguf_to_hf(embedded_gguf_path(), cache_dir / MODEL_NAME, log=print)
+
+
+def prepare_adapters(model_dir: Path, cache_dir: Path, count: int) -> list[AdapterSpec]:
+    """``count`` PEFT adapters of mixed ranks and targets, built once and cached."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.fixtures.models import build_peft_adapter
+
+    specs = []
+    for i in range(count):
+        rank, targets = ADAPTER_SHAPES[i % len(ADAPTER_SHAPES)]
+        tag = "qkvo" if targets == QKVO else "all7"
+        path = cache_dir / "adapters" / f"a{i:02d}-r{rank}-{tag}-std{ADAPTER_STD}-seed{1000 + i}"
+        if not (path / "adapter_model.safetensors").is_file():
+            print(f"building adapter {path.name} ...", flush=True)
+            tmp = path.with_name(path.name + ".partial")
+            build_peft_adapter(
+                model_dir, tmp, rank=rank, targets=targets, seed=1000 + i, std=ADAPTER_STD
+            )
+            tmp.rename(path)
+        specs.append(AdapterSpec(f"a{i:02d}", path, rank, targets))
+    return specs
+
+
+def make_prompts(tokenizer, count: int) -> list[list[int]]:
+    """``count`` different chat-templated prompts as token ids (shared by both systems)."""
+    prompts = []
+    for i in range(count):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        if i >= len(QUESTIONS):
+            question = f"{question} (Answer #{i // len(QUESTIONS) + 1}.)"
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
+
+
+# --- the engine ----------------------------------------------------------------------
+def build_engine(model_dir: Path, adapters: list[AdapterSpec], max_num_seqs: int):
+    from loramux.engine import Engine, EngineConfig
+
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            kv_cache_bytes=512 * 1024**2,
+            max_num_seqs=max(64, max_num_seqs),
+            max_num_batched_tokens=2048,
+            device="cpu",
+            dtype="float32",
+        )
+    )
+    for spec in adapters:
+        engine.add_adapter(spec.name, spec.path)
+    return engine
+
+
+def engine_params(max_tokens: int):
+    from loramux.engine import SamplingParams
+
+    # min_tokens = max_tokens suppresses EOS until the end, exactly like PEFT's
+    # min_new_tokens = max_new_tokens: fixed length, same greedy choice at every step.
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+
+
+def run_engine(engine, prompts, adapter_names, max_tokens: int) -> RunResult:
+    from loramux.engine import SamplingParams
+
+    # Warm-up: a tiny mixed-adapter generate on an unrelated prompt (so the timed run
+    # gets no prefix-cache hits from it).
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate(["Hello there", "Warm up"], warm, adapters=(adapter_names * 2)[:2])
+
+    params = engine_params(max_tokens)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, adapters=adapter_names)
+    seconds = time.perf_counter() - start
+    result = RunResult("engine", [list(o.token_ids) for o in outs], seconds, "all at once")
+    ttfts = sorted(
+        o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None
+    )
+    result.extra = {
+        "ttft_median_s": round(ttfts[len(ttfts) // 2], 3) if ttfts else None,
+        "ttft_max_s": round(ttfts[-1], 3) if ttfts else None,
+        "cached_prompt_tokens": sum(o.metrics.cached_prompt_tokens for o in outs),
+        "preemptions": engine.num_preemptions,
+    }
+    return result
+
+
+def profile_engine(engine, prompts, adapter_names, max_tokens: int, out_txt: Path) -> str:
+    # The prompts differ from the timed run's by one leading token so the prefix cache
+    # holds nothing for them; the cost profile is that of the timed run.
+    bos = prompts[0][0]
+    fresh = [[bos, *p] for p in prompts]
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    engine.generate(fresh, engine_params(max_tokens), adapters=adapter_names)
+    profiler.disable()
+    seconds = time.perf_counter() - start
+    buf = io.StringIO()
+    buf.write(f"engine.generate under cProfile: {seconds:.2f} s (profiling overhead included)\n\n")
+    stats = pstats.Stats(profiler, stream=buf).strip_dirs()
+    buf.write("=== by total time (self) ===\n")
+    stats.sort_stats("tottime").print_stats(30)
+    buf.write("=== by cumulative time ===\n")
+    stats.sort_stats("cumulative").print_stats(40)
+    text = buf.getvalue()
+    out_txt.parent.mkdir(parents=True, exist_ok=True)
+    out_txt.write_text(text)
+    profiler.dump_stats(out_txt.with_suffix(".prof"))
+    return text
+
+
+# --- transformers + PEFT -------------------------------------------------------------
+def build_peft(model_dir: Path, adapters: list[AdapterSpec]):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapters[0].path, adapter_name=adapters[0].name)
+    for spec in adapters[1:]:
+        model.load_adapter(spec.path, adapter_name=spec.name)
+    model.eval()
+    return model
+
+
+def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, prompt in enumerate(batch):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+@torch.inference_mode()
+def peft_generate(model, batch, names, pad_id: int, max_tokens: int) -> list[list[int]]:
+    input_ids, attention_mask = _left_pad(batch, pad_id)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        adapter_names=list(names),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    return [row.tolist() for row in out[:, input_ids.shape[1] :]]
+
+
+def run_peft(model, prompts, adapter_names, pad_id: int, max_tokens: int, batch_size: int):
+    warm_names = (adapter_names * 2)[:2]
+    peft_generate(model, [[1, 2, 3, 4], [5, 6]], warm_names, pad_id, 2)  # warm-up
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        tokens += peft_generate(
+            model,
+            prompts[i : i + batch_size],
+            adapter_names[i : i + batch_size],
+            pad_id,
+            max_tokens,
+        )
+    seconds = time.perf_counter() - start
+    batches = -(-len(prompts) // batch_size)
+    label = f"PEFT batch {batch_size}"
+    return RunResult(label, tokens, seconds, f"{batches} mixed-adapter batch(es) of {batch_size}")
+
+
+# --- comparison and reporting ----------------------------------------------------------
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    prefixes = []
+    for x, y in zip(a, b, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    return {
+        "identical_requests": same,
+        "requests": len(a),
+        "fraction": round(same / len(a), 4),
+        "mean_common_prefix_tokens": round(sum(prefixes) / len(prefixes), 2),
+        "min_common_prefix_tokens": min(prefixes),
+    }
+
+
+def render_markdown(report: dict) -> str:
+    cfg, m, eng = report["config"], report["machine"], report["engine"]
+    lines = [
+        "# Engine vs transformers + PEFT (mixed-adapter generate), CPU",
+        "",
+        f"{cfg['model']}, {cfg['requests']} concurrent requests over {cfg['adapters']} "
+        f"adapters (ranks {sorted(set(cfg['adapter_ranks']))}, targets q/k/v/o or all "
+        f"seven; request i uses adapter i % {cfg['adapters']}), {cfg['max_tokens']} new "
+        "tokens each, greedy, float32. Both measured in the same run on the same prompt ids.",
+        "",
+        "| system | batching | requests | tokens | wall s | tokens/s | greedy agreement "
+        "with engine |",
+        "|---|---|---:|---:|---:|---:|---|",
+        f"| loramux engine | {eng['batch']} | {eng['requests']} | {eng['tokens']} | "
+        f"{eng['seconds']:.2f} | {eng['tokens_per_s']:.1f} | - |",
+    ]
+    for run in report["peft_runs"]:
+        agree = run["agreement_with_engine"]
+        mark = " (baseline)" if run["label"] == report["baseline"] else ""
+        lines.append(
+            f"| transformers + PEFT{mark} | {run['batch']} | {run['requests']} | "
+            f"{run['tokens']} | {run['seconds']:.2f} | {run['tokens_per_s']:.1f} | "
+            f"{agree['identical_requests']}/{agree['requests']} identical, mean common "
+            f"prefix {agree['mean_common_prefix_tokens']} tokens |"
+        )
+    ratio, target = report["ratio_engine_over_peft"], report["target_ratio"]
+    verdict = "met" if ratio >= target else "not met"
+    lines += [
+        "",
+        f"**Ratio engine / PEFT ({report['baseline']}): {ratio:.2f}x** "
+        f"(target >= {target:g}x: {verdict}).",
+        "",
+        f"Engine: TTFT median {eng['ttft_median_s']} s, max {eng['ttft_max_s']} s; "
+        f"preemptions {eng['preemptions']}; cached prompt tokens {eng['cached_prompt_tokens']}.",
+        "",
+        f"Machine: {m['cpu_model'] or m['processor']}, {m['nproc']} cores "
+        f"(torch threads {m['torch_threads']}), {m['mem_total_gib']} GiB, {m['uname']}; "
+        f"Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"peft {m['peft']}. Date {m['date']}.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    machine = machine_info()
+    print(f"machine: {machine}", flush=True)
+    model_dir = prepare_model(args.cache_dir)
+    adapters = prepare_adapters(model_dir, args.cache_dir, args.adapters)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tokenizer, args.requests)
+    names = [adapters[i % len(adapters)].name for i in range(args.requests)]
+    pad_id = tokenizer.eos_token_id
+    print(
+        f"{args.requests} requests, {args.adapters} adapters, {args.max_tokens} tokens each; "
+        f"prompt lengths {min(map(len, prompts))}..{max(map(len, prompts))}",
+        flush=True,
+    )
+
+    engine = build_engine(model_dir, adapters, args.requests)
+    eng = run_engine(engine, prompts, names, args.max_tokens)
+    print(
+        f"engine: {eng.num_tokens} tokens in {eng.seconds:.2f} s = {eng.tokens_per_s:.1f} tok/s",
+        flush=True,
+    )
+    profile_text = None
+    if args.profile:
+        profile_path = args.out.with_name(args.out.stem + "_engine_profile.txt")
+        profile_text = profile_engine(engine, prompts, names, args.max_tokens, profile_path)
+        print(f"profile written to {profile_path}", flush=True)
+    del engine
+    gc.collect()
+
+    model = build_peft(model_dir, adapters)
+    peft_runs = []
+    for batch_size in args.peft_batch_sizes:
+        run = run_peft(model, prompts, names, pad_id, args.max_tokens, batch_size)
+        print(
+            f"{run.label}: {run.num_tokens} tokens in {run.seconds:.2f} s = "
+            f"{run.tokens_per_s:.1f} tok/s",
+            flush=True,
+        )
+        peft_runs.append(run)
+    del model
+    gc.collect()
+
+    baseline = max(peft_runs, key=lambda r: r.tokens_per_s)
+    report = {
+        "benchmark": "engine_vs_peft",
+        "config": {
+            "model": MODEL_NAME,
+            "requests": args.requests,
+            "adapters": args.adapters,
+            "adapter_ranks": [a.rank for a in adapters],
+            "adapter_targets": [list(a.targets) for a in adapters],
+            "adapter_init_std": ADAPTER_STD,
+            "max_tokens": args.max_tokens,
+            "dtype": "float32",
+            "greedy": True,
+            "fixed_length": "engine min_tokens=max_tokens; PEFT min_new_tokens=max_new_tokens",
+            "prompt_tokens": [len(p) for p in prompts],
+            "engine_config": {
+                "kv_cache_bytes": 512 * 1024**2,
+                "max_num_seqs": max(64, args.requests),
+                "max_num_batched_tokens": 2048,
+            },
+            "peft_batch_sizes": args.peft_batch_sizes,
+        },
+        "machine": machine,
+        "engine": {**eng.summary(), **eng.extra},
+        "peft_runs": [
+            {**r.summary(), "agreement_with_engine": agreement(eng.tokens, r.tokens)}
+            for r in peft_runs
+        ],
+        "baseline": baseline.label,
+        "ratio_engine_over_peft": round(eng.tokens_per_s / baseline.tokens_per_s, 3),
+        "target_ratio": 5.0,
+        "greedy_agreement": agreement(eng.tokens, baseline.tokens),
+        "command": " ".join([".venv/bin/python", "benchmarks/engine_vs_peft.py", *sys.argv[1:]]),
+    }
+    if profile_text is not None:
+        report["engine_profile"] = args.out.stem + "_engine_profile.txt"
+    write_atomic(args.out, json.dumps(report, indent=2) + "\n")
+    markdown = render_markdown(report)
+    write_atomic(args.out.with_suffix(".md"), markdown)
+    print()
+    print(markdown)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""transformers + PEFT as the independent reference: greedy decoding, one request alone."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+
+@cache
+def _load(model_dir: str, adapter_dir: str | None, dtype: torch.dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+def reference_model(model_dir: Path, adapter_dir: Path | None, dtype=torch.float32):
+    return _load(str(model_dir), None if adapter_dir is None else str(adapter_dir), dtype)
+
+
+@torch.inference_mode()
+def greedy_tokens(
+    model_dir: Path,
+    adapter_dir: Path | None,
+    prompt_ids: list[int],
+    max_tokens: int,
+    *,
+    eos_ids: frozenset[int] = frozenset(),
+    dtype=torch.float32,
+) -> list[int]:
+    """Greedy tokens for one request run alone, with transformers' own KV cache."""
+    model = reference_model(model_dir, adapter_dir, dtype)
+    ids = torch.tensor([prompt_ids])
+    out = model(input_ids=ids, use_cache=True)
+    tokens: list[int] = []
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        if token in eos_ids or len(tokens) >= max_tokens:
+            return tokens
+        out = model(
+            input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+        )
+
+
+@torch.inference_mode()
+def first_step_logits(
+    model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], dtype=torch.float32
+) -> torch.Tensor:
+    model = reference_model(model_dir, adapter_dir, dtype)
+    return model(input_ids=torch.tensor([prompt_ids])).logits[0, -1]

@@ -1,0 +1,279 @@
+"""The ``loramux`` command: help texts, ``serve`` end to end on the embedded default,
+and how the base model setting is resolved."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loramux.platform.base_model import BaseModelError, resolve_base_model
+from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+def _loramux_command() -> list[str]:
+    """The venv's console script when installed next to this Python, else ``-m``."""
+    script = Path(sys.executable).with_name("loramux")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "loramux.platform.cli"]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LORAMUX_")}
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- help ------------------------------------------------------------------------------------
+
+
+def test_help_lists_serve():
+    result = subprocess.run(
+        [*_loramux_command(), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: loramux" in result.stdout
+    assert "serve" in result.stdout
+    assert "Start the platform" in result.stdout
+
+
+def test_serve_help_describes_its_options():
+    result = subprocess.run(
+        [*_loramux_command(), "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: loramux serve" in result.stdout
+    assert "Start the platform" in result.stdout
+    for option in ("--host", "--port", "--data-dir"):
+        assert option in result.stdout
+
+
+def test_module_entry_point_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "loramux.platform.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "serve" in result.stdout
+
+
+def test_no_command_is_an_error():
+    result = subprocess.run(_loramux_command(), capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "usage: loramux" in result.stderr
+    assert "required" in result.stderr
+
+
+# --- serve end to end ------------------------------------------------------------------------
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a file (the 538 MB weights cost nothing), copying across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _seed_converted_model(smollm2_dir: Path, data_dir: Path) -> None:
+    """Put the cached conversion where serve looks, so it skips converting (~20 s)."""
+    target = data_dir / "models" / EMBEDDED_MODEL_ID
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(smollm2_dir, target, copy_function=_link_or_copy)
+
+
+@dataclass
+class _Server:
+    process: subprocess.Popen
+    base_url: str
+    log_file: Path
+
+    def output(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+    assert process.poll() is not None, "loramux serve is still running"
+
+
+def _wait_healthy(server: _Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(
+                f"loramux serve exited with {server.process.returncode} before answering:\n"
+                f"{server.output()}",
+                pytrace=False,
+            )
+        try:
+            response = httpx.get(f"{server.base_url}/healthz", timeout=2)
+            if response.status_code == 200:
+                assert response.json() == {"status": "ok"}
+                return
+        except httpx.HTTPError as exc:
+            last_error = exc
+        time.sleep(0.2)
+    pytest.fail(
+        f"loramux serve did not answer /healthz within {STARTUP_TIMEOUT_S:.0f}s "
+        f"({last_error}):\n{server.output()}",
+        pytrace=False,
+    )
+
+
+@contextlib.contextmanager
+def _serving(data_dir: Path, log_file: Path) -> Iterator[_Server]:
+    """Run ``loramux serve`` on the embedded default (no LORAMUX_MODEL); stop it after."""
+    port = _free_port()
+    command = [*_loramux_command(), "serve", "--port", str(port), "--data-dir", str(data_dir)]
+    env = _clean_env(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    with log_file.open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir.parent,
+            env=env,
+        )
+    server = _Server(process, f"http://127.0.0.1:{port}", log_file)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop(process)
+
+
+@pytest.fixture
+def seeded_data_dir(tmp_path, smollm2_dir) -> Path:
+    data_dir = tmp_path / "data"
+    _seed_converted_model(smollm2_dir, data_dir)
+    return data_dir
+
+
+def _list_models(server: _Server, token: str) -> httpx.Response:
+    return httpx.get(
+        f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    )
+
+
+def test_serve_first_start_prints_the_token_and_serves_models(seeded_data_dir, tmp_path):
+    with _serving(seeded_data_dir, tmp_path / "first.log") as server:
+        token_file = seeded_data_dir / "admin_token"
+        assert token_file.is_file()
+        token = token_file.read_text().strip()
+        assert token
+
+        response = _list_models(server, token)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["object"] == "list"
+        assert [card["id"] for card in body["data"]] == [EMBEDDED_MODEL_ID]
+
+        unauthorized = httpx.get(f"{server.base_url}/v1/models", timeout=10)
+        assert unauthorized.status_code == 401
+        assert set(unauthorized.json()["error"]) == {"message", "type", "code"}
+
+    output = server.output()
+    assert token in output, output
+    curl_lines = [line for line in output.splitlines() if "curl" in line]
+    assert any(f"{server.base_url}/v1/models" in line for line in curl_lines), output
+    assert any(token in line for line in curl_lines), output
+    # The seeded directory was used, not converted again.
+    assert "Converting" not in output, output
+
+
+def test_serve_second_start_does_not_print_the_token(seeded_data_dir, tmp_path):
+    with _serving(seeded_data_dir, tmp_path / "first.log") as first:
+        pass
+    token = (seeded_data_dir / "admin_token").read_text().strip()
+    assert token in first.output()
+
+    with _serving(seeded_data_dir, tmp_path / "second.log") as second:
+        response = _list_models(second, token)
+        assert response.status_code == 200, response.text
+        assert [card["id"] for card in response.json()["data"]] == [EMBEDDED_MODEL_ID]
+
+    output = second.output()
+    assert token not in output, output
+    assert "curl" not in output, output
+    assert (seeded_data_dir / "admin_token").read_text().strip() == token
+
+
+# --- base model resolution -------------------------------------------------------------------
+
+
+def test_model_dir_without_config_json_is_rejected(tmp_path):
+    model_dir = tmp_path / "not-a-model"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"")
+    settings = Settings(data_dir=tmp_path / "data", model=str(model_dir))
+    with pytest.raises(BaseModelError, match=r"config\.json") as excinfo:
+        resolve_base_model(settings, log=lambda _: None)
+    assert str(model_dir) in str(excinfo.value)
+
+
+def test_missing_model_path_is_rejected(tmp_path):
+    missing = tmp_path / "no" / "such" / "model"
+    settings = Settings(data_dir=tmp_path / "data", model=str(missing))
+    with pytest.raises(BaseModelError) as excinfo:
+        resolve_base_model(settings, log=lambda _: None)
+    assert str(missing) in str(excinfo.value)
+
+
+def test_model_file_that_is_not_gguf_is_rejected(tmp_path):
+    weights = tmp_path / "model.bin"
+    weights.write_bytes(b"\0")
+    settings = Settings(data_dir=tmp_path / "data", model=str(weights))
+    with pytest.raises(BaseModelError) as excinfo:
+        resolve_base_model(settings, log=lambda _: None)
+    assert str(weights) in str(excinfo.value)
+
+
+def test_hf_model_dir_resolves_to_itself(tmp_path, tiny_model_dir):
+    settings = Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir))
+    base = resolve_base_model(settings, log=lambda _: None)
+    assert base.path == tiny_model_dir.resolve()
+    assert base.model_id == tiny_model_dir.name
+
+
+def test_model_id_setting_renames_the_model(tmp_path, tiny_model_dir):
+    settings = Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir), model_id="base")
+    assert resolve_base_model(settings, log=lambda _: None).model_id == "base"
+
+
+def test_embedded_default_uses_the_converted_dir_in_the_data_dir(seeded_data_dir):
+    settings = Settings(data_dir=seeded_data_dir)
+    messages: list[str] = []
+    base = resolve_base_model(settings, log=messages.append)
+    assert base.model_id == EMBEDDED_MODEL_ID
+    assert base.path == seeded_data_dir / "models" / EMBEDDED_MODEL_ID
+    assert messages == [], "a seeded conversion must not be redone"
