@@ -3,6 +3,7 @@
 from loramux.engine import Engine, EngineConfig, SamplingParams
 """
 
+from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineStoppedError
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import Engine, EngineError
 from loramux.engine.lora.adapter import AdapterError, LoRARequest
@@ -11,9 +12,12 @@ from loramux.engine.sampling_params import SamplingParams
 
 __all__ = [
     "AdapterError",
+    "AsyncEngine",
+    "AsyncEngineError",
     "Engine",
     "EngineConfig",
     "EngineError",
+    "EngineStoppedError",
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",

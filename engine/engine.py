@@ -58,6 +58,8 @@ class Engine:
                 "raise it (one block needs "
                 f"{kv_block_bytes(self.model, config.block_size, dtype)} bytes)"
             )
+        # A request must fit in the whole cache, or it could never be scheduled.
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(
@@ -192,6 +194,7 @@ class Engine:
             return None
         self.scheduler.abort(seq)
         seq.finish_abort(FinishReason.ABORT)
+        self._update_gauges()
         return self._output(seq, "", [])
 
     def has_unfinished_requests(self) -> bool:
@@ -208,6 +211,7 @@ class Engine:
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
         if plan.is_empty:
+            self._update_gauges()
             return []
         now = time.monotonic()
         for item in plan.scheduled:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from loramux.platform.api import health, models
@@ -10,7 +13,19 @@ from loramux.platform.context import PlatformContext
 
 
 def create_app(context: PlatformContext) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The in-process engine's step thread lives exactly as long as the app.
+        if context.engine is not None:
+            await context.engine.start()
+        try:
+            yield
+        finally:
+            if context.engine is not None:
+                await context.engine.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="loramux",
         description="Multi-tenant LoRA serving on one shared base model.",
         version="0.1.0",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loramux.engine import AsyncEngine, Engine, EngineConfig
 from loramux.platform.admin_token import load_or_create_admin_token
 from loramux.platform.base_model import BaseModel, resolve_base_model
 from loramux.platform.settings import Settings
@@ -18,9 +19,21 @@ class PlatformContext:
     base_model: BaseModel
     admin_token: str
     admin_token_created: bool = False
+    engine: AsyncEngine | None = None  # the in-process engine of the embedded default
 
 
-def build_context(settings: Settings, *, log=print) -> PlatformContext:
+def build_engine(settings: Settings, base_model: BaseModel) -> AsyncEngine:
+    config = EngineConfig(
+        model=str(base_model.path),
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        device=settings.device,
+    )
+    return AsyncEngine(Engine(config))
+
+
+def build_context(settings: Settings, *, log=print, with_engine: bool = True) -> PlatformContext:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     base_model = resolve_base_model(settings, log=log)
     token = load_or_create_admin_token(settings)
@@ -29,4 +42,5 @@ def build_context(settings: Settings, *, log=print) -> PlatformContext:
         base_model=base_model,
         admin_token=token.value,
         admin_token_created=token.created,
+        engine=build_engine(settings, base_model) if with_engine else None,
     )
