@@ -96,13 +96,43 @@ class AdapterSpec:
     targets: tuple[str, ...]
 
 
+class Clock:
+    """Wall seconds of a block, and how much CPU this process got meanwhile.
+
+    The CPU seconds over the wall seconds, against the torch thread count, shows whether
+    other processes competed for the cores during the measurement.
+    """
+
+    def __enter__(self) -> Clock:
+        self.load_before = os.getloadavg()[0]
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._wall
+        self.cpu_seconds = time.process_time() - self._cpu
+        self.load_after = os.getloadavg()[0]
+
+    def summary(self) -> dict:
+        return {
+            "cpu_seconds": round(self.cpu_seconds, 2),
+            "cores_used": round(self.cpu_seconds / self.seconds, 2),
+            "loadavg_1m_before": round(self.load_before, 2),
+            "loadavg_1m_after": round(self.load_after, 2),
+        }
+
+
 @dataclass
 class RunResult:
     label: str
     tokens: list[list[int]]  # per request, in request order
-    seconds: float
+    clock: Clock
     batch: str  # how the requests were batched
     extra: dict = field(default_factory=dict)  # system-specific figures
+
+    @property
+    def seconds(self) -> float:
+        return self.clock.seconds
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +150,8 @@ class RunResult:
             "tokens": self.num_tokens,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            **self.clock.summary(),
+            **self.extra,
         }
 
 
@@ -150,6 +182,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the converted model and the adapters are cached",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved runs of each system; the best is reported (all are recorded)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after the timed runs, run the engine once more under cProfile and write "
@@ -167,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not sizes or any(s < 1 for s in sizes):
         parser.error("--peft-batch-sizes needs positive integers")
     args.peft_batch_sizes = sizes
+    if args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--repeats and --threads must be positive")
     if args.out is None:
         stem = "engine_vs_peft_cpu_quick" if quick else "engine_vs_peft_cpu"
         args.out = RESULTS_DIR / f"{stem}.json"
@@ -289,10 +332,9 @@ def run_engine(engine, prompts, adapter_names, max_tokens: int) -> RunResult:
     engine.generate(["Hello there", "Warm up"], warm, adapters=(adapter_names * 2)[:2])
 
     params = engine_params(max_tokens)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params, adapters=adapter_names)
-    seconds = time.perf_counter() - start
-    result = RunResult("engine", [list(o.token_ids) for o in outs], seconds, "all at once")
+    with Clock() as clock:
+        outs = engine.generate(prompts, params, adapters=adapter_names)
+    result = RunResult("engine", [list(o.token_ids) for o in outs], clock, "all at once")
     ttfts = sorted(
         o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None
     )
@@ -305,7 +347,7 @@ def run_engine(engine, prompts, adapter_names, max_tokens: int) -> RunResult:
     return result
 
 
-def profile_engine(engine, prompts, adapter_names, max_tokens: int, out_txt: Path) -> str:
+def profile_engine(engine, prompts, adapter_names, max_tokens: int, out_txt: Path) -> None:
     # The prompts differ from the timed run's by one leading token so the prefix cache
     # holds nothing for them; the cost profile is that of the timed run.
     bos = prompts[0][0]
@@ -323,11 +365,8 @@ def profile_engine(engine, prompts, adapter_names, max_tokens: int, out_txt: Pat
     stats.sort_stats("tottime").print_stats(30)
     buf.write("=== by cumulative time ===\n")
     stats.sort_stats("cumulative").print_stats(40)
-    text = buf.getvalue()
     out_txt.parent.mkdir(parents=True, exist_ok=True)
-    out_txt.write_text(text)
-    profiler.dump_stats(out_txt.with_suffix(".prof"))
-    return text
+    out_txt.write_text(buf.getvalue())
 
 
 # --- transformers + PEFT -------------------------------------------------------------
@@ -372,19 +411,53 @@ def run_peft(model, prompts, adapter_names, pad_id: int, max_tokens: int, batch_
     warm_names = (adapter_names * 2)[:2]
     peft_generate(model, [[1, 2, 3, 4], [5, 6]], warm_names, pad_id, 2)  # warm-up
     tokens: list[list[int]] = []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        tokens += peft_generate(
-            model,
-            prompts[i : i + batch_size],
-            adapter_names[i : i + batch_size],
-            pad_id,
-            max_tokens,
-        )
-    seconds = time.perf_counter() - start
+    with Clock() as clock:
+        for i in range(0, len(prompts), batch_size):
+            tokens += peft_generate(
+                model,
+                prompts[i : i + batch_size],
+                adapter_names[i : i + batch_size],
+                pad_id,
+                max_tokens,
+            )
     batches = -(-len(prompts) // batch_size)
     label = f"PEFT batch {batch_size}"
-    return RunResult(label, tokens, seconds, f"{batches} mixed-adapter batch(es) of {batch_size}")
+    return RunResult(label, tokens, clock, f"{batches} mixed-adapter batch(es) of {batch_size}")
+
+
+# --- the measurement -----------------------------------------------------------------
+def measure(args, model_dir, adapters, prompts, names, pad_id):
+    """Interleaved runs: per repeat a fresh engine (empty prefix cache), then PEFT."""
+    model = build_peft(model_dir, adapters)
+    engine_runs: list[RunResult] = []
+    peft_runs: dict[int, list[RunResult]] = {bs: [] for bs in args.peft_batch_sizes}
+    profile_path = None
+    for repeat in range(args.repeats):
+        engine = build_engine(model_dir, adapters, args.requests)
+        run = run_engine(engine, prompts, names, args.max_tokens)
+        engine_runs.append(run)
+        _report_run(run, repeat)
+        if args.profile and repeat == args.repeats - 1:
+            profile_path = args.out.with_name(args.out.stem + "_engine_profile.txt")
+            profile_engine(engine, prompts, names, args.max_tokens, profile_path)
+            print(f"profile written to {profile_path}", flush=True)
+        del engine
+        gc.collect()
+        for batch_size in args.peft_batch_sizes:
+            run = run_peft(model, prompts, names, pad_id, args.max_tokens, batch_size)
+            peft_runs[batch_size].append(run)
+            _report_run(run, repeat)
+    return engine_runs, peft_runs, profile_path
+
+
+def _report_run(run: RunResult, repeat: int) -> None:
+    c = run.clock.summary()
+    print(
+        f"[{repeat}] {run.label}: {run.num_tokens} tokens in {run.seconds:.2f} s = "
+        f"{run.tokens_per_s:.1f} tok/s (cores used {c['cores_used']}, load "
+        f"{c['loadavg_1m_before']} -> {c['loadavg_1m_after']})",
+        flush=True,
+    )
 
 
 # --- comparison and reporting ----------------------------------------------------------
@@ -407,19 +480,22 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def render_markdown(report: dict) -> str:
     cfg, m, eng = report["config"], report["machine"], report["engine"]
+    repeats = cfg["repeats"]
     lines = [
         "# Engine vs transformers + PEFT (mixed-adapter generate), CPU",
         "",
         f"{cfg['model']}, {cfg['requests']} concurrent requests over {cfg['adapters']} "
         f"adapters (ranks {sorted(set(cfg['adapter_ranks']))}, targets q/k/v/o or all "
         f"seven; request i uses adapter i % {cfg['adapters']}), {cfg['max_tokens']} new "
-        "tokens each, greedy, float32. Both measured in the same run on the same prompt ids.",
+        "tokens each (EOS suppressed), greedy, float32. Both measured in the same run on "
+        "the same prompt token ids"
+        + (f"; best of {repeats} interleaved runs each." if repeats > 1 else "."),
         "",
-        "| system | batching | requests | tokens | wall s | tokens/s | greedy agreement "
-        "with engine |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| system | batching | requests | tokens | wall s | tokens/s | cores used | "
+        "greedy agreement with engine |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
         f"| loramux engine | {eng['batch']} | {eng['requests']} | {eng['tokens']} | "
-        f"{eng['seconds']:.2f} | {eng['tokens_per_s']:.1f} | - |",
+        f"{eng['seconds']:.2f} | {eng['tokens_per_s']:.1f} | {eng['cores_used']} | - |",
     ]
     for run in report["peft_runs"]:
         agree = run["agreement_with_engine"]
@@ -427,8 +503,8 @@ def render_markdown(report: dict) -> str:
         lines.append(
             f"| transformers + PEFT{mark} | {run['batch']} | {run['requests']} | "
             f"{run['tokens']} | {run['seconds']:.2f} | {run['tokens_per_s']:.1f} | "
-            f"{agree['identical_requests']}/{agree['requests']} identical, mean common "
-            f"prefix {agree['mean_common_prefix_tokens']} tokens |"
+            f"{run['cores_used']} | {agree['identical_requests']}/{agree['requests']} "
+            f"identical, mean common prefix {agree['mean_common_prefix_tokens']} tokens |"
         )
     ratio, target = report["ratio_engine_over_peft"], report["target_ratio"]
     verdict = "met" if ratio >= target else "not met"
@@ -439,6 +515,31 @@ def render_markdown(report: dict) -> str:
         "",
         f"Engine: TTFT median {eng['ttft_median_s']} s, max {eng['ttft_max_s']} s; "
         f"preemptions {eng['preemptions']}; cached prompt tokens {eng['cached_prompt_tokens']}.",
+        "",
+        "*cores used* = this process's CPU seconds / wall seconds during the timed part "
+        f"(torch uses {m['torch_threads']} threads): well below {m['torch_threads']} means "
+        "other processes were competing for the cores while it was measured.",
+    ]
+    if report["contended"]:
+        lines += [
+            "",
+            "**Warning: the machine was busy during the measurement** (1-minute load "
+            f"average up to {report['max_loadavg_1m']} on {m['nproc']} cores); absolute "
+            "figures are lower than on an idle machine and the ratio is noisier.",
+        ]
+    if repeats > 1:
+        lines += [
+            "",
+            "All runs, tokens/s: engine "
+            + ", ".join(f"{x:.1f}" for x in eng["all_tokens_per_s"])
+            + "; "
+            + "; ".join(
+                f"{r['label']} " + ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
+                for r in report["peft_runs"]
+            )
+            + ".",
+        ]
+    lines += [
         "",
         f"Machine: {m['cpu_model'] or m['processor']}, {m['nproc']} cores "
         f"(torch threads {m['torch_threads']}), {m['mem_total_gib']} GiB, {m['uname']}; "
@@ -460,6 +561,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     machine = machine_info()
@@ -476,34 +579,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    engine = build_engine(model_dir, adapters, args.requests)
-    eng = run_engine(engine, prompts, names, args.max_tokens)
-    print(
-        f"engine: {eng.num_tokens} tokens in {eng.seconds:.2f} s = {eng.tokens_per_s:.1f} tok/s",
-        flush=True,
+    engine_runs, peft_runs, profile_path = measure(
+        args, model_dir, adapters, prompts, names, pad_id
     )
-    profile_text = None
-    if args.profile:
-        profile_path = args.out.with_name(args.out.stem + "_engine_profile.txt")
-        profile_text = profile_engine(engine, prompts, names, args.max_tokens, profile_path)
-        print(f"profile written to {profile_path}", flush=True)
-    del engine
-    gc.collect()
-
-    model = build_peft(model_dir, adapters)
-    peft_runs = []
-    for batch_size in args.peft_batch_sizes:
-        run = run_peft(model, prompts, names, pad_id, args.max_tokens, batch_size)
-        print(
-            f"{run.label}: {run.num_tokens} tokens in {run.seconds:.2f} s = "
-            f"{run.tokens_per_s:.1f} tok/s",
-            flush=True,
-        )
-        peft_runs.append(run)
-    del model
-    gc.collect()
-
-    baseline = max(peft_runs, key=lambda r: r.tokens_per_s)
+    eng = max(engine_runs, key=lambda r: r.tokens_per_s)
+    best_peft = [max(runs, key=lambda r: r.tokens_per_s) for runs in peft_runs.values()]
+    baseline = max(best_peft, key=lambda r: r.tokens_per_s)
+    all_runs = [*engine_runs, *(r for runs in peft_runs.values() for r in runs)]
+    max_load = max(max(r.clock.load_before, r.clock.load_after) for r in all_runs)
+    min_cores = min(r.clock.cpu_seconds / r.seconds for r in all_runs)
     report = {
         "benchmark": "engine_vs_peft",
         "config": {
@@ -524,21 +608,33 @@ def main(argv: list[str] | None = None) -> int:
                 "max_num_batched_tokens": 2048,
             },
             "peft_batch_sizes": args.peft_batch_sizes,
+            "repeats": args.repeats,
         },
         "machine": machine,
-        "engine": {**eng.summary(), **eng.extra},
+        "engine": {
+            **eng.summary(),
+            "all_tokens_per_s": [round(r.tokens_per_s, 2) for r in engine_runs],
+            "runs_identical": all(r.tokens == eng.tokens for r in engine_runs),
+        },
         "peft_runs": [
-            {**r.summary(), "agreement_with_engine": agreement(eng.tokens, r.tokens)}
-            for r in peft_runs
+            {
+                **best.summary(),
+                "all_tokens_per_s": [round(r.tokens_per_s, 2) for r in runs],
+                "agreement_with_engine": agreement(eng.tokens, best.tokens),
+            }
+            for best, runs in zip(best_peft, peft_runs.values(), strict=True)
         ],
         "baseline": baseline.label,
         "ratio_engine_over_peft": round(eng.tokens_per_s / baseline.tokens_per_s, 3),
         "target_ratio": 5.0,
         "greedy_agreement": agreement(eng.tokens, baseline.tokens),
+        "max_loadavg_1m": round(max_load, 2),
+        "contended": max_load > machine["nproc"] + 0.5
+        or min_cores < 0.75 * torch.get_num_threads(),
         "command": " ".join([".venv/bin/python", "benchmarks/engine_vs_peft.py", *sys.argv[1:]]),
     }
-    if profile_text is not None:
-        report["engine_profile"] = args.out.stem + "_engine_profile.txt"
+    if profile_path is not None:
+        report["engine_profile"] = profile_path.name
     write_atomic(args.out, json.dumps(report, indent=2) + "\n")
     markdown = render_markdown(report)
     write_atomic(args.out.with_suffix(".md"), markdown)

@@ -27,7 +27,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    attention_bias: bool = False  # q/k/v bias (Qwen2); q/k/v/o bias (Llama)
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
@@ -50,6 +50,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def o_proj_bias(self) -> bool:
+        # Llama's `attention_bias` puts a bias on o_proj too; Qwen2's o_proj never has one.
+        return self.attention_bias and self.model_type != "qwen2"
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a projection, by its PEFT/HF short name."""
@@ -86,6 +91,10 @@ class ModelConfig:
             scaling["rope_type"] = kind
             if kind == "default":
                 scaling = None
+            elif kind not in {"linear", "llama3"}:
+                raise ValueError(
+                    f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
+                )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(

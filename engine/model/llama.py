@@ -90,7 +90,7 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(h, config.q_size, bias=bias)
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, h, bias=False)
+        self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, lora):
         tokens = x.shape[0]
