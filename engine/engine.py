@@ -12,7 +12,9 @@ what to run, has the runner run it, and applies the results.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -35,6 +37,16 @@ from loramux.engine.sequence import FinishReason, Sequence
 
 class EngineError(ValueError):
     """A request or call the engine refuses; the message says why."""
+
+
+def _token_id(value) -> int:
+    """An int token id; floats, bools and strings are refused, not coerced."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # int, numpy / 0-d torch integers
+    except TypeError:
+        raise EngineError(f"prompt token ids must be integers, got {value!r}") from None
 
 
 class Engine:
@@ -145,6 +157,10 @@ class Engine:
             lora = self._adapters.get(adapter)
             if lora is None:
                 raise EngineError(f"unknown adapter {adapter!r}; add_adapter() it first")
+        vocab = self.model_config.vocab_size
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:  # the sampler would fail on them mid-step (min_tokens suppression)
+            raise EngineError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:3]}")
         prompt_ids = self._tokenize(prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise EngineError(
@@ -179,7 +195,11 @@ class Engine:
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt)["input_ids"]
         else:
-            ids = [int(t) for t in prompt]
+            if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Iterable):
+                raise EngineError(
+                    f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
+                )
+            ids = [_token_id(t) for t in prompt]
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:

@@ -65,6 +65,11 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+# Below this, sampling at temperature T is indistinguishable from the argmax, and logits / T
+# can overflow to inf (turning the softmax into NaN), so such requests are served greedily.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops. See the module docstring."""
@@ -183,5 +188,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the token is the argmax (``temperature == 0``)."""
-        return self.temperature == 0.0
+        """True when the token is the argmax: ``temperature == 0``, or a temperature so small
+        (below ``GREEDY_TEMPERATURE``) that dividing the logits by it would overflow float32."""
+        return self.temperature < GREEDY_TEMPERATURE

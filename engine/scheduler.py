@@ -179,7 +179,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)
             scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            # Not `budget -= n`: _make_room may have preempted scheduled victims, whose
+            # tokens go back to the budget.
+            budget = limits.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
             if seq.adapter_id is not None:
                 adapters.add(seq.adapter_id)
         for seq in admitted:

@@ -30,7 +30,8 @@ def test_defaults():
 def test_greedy_property():
     assert SamplingParams(temperature=0.0).greedy
     assert SamplingParams(temperature=0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-6).greedy  # below GREEDY_TEMPERATURE
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 def test_frozen_and_hashable():
