@@ -17,37 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loramux.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from loramux.engine import Engine, RequestOutput, SamplingParams
+from tests.engine.factories import PROMPTS, build_engine
 from tests.engine.hf_reference import first_step_logits, greedy_tokens
 
-PROMPTS = [
-    "Hello there, how are you today?",
-    "The capital of France is",
-    "Once upon a time, in a land far away,",
-    "def fibonacci(n):\n    ",
-    "List three colours:",
-    "Translate to German: good morning",
-    "The quick brown fox",
-    "In 1969, the first person to walk on the moon was",
-]
 TARGET_PROMPT = PROMPTS[0]
 EOS_ID = 2  # <|im_end|>, the tokenizer's (and the tiny model's) EOS
 EOS_PROMPT = PROMPTS[0]
 EOS_STEP = 3  # the EOS-prone model (below) emits EOS greedily at this index for EOS_PROMPT
 TARGET_PARAMS = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
-
-
-def build_engine(model_dir, adapters=None, **overrides) -> Engine:
-    config = {
-        "model": str(model_dir),
-        "kv_cache_bytes": 16 << 20,
-        "dtype": "float32",
-        **overrides,
-    }
-    engine = Engine(EngineConfig(**config))
-    for name, path in (adapters or {}).items():
-        engine.add_adapter(name, path)
-    return engine
 
 
 @pytest.fixture(scope="module")

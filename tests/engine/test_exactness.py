@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramux.engine import Engine, EngineConfig, SamplingParams
+from loramux.engine import Engine, SamplingParams
+from tests.engine.factories import PROMPTS, build_engine
 from tests.engine.hf_reference import first_step_logits, greedy_tokens
 
 ADAPTER_SPECS = {
@@ -19,37 +20,12 @@ ADAPTER_SPECS = {
     "r8-attn": {"rank": 8, "targets": ("q_proj", "k_proj", "v_proj", "o_proj"), "seed": 2},
     "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_proj", "up_proj", "down_proj"), "seed": 3},
 }
-PROMPTS = [
-    "Hello there, how are you today?",
-    "The capital of France is",
-    "Once upon a time, in a land far away,",
-    "def fibonacci(n):\n    ",
-    "List three colours:",
-    "Translate to German: good morning",
-    "The quick brown fox",
-    "In 1969, the first person to walk on the moon was",
-]
 ADAPTER_CYCLE = [None, "r4-qv", "r8-attn", "r16-mlp"]
 
 
 @pytest.fixture(scope="module")
 def tiny_adapters(tiny_model_dir, make_adapter):
     return {name: make_adapter(tiny_model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
-
-
-def build_engine(model_dir, adapters, **overrides) -> Engine:
-    config = {
-        "model": str(model_dir),
-        "kv_cache_bytes": 16 << 20,
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 256,
-        "dtype": "float32",
-        **overrides,
-    }
-    engine = Engine(EngineConfig(**config))
-    for name, path in adapters.items():
-        engine.add_adapter(name, path)
-    return engine
 
 
 def run_staggered(engine: Engine, requests: list[tuple[str, str | None]], max_tokens: int):

@@ -7,6 +7,7 @@ from prometheus_client import generate_latest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
 from loramux.engine.metrics import EngineMetrics
+from tests.engine.factories import build_engine
 
 PROMPTS = [
     "Hello there, how are you today?",
@@ -24,18 +25,6 @@ def adapter_paths(tiny_model_dir, make_adapter):
         make_adapter(tiny_model_dir, rank=4, targets=("q_proj", "v_proj"), seed=1),
         make_adapter(tiny_model_dir, rank=4, targets=("q_proj", "v_proj"), seed=2),
     ]
-
-
-def build_engine(model_dir, **overrides) -> Engine:
-    config = {
-        "model": str(model_dir),
-        "kv_cache_bytes": 16 << 20,
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 256,
-        "dtype": "float32",
-        **overrides,
-    }
-    return Engine(EngineConfig(**config))
 
 
 def sample(engine: Engine, name: str) -> float:
