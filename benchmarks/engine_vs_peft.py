@@ -23,6 +23,11 @@ markdown table with the machine to ``benchmarks/results/``.
     .venv/bin/python benchmarks/engine_vs_peft.py            # full size (several minutes)
     .venv/bin/python benchmarks/engine_vs_peft.py --quick    # smoke run
     .venv/bin/python benchmarks/engine_vs_peft.py --profile  # plus a cProfile of the engine
+    .venv/bin/python benchmarks/engine_vs_peft.py --repeats 3 --profile  # the recorded run
+
+The machine is shared: each timed part records the cores this process actually got
+(CPU seconds / wall seconds) and the load average, and ``--repeats`` interleaves runs
+and reports the best of each, so one run slowed by a neighbour does not decide it.
 """
 
 from __future__ import annotations
@@ -523,20 +528,18 @@ def render_markdown(report: dict) -> str:
     if report["contended"]:
         lines += [
             "",
-            "**Warning: the machine was busy during the measurement** (1-minute load "
-            f"average up to {report['max_loadavg_1m']} on {m['nproc']} cores); absolute "
+            "**Warning: the machine was busy during the reported runs** (1-minute load "
+            f"average up to {report['reported_runs_max_loadavg_1m']} on {m['nproc']} "
+            "cores, this process's own threads included); absolute "
             "figures are lower than on an idle machine and the ratio is noisier.",
         ]
     if repeats > 1:
         lines += [
             "",
-            "All runs, tokens/s: engine "
-            + ", ".join(f"{x:.1f}" for x in eng["all_tokens_per_s"])
+            "All runs in order, tokens/s (cores used): engine "
+            + _runs_text(eng["all_runs"])
             + "; "
-            + "; ".join(
-                f"{r['label']} " + ", ".join(f"{x:.1f}" for x in r["all_tokens_per_s"])
-                for r in report["peft_runs"]
-            )
+            + "; ".join(f"{r['label']} " + _runs_text(r["all_runs"]) for r in report["peft_runs"])
             + ".",
         ]
     lines += [
@@ -550,6 +553,17 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _brief(run: RunResult) -> dict:
+    return {
+        "tokens_per_s": round(run.tokens_per_s, 2),
+        "cores_used": run.clock.summary()["cores_used"],
+    }
+
+
+def _runs_text(runs: list[dict]) -> str:
+    return ", ".join(f"{r['tokens_per_s']:.1f} ({r['cores_used']})" for r in runs)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -585,9 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     eng = max(engine_runs, key=lambda r: r.tokens_per_s)
     best_peft = [max(runs, key=lambda r: r.tokens_per_s) for runs in peft_runs.values()]
     baseline = max(best_peft, key=lambda r: r.tokens_per_s)
-    all_runs = [*engine_runs, *(r for runs in peft_runs.values() for r in runs)]
-    max_load = max(max(r.clock.load_before, r.clock.load_after) for r in all_runs)
-    min_cores = min(r.clock.cpu_seconds / r.seconds for r in all_runs)
+    reported = [eng, *best_peft]  # were the figures we report taken on a busy machine?
+    max_load = max(max(r.clock.load_before, r.clock.load_after) for r in reported)
+    min_cores = min(r.clock.cpu_seconds / r.seconds for r in reported)
     report = {
         "benchmark": "engine_vs_peft",
         "config": {
@@ -613,13 +627,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "engine": {
             **eng.summary(),
-            "all_tokens_per_s": [round(r.tokens_per_s, 2) for r in engine_runs],
+            "all_runs": [_brief(r) for r in engine_runs],
             "runs_identical": all(r.tokens == eng.tokens for r in engine_runs),
         },
         "peft_runs": [
             {
                 **best.summary(),
-                "all_tokens_per_s": [round(r.tokens_per_s, 2) for r in runs],
+                "all_runs": [_brief(r) for r in runs],
                 "agreement_with_engine": agreement(eng.tokens, best.tokens),
             }
             for best, runs in zip(best_peft, peft_runs.values(), strict=True)
@@ -628,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_engine_over_peft": round(eng.tokens_per_s / baseline.tokens_per_s, 3),
         "target_ratio": 5.0,
         "greedy_agreement": agreement(eng.tokens, baseline.tokens),
-        "max_loadavg_1m": round(max_load, 2),
+        "reported_runs_max_loadavg_1m": round(max_load, 2),
         "contended": max_load > machine["nproc"] + 0.5
         or min_cores < 0.75 * torch.get_num_threads(),
         "command": " ".join([".venv/bin/python", "benchmarks/engine_vs_peft.py", *sys.argv[1:]]),

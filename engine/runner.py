@@ -13,6 +13,7 @@ from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.model.llama import AttentionMetadata, LlamaForCausalLM
 from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from loramux.engine.scheduler import SchedulerOutput
+from loramux.kernels.paged_attention import plan_attention
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -97,6 +98,7 @@ class ModelRunner:
             block_tables=tables,
             context_lens=context_lens,
             query_lens=query_lens,
+            plan=plan_attention(tables, context_lens, query_lens, bs, self.device),
         )
         lora = self.lora_pool.build_step(spans)
         hidden = self.model(torch.tensor(input_ids, **long), meta, self.kv_caches, lora)

@@ -70,3 +70,40 @@ def lora_shrink(x, a_pool, segments, max_rank):
 def lora_expand(out, y, b_pool, segments):
     """Public op (reference only for now; the Triton SGMV/BGMV kernels join behind it)."""
     lora_expand_reference(out, y, b_pool, segments)
+
+
+@dataclass(frozen=True)
+class LoRADenseBatch:
+    """The same batch as a row mask over one span of pool rows (built once per step).
+
+    When the step's adapters all sit in a short span of pool rows, computing every
+    token against every row of the span and masking costs a few large ops instead of
+    several small ops per segment, which is what a CPU wants:
+
+        y = (x @ a_pool[s:e]^T) * mask          mask[t, r] = 1 iff row s+r is t's adapter's
+        out += (y @ b_pool[s:e]) * scale[t]      scale[t] = c of t's adapter (0 if none)
+
+    Masked-out rows contribute exact zeros, so this equals the segment form.
+    """
+
+    row_start: int
+    row_end: int
+    mask: torch.Tensor  # [T, row_end - row_start], 0/1 in the compute dtype
+    scale: torch.Tensor  # [T, 1] per-token scale, 0 for tokens without this module's adapter
+
+
+def lora_dense_reference(
+    x: torch.Tensor,  # [T, in]
+    out: torch.Tensor,  # [T, out], updated in place
+    a_pool: torch.Tensor,  # [R, in]
+    b_pool: torch.Tensor,  # [R, out]
+    batch: LoRADenseBatch,
+) -> None:
+    rows = slice(batch.row_start, batch.row_end)
+    y = (x @ a_pool[rows].T) * batch.mask
+    out += (y @ b_pool[rows]) * batch.scale
+
+
+def lora_dense(x, out, a_pool, b_pool, batch):
+    """Public op for the masked-dense form (reference; CPU path)."""
+    lora_dense_reference(x, out, a_pool, b_pool, batch)

@@ -15,6 +15,8 @@ cached prefix). Decode is the case ``n_s = 1``. Accumulation in float32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,51 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Per-step gather indices, shared by every layer (built once by the runner).
+
+    Decode tokens (one query each) are attended in one batched call over their
+    contexts padded to the longest; prefill chunks one sequence at a time.
+    """
+
+    decode_rows: torch.Tensor  # [B] token rows of the decode queries
+    decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (0 past its end)
+    decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (first row, n_new, ctx_len, slots [ctx])
+
+
+def plan_attention(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionPlan:
+    decode_rows, decode_slots, prefill = [], [], []
+    row = 0
+    for table, ctx_len, n_new in zip(block_tables, context_lens, query_lens, strict=True):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx_len)]
+        if n_new == 1:
+            decode_rows.append(row)
+            decode_slots.append(slots)
+        else:
+            prefill.append((row, n_new, ctx_len, torch.tensor(slots, device=device)))
+        row += n_new
+    longest = max((len(s) for s in decode_slots), default=0)
+    padded = [s + [0] * (longest - len(s)) for s in decode_slots]
+    lens = torch.tensor([len(s) for s in decode_slots], device=device, dtype=torch.long)
+    mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
+    return AttentionPlan(
+        decode_rows=torch.tensor(decode_rows, device=device, dtype=torch.long),
+        decode_slots=torch.tensor(padded, device=device, dtype=torch.long).reshape(
+            len(padded), longest
+        ),
+        decode_mask=mask[:, None, None, :],
+        prefill=prefill,
+    )
+
+
 def paged_attention_reference(
     query: torch.Tensor,  # [T, q_heads, head_dim], tokens of all sequences, in order
     k_cache: torch.Tensor,
@@ -39,36 +86,39 @@ def paged_attention_reference(
     context_lens: list[int],  # L_s: tokens of context including the new ones
     query_lens: list[int],  # n_s: new tokens (queries) per sequence
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Torch reference: gather each sequence's keys and values, masked SDPA per sequence."""
+    """Torch reference: batched SDPA for decodes, masked SDPA per prefilling sequence."""
+    if plan is None:
+        plan = plan_attention(
+            block_tables, context_lens, query_lens, k_cache.shape[1], query.device
+        )
     _, q_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
-    block_size = k_cache.shape[1]
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
     out = torch.empty_like(query)
-    start = 0
-    for table, ctx_len, n_new in zip(block_tables, context_lens, query_lens, strict=True):
-        q = query[start : start + n_new]  # [n, Hq, D]
-        num_blocks = (ctx_len + block_size - 1) // block_size
-        blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device=query.device)
-        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx_len]
-        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, head_dim)[:ctx_len]
-        if group > 1:  # grouped-query: each KV head serves `group` query heads
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        q_t, k_t, v_t = (t.transpose(0, 1) for t in (q, k, v))  # [H, n | L, D]
-        mask, causal = None, False
-        if n_new == ctx_len and n_new > 1:
-            causal = True  # no cached prefix: plain causal attention
-        elif n_new > 1:
-            q_pos = torch.arange(ctx_len - n_new, ctx_len, device=query.device)
-            mask = q_pos[:, None] >= torch.arange(ctx_len, device=query.device)[None, :]
-        # (n_new == 1 needs no mask: a decode token sees its whole context.)
-        attn = F.scaled_dot_product_attention(
-            q_t, k_t, v_t, attn_mask=mask, is_causal=causal, scale=scale
-        )
-        out[start : start + n_new] = attn.transpose(0, 1)
-        start += n_new
+    if plan.decode_rows.numel():
+        # The `group` query heads sharing a KV head act as `group` query positions of
+        # that head: q [B, Hkv, group, D] against k, v [B, Hkv, L, D]; no causal mask.
+        batch = plan.decode_rows.shape[0]
+        q = query.index_select(0, plan.decode_rows).view(batch, kv_heads, group, head_dim)
+        k = k_flat[plan.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_flat[plan.decode_slots].transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+        out.index_copy_(0, plan.decode_rows, attn.reshape(batch, q_heads, head_dim))
+    for first, n_new, ctx_len, slots in plan.prefill:
+        q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
+        k = k_flat[slots].transpose(0, 1)  # [Hkv, L, D]
+        v = v_flat[slots].transpose(0, 1)
+        # Causal, bottom-right aligned: query i (position L - n + i) sees keys <= it.
+        q_pos = torch.arange(ctx_len - n_new, ctx_len, device=query.device).repeat(group)
+        mask = q_pos[:, None] >= torch.arange(ctx_len, device=query.device)[None, :]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)
+        out[first : first + n_new] = attn.reshape(n_new, q_heads, head_dim)
     return out
 
 
@@ -80,8 +130,9 @@ def paged_attention(
     context_lens: list[int],
     query_lens: list[int],
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """The public op. Only the reference exists so far; Triton joins behind this."""
     return paged_attention_reference(
-        query, k_cache, v_cache, block_tables, context_lens, query_lens, scale
+        query, k_cache, v_cache, block_tables, context_lens, query_lens, scale, plan
     )

@@ -18,6 +18,11 @@ import torch
 from loramux.engine.lora.adapter import LoRAWeights
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LoRASegment, LoRAStep, LoRAWeightSource
+from loramux.kernels.lora import LoRADenseBatch
+
+# The masked-dense form computes every token against every row of the step's span:
+# worth it while the span is small (CPU, a few dozen adapters of modest rank).
+DENSE_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -102,13 +107,18 @@ class LoRAPool(LoRAWeightSource):
         self._row_used[resident.row_start : end] = bytes(resident.num_rows)
 
     def build_step(self, spans: list[tuple[int, int, int | None]]) -> LoRAStep | None:
-        """LoRA metadata for a batch whose tokens [start, end) use adapter ids (or None)."""
+        """LoRA metadata for a batch whose tokens [start, end) use adapter ids (or None).
+
+        Per module, either segments (one matmul pair per adapter) or, when the step's
+        adapters sit in a short span of rows, the masked-dense form (a fixed number of
+        ops whatever the adapter count): see ``loramux.kernels.lora``.
+        """
+        used = [(s, e, self._resident[a]) for s, e, a in spans if a is not None and e > s]
+        if not used:
+            return None
         segments: dict[str, list[LoRASegment]] = {}
         max_rank: dict[str, int] = {}
-        for start, end, adapter_id in spans:
-            if adapter_id is None or end <= start:
-                continue
-            resident = self._resident[adapter_id]
+        for start, end, resident in used:
             for module, (rank, scale) in resident.modules.items():
                 segments.setdefault(module, []).append(
                     LoRASegment(
@@ -121,9 +131,27 @@ class LoRAPool(LoRAWeightSource):
                     )
                 )
                 max_rank[module] = max(max_rank.get(module, 0), rank)
-        if not segments:
+        dense = {}
+        if self._device.type == "cpu" and len(used) > 1:
+            num_tokens = spans[-1][1]
+            for module, module_segments in segments.items():
+                batch = self._dense_batch(module_segments, num_tokens)
+                if batch is not None:
+                    dense[module] = batch
+        return LoRAStep(pools=self, segments=segments, max_rank=max_rank, dense=dense)
+
+    def _dense_batch(self, segments: list[LoRASegment], num_tokens: int) -> LoRADenseBatch | None:
+        first = min(seg.contiguous_start for seg in segments)
+        last = max(seg.contiguous_start + seg.rank for seg in segments)
+        if last - first > DENSE_MAX_ROWS:
             return None
-        return LoRAStep(pools=self, segments=segments, max_rank=max_rank)
+        mask = torch.zeros(num_tokens, last - first, dtype=self._dtype, device=self._device)
+        scale = torch.zeros(num_tokens, 1, dtype=self._dtype, device=self._device)
+        for seg in segments:
+            row = seg.contiguous_start - first
+            mask[seg.start : seg.end, row : row + seg.rank] = 1
+            scale[seg.start : seg.end] = seg.scale
+        return LoRADenseBatch(row_start=first, row_end=last, mask=mask, scale=scale)
 
     # --- internals -------------------------------------------------------------
     def _find_rows(self, count: int) -> int | None:

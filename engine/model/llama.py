@@ -9,7 +9,7 @@ match it on the CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,14 @@ from torch import nn
 
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.rope import RotaryEmbedding, apply_rotary
-from loramux.kernels.lora import LoRASegment, lora_expand, lora_shrink
-from loramux.kernels.paged_attention import paged_attention, write_kv
+from loramux.kernels.lora import (
+    LoRADenseBatch,
+    LoRASegment,
+    lora_dense,
+    lora_expand,
+    lora_shrink,
+)
+from loramux.kernels.paged_attention import AttentionPlan, paged_attention, write_kv
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -32,6 +38,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # per sequence
     context_lens: list[int]  # per sequence: tokens of context after this step
     query_lens: list[int]  # per sequence: tokens computed in this step
+    plan: AttentionPlan | None = None  # gather indices shared by all layers (built once)
 
 
 class LoRAWeightSource:
@@ -51,6 +58,8 @@ class LoRAStep:
     pools: LoRAWeightSource
     segments: dict[str, list[LoRASegment]]  # module -> segments whose adapter targets it
     max_rank: dict[str, int]  # module -> largest rank among its segments
+    # module -> the same batch in masked-dense form, where that is cheaper (CPU)
+    dense: dict[str, LoRADenseBatch] = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -72,6 +81,11 @@ def _project(
     """``linear(x)`` plus, per segment, ``scale * (x @ A^T) @ B^T`` of its adapter."""
     out = F.linear(x, linear.weight, linear.bias)
     if lora is not None:
+        dense = lora.dense.get(module)
+        if dense is not None:
+            a_pool, b_pool = lora.pools.a_pool(layer, module), lora.pools.b_pool(layer, module)
+            lora_dense(x, out, a_pool, b_pool, dense)
+            return out
         segments = lora.segments.get(module)
         if segments:
             y = lora_shrink(x, lora.pools.a_pool(layer, module), segments, lora.max_rank[module])
@@ -103,7 +117,14 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_lens, self.scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_lens,
+            self.scale,
+            meta.plan,
         )  # [T, heads, head_dim]
         return _project(attn.reshape(tokens, -1), self.o_proj, self.layer, "o_proj", lora)
 
