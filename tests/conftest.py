@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-pytest_plugins = ["tests.fixtures.services", "tests.fixtures.models"]
+pytest_plugins = ["tests.fixtures.services", "tests.fixtures.models", "tests.fixtures.browser"]
 
 
 def _in_ci() -> bool:
