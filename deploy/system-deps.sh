@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the test suite needs, when they are missing:
-# a PostgreSQL server (initdb/pg_ctl), redis-server and chromium (browser tests).
+# a PostgreSQL server (initdb/pg_ctl), redis-server, and chromium with fonts (browser tests).
 set -euo pipefail
 
 missing=()
@@ -10,6 +10,8 @@ have_postgres() {
 have_postgres || missing+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+# Chromium only recommends fonts; without them pages render as boxes in screenshots.
+dpkg -s fonts-liberation >/dev/null 2>&1 || missing+=(fonts-liberation)
 
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
