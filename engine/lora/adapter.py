@@ -33,6 +33,21 @@ _KEY = re.compile(
 )
 
 
+@dataclass(frozen=True)
+class LoRATensorName:
+    layer: int
+    module: str  # e.g. "q_proj" (not checked against LORA_TARGETS here)
+    which: str  # "A" or "B"
+
+
+def parse_lora_tensor_name(name: str) -> LoRATensorName | None:
+    """Where a PEFT tensor name points, or None if it is not a LoRA A/B weight."""
+    match = _KEY.match(name)
+    if match is None:
+        return None
+    return LoRATensorName(layer=int(match[1]), module=match[2], which=match[3])
+
+
 class AdapterError(ValueError):
     """An adapter that cannot be served on this base model; the message says why."""
 
@@ -132,10 +147,10 @@ def load_adapter(
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                match = _KEY.match(key)
-                if match is None:
+                parsed = parse_lora_tensor_name(key)
+                if parsed is None:
                     raise AdapterError(f"tensor {key!r} is not a LoRA weight of a known module")
-                layer, module, which = int(match[1]), match[2], match[3]
+                layer, module, which = parsed.layer, parsed.module, parsed.which
                 if module not in LORA_TARGETS:
                     raise AdapterError(
                         f"tensor {key!r} targets {module!r}, which the base model has no "

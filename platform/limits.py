@@ -1,0 +1,493 @@
+"""Per-tenant rate limits as token buckets: in memory (embedded default) or shared in Redis.
+
+The maths
+---------
+A bucket has a ``capacity`` C (tokens) and refills continuously at ``r`` tokens per second.
+Its state is the level ``L`` it held at the instant ``t0`` it was last written. At time ``t``
+the level is
+
+    L(t) = min(C, L + (t - t0) · r)            (a bucket never written, or expired, is full)
+
+A request that needs ``a`` tokens passes iff ``L(t) >= a``; the bucket is then debited
+(``L <- L(t) - a``, ``t0 <- t``). Otherwise nothing changes and the request can pass after
+
+    retry_after = (a - L(t)) / r               (rounded up to the millisecond)
+
+seconds, assuming nobody else spends tokens meanwhile. A request with ``a > C`` can never pass:
+it is reported as ``impossible`` with ``retry_after = inf``. A refund of ``a`` tokens sets
+``L <- min(C, L(t) + a)``: a reservation returned, never pushing the bucket above its capacity.
+
+Over any window of ``T`` seconds a bucket lets through at most ``C + r·T`` tokens: bursts up to
+``C``, a sustained rate of ``r``. For "N per minute" limits, ``C = N`` and ``r = N / 60``.
+
+A bucket is full again ``(C - L) / r`` seconds after its last write; from then on it is the same
+as no bucket at all. The Redis backend therefore sets the key's expiry to that time (and deletes
+the key when an operation leaves it full) so idle tenants cost no memory; the memory backend
+drops full buckets the same way, sweeping now and then.
+
+Backends
+--------
+:class:`MemoryRateLimiter` keeps buckets in a dict under a lock (one process: the embedded
+default). :class:`RedisRateLimiter` runs the same maths in one Lua script per operation, atomic
+on the server, with the time taken from Redis ``TIME``, so every platform replica sharing the
+Redis shares the buckets and no replica's clock skew matters.
+
+:class:`TenantLimits` applies a tenant's requests/minute and tokens/minute limits to one request
+with no partial debit: when one bucket passes and the other does not, the one that passed is
+refunded. Its :class:`LimitDecision` carries what an HTTP 429 needs (``Retry-After``, a message).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+RETRY_AFTER_RESOLUTION_S = 0.001
+"""``retry_after_seconds`` is rounded up to a multiple of this (Redis expiry works in ms too)."""
+
+_EPSILON = 1e-9
+"""Slack on "level >= amount" so float rounding of a refill never refuses a whole token."""
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """Outcome of :meth:`RateLimiter.try_acquire`."""
+
+    allowed: bool
+    retry_after_seconds: float  # 0 when allowed; inf when impossible; else seconds, ms-rounded up
+    remaining: float  # the bucket's level after this call (after the debit when allowed)
+    impossible: bool = False  # amount > capacity: it will never pass, however long one waits
+
+
+class LimitKind(enum.StrEnum):
+    """Which of a tenant's limits a decision is about."""
+
+    REQUESTS_PER_MINUTE = "requests_per_minute"
+    TOKENS_PER_MINUTE = "tokens_per_minute"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitDecision:
+    """Outcome of :meth:`TenantLimits.check_request`: allowed, or why not and when to retry."""
+
+    allowed: bool
+    retry_after: float  # seconds; 0 when allowed, inf when the request can never pass
+    reason: str | None = None  # a message for the client when denied
+    limit: LimitKind | None = None  # the limit that denied it
+    impossible: bool = False  # denied whatever the wait (needs more than the limit's capacity)
+
+    @property
+    def retry_after_header(self) -> str | None:
+        """The HTTP ``Retry-After`` value (whole seconds, at least 1), or None when not useful."""
+        if self.allowed or self.impossible:
+            return None
+        return str(max(1, math.ceil(self.retry_after - _EPSILON)))
+
+
+def _round_up(seconds: float) -> float:
+    """``seconds`` rounded up to :data:`RETRY_AFTER_RESOLUTION_S` (tiny float noise ignored)."""
+    steps = math.ceil(seconds / RETRY_AFTER_RESOLUTION_S - _EPSILON)
+    return max(steps, 1) * RETRY_AFTER_RESOLUTION_S
+
+
+def _check_bucket(capacity: float, refill_per_second: float) -> None:
+    if not (math.isfinite(capacity) and capacity > 0):
+        raise ValueError(f"capacity must be a positive finite number, got {capacity!r}")
+    if not (math.isfinite(refill_per_second) and refill_per_second > 0):
+        raise ValueError(
+            f"refill_per_second must be a positive finite number, got {refill_per_second!r}"
+        )
+
+
+def _check_amount(amount: float) -> None:
+    if not (math.isfinite(amount) and amount >= 0):
+        raise ValueError(f"amount must be a non-negative finite number, got {amount!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The interface
+# --------------------------------------------------------------------------------------------
+
+
+class RateLimiter(ABC):
+    """Token buckets addressed by key. Subclasses store the state; the maths is shared.
+
+    ``now`` (seconds) is for tests: leave it None in production so the backend's own clock is
+    used (``time.monotonic`` in memory, Redis ``TIME`` in Redis). One bucket must always see
+    the same kind of clock.
+    """
+
+    def try_acquire(
+        self,
+        key: str,
+        amount: float,
+        *,
+        capacity: float,
+        refill_per_second: float,
+        now: float | None = None,
+    ) -> Acquired:
+        """Debit ``amount`` tokens from bucket ``key`` if it holds that many; else debit nothing."""
+        _check_bucket(capacity, refill_per_second)
+        _check_amount(amount)
+        allowed, level = self._take(key, amount, capacity, refill_per_second, now)
+        if allowed:
+            return Acquired(allowed=True, retry_after_seconds=0.0, remaining=level)
+        if amount > capacity:
+            return Acquired(False, retry_after_seconds=math.inf, remaining=level, impossible=True)
+        wait = _round_up((amount - level) / refill_per_second)
+        return Acquired(allowed=False, retry_after_seconds=wait, remaining=level)
+
+    def refund(
+        self,
+        key: str,
+        amount: float,
+        *,
+        capacity: float,
+        refill_per_second: float,
+        now: float | None = None,
+    ) -> float:
+        """Give ``amount`` tokens back to bucket ``key`` (capped at ``capacity``); return its level."""
+        _check_bucket(capacity, refill_per_second)
+        _check_amount(amount)
+        return self._give(key, amount, capacity, refill_per_second, now)
+
+    def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds a connection
+        """Release what the limiter holds (connections). A no-op by default."""
+
+    @abstractmethod
+    def _take(
+        self, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> tuple[bool, float]:
+        """Atomically: refill, then debit ``amount`` if the level allows. -> (allowed, level)."""
+
+    @abstractmethod
+    def _give(
+        self, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> float:
+        """Atomically: refill, then add ``amount`` (capped at ``capacity``). -> level."""
+
+
+# --------------------------------------------------------------------------------------------
+# In memory
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Bucket:
+    level: float  # tokens held at `updated_at`
+    updated_at: float  # clock seconds of the last write
+    full_at: float  # clock seconds when it will be full again (then it can be forgotten)
+
+
+class MemoryRateLimiter(RateLimiter):
+    """Buckets in a dict, one lock around every operation: for a single process.
+
+    Full buckets are forgotten (a missing bucket is a full one): at once when an operation
+    leaves a bucket full, and by a sweep every ``sweep_every`` writes for buckets that filled
+    up while idle, so memory stays proportional to the tenants active in the last refill time.
+    """
+
+    def __init__(
+        self, *, clock: Callable[[], float] = time.monotonic, sweep_every: int = 1024
+    ) -> None:
+        if sweep_every < 1:
+            raise ValueError(f"sweep_every must be >= 1, got {sweep_every}")
+        self._clock = clock
+        self._sweep_every = sweep_every
+        self._writes = 0
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """How many buckets are held (those not known to be full)."""
+        with self._lock:
+            return len(self._buckets)
+
+    def _level(self, key: str, capacity: float, rate: float, now: float) -> float:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            return capacity
+        elapsed = max(0.0, now - bucket.updated_at)
+        return min(capacity, bucket.level + elapsed * rate)
+
+    def _store(self, key: str, level: float, capacity: float, rate: float, now: float) -> None:
+        if level >= capacity:
+            self._buckets.pop(key, None)
+        else:
+            self._buckets[key] = _Bucket(level, now, now + (capacity - level) / rate)
+        self._writes += 1
+        if self._writes % self._sweep_every == 0:
+            idle = [k for k, b in self._buckets.items() if b.full_at <= now]
+            for k in idle:
+                del self._buckets[k]
+
+    def _take(
+        self, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> tuple[bool, float]:
+        with self._lock:
+            t = self._clock() if now is None else now
+            level = self._level(key, capacity, rate, t)
+            if level + _EPSILON < amount:
+                return False, level  # nothing written: the old state still describes the bucket
+            level = max(0.0, level - amount)
+            self._store(key, level, capacity, rate, t)
+            return True, level
+
+    def _give(
+        self, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> float:
+        with self._lock:
+            t = self._clock() if now is None else now
+            level = min(capacity, self._level(key, capacity, rate, t) + amount)
+            self._store(key, level, capacity, rate, t)
+            return level
+
+
+# --------------------------------------------------------------------------------------------
+# In Redis
+# --------------------------------------------------------------------------------------------
+
+# One script for both operations. KEYS[1]: the bucket, a hash {level, ts}.
+# ARGV: capacity, refill per second, amount, now in seconds ('' = Redis TIME),
+#       mode ('take' debits if the level allows; 'give' refunds).
+# Returns {allowed (0/1), level as a string}: Lua numbers returned to Redis become integers,
+# so the level travels as text ("%.17g" round-trips a double).
+_BUCKET_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local capacity = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local amount = tonumber(ARGV[3])
+local now
+if ARGV[4] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  now = tonumber(ARGV[4])
+end
+
+local level = capacity
+local state = redis.call('HMGET', KEYS[1], 'level', 'ts')
+if state[1] and state[2] then
+  local elapsed = math.max(0, now - tonumber(state[2]))
+  level = math.min(capacity, tonumber(state[1]) + elapsed * rate)
+end
+
+local allowed = 1
+if ARGV[5] == 'take' then
+  if level + 1e-9 < amount then
+    allowed = 0
+  else
+    level = math.max(0, level - amount)
+  end
+else
+  level = math.min(capacity, level + amount)
+end
+
+if allowed == 1 then
+  -- ms until full again; a full bucket is the same as no key at all
+  local ms_to_full = math.min(math.ceil((capacity - level) / rate * 1000), 1e12)
+  if ms_to_full <= 0 then
+    redis.call('DEL', KEYS[1])
+  else
+    redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level),
+               'ts', string.format('%.17g', now))
+    redis.call('PEXPIRE', KEYS[1], string.format('%d', ms_to_full))
+  end
+end
+return {allowed, string.format('%.17g', level)}
+"""
+
+
+class RedisRateLimiter(RateLimiter):
+    """Buckets in Redis, each operation one atomic Lua script timed by the server's clock.
+
+    Every replica pointing at the same Redis (and ``prefix``) shares the buckets. The script is
+    sent by SHA (``EVALSHA``) and loaded on ``NOSCRIPT``, e.g. after a Redis restart. Redis
+    errors (``redis.RedisError``) propagate: whether to fail open or closed is the caller's call.
+    """
+
+    def __init__(
+        self, client: redis.Redis, *, prefix: str = "loramux:rl:", owns_client: bool = False
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._owns_client = owns_client
+        self._script = client.register_script(_BUCKET_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "loramux:rl:") -> RedisRateLimiter:
+        """A limiter with its own client for ``url``, closed by :meth:`close`."""
+        return cls(redis.Redis.from_url(url), prefix=prefix, owns_client=True)
+
+    def key(self, key: str) -> str:
+        """The Redis key that holds bucket ``key``."""
+        return f"{self._prefix}{key}"
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def _run(
+        self, mode: str, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> tuple[bool, float]:
+        args = [repr(float(capacity)), repr(float(rate)), repr(float(amount))]
+        args += ["" if now is None else repr(float(now)), mode]
+        allowed, level = self._script(keys=[self.key(key)], args=args)
+        return bool(int(allowed)), float(level)
+
+    def _take(
+        self, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> tuple[bool, float]:
+        return self._run("take", key, amount, capacity, rate, now)
+
+    def _give(
+        self, key: str, amount: float, capacity: float, rate: float, now: float | None
+    ) -> float:
+        return self._run("give", key, amount, capacity, rate, now)[1]
+
+
+def build_rate_limiter(redis_url: str | None) -> RateLimiter:
+    """The limiter settings ask for: Redis at ``redis_url``, or in memory when it is None."""
+    if redis_url is None:
+        return MemoryRateLimiter()
+    return RedisRateLimiter.from_url(redis_url)
+
+
+# --------------------------------------------------------------------------------------------
+# A tenant's limits
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _BucketSpec:
+    kind: LimitKind
+    key: str
+    capacity: float
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / 60.0  # N per minute
+
+
+class TenantLimits:
+    """A tenant's requests/minute and tokens/minute limits, applied to one request at a time.
+
+    ``check_request`` debits one request and ``tokens_needed`` tokens (reserve the most the
+    request can use: prompt + ``max_tokens``; give back the unused part with
+    :meth:`refund_tokens`), both or neither. A limit of None is unlimited; a limit of 0 denies
+    everything.
+    """
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        self._limiter = limiter
+
+    @staticmethod
+    def bucket_key(tenant_id: str, kind: LimitKind) -> str:
+        """The limiter key of a tenant's bucket for ``kind``."""
+        suffix = "rpm" if kind is LimitKind.REQUESTS_PER_MINUTE else "tpm"
+        return f"tenant:{tenant_id}:{suffix}"
+
+    @classmethod
+    def _spec(cls, tenant_id: str, kind: LimitKind, per_minute: float) -> _BucketSpec:
+        if not (math.isfinite(per_minute) and per_minute >= 0):
+            raise ValueError(
+                f"{kind.value} must be None or a finite number >= 0, got {per_minute!r}"
+            )
+        return _BucketSpec(kind, cls.bucket_key(tenant_id, kind), float(per_minute))
+
+    def check_request(
+        self,
+        tenant_id: str,
+        *,
+        requests_per_minute: float | None,
+        tokens_per_minute: float | None,
+        tokens_needed: float,
+        now: float | None = None,
+    ) -> LimitDecision:
+        """Allow the request and debit both limits, or deny it and debit neither."""
+        _check_amount(tokens_needed)
+        wanted: list[tuple[_BucketSpec, float]] = []
+        if requests_per_minute is not None:
+            wanted.append(
+                (self._spec(tenant_id, LimitKind.REQUESTS_PER_MINUTE, requests_per_minute), 1.0)
+            )
+        if tokens_per_minute is not None:
+            wanted.append(
+                (
+                    self._spec(tenant_id, LimitKind.TOKENS_PER_MINUTE, tokens_per_minute),
+                    tokens_needed,
+                )
+            )
+
+        for spec, amount in wanted:  # reject what can never pass before touching any bucket
+            if spec.capacity <= 0 or amount > spec.capacity:
+                return _impossible(spec, amount)
+
+        taken: list[tuple[_BucketSpec, float]] = []
+        for spec, amount in wanted:
+            result = self._limiter.try_acquire(
+                spec.key, amount, capacity=spec.capacity, refill_per_second=spec.rate, now=now
+            )
+            if not result.allowed:
+                for done, done_amount in taken:  # no partial debit
+                    self._limiter.refund(
+                        done.key,
+                        done_amount,
+                        capacity=done.capacity,
+                        refill_per_second=done.rate,
+                        now=now,
+                    )
+                return _denied(spec, result.retry_after_seconds)
+            taken.append((spec, amount))
+        return LimitDecision(allowed=True, retry_after=0.0)
+
+    def refund_tokens(
+        self,
+        tenant_id: str,
+        *,
+        tokens_per_minute: float | None,
+        tokens: float,
+        now: float | None = None,
+    ) -> None:
+        """Give back reserved tokens a request did not use (capped at the limit)."""
+        if tokens_per_minute is None or tokens_per_minute <= 0 or tokens <= 0:
+            return
+        spec = self._spec(tenant_id, LimitKind.TOKENS_PER_MINUTE, tokens_per_minute)
+        self._limiter.refund(
+            spec.key, tokens, capacity=spec.capacity, refill_per_second=spec.rate, now=now
+        )
+
+
+def _describe(spec: _BucketSpec) -> str:
+    unit = "requests" if spec.kind is LimitKind.REQUESTS_PER_MINUTE else "tokens"
+    return f"{spec.capacity:g} {unit} per minute"
+
+
+def _impossible(spec: _BucketSpec, amount: float) -> LimitDecision:
+    if spec.capacity <= 0:
+        reason = f"this tenant's {spec.kind.value} limit is 0: no requests are allowed"
+    else:
+        reason = (
+            f"the request needs {amount:g} tokens, more than this tenant's limit of "
+            f"{_describe(spec)}: it can never pass; lower max_tokens or shorten the prompt"
+        )
+    return LimitDecision(
+        allowed=False, retry_after=math.inf, reason=reason, limit=spec.kind, impossible=True
+    )
+
+
+def _denied(spec: _BucketSpec, retry_after: float) -> LimitDecision:
+    reason = f"rate limit of {_describe(spec)} exceeded; retry in {retry_after:.3f} s"
+    return LimitDecision(allowed=False, retry_after=retry_after, reason=reason, limit=spec.kind)

@@ -1,0 +1,312 @@
+"""The adapter object store: durable, content-addressed blobs, verified when read back.
+
+Semantics every backend keeps (``tests/platform/store`` runs one contract suite on all):
+
+* **Keys are content addresses.** An object's key is ``sha256/<hex[:2]>/<hex>`` where
+  ``hex`` is the lowercase SHA-256 of its bytes (:func:`key_for`). A caller never names an
+  object; it puts bytes and is told the key. Keys of any other shape raise
+  :class:`InvalidKey` (so a key can never escape the store, e.g. with ``..``).
+* **Puts stream.** :meth:`ObjectStore.put_stream` takes an iterable of ``bytes`` chunks or a
+  binary file object and passes the bytes to the backend while hashing them; memory stays
+  bounded by a chunk (local) or an upload part (S3), whatever the object's size.
+* **Puts are all or nothing.** The object becomes visible under its key only once complete;
+  if the source raises, the size limit is hit, or the backend fails, nothing is left behind:
+  no object, no temporary file or object, no pending multipart upload.
+* **Size limit.** With ``max_bytes`` set, content longer than that raises
+  :class:`ObjectTooLarge` as soon as the limit is passed (the rest is not read).
+* **Idempotent.** Putting content that is already stored returns the same
+  :class:`StoredObject` and leaves one complete copy under the key. Identical content from
+  different uploads shares one object, so deleting is the metadata layer's decision (it must
+  know no other adapter still refers to the key).
+* **Reads verify.** :meth:`ObjectStore.open` returns a binary file object that hashes what
+  it reads and raises :class:`ChecksumMismatch` when the end of the object is reached and the
+  digest differs from the key. A reader closed before the end verifies nothing.
+  :meth:`ObjectStore.read_to` copies an object to a local path through such a reader,
+  into a temporary file next to the destination that is renamed into place only after the
+  check passes: on a mismatch nothing is left at (or next to) the destination.
+* **Errors.** :class:`ObjectNotFound` for a missing key (reads and :meth:`~ObjectStore.size`;
+  :meth:`~ObjectStore.delete` of a missing key is a no-op and :meth:`~ObjectStore.exists`
+  answers False); :class:`StoreUnavailable` when the backend cannot be reached or cannot do
+  the I/O (S3 endpoint down, bucket missing, credentials refused, local directory unusable),
+  with a message naming the endpoint or directory. All are :class:`StoreError`. Exceptions
+  raised by the caller's source iterator propagate unchanged (after the clean-up).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import io
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+CHUNK_SIZE = 1024 * 1024
+"""Bytes read from a file-like source, or copied to a destination, at a time."""
+
+_KEY_RE = re.compile(r"sha256/([0-9a-f]{2})/([0-9a-f]{64})")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class StoreError(Exception):
+    """Base of every error the object store raises."""
+
+
+class InvalidKey(StoreError, ValueError):
+    """A key that is not of the form ``sha256/<hex[:2]>/<hex>``."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"not an object store key (want sha256/<hex[:2]>/<hex>): {key!r}")
+        self.key = key
+
+
+class ObjectNotFound(StoreError):
+    """No object is stored under the key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no object stored under {key}")
+        self.key = key
+
+
+class ObjectTooLarge(StoreError):
+    """The content put is longer than the ``max_bytes`` the caller allowed."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"object is larger than the limit of {max_bytes} bytes")
+        self.max_bytes = max_bytes
+
+
+class ChecksumMismatch(StoreError):
+    """The bytes read back do not hash to the key they are stored under (corruption)."""
+
+    def __init__(self, key: str, actual_sha256: str, actual_size: int) -> None:
+        super().__init__(
+            f"object {key} is corrupt: its {actual_size} bytes hash to sha256 {actual_sha256}"
+        )
+        self.key = key
+        self.actual_sha256 = actual_sha256
+        self.actual_size = actual_size
+
+
+class StoreUnavailable(StoreError):
+    """The backend cannot be reached or cannot do the I/O; the message names where."""
+
+
+# --- values and keys ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """What a put stored: the content address, its digest and the length in bytes."""
+
+    key: str  # sha256/<hex[:2]>/<hex>
+    sha256: str  # lowercase hex digest of the content
+    size: int  # bytes
+
+
+def key_for(sha256_hex: str) -> str:
+    """The key content with this (lowercase hex) SHA-256 digest is stored under."""
+    if not _SHA256_RE.fullmatch(sha256_hex):
+        raise ValueError(f"not a lowercase hex sha256 digest: {sha256_hex!r}")
+    return f"sha256/{sha256_hex[:2]}/{sha256_hex}"
+
+
+def sha256_of_key(key: str) -> str:
+    """The digest a key names; :class:`InvalidKey` for anything not made by :func:`key_for`."""
+    match = _KEY_RE.fullmatch(key) if isinstance(key, str) else None
+    if match is None or not match.group(2).startswith(match.group(1)):
+        raise InvalidKey(str(key))
+    return match.group(2)
+
+
+# --- streaming helpers shared by the backends --------------------------------------------------
+
+
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+Source = Iterable[bytes] | BinaryIO
+"""What a put accepts: an iterable of bytes-like chunks or a binary file object."""
+
+
+def iter_chunks(source: Source, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    """Yield the bytes of ``source`` in chunks, skipping empty ones.
+
+    A file object (anything with ``read``) is read ``chunk_size`` bytes at a time; a lone
+    bytes-like object is one chunk (iterating it would yield ints); any other iterable is
+    passed through chunk by chunk.
+    """
+    if isinstance(source, bytes | bytearray | memoryview):
+        if source:
+            yield bytes(source)
+        return
+    read = getattr(source, "read", None)
+    if read is not None:
+        while chunk := read(chunk_size):
+            yield chunk
+        return
+    for chunk in source:
+        if chunk:
+            yield chunk
+
+
+class ContentHasher:
+    """Hashes and counts the bytes of one put, enforcing its ``max_bytes``."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be None or >= 0, got {max_bytes}")
+        self._max_bytes = max_bytes
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+
+    def update(self, chunk: bytes) -> None:
+        """Count and hash ``chunk``; :class:`ObjectTooLarge` once the total passes the limit."""
+        self.size += len(chunk)
+        if self._max_bytes is not None and self.size > self._max_bytes:
+            raise ObjectTooLarge(self._max_bytes)
+        self._sha256.update(chunk)
+
+    def result(self) -> StoredObject:
+        digest = self._sha256.hexdigest()
+        return StoredObject(key=key_for(digest), sha256=digest, size=self.size)
+
+
+class VerifyingReader(io.RawIOBase):
+    """A read-only binary stream over a stored object that checks its digest at the end.
+
+    Wraps the backend's raw stream (anything with ``read(n)`` and ``close()``). Reaching the
+    end of the stream with a digest other than the key's raises :class:`ChecksumMismatch`
+    (from that read and every later one). Subclasses override :meth:`_read_raw` to translate
+    backend errors.
+    """
+
+    def __init__(self, key: str, raw: _Readable) -> None:
+        super().__init__()
+        self.key = key
+        self._expected = sha256_of_key(key)
+        self._raw = raw
+        self._sha256 = hashlib.sha256()
+        self._size = 0
+        self._mismatch: ChecksumMismatch | None = None
+        self._at_end = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _read_raw(self, size: int) -> bytes:
+        return self._raw.read(size)
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        if self._mismatch is not None:
+            raise self._mismatch
+        if self._at_end:
+            return 0
+        view = memoryview(buffer).cast("B")
+        data = self._read_raw(len(view)) if len(view) else b""
+        if data:
+            self._sha256.update(data)
+            self._size += len(data)
+            view[: len(data)] = data
+            return len(data)
+        if len(view):
+            self._at_end = True
+            actual = self._sha256.hexdigest()
+            if actual != self._expected:
+                self._mismatch = ChecksumMismatch(self.key, actual, self._size)
+                raise self._mismatch
+        return 0
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._raw.close()  # type: ignore[attr-defined]
+            finally:
+                super().close()
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- the interface -----------------------------------------------------------------------------
+
+
+class ObjectStore(abc.ABC):
+    """Durable content-addressed storage of adapter files (see the module docstring)."""
+
+    @abc.abstractmethod
+    def put_stream(self, source: Source, *, max_bytes: int | None = None) -> StoredObject:
+        """Store the bytes of ``source`` under their content address; all or nothing."""
+
+    @abc.abstractmethod
+    def open(self, key: str) -> VerifyingReader:
+        """A binary reader of the object that raises :class:`ChecksumMismatch` at its end."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Length in bytes of the object; :class:`ObjectNotFound` if there is none."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing one is not an error."""
+
+    def put_file(
+        self, path: str | os.PathLike[str], *, max_bytes: int | None = None
+    ) -> StoredObject:
+        """Store a local file's content; a file known to exceed ``max_bytes`` is not read."""
+        with open(path, "rb") as handle:
+            if max_bytes is not None and os.fstat(handle.fileno()).st_size > max_bytes:
+                raise ObjectTooLarge(max_bytes)
+            return self.put_stream(handle, max_bytes=max_bytes)
+
+    def read_to(self, key: str, dest: str | os.PathLike[str]) -> StoredObject:
+        """Copy the object to ``dest``, verified; the file appears there only if it checks out.
+
+        The bytes go to a temporary file in ``dest``'s directory, fsynced and renamed over
+        ``dest`` after the digest matched. On any failure (:class:`ChecksumMismatch`,
+        :class:`ObjectNotFound`, I/O) the temporary file is removed and ``dest`` is untouched.
+        """
+        dest = Path(dest)
+        with self.open(key) as reader:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(
+                dir=dest.parent, prefix=f".{dest.name}.", suffix=".part"
+            )
+            try:
+                size = 0
+                with os.fdopen(fd, "wb") as out:
+                    while chunk := reader.read(CHUNK_SIZE):
+                        out.write(chunk)
+                        size += len(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp_name, dest)
+            except BaseException:
+                Path(tmp_name).unlink(missing_ok=True)
+                raise
+        fsync_directory(dest.parent)
+        sha256 = sha256_of_key(key)
+        return StoredObject(key=key, sha256=sha256, size=size)
