@@ -350,5 +350,8 @@ class AsyncEngine:
     async def set_tenant_weight(self, tenant: str | None, weight: float) -> None:
         await self._call(self.engine.set_tenant_weight, tenant, weight)
 
+    async def set_tenant_priority(self, tenant: str | None, priority: int) -> int:
+        return await self._call(self.engine.set_tenant_priority, tenant, priority)
+
     async def has_unfinished_requests(self) -> bool:
         return await self._call(self.engine.has_unfinished_requests)

@@ -137,6 +137,15 @@ class Engine:
     def set_tenant_weight(self, tenant: str | None, weight: float) -> None:
         self.scheduler.fair.set_weight(tenant, weight)
 
+    def set_tenant_priority(self, tenant: str | None, priority: int) -> int:
+        """Move the tenant's queued and running requests to ``priority``; returns how many."""
+        changed = 0
+        for seq in self._requests.values():
+            if seq.tenant == tenant and seq.priority != priority:
+                seq.priority = priority
+                changed += 1
+        return changed
+
     # --- requests ------------------------------------------------------------------
     def add_request(
         self,

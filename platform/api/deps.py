@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
+from loramux.platform.db.models import ApiKey, Tenant
 
 
 def get_context(request: Request) -> PlatformContext:
@@ -40,3 +45,32 @@ def require_admin(context: ContextDep, token: BearerDep) -> None:
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
+
+
+def get_session(context: ContextDep) -> Iterator[Session]:
+    """One database session per request, committed when the route returns normally."""
+    with context.sessions.begin() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def api_key_hash(key: str) -> str:
+    """Keys are stored only as their sha256 (they are random, so no salt is needed)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def current_tenant(session: SessionDep, token: BearerDep) -> Tenant:
+    """The live tenant owning a live API key; 401 otherwise (same message either way)."""
+    row = session.execute(
+        select(ApiKey, Tenant)
+        .join(Tenant, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == api_key_hash(token))
+    ).first()
+    if row is None or row.ApiKey.revoked_at is not None or row.Tenant.deleted_at is not None:
+        raise APIError(401, "Invalid or revoked API key.", code="invalid_api_key")
+    return row.Tenant
+
+
+CurrentTenant = Annotated[Tenant, Depends(current_tenant)]

@@ -609,3 +609,20 @@ def test_scheduled_items_are_grouped_by_adapter():
         assert len(runs) == len(set(runs)), runs  # each adapter appears as one run
         multi += len(runs) >= 3
     assert multi > 0
+
+
+def test_engine_set_tenant_priority_reorders_waiting_requests(tiny_model_dir):
+    from loramux.engine import SamplingParams
+    from tests.engine.factories import build_engine
+
+    engine = build_engine(tiny_model_dir, max_num_seqs=1)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", "Hello", params, tenant="a")
+    engine.add_request("low", "Hello", params, tenant="b", priority=0)
+    engine.add_request("high", "Hello", params, tenant="c", priority=1)
+    assert engine.set_tenant_priority("b", 5) == 1
+    order = []
+    while engine.has_unfinished_requests():
+        order += [out.request_id for out in engine.step() if out.finished]
+    # Without the change the order would be high, first, low (priority, then arrival).
+    assert order == ["low", "high", "first"]
