@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from loramux.platform.api import health, models
+from loramux.platform.api import admin, health, models, usage
 from loramux.platform.api.errors import install_error_handlers
 from loramux.platform.context import PlatformContext
 
@@ -34,4 +34,6 @@ def create_app(context: PlatformContext) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(models.router)
+    app.include_router(admin.router)
+    app.include_router(usage.router)
     return app

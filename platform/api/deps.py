@@ -53,7 +53,9 @@ def get_session(context: ContextDep) -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit before the response is sent, so a failed commit is an error
+# response rather than a success the database then doesn't hold.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def api_key_hash(key: str) -> str:

@@ -1,0 +1,252 @@
+"""Request and response bodies of the operator API (``/admin``), apart from the ORM models.
+
+Money is dollars (floats) here and integer micro-dollars everywhere behind it; a dollar
+amount with more than 6 decimal places, a negative one or a non-finite one is refused
+(422 naming the field). Request bodies refuse unknown fields and take JSON types as they
+are (``"5"`` is not a priority).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
+
+from loramux.platform.db.models import (
+    DEFAULT_PRIORITY,
+    DEFAULT_WEIGHT,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    NAME_LENGTH,
+)
+from loramux.platform.services.api_keys import IssuedKey
+from loramux.platform.services.tenants import (
+    NewTenant,
+    PriceChange,
+    PriceSpec,
+    TenantView,
+    micro_usd_to_usd,
+    usd_to_micro_usd,
+)
+
+MAX_USD = 1_000_000_000  # keeps every amount far inside a BIGINT of micro-dollars
+MAX_PER_MINUTE = 2**31 - 1  # the limit columns are 32-bit integers
+
+
+def _whole_micro_usd(value: float) -> float:
+    usd_to_micro_usd(value)  # raises ValueError (→ 422) when not whole micro-dollars
+    return value
+
+
+Name = Annotated[
+    str, StringConstraints(strip_whitespace=True, min_length=1, max_length=NAME_LENGTH)
+]
+Priority = Annotated[
+    int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0-9; higher is served first.")
+]
+Weight = Annotated[
+    float,
+    Field(gt=0, allow_inf_nan=False, description="Share among tenants of one priority (> 0)."),
+]
+PerMinute = Annotated[int, Field(gt=0, le=MAX_PER_MINUTE)]
+Usd = Annotated[
+    float, Field(ge=0, le=MAX_USD, allow_inf_nan=False), AfterValidator(_whole_micro_usd)
+]
+
+
+def _micro(usd: float | None) -> int | None:
+    return None if usd is None else usd_to_micro_usd(usd)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# --- tenants ---------------------------------------------------------------------------------
+
+
+class TenantCreate(_Request):
+    """``POST /admin/tenants``. Unset limits and budget mean unlimited; unset prices are 0
+    and the cached-input price defaults to the input price."""
+
+    name: Name
+    priority: Priority = DEFAULT_PRIORITY
+    weight: Weight = DEFAULT_WEIGHT
+    requests_per_minute: PerMinute | None = None
+    tokens_per_minute: PerMinute | None = None
+    monthly_budget_usd: Usd | None = None
+    input_price_per_mtok: Usd = 0.0
+    cached_input_price_per_mtok: Usd | None = None
+    output_price_per_mtok: Usd = 0.0
+
+    def to_new_tenant(self) -> NewTenant:
+        input_micro = usd_to_micro_usd(self.input_price_per_mtok)
+        cached = _micro(self.cached_input_price_per_mtok)
+        return NewTenant(
+            name=self.name,
+            priority=self.priority,
+            weight=self.weight,
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            monthly_budget_micro_usd=_micro(self.monthly_budget_usd),
+            price=PriceSpec(
+                input=input_micro,
+                cached_input=input_micro if cached is None else cached,
+                output=usd_to_micro_usd(self.output_price_per_mtok),
+            ),
+        )
+
+
+_NOT_NULLABLE = (
+    "name",
+    "priority",
+    "weight",
+    "input_price_per_mtok",
+    "cached_input_price_per_mtok",
+    "output_price_per_mtok",
+)
+_PRICE_FIELDS = {
+    "input_price_per_mtok": "input",
+    "cached_input_price_per_mtok": "cached_input",
+    "output_price_per_mtok": "output",
+}
+
+
+class TenantUpdate(_Request):
+    """``PATCH /admin/tenants/{id}``: any subset of the fields. ``null`` clears a limit or
+    the budget (unlimited); a price field starts a new price list, effective now, and an
+    input price given without a cached-input price sets both."""
+
+    name: Name | None = None
+    priority: Priority | None = None
+    weight: Weight | None = None
+    requests_per_minute: PerMinute | None = None
+    tokens_per_minute: PerMinute | None = None
+    monthly_budget_usd: Usd | None = None
+    input_price_per_mtok: Usd | None = None
+    cached_input_price_per_mtok: Usd | None = None
+    output_price_per_mtok: Usd | None = None
+
+    @field_validator(*_NOT_NULLABLE)
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise ValueError("may not be null")
+        return value
+
+    def tenant_settings(self) -> dict[str, object]:
+        """The tenant columns to set (only fields the request carried)."""
+        sent = self.model_fields_set
+        settings: dict[str, object] = {
+            name: getattr(self, name)
+            for name in ("name", "priority", "weight", "requests_per_minute", "tokens_per_minute")
+            if name in sent
+        }
+        if "monthly_budget_usd" in sent:
+            settings["monthly_budget_micro_usd"] = _micro(self.monthly_budget_usd)
+        return settings
+
+    def price_change(self) -> PriceChange | None:
+        changes = {
+            part: _micro(getattr(self, name))
+            for name, part in _PRICE_FIELDS.items()
+            if name in self.model_fields_set
+        }
+        return PriceChange(**changes) if changes else None
+
+    def changes_scheduling(self) -> bool:
+        return bool(self.model_fields_set & {"priority", "weight"})
+
+
+class TenantOut(BaseModel):
+    """A tenant as the operator sees it; prices are the ones in force now (USD per million
+    tokens, ``null`` only for a tenant that never had a price)."""
+
+    id: str
+    name: str
+    priority: int
+    weight: float
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    monthly_budget_usd: float | None
+    input_price_per_mtok: float | None
+    cached_input_price_per_mtok: float | None
+    output_price_per_mtok: float | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_view(cls, view: TenantView) -> TenantOut:
+        tenant, price = view.tenant, view.price
+        budget = tenant.monthly_budget_micro_usd
+        return cls(
+            id=tenant.id,
+            name=tenant.name,
+            priority=tenant.priority,
+            weight=tenant.weight,
+            requests_per_minute=tenant.requests_per_minute,
+            tokens_per_minute=tenant.tokens_per_minute,
+            monthly_budget_usd=None if budget is None else micro_usd_to_usd(budget),
+            input_price_per_mtok=None
+            if price is None
+            else micro_usd_to_usd(price.input_micro_usd_per_mtok),
+            cached_input_price_per_mtok=None
+            if price is None
+            else micro_usd_to_usd(price.cached_input_micro_usd_per_mtok),
+            output_price_per_mtok=None
+            if price is None
+            else micro_usd_to_usd(price.output_micro_usd_per_mtok),
+            created_at=tenant.created_at,
+            updated_at=tenant.updated_at,
+        )
+
+
+# --- API keys --------------------------------------------------------------------------------
+
+
+class ApiKeyCreate(_Request):
+    """``POST /admin/tenants/{id}/api-keys`` (the body is optional)."""
+
+    name: Name | None = None
+
+
+class ApiKeyCreated(BaseModel):
+    """A new key. ``key`` is shown this once: only its hash is stored."""
+
+    id: str
+    key: str
+    prefix: str
+    name: str | None
+    created_at: datetime
+
+    @classmethod
+    def from_issued(cls, issued: IssuedKey) -> ApiKeyCreated:
+        row = issued.row
+        return cls(
+            id=row.id,
+            key=issued.secret,
+            prefix=row.prefix,
+            name=row.name,
+            created_at=row.created_at,
+        )
+
+
+class ApiKeyOut(BaseModel):
+    """A key in a list: never the secret nor its hash."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    prefix: str
+    name: str | None
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None

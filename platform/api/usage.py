@@ -1,0 +1,79 @@
+"""Usage and billing export: ``GET /admin/usage`` (operators) and ``GET /v1/usage`` (tenants).
+
+Both answer ``{"rows": [...], "totals": {...}}`` (or, with ``format=csv``, the same rows as a
+CSV attachment) from ``loramux.platform.services.billing.usage_report``; the period and
+its parameters are described in ``loramux.platform.api.schemas_usage``. The totals equal
+exactly the sum of the rows, and of the ``usage`` objects the API returned for the same
+requests.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from loramux.platform.api.deps import AdminDep, CurrentTenant, SessionDep
+from loramux.platform.api.errors import APIError
+from loramux.platform.api.schemas_usage import (
+    REPORT_SCHEMAS,
+    AdminUsageQuery,
+    UsageQuery,
+    UsageReportOut,
+)
+from loramux.platform.db.models import Tenant
+from loramux.platform.services.billing import UsageReport, to_csv, usage_report
+
+router = APIRouter(tags=["usage"])
+
+CSV_RESPONSE = {200: {"content": {"text/csv": {}}, "description": "JSON, or CSV with format=csv"}}
+
+
+def _label(moment: datetime | None, unbounded: str) -> str:
+    """A bound in a file name: ``2031-05-01`` at midnight, else ``2031-05-01T120000Z``."""
+    if moment is None:
+        return unbounded
+    if moment.time() == time(0):
+        return moment.date().isoformat()
+    return moment.strftime("%Y-%m-%dT%H%M%S.%fZ" if moment.microsecond else "%Y-%m-%dT%H%M%SZ")
+
+
+def _render(report: UsageReport, query: UsageQuery) -> Response | UsageReportOut:
+    if query.format == "csv":
+        filename = f"usage-{_label(query.start, 'beginning')}-{_label(query.end, 'now')}.csv"
+        return Response(
+            content=to_csv(report),
+            media_type="text/csv",
+            headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+        )
+    schema = REPORT_SCHEMAS[report.group_by]
+    return schema.model_validate({"rows": report.rows, "totals": report.totals})
+
+
+@router.get("/admin/usage", response_model=UsageReportOut, responses=CSV_RESPONSE)
+def admin_usage(
+    _: AdminDep, session: SessionDep, query: Annotated[AdminUsageQuery, Query()]
+) -> Response | UsageReportOut:
+    """Any tenant's usage (every tenant's without ``tenant_id``), grouped and totalled."""
+    if query.tenant_id is not None and session.get(Tenant, query.tenant_id) is None:
+        raise APIError(404, f"No tenant with id {query.tenant_id!r}.", code="tenant_not_found")
+    report = usage_report(
+        session,
+        tenant_id=query.tenant_id,
+        start=query.start,
+        end=query.end,
+        group_by=query.group_by,
+    )
+    return _render(report, query)
+
+
+@router.get("/v1/usage", response_model=UsageReportOut, responses=CSV_RESPONSE)
+def tenant_usage(
+    tenant: CurrentTenant, session: SessionDep, query: Annotated[UsageQuery, Query()]
+) -> Response | UsageReportOut:
+    """The calling tenant's own usage (by day unless ``group_by`` says otherwise)."""
+    report = usage_report(
+        session, tenant_id=tenant.id, start=query.start, end=query.end, group_by=query.group_by
+    )
+    return _render(report, query)

@@ -1,0 +1,1 @@
+"""Services: the platform logic the HTTP routes stay thin over."""

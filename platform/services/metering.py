@@ -1,0 +1,162 @@
+"""Metering: one priced usage record per request that produced tokens.
+
+The serving path builds a ``UsageEvent`` when a request ends (finished, stopped, or dropped
+by the client) and hands it to ``Meter.record``::
+
+    meter = Meter(context.sessions)
+    record = meter.record(UsageEvent(request_id=..., tenant_id=..., model=..., ...))
+    usage = usage_for_response(record) if record else None
+
+Rules:
+
+* **Idempotent on the request id.** The first write wins; recording the same ``request_id``
+  again (a retry, a duplicate delivery, two workers racing) writes nothing and returns
+  ``None``. ``Meter.stored(request_id)`` reads back what was recorded.
+* **Only requests that produced tokens are recorded**: an event with
+  ``completion_tokens == 0`` (rejected, aborted before its first token) is skipped and
+  returns ``None``; its prompt is not billed.
+* **A dropped stream bills only what was delivered**: the caller passes, as
+  ``completion_tokens``, the tokens actually sent to the client, not those generated.
+* **Cost** is computed once, here, from the tenant's price in force at the event's moment
+  (``created_at``, default now) with ``loramux.platform.db.pricing.cost_micro_usd``; a tenant
+  without a price at that moment is charged 0. The stored cost never changes afterwards.
+* ``usage_for_response`` gives the client exactly the numbers of the record, so the sum of
+  what the API returned over a period equals the billing export's totals for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from loramux.platform.db.models import UsageRecord
+from loramux.platform.db.pricing import cost_micro_usd, current_price
+from loramux.platform.db.types import utc_now
+from loramux.platform.db.usage import record_usage
+
+REQUEST_ID_MAX_LENGTH = 128  # UsageRecord.request_id is String(128)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UsageEvent:
+    """What one request used, as the serving path saw it when the request ended.
+
+    ``cached_prompt_tokens`` is the part of ``prompt_tokens`` served from the prefix cache.
+    ``adapter_id`` / ``adapter_version_id`` are ``None`` for the base model.
+    ``completion_tokens`` counts tokens delivered to the client (see the module docstring).
+    ``created_at`` is when the request happened; leave it ``None`` (now) except in tests and
+    backfills. It must be timezone-aware.
+    """
+
+    request_id: str
+    tenant_id: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+    adapter_id: str | None = None
+    adapter_version_id: str | None = None
+    latency_ms: int = 0
+    finish_reason: str | None = None
+    created_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LENGTH:
+            raise ValueError(f"request_id must be 1-{REQUEST_ID_MAX_LENGTH} characters")
+        counts = {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_ms": self.latency_ms,
+        }
+        for name, value in counts.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.cached_prompt_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_prompt_tokens {self.cached_prompt_tokens} > "
+                f"prompt_tokens {self.prompt_tokens}"
+            )
+        if self.created_at is not None and self.created_at.utcoffset() is None:
+            raise ValueError("created_at must be timezone-aware")
+
+    @property
+    def billable(self) -> bool:
+        """Whether this request is recorded at all: it produced at least one token."""
+        return self.completion_tokens > 0
+
+
+def price_event(session: Session, event: UsageEvent, at: datetime) -> int:
+    """The event's cost in micro-dollars under the tenant's price in force at ``at``."""
+    price = current_price(session, event.tenant_id, at)
+    if price is None:
+        return 0
+    return cost_micro_usd(
+        price, event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens
+    )
+
+
+def _stored(session: Session, request_id: str) -> UsageRecord | None:
+    return session.scalars(
+        select(UsageRecord).where(UsageRecord.request_id == request_id)
+    ).one_or_none()
+
+
+class Meter:
+    """Writes usage records, each in its own short transaction on ``sessions``.
+
+    Safe to share between threads and requests: it holds only the session factory.
+    """
+
+    def __init__(self, sessions: sessionmaker[Session]):
+        self._sessions = sessions
+
+    def record(self, event: UsageEvent) -> UsageRecord | None:
+        """Price and store ``event``; the stored record, or ``None`` if nothing was written.
+
+        ``None`` means the event is not billable (no completion tokens) or its request id
+        was already recorded (then ``stored`` returns the first record).
+        """
+        if not event.billable:
+            return None
+        moment = event.created_at or utc_now()
+        with self._sessions.begin() as session:
+            record = UsageRecord(
+                request_id=event.request_id,
+                tenant_id=event.tenant_id,
+                adapter_id=event.adapter_id,
+                adapter_version_id=event.adapter_version_id,
+                model=event.model,
+                prompt_tokens=event.prompt_tokens,
+                cached_prompt_tokens=event.cached_prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                latency_ms=event.latency_ms,
+                cost_micro_usd=price_event(session, event, moment),
+                finish_reason=event.finish_reason,
+                created_at=moment,
+            )
+            if not record_usage(session, record):
+                return None
+            return _stored(session, event.request_id)
+
+    def stored(self, request_id: str) -> UsageRecord | None:
+        """The record written for ``request_id``, if any."""
+        with self._sessions() as session:
+            return _stored(session, request_id)
+
+
+def usage_for_response(record: UsageRecord) -> dict:
+    """The OpenAI ``usage`` object for a recorded request, plus ``cost_micro_usd``.
+
+    The numbers are the record's own, so a client summing them gets the billing totals.
+    """
+    return {
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "total_tokens": record.prompt_tokens + record.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": record.cached_prompt_tokens},
+        "cost_micro_usd": record.cost_micro_usd,
+    }

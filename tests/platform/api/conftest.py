@@ -1,0 +1,67 @@
+"""The app over a real context on PostgreSQL (engine started by the lifespan), and helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from loramux.platform.app import create_app
+from loramux.platform.context import PlatformContext, build_context
+from loramux.platform.settings import Settings
+
+
+@pytest.fixture
+def context(tmp_path, tiny_model_dir, postgres_database_url) -> Iterator[PlatformContext]:
+    settings = Settings(
+        data_dir=tmp_path,
+        model=str(tiny_model_dir),
+        database_url=postgres_database_url,
+        admin_token=None,
+    )
+    context = build_context(settings, log=lambda _: None)
+    try:
+        yield context
+    finally:
+        context.sessions.kw["bind"].dispose()
+
+
+@pytest.fixture
+def client(context) -> Iterator[TestClient]:
+    with TestClient(create_app(context)) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def admin(context) -> dict[str, str]:
+    """Headers carrying the operator token."""
+    return {"Authorization": f"Bearer {context.admin_token}"}
+
+
+@pytest.fixture
+def new_tenant(client, admin):
+    """``new_tenant(**fields)`` creates a tenant over HTTP and returns its JSON."""
+    count = 0
+
+    def create(**fields: Any) -> dict:
+        nonlocal count
+        count += 1
+        body = {"name": f"tenant-{count}", **fields}
+        response = client.post("/admin/tenants", json=body, headers=admin)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    return create
+
+
+def assert_openai_error(response, status: int) -> dict:
+    """The response is ``status`` with an OpenAI-style error body; returns the error."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    return error
