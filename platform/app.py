@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from loramux.platform.api import admin, health, models, usage
 from loramux.platform.api.errors import install_error_handlers
 from loramux.platform.context import PlatformContext
+from loramux.platform.services.adapter_runtime import AdapterRuntime
 
 
 def create_app(context: PlatformContext) -> FastAPI:
@@ -31,6 +32,7 @@ def create_app(context: PlatformContext) -> FastAPI:
         version="0.1.0",
     )
     app.state.context = context
+    app.state.adapter_runtime = AdapterRuntime(context)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(models.router)

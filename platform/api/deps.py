@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import ApiKey, Tenant
+from loramux.platform.services.adapter_runtime import AdapterRuntime
 
 
 def get_context(request: Request) -> PlatformContext:
@@ -76,3 +77,10 @@ def current_tenant(session: SessionDep, token: BearerDep) -> Tenant:
 
 
 CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
+
+
+def get_adapter_runtime(request: Request) -> AdapterRuntime:
+    return request.app.state.adapter_runtime
+
+
+AdapterRuntimeDep = Annotated[AdapterRuntime, Depends(get_adapter_runtime)]
