@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from loramux.platform.api import admin, health, models, usage
+from loramux.platform.api import adapters, admin, completions, health, models, usage
 from loramux.platform.api.errors import install_error_handlers
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
@@ -38,4 +38,6 @@ def create_app(context: PlatformContext) -> FastAPI:
     app.include_router(models.router)
     app.include_router(admin.router)
     app.include_router(usage.router)
+    app.include_router(completions.router)
+    app.include_router(adapters.router)
     return app

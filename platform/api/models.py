@@ -1,11 +1,20 @@
-"""OpenAI-compatible ``GET /v1/models``: the base model (tenants' adapters join later)."""
+"""OpenAI-compatible ``GET /v1/models``: the base model, plus the caller's ready adapters.
+
+The operator (admin token) sees the base model; a tenant (API key) sees the base model
+and each of its adapters with a ready version, named as the tenant named them.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import hmac
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from loramux.platform.api.deps import AdminDep, ContextDep
+from loramux.platform.api.deps import BearerDep, ContextDep, SessionDep, current_tenant
+from loramux.platform.db.models import Tenant
+from loramux.platform.services import adapters
 
 router = APIRouter(tags=["models"])
 
@@ -24,7 +33,30 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def admin_or_tenant(context: ContextDep, session: SessionDep, token: BearerDep) -> Tenant | None:
+    """``None`` for the admin token, the tenant for a live API key; 401 otherwise."""
+    if hmac.compare_digest(token.encode(), context.admin_token.encode()):
+        return None
+    return current_tenant(session, token)
+
+
+AdminOrTenant = Annotated[Tenant | None, Depends(admin_or_tenant)]
+
+
 @router.get("/v1/models", response_model=ModelList)
-def list_models(context: ContextDep, _: AdminDep) -> ModelList:
-    base = context.base_model
-    return ModelList(data=[ModelCard(id=base.model_id, root=base.model_id)])
+def list_models(context: ContextDep, session: SessionDep, caller: AdminOrTenant) -> ModelList:
+    base = context.base_model.model_id
+    cards = [ModelCard(id=base, root=base)]
+    if caller is not None:
+        for view in adapters.ready_adapters(session, caller):
+            created = int(view.version.created_at.timestamp()) if view.version else 0
+            cards.append(
+                ModelCard(
+                    id=view.adapter.name,
+                    created=created,
+                    owned_by="tenant",
+                    root=base,
+                    parent=base,
+                )
+            )
+    return ModelList(data=cards)

@@ -1,0 +1,198 @@
+"""The tenant adapter API under ``/v1/adapters``: upload, list, get, delete.
+
+Routes translate between HTTP and ``loramux.platform.services.adapters``. The upload route
+reads the multipart body itself, through a receive channel that counts bytes, so a body
+over ``MAX_UPLOAD_BYTES`` is refused with 413 as soon as it passes the cap (a declared
+``Content-Length`` over the cap is refused before a byte is read). Received files go to a
+private temporary folder that is removed when the request ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.types import Message
+
+from loramux.platform.api.deps import (
+    AdapterRuntimeDep,
+    ContextDep,
+    CurrentTenant,
+    SessionDep,
+)
+from loramux.platform.api.errors import APIError
+from loramux.platform.api.schemas_adapters import AdapterList, AdapterOut
+from loramux.platform.db.models import Adapter
+from loramux.platform.ingest.archive import ADAPTER_FILES, PICKLE_SUFFIXES
+from loramux.platform.services import adapters as service
+
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+
+MAX_FORM_PARTS = 8
+COPY_CHUNK_BYTES = 1 << 20
+
+_UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "files"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "files": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "description": "adapter_config.json and "
+                            "adapter_model.safetensors, or one .tar.gz / .zip holding them",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def tenant_adapter(name: str, session: SessionDep, tenant: CurrentTenant) -> Adapter:
+    """The caller's live adapter named in the path; 404 for unknown and others' names."""
+    return service.live_adapter(session, tenant, name)
+
+
+TenantAdapter = Annotated[Adapter, Depends(tenant_adapter)]
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"Upload too large: the request body is over the limit of {limit} bytes.",
+        code="upload_too_large",
+    )
+
+
+def _capped(request: Request, limit: int) -> Request:
+    """``request`` re-read through a receive channel that refuses bodies over ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    received = 0
+    receive = request.receive
+
+    async def counting_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(limit)
+        return message
+
+    return Request(request.scope, counting_receive)
+
+
+def _file_name(upload: UploadFile) -> str:
+    """The base name the client gave a part (never a path), or a 400 if it gave none."""
+    raw = (upload.filename or "").replace("\\", "/")
+    name = PurePosixPath(raw).name
+    if not name:
+        raise APIError(400, "Every `files` part needs a file name.", code="invalid_upload")
+    return name
+
+
+async def _save(upload: UploadFile, dest: Path) -> None:
+    await upload.seek(0)
+    with dest.open("wb") as out:
+        while chunk := await upload.read(COPY_CHUNK_BYTES):
+            await run_in_threadpool(out.write, chunk)
+
+
+async def _receive_upload(request: Request, folder: Path) -> tuple[str, service.ReceivedUpload]:
+    """Parse the form: the adapter name and its files, written under ``folder``."""
+    form = await _capped(request, service.MAX_UPLOAD_BYTES).form(
+        max_files=MAX_FORM_PARTS, max_fields=MAX_FORM_PARTS
+    )
+    try:
+        name = form.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(422, "The form field `name` is required.", code="invalid_upload")
+        service.check_adapter_name(name)
+        files = [part for part in form.getlist("files") if isinstance(part, UploadFile)]
+        if not files:
+            raise APIError(
+                422,
+                "Send the adapter as `files`: adapter_config.json and "
+                "adapter_model.safetensors, or one .tar.gz / .zip holding them.",
+                code="invalid_upload",
+            )
+        names = [_file_name(part) for part in files]
+        for file_name in names:
+            if PurePosixPath(file_name).suffix.lower() in PICKLE_SUFFIXES:
+                raise APIError(
+                    422,
+                    f"Adapter rejected: {file_name} is a pickle file and is refused unopened; "
+                    "save the adapter with safetensors (adapter_model.safetensors).",
+                    code="invalid_adapter",
+                )
+        if len(files) == 1 and names[0] not in ADAPTER_FILES:
+            archive = folder / "upload.archive"
+            await _save(files[0], archive)
+            return name, service.ReceivedUpload(folder=folder, archive=archive)
+        adapter_dir = folder / "adapter"
+        adapter_dir.mkdir()
+        for part, file_name in zip(files, names, strict=True):
+            if file_name not in ADAPTER_FILES:
+                raise APIError(
+                    422,
+                    f"Adapter rejected: unexpected file {file_name!r}; send "
+                    "adapter_config.json and adapter_model.safetensors, or one archive.",
+                    code="invalid_adapter",
+                )
+            if (adapter_dir / file_name).exists():
+                raise APIError(
+                    422, f"Adapter rejected: {file_name} was sent twice.", code="invalid_adapter"
+                )
+            await _save(part, adapter_dir / file_name)
+        return name, service.ReceivedUpload(folder=adapter_dir)
+    finally:
+        await form.close()
+
+
+@router.post("", status_code=201, openapi_extra=_UPLOAD_DOC)
+async def upload_adapter(
+    request: Request, tenant: CurrentTenant, context: ContextDep
+) -> AdapterOut:
+    folder = Path(tempfile.mkdtemp(prefix="loramux-upload-"))
+    try:
+        name, received = await _receive_upload(request, folder)
+        view = await run_in_threadpool(service.upload_adapter, context, tenant.id, name, received)
+    finally:
+        await run_in_threadpool(shutil.rmtree, folder, True)
+    return AdapterOut.from_view(view)
+
+
+@router.get("")
+def list_adapters(session: SessionDep, tenant: CurrentTenant) -> AdapterList:
+    return AdapterList(
+        data=[AdapterOut.from_view(view) for view in service.list_adapters(session, tenant)]
+    )
+
+
+@router.get("/{name}")
+def get_adapter(adapter: TenantAdapter, session: SessionDep) -> AdapterOut:
+    return AdapterOut.from_view(service.get_adapter(session, adapter))
+
+
+@router.delete("/{name}", status_code=204)
+async def delete_adapter(
+    adapter: TenantAdapter, session: SessionDep, runtime: AdapterRuntimeDep
+) -> None:
+    versions = await run_in_threadpool(service.delete_adapter, session, adapter)
+    # After the commit: no new request can resolve the name while its versions go.
+    for version in versions:
+        await runtime.unload(version)

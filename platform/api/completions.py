@@ -1,0 +1,317 @@
+"""OpenAI-compatible inference: ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/adapters/{name}/completions``.
+
+The routes resolve the model and hand a job to
+:class:`~loramux.platform.services.inference.InferenceService`; this module only shapes
+the engine's deltas into OpenAI's JSON (a response, or server-sent chunks ending in
+``data: [DONE]``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
+
+from loramux.engine.async_engine import AsyncEngineError
+from loramux.engine.engine import EngineError
+from loramux.engine.outputs import RequestOutput
+from loramux.platform.api.deps import AdapterRuntimeDep, ContextDep, CurrentTenant, SessionDep
+from loramux.platform.api.errors import APIError
+from loramux.platform.api.schemas_openai import (
+    AdapterCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from loramux.platform.db.models import Tenant
+from loramux.platform.services.inference import (
+    InferenceService,
+    Job,
+    Tally,
+    Target,
+    delta_logprobs,
+    new_request_id,
+)
+
+router = APIRouter(tags=["inference"])
+
+
+def get_inference(context: ContextDep) -> InferenceService:
+    return InferenceService(context)
+
+
+InferenceDep = Annotated[InferenceService, Depends(get_inference)]
+
+
+# --- OpenAI shapes ---------------------------------------------------------------------------
+
+
+class _Render:
+    """How one API kind renders choices; subclasses fill in the differences."""
+
+    object_name = ""
+    chunk_name = ""
+
+    def __init__(self, service: InferenceService, job: Job):
+        self.service = service
+        self.job = job
+
+    def _envelope(self, name: str, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": self.job.request_id,
+            "object": name,
+            "created": self.job.created,
+            "model": self.job.target.model,
+            "choices": choices,
+        }
+
+    def response(self, tally: Tally) -> dict[str, Any]:
+        choices = [self.choice(i, tally) for i in range(len(tally.choices))]
+        return {**self._envelope(self.object_name, choices), "usage": tally.usage}
+
+    def chunk(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
+        return self._envelope(self.chunk_name, [self.delta(index, out, tally)])
+
+    def usage_chunk(self, tally: Tally) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_name, []), "usage": tally.usage}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionRender(_Render):
+    object_name = chunk_name = "text_completion"
+
+    def __init__(self, service: InferenceService, job: Job, logprobs: int | None):
+        super().__init__(service, job)
+        self.logprobs = logprobs
+
+    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
+        choice = tally.choices[index]
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.service.completion_logprobs(choice.logprobs, 0)
+        return {
+            "index": index,
+            "text": choice.text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+    def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs is not None:
+            offset = len(tally.choices[index].text)
+            logprobs = self.service.completion_logprobs(delta_logprobs(out), offset)
+        return {
+            "index": index,
+            "text": out.delta_text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason if out.finished else None,
+        }
+
+
+class _ChatRender(_Render):
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+
+    def __init__(self, service: InferenceService, job: Job, top_logprobs: int | None):
+        super().__init__(service, job)
+        self.top_logprobs = top_logprobs  # None: no logprobs asked for
+
+    def _logprobs(self, entries) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        return self.service.chat_logprobs(entries, self.top_logprobs)
+
+    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
+        choice = tally.choices[index]
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": self._logprobs(choice.logprobs),
+            "finish_reason": choice.finish_reason,
+        }
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [
+            self._envelope(
+                self.chunk_name,
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for i in range(len(self.job.params))
+        ]
+
+    def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"content": out.delta_text},
+            "logprobs": self._logprobs(delta_logprobs(out)),
+            "finish_reason": out.finish_reason if out.finished else None,
+        }
+
+
+# --- running a job -----------------------------------------------------------------------------
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineError):
+        return APIError(400, str(exc), code="invalid_request")
+    return APIError(503, f"The engine could not finish the request: {exc}", code="engine_error")
+
+
+async def _respond(
+    service: InferenceService, job: Job, render: _Render, *, stream: bool, include_usage: bool
+):
+    if stream:
+        return StreamingResponse(
+            _stream(service, job, render, include_usage), media_type="text/event-stream"
+        )
+    tally = Tally(job)
+    try:
+        async with aclosing(service.run(job, tally)) as run:
+            async for index, out in run:
+                tally.deliver(index, out)
+    except (EngineError, AsyncEngineError) as exc:
+        raise _engine_error(exc) from exc
+    return render.response(tally)
+
+
+async def _stream(
+    service: InferenceService, job: Job, render: _Render, include_usage: bool
+) -> AsyncIterator[str]:
+    tally = Tally(job)
+    for chunk in render.opening():
+        yield _sse(chunk)
+    try:
+        async with aclosing(service.run(job, tally)) as run:
+            async for index, out in run:
+                yield _sse(render.chunk(index, out, tally))
+                tally.deliver(index, out)  # only once the client was handed the chunk
+    except (EngineError, AsyncEngineError) as exc:
+        error = _engine_error(exc)
+        yield _sse({"error": {"message": error.message, "type": "error", "code": error.code}})
+    if include_usage and tally.usage is not None:
+        yield _sse(render.usage_chunk(tally))
+    yield _sse("[DONE]")
+
+
+async def _complete(
+    service: InferenceService,
+    session: Session,
+    tenant: Tenant,
+    target: Target,
+    body: AdapterCompletionRequest,
+):
+    job = await service.prepare(
+        session,
+        tenant,
+        target,
+        request_id=new_request_id("cmpl"),
+        prompt=body.prompt,
+        n=body.n,
+        sampling=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
+        default_max_tokens=16,  # OpenAI's default for completions
+    )
+    render = _CompletionRender(service, job, body.logprobs)
+    return await _respond(
+        service, job, render, stream=body.stream, include_usage=body.include_usage
+    )
+
+
+def _sampling(body, **extra: Any) -> dict[str, Any]:
+    fields = (
+        "stop",
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "seed",
+    )
+    return {**{name: getattr(body, name) for name in fields}, **extra}
+
+
+# --- routes ------------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def create_completion(
+    body: CompletionRequest,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    service: InferenceDep,
+    runtime: AdapterRuntimeDep,
+):
+    """A text completion from the base model or one of the caller's adapters (``model``)."""
+    target = await service.resolve(session, tenant, body.model, runtime)
+    return await _complete(service, session, tenant, target, body)
+
+
+@router.post("/v1/adapters/{name}/completions")
+async def create_adapter_completion(
+    name: str,
+    body: AdapterCompletionRequest,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    service: InferenceDep,
+    runtime: AdapterRuntimeDep,
+):
+    """A text completion from the caller's adapter ``name``."""
+    target = await service.adapter_target(session, tenant, name, runtime)
+    return await _complete(service, session, tenant, target, body)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    service: InferenceDep,
+    runtime: AdapterRuntimeDep,
+):
+    """A chat completion: the messages rendered with the base model's chat template."""
+    target = await service.resolve(session, tenant, body.model, runtime)
+    prompt = service.render_chat([m.for_template() for m in body.messages])
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    job = await service.prepare(
+        session,
+        tenant,
+        target,
+        request_id=new_request_id("chatcmpl"),
+        prompt=prompt,
+        n=body.n,
+        sampling=_sampling(body, max_tokens=max_tokens, logprobs=top_logprobs),
+    )
+    render = _ChatRender(service, job, top_logprobs)
+    return await _respond(
+        service, job, render, stream=body.stream, include_usage=body.include_usage
+    )

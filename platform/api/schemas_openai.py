@@ -1,0 +1,83 @@
+"""Request bodies of the OpenAI-compatible inference routes, apart from the engine's types.
+
+Only JSON *types* are checked here (a wrong type is a 422); ranges are checked once, by
+``loramux.engine.SamplingParams``, whose message becomes a 400. Unknown fields are ignored,
+as OpenAI's own clients send fields a server may not know (``user``, ``metadata``...).
+``top_k``, ``min_p`` and ``repetition_penalty`` are extensions (send them with the client's
+``extra_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16  # choices per request
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What completions and chat share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class AdapterCompletionRequest(_Sampling):
+    """``POST /v1/adapters/{name}/completions``: a completion without ``model``."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+
+
+class CompletionRequest(AdapterCompletionRequest):
+    """``POST /v1/completions``."""
+
+    model: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template wants it (text parts of a list joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(str(part.get("text", "")) for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None

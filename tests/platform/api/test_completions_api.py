@@ -1,0 +1,334 @@
+"""The OpenAI-compatible inference routes, driven by the official ``openai`` client against
+a real uvicorn server over the tiny model: results, streaming, parameters, errors, limits,
+budget and metering."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from loramux.engine import Engine, EngineConfig, SamplingParams
+from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from loramux.platform.app import create_app
+from loramux.platform.db.models import AdapterStatus, Tenant
+from tests.fixtures.browser import ServerThread
+from tests.platform.db.factories import add_adapter, add_adapter_version
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture
+def server(context) -> Iterator[ServerThread]:
+    with ServerThread(create_app(context)) as running:
+        yield running
+
+
+@pytest.fixture
+def make_client(server, context) -> Callable[..., tuple[openai.OpenAI, str]]:
+    """``make_client(**tenant_fields)`` -> (an OpenAI client with a new tenant's key, its id)."""
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+
+    def make(**fields) -> tuple[openai.OpenAI, str]:
+        body = {"name": f"t-{uuid.uuid4().hex[:8]}", **fields}
+        tenant = httpx.post(f"{server.url}/admin/tenants", json=body, headers=admin)
+        assert tenant.status_code == 201, tenant.text
+        tenant_id = tenant.json()["id"]
+        key = httpx.post(f"{server.url}/admin/tenants/{tenant_id}/api-keys", headers=admin)
+        assert key.status_code == 201, key.text
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key=key.json()["key"], max_retries=0, timeout=60
+        )
+        return client, tenant_id
+
+    return make
+
+
+@pytest.fixture
+def base(context) -> str:
+    return context.base_model.model_id
+
+
+def reference_engine(context) -> Engine:
+    """A second engine on the same weights, outside the server."""
+    return Engine(
+        EngineConfig(
+            model=str(context.base_model.path), kv_cache_bytes=context.settings.kv_cache_bytes
+        )
+    )
+
+
+def stream_text(chunks, attr: str) -> tuple[dict[int, str], list]:
+    texts: dict[int, str] = {}
+    usage = []
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for choice in chunk.choices:
+            piece = choice.text if attr == "text" else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + piece
+    return texts, usage
+
+
+def test_greedy_completion_matches_the_engine_and_streams_the_same(make_client, context, base):
+    client, _ = make_client()
+    result = client.completions.create(model=base, prompt=PROMPT, max_tokens=12, temperature=0)
+    reference = reference_engine(context).generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0)
+    )[0]
+
+    assert result.object == "text_completion" and result.model == base
+    assert result.choices[0].text == reference.text
+    assert result.choices[0].finish_reason == reference.finish_reason
+    assert result.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert result.usage.completion_tokens == len(reference.token_ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + len(reference.token_ids)
+
+    chunks = list(
+        client.completions.create(
+            model=base,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts, usage = stream_text(chunks, "text")
+    assert texts == {0: reference.text}
+    assert len(usage) == 1 and chunks[-1].usage is not None and chunks[-1].choices == []
+    assert usage[0].completion_tokens == len(reference.token_ids)
+    assert usage[0].prompt_tokens == result.usage.prompt_tokens
+
+
+def test_chat_and_its_stream_agree(make_client, base):
+    client, _ = make_client()
+    messages = [{"role": "user", "content": "Say hello."}]
+    result = client.chat.completions.create(
+        model=base, messages=messages, max_completion_tokens=10, temperature=0
+    )
+    assert result.object == "chat.completion"
+    message = result.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert result.usage.completion_tokens >= 1
+
+    stream = client.chat.completions.create(
+        model=base,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    texts, usage = stream_text(chunks, "delta")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert texts == {0: message.content}
+    assert usage[-1].completion_tokens == result.usage.completion_tokens
+    assert usage[-1].prompt_tokens == result.usage.prompt_tokens
+
+    plain = list(
+        client.chat.completions.create(
+            model=base, messages=messages, max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert all(chunk.usage is None for chunk in plain)
+
+
+def test_n_seed_and_stop(make_client, base):
+    client, _ = make_client()
+    two = client.completions.create(model=base, prompt=PROMPT, max_tokens=6, n=2, seed=3)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert 2 <= two.usage.completion_tokens <= 12  # both choices' tokens, summed
+    again = client.completions.create(model=base, prompt=PROMPT, max_tokens=6, n=2, seed=3)
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+
+    streamed = client.completions.create(
+        model=base, prompt=PROMPT, max_tokens=6, n=2, seed=3, stream=True
+    )
+    texts, _ = stream_text(streamed, "text")
+    assert texts == {c.index: c.text for c in two.choices}
+
+    full = client.completions.create(model=base, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    middle = len(text) // 2
+    stop = text[middle : middle + 2]
+    assert stop, text
+    cut = client.completions.create(
+        model=base, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "\u2603\u2603"]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(make_client, base):
+    client, _ = make_client()
+    result = client.completions.create(
+        model=base, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    logprobs = result.choices[0].logprobs
+    count = result.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == count
+    assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == count
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+    chat = client.chat.completions.create(
+        model=base,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 2 for item in content)
+    # greedy: the chosen token is the most likely one
+    assert all(item.logprob == pytest.approx(item.top_logprobs[0].logprob) for item in content)
+
+
+def test_errors(make_client, server, base):
+    client, _ = make_client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    bad = [{"temperature": -1}, {"top_p": 2}, {"max_tokens": -5}, {"presence_penalty": 3}]
+    for params in bad:
+        with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)) as info:
+            client.completions.create(model=base, prompt=PROMPT, **{"max_tokens": 2, **params})
+        assert next(iter(params)) in str(info.value)
+    with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)):
+        client.chat.completions.create(
+            model=base, messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    stranger = openai.OpenAI(base_url=f"{server.url}/v1", api_key="lmx-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    missing = httpx.post(f"{server.url}/v1/completions", json={"model": base, "prompt": "x"})
+    assert missing.status_code == 401
+
+
+def test_rate_limit_and_budget(make_client, base):
+    limited, _ = make_client(requests_per_minute=1)
+    limited.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as info:
+        limited.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    assert int(info.value.response.headers["retry-after"]) >= 1
+
+    # A budget of one micro-dollar: the first request spends more, the second is refused.
+    broke, _ = make_client(monthly_budget_usd=0.000001, output_price_per_mtok=100.0)
+    broke.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.APIStatusError) as refused:
+        broke.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    assert refused.value.status_code == 402
+    assert "budget" in refused.value.message.lower()
+
+
+def test_usage_returned_equals_the_billing_export(make_client, server, context, base):
+    client, tenant_id = make_client(
+        input_price_per_mtok=1.5, cached_input_price_per_mtok=0.5, output_price_per_mtok=7.0
+    )
+    usages = [
+        client.completions.create(model=base, prompt=PROMPT, max_tokens=5).usage,
+        client.completions.create(model=base, prompt=PROMPT, max_tokens=3, n=2).usage,
+        client.chat.completions.create(
+            model=base, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        ).usage,
+    ]
+    for chunk in client.completions.create(
+        model=base,
+        prompt=PROMPT,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+    assert len(usages) == 4
+
+    report = httpx.get(
+        f"{server.url}/admin/usage",
+        params={"tenant_id": tenant_id},
+        headers={"Authorization": f"Bearer {context.admin_token}"},
+    )
+    assert report.status_code == 200, report.text
+    totals = report.json()["totals"]
+    assert totals["requests"] == 4
+    assert totals["prompt_tokens"] == sum(u.prompt_tokens for u in usages)
+    assert totals["completion_tokens"] == sum(u.completion_tokens for u in usages)
+    cost = sum(u.model_extra["cost_micro_usd"] for u in usages)
+    assert totals["cost_micro_usd"] == cost > 0
+
+
+def test_adapter_by_model_name_and_by_path(make_client, server, context, make_adapter):
+    client, tenant_id = make_client()
+    adapter_dir = make_adapter(context.base_model.path, rank=4, seed=1, std=0.2)
+    config = context.store.put_file(adapter_dir / CONFIG_FILE)
+    weights = context.store.put_file(adapter_dir / WEIGHTS_FILE)
+    with context.sessions.begin() as session:
+        tenant = session.get(Tenant, tenant_id)
+        adapter = add_adapter(session, tenant, name="support")
+        add_adapter_version(
+            session,
+            adapter,
+            status=AdapterStatus.READY.value,
+            config_store_key=config.key,
+            weights_store_key=weights.key,
+        )
+
+    engine = reference_engine(context)
+    engine.add_adapter("support", adapter_dir)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = engine.generate([PROMPT], params, adapters=["support"])[0].text
+    plain = engine.generate([PROMPT], params)[0].text
+    assert expected != plain  # the adapter matters
+
+    by_name = client.completions.create(model="support", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert by_name.choices[0].text == expected and by_name.model == "support"
+    by_path = client.post(
+        "/adapters/support/completions",
+        body={"prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        cast_to=httpx.Response,
+    )
+    assert by_path.json()["choices"][0]["text"] == expected
+
+    other, _ = make_client()
+    with pytest.raises(openai.NotFoundError):
+        other.completions.create(model="support", prompt=PROMPT, max_tokens=2)
+
+
+def test_a_dropped_stream_bills_only_what_was_delivered(make_client, server, context, base):
+    client, tenant_id = make_client(output_price_per_mtok=1.0)
+    body = {"model": base, "prompt": PROMPT, "max_tokens": 480, "stream": True}
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # the client is gone after one chunk: the record is written when the server notices
+
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    deadline = time.monotonic() + 20
+    while True:
+        totals = httpx.get(
+            f"{server.url}/admin/usage", params={"tenant_id": tenant_id}, headers=admin
+        ).json()["totals"]
+        if totals["requests"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert totals["requests"] == 1
+    assert 1 <= totals["completion_tokens"] < 480
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(make_client, base):
+    client, _ = make_client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=base, prompt="word " * 2000, max_tokens=2)
+    assert "context" in str(info.value)
