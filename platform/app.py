@@ -7,19 +7,30 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from loramux.platform.api import adapters, admin, completions, health, models, usage
+from loramux.platform.api import adapters, admin, completions, health, metrics, models, usage
+from loramux.platform.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from loramux.platform.api.errors import install_error_handlers
+from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
+from loramux.platform.services.tenants import push_all_scheduling
 
 
-def create_app(context: PlatformContext) -> FastAPI:
+def create_app(
+    context: PlatformContext, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The app over ``context``; request bodies over ``max_body_bytes`` are refused with
+    413 (adapter uploads excepted: they have their own streaming cap)."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # The in-process engine's step thread lives exactly as long as the app.
         if context.engine is not None:
             await context.engine.start()
         try:
+            if context.engine is not None:
+                # The engine holds tenant shares in memory only: restore the stored ones.
+                await push_all_scheduling(context.sessions, context.engine)
             yield
         finally:
             if context.engine is not None:
@@ -33,8 +44,13 @@ def create_app(context: PlatformContext) -> FastAPI:
     )
     app.state.context = context
     app.state.adapter_runtime = AdapterRuntime(context)
+    app.state.platform_metrics = PlatformMetrics()
     install_error_handlers(app)
+    # The last added is the outermost: metrics see every request, the 413s included.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.platform_metrics)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(models.router)
     app.include_router(admin.router)
     app.include_router(usage.router)

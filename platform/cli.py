@@ -61,8 +61,33 @@ def _banner(context) -> str:
             "",
             "Try it:",
             f"  curl -s {base}/v1/models -H 'Authorization: Bearer {context.admin_token}'",
+            "",
+            *_walkthrough(base, context.admin_token),
         ]
     return "\n".join(lines)
+
+
+# Reads one field of the JSON on stdin (python3 is there wherever loramux runs; jq may not be).
+_JSON_FIELD = "python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])'"
+
+
+def _walkthrough(base: str, admin_token: str) -> list[str]:
+    """Copy-pasteable shell lines: a tenant, its key, an adapter upload and a completion."""
+    return [
+        "Create a tenant and an API key, upload a PEFT adapter and call it:",
+        f"  BASE={base}",
+        f"  ADMIN_TOKEN={admin_token}",
+        '  TENANT_ID=$(curl -s $BASE/admin/tenants -H "Authorization: Bearer $ADMIN_TOKEN" '
+        f"-H 'Content-Type: application/json' -d '{{\"name\": \"acme\"}}' | {_JSON_FIELD} id)",
+        "  API_KEY=$(curl -s $BASE/admin/tenants/$TENANT_ID/api-keys "
+        "-H \"Authorization: Bearer $ADMIN_TOKEN\" -H 'Content-Type: application/json' "
+        f"-d '{{}}' | {_JSON_FIELD} key)",
+        '  curl -s $BASE/v1/adapters -H "Authorization: Bearer $API_KEY" -F name=my-adapter '
+        "-F files=@adapter_config.json -F files=@adapter_model.safetensors",
+        '  curl -s $BASE/v1/completions -H "Authorization: Bearer $API_KEY" '
+        "-H 'Content-Type: application/json' "
+        '-d \'{"model": "my-adapter", "prompt": "Hello", "max_tokens": 16}\'',
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

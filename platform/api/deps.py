@@ -5,15 +5,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import ApiKey, Tenant
+from loramux.platform.db.types import utc_now
 from loramux.platform.services.adapter_runtime import AdapterRuntime
 
 
@@ -64,6 +66,32 @@ def api_key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+"""``ApiKey.last_used_at`` is rewritten at most this often per key (not on every request)."""
+
+
+def _touch_api_key(session: Session, key: ApiKey) -> None:
+    """Record that ``key`` was used now, unless that was already recorded within a minute.
+
+    Its own short transaction (on the request session's database), so the row is never
+    locked for the length of a request; the condition is in the UPDATE, so callers racing
+    on one key write it once.
+    """
+    now = utc_now()
+    stale = now - LAST_USED_RESOLUTION
+    if key.last_used_at is not None and key.last_used_at > stale:
+        return  # fresh enough: no write at all
+    with Session(session.get_bind()) as own, own.begin():
+        own.execute(
+            update(ApiKey)
+            .where(
+                ApiKey.id == key.id,
+                or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at <= stale),
+            )
+            .values(last_used_at=now)
+        )
+
+
 def current_tenant(session: SessionDep, token: BearerDep) -> Tenant:
     """The live tenant owning a live API key; 401 otherwise (same message either way)."""
     row = session.execute(
@@ -73,6 +101,7 @@ def current_tenant(session: SessionDep, token: BearerDep) -> Tenant:
     ).first()
     if row is None or row.ApiKey.revoked_at is not None or row.Tenant.deleted_at is not None:
         raise APIError(401, "Invalid or revoked API key.", code="invalid_api_key")
+    _touch_api_key(session, row.ApiKey)
     return row.Tenant
 
 

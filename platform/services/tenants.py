@@ -10,6 +10,7 @@ Money is integer micro-dollars here (``Price`` and ``Tenant.monthly_budget_micro
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from decimal import Decimal
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.engine import AsyncEngine
 from loramux.platform.api.errors import APIError
@@ -290,3 +291,20 @@ async def push_scheduling(engine: AsyncEngine, tenant: Tenant) -> None:
     """
     await engine.set_tenant_weight(tenant.id, tenant.weight)
     await engine.set_tenant_priority(tenant.id, tenant.priority)
+
+
+async def push_all_scheduling(sessions: sessionmaker[Session], engine: AsyncEngine) -> int:
+    """Tell a (re)started engine every live tenant's weight and priority; returns how many.
+
+    The engine keeps these in memory only: without this a restart would run every tenant
+    at the default share until an operator changed it again.
+    """
+
+    def live() -> list[Tenant]:
+        with sessions() as session:
+            return list(session.scalars(select(Tenant).where(Tenant.deleted_at.is_(None))))
+
+    tenants = await asyncio.to_thread(live)
+    for tenant in tenants:
+        await push_scheduling(engine, tenant)
+    return len(tenants)

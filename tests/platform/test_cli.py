@@ -207,6 +207,25 @@ def test_serve_first_start_prints_the_token_and_serves_models(seeded_data_dir, t
     curl_lines = [line for line in output.splitlines() if "curl" in line]
     assert any(f"{server.base_url}/v1/models" in line for line in curl_lines), output
     assert any(token in line for line in curl_lines), output
+    # The walkthrough: a tenant, its key, an adapter upload and a completion with it.
+    assert f"BASE={server.base_url}" in output, output
+    assert f"ADMIN_TOKEN={token}" in output, output
+    walkthrough = {
+        "tenant": "TENANT_ID=$(curl -s $BASE/admin/tenants ",
+        "key": "API_KEY=$(curl -s $BASE/admin/tenants/$TENANT_ID/api-keys ",
+        "upload": "curl -s $BASE/v1/adapters ",
+        "completion": "curl -s $BASE/v1/completions ",
+    }
+    for step, start in walkthrough.items():
+        assert any(start in line for line in curl_lines), f"no {step} curl:\n{output}"
+    upload = next(line for line in curl_lines if "$BASE/v1/adapters" in line)
+    for part in (
+        "-F name=",
+        "-F files=@adapter_config.json",
+        "-F files=@adapter_model.safetensors",
+    ):
+        assert part in upload, upload
+    assert any('"model": "my-adapter"' in line for line in curl_lines), output
     # The seeded directory was used, not converted again.
     assert "Converting" not in output, output
 

@@ -1,0 +1,101 @@
+"""``GET /metrics``: Prometheus text of the engine's registry plus the platform's own.
+
+The platform registry (HTTP requests and their latency, by route template) is built per
+app in :func:`loramux.platform.app.create_app`, never at import. ``/metrics`` needs no
+token: serve it on an internal network only (scrapers), never expose it publicly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loramux.platform.api.deps import ContextDep
+
+UNMATCHED_ROUTE = "<unmatched>"  # one label for every path no route matched (bounded labels)
+
+
+class PlatformMetrics:
+    """The platform's Prometheus metrics, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.http_requests = Counter(
+            "loramux_http_requests",
+            "HTTP requests served, by method, route template and status code.",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.http_request_seconds = Histogram(
+            "loramux_http_request_duration_seconds",
+            "Time from a request's arrival to the end of its response.",
+            ["method", "route"],
+            registry=self.registry,
+        )
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(method, route, str(status)).inc()
+        self.http_request_seconds.labels(method, route).observe(seconds)
+
+
+def _route_template(scope: Scope) -> str:
+    # The router records the matched route in the scope (the template, not the raw path,
+    # so /v1/adapters/{name} is one series whatever the names).
+    route = scope.get("route")
+    return getattr(route, "path", None) or UNMATCHED_ROUTE
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP request and times it until its response ends (or fails: 500)."""
+
+    def __init__(self, app: ASGIApp, metrics: PlatformMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.metrics.observe(
+                scope["method"], _route_template(scope), status, time.perf_counter() - started
+            )
+
+
+def get_platform_metrics(request: Request) -> PlatformMetrics:
+    return request.app.state.platform_metrics
+
+
+PlatformMetricsDep = Annotated[PlatformMetrics, Depends(get_platform_metrics)]
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(context: ContextDep, platform_metrics: PlatformMetricsDep) -> Response:
+    """Prometheus exposition (unauthenticated: keep it off public networks)."""
+    parts = [generate_latest(platform_metrics.registry)]
+    if context.engine is not None:
+        parts.append(generate_latest(context.engine.engine.metrics.registry))
+    return Response(b"".join(parts), media_type=CONTENT_TYPE_LATEST)
