@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api import adapters, admin, completions, health, metrics, models, usage
 from loramux.platform.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
@@ -13,6 +14,7 @@ from loramux.platform.api.errors import install_error_handlers
 from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
+from loramux.platform.services.adapters import discard_interrupted_uploads
 from loramux.platform.services.tenants import push_all_scheduling
 
 
@@ -24,6 +26,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Uploads cut off by a crash or restart must not linger as "validating" forever.
+        await run_in_threadpool(discard_interrupted_uploads, context.sessions)
         # The in-process engine's step thread lives exactly as long as the app.
         if context.engine is not None:
             await context.engine.start()

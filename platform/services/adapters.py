@@ -19,11 +19,12 @@ from __future__ import annotations
 import re
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.engine.model.config import ModelConfig
@@ -269,3 +270,35 @@ def _discard(
     if adapter_created and latest_version(session, adapter) is None:
         session.delete(adapter)
     session.commit()
+
+
+# An upload still uploading/validating after this long was cut off by a crash or restart
+# (a live one finishes in seconds to minutes); uploads longer than this are refused anyway.
+INTERRUPTED_UPLOAD_AGE = timedelta(hours=1)
+
+
+def discard_interrupted_uploads(
+    sessions: sessionmaker[Session], *, older_than: timedelta = INTERRUPTED_UPLOAD_AGE
+) -> int:
+    """Remove versions stuck in uploading/validating (and adapters left with no version).
+
+    Their files never reached the store (files are stored only after validation passes),
+    so the rows are all there is to clean. Returns how many versions were removed.
+    """
+    unfinished = (AdapterStatus.UPLOADING.value, AdapterStatus.VALIDATING.value)
+    with sessions.begin() as session:
+        stale = session.scalars(
+            select(AdapterVersion).where(
+                AdapterVersion.status.in_(unfinished),
+                AdapterVersion.updated_at < utc_now() - older_than,
+            )
+        ).all()
+        adapters = {version.adapter for version in stale}
+        for version in stale:
+            session.delete(version)
+        session.flush()
+        for adapter in adapters:
+            session.expire(adapter, ["versions"])
+            if latest_version(session, adapter) is None:
+                session.delete(adapter)
+    return len(stale)
