@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     celery_broker_url: str | None = Field(
         default=None, description="Celery broker URL. Unset: tasks run in-process."
     )
+    billing_export_group_by: Literal["day", "adapter", "request"] = Field(
+        default="request",
+        description="Grouping of the daily billing export Celery beat writes to the store "
+        "(00:10 UTC, the previous UTC day): `day`, `adapter` or `request`.",
+    )
 
     # --- base model and engine ---------------------------------------------------
     model: str | None = Field(

@@ -1,4 +1,4 @@
-"""The metadata schema: tenants, their prices and API keys, adapters and versions, usage.
+"""The metadata schema: tenants, their prices and API keys, adapters and versions, usage, exports.
 
 Conventions every table follows:
 
@@ -287,6 +287,35 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utc_now, index=True)
 
 
+class BillingExport(Base):
+    """One stored billing export: the usage CSV of every tenant over ``[period_start, period_end)``.
+
+    The CSV (``loramux.platform.services.billing.to_csv``) lies in the object store under
+    ``store_key``; ``sha256`` and ``size_bytes`` describe it and ``rows`` counts its data
+    lines. At most one export per period and grouping: exporting again returns this row.
+    """
+
+    __tablename__ = "billing_exports"
+    __table_args__ = (
+        UniqueConstraint("period_start", "period_end", "group_by"),
+        CheckConstraint("period_start < period_end", name="period_ordered"),
+        CheckConstraint("format IN ('csv')", name="format_known"),
+        CheckConstraint("size_bytes >= 0", name="size_non_negative"),
+        CheckConstraint("rows >= 0", name="rows_non_negative"),
+    )
+
+    id: Mapped[str] = _id_column()
+    period_start: Mapped[datetime] = mapped_column(UtcDateTime())
+    period_end: Mapped[datetime] = mapped_column(UtcDateTime())
+    group_by: Mapped[str] = mapped_column(String(16))
+    format: Mapped[str] = mapped_column(String(8), default="csv")
+    store_key: Mapped[str] = mapped_column(String(STORE_KEY_LENGTH))
+    sha256: Mapped[str] = mapped_column(String(SHA256_HEX_LENGTH))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _created_at_column()
+
+
 __all__ = [
     "NAMING_CONVENTION",
     "Adapter",
@@ -294,6 +323,7 @@ __all__ = [
     "AdapterVersion",
     "ApiKey",
     "Base",
+    "BillingExport",
     "Price",
     "Tenant",
     "UsageRecord",

@@ -1,0 +1,57 @@
+"""Revision 0002 (billing_exports) up and down on PostgreSQL, matching the model."""
+
+from __future__ import annotations
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+
+from loramux.platform.db.migrate import current, downgrade, upgrade
+from loramux.platform.db.models import Base
+from loramux.platform.db.session import create_engine_for
+
+
+def _inspect(url: str) -> tuple[set[str], list, dict[str, list[str]]]:
+    """Tables, differences from the models, and billing_exports' unique constraints."""
+    engine = create_engine_for(url)
+    try:
+        with engine.connect() as connection:
+            inspector = inspect(connection)
+            tables = set(inspector.get_table_names()) - {"alembic_version"}
+            differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+            unique = (
+                {u["name"]: u["column_names"] for u in inspector.get_unique_constraints(t)}
+                if (t := "billing_exports") in tables
+                else {}
+            )
+            return tables, differences, unique
+    finally:
+        engine.dispose()
+
+
+def test_0002_adds_and_drops_billing_exports(postgres_database_url):
+    url = postgres_database_url
+    upgrade(url, "0001")
+    tables, _, _ = _inspect(url)
+    assert "billing_exports" not in tables and "usage_records" in tables
+
+    upgrade(url, "0002")
+    assert current(url) == "0002"
+    tables, differences, unique = _inspect(url)
+    assert tables == set(Base.metadata.tables)
+    assert differences == []
+    assert unique == {
+        "uq_billing_exports_period_start_period_end_group_by": [
+            "period_start",
+            "period_end",
+            "group_by",
+        ]
+    }
+
+    downgrade(url, "0001")
+    assert current(url) == "0001"
+    tables, _, _ = _inspect(url)
+    assert tables == set(Base.metadata.tables) - {"billing_exports"}
+
+    upgrade(url)
+    assert _inspect(url)[1] == []
