@@ -63,12 +63,12 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        num_blocks = config.kv_cache_bytes // kv_block_bytes(self.model, config.block_size, dtype)
+        block_bytes = kv_block_bytes(self.model, config.block_size, dtype)
+        num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} KV blocks; "
-                "raise it (one block needs "
-                f"{kv_block_bytes(self.model, config.block_size, dtype)} bytes)"
+                f"raise it (one block needs {block_bytes} bytes)"
             )
         # A request must fit in the whole cache, or it could never be scheduled.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)

@@ -56,23 +56,18 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, logprobs) for samplers."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         tables, context_lens, query_lens = [], [], []
         spans: list[tuple[int, int, int | None]] = []
         sample_index: list[int] = []
+        sampling: list = []  # the sequences that sample, in row order
         rows: list[SamplingRow] = []
         suppress: list[list[int]] = []
-        bs = self.block_size
         for item in output.scheduled:
             seq = item.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
-            table = self._block_table(seq.request_id)
             first = len(input_ids)
             input_ids.extend(seq.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(table)
+            tables.append(self._block_table(seq.request_id))
             context_lens.append(end)
             query_lens.append(item.num_tokens)
             if spans and spans[-1][2] == seq.adapter_id:
@@ -81,6 +76,7 @@ class ModelRunner:
                 spans.append((first, len(input_ids), seq.adapter_id))
             if item.samples:
                 sample_index.append(len(input_ids) - 1)
+                sampling.append(seq)
                 rows.append(
                     SamplingRow(
                         params=seq.params,
@@ -92,13 +88,14 @@ class ModelRunner:
                 suppress.append(seq.suppressed_token_ids())
 
         long = {"dtype": torch.long, "device": self.device}
+        plan = plan_attention(tables, context_lens, query_lens, self.block_size, self.device)
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, **long),
-            slot_mapping=torch.tensor(slots, **long),
+            positions=plan.positions,
+            slot_mapping=plan.new_token_slots,
             block_tables=tables,
             context_lens=context_lens,
             query_lens=query_lens,
-            plan=plan_attention(tables, context_lens, query_lens, bs, self.device),
+            plan=plan,
         )
         lora = self.lora_pool.build_step(spans)
         hidden = self.model(torch.tensor(input_ids, **long), meta, self.kv_caches, lora)
@@ -106,7 +103,6 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_index, **long)])
         result = self.sampler.sample(logits, rows, suppress_token_ids=suppress)
-        sampling = [item.seq for item in output.scheduled if item.samples]
         return {
             seq.request_id: (token, logprobs)
             for seq, token, logprobs in zip(

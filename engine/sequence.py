@@ -72,6 +72,8 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
+        # prompt + output in one list, extended as tokens arrive (read every step: no copies)
+        self._token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[TokenLogprobs] = []
         self.params = params
         self.lora = lora
@@ -86,7 +88,11 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.cached_prefix = None  # the prefix-cache hit chosen at admission
         self.adapter_blocked_since: int | None = None  # step it first lost to the adapter cap
-        self._eos_ids = eos_token_ids
+        # Tokens that end the output (and are suppressed until min_tokens): the request's
+        # stop ids, plus the model's end-of-sequence ids unless ignore_eos.
+        self._stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
         self._max_model_len = max_model_len
         self.metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
@@ -100,7 +106,8 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens. The engine's own list: read it, don't modify it."""
+        return self._token_ids
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -124,15 +131,13 @@ class Sequence:
         """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens)."""
         if len(self.output_token_ids) >= self.params.min_tokens:
             return []
-        ids = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ids |= self._eos_ids
-        return sorted(ids)
+        return sorted(self._stop_ids)
 
     # --- progress ----------------------------------------------------------------
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> str:
         """Add a sampled token, run the stop checks; returns the new text to stream."""
         self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         m = self.metrics
@@ -144,11 +149,9 @@ class Sequence:
         m.last_token_time = now
 
         params = self.params
-        past_min = len(self.output_token_ids) > params.min_tokens or params.min_tokens == 0
-        if not params.ignore_eos and token_id in self._eos_ids and past_min:
-            self._finish(FinishReason.STOP, token_id)
-            return self.detokenizer.finish()
-        if token_id in params.stop_token_ids and past_min:
+        # The token just appended is output number len(...); EOS counts from min_tokens + 1.
+        past_min = len(self.output_token_ids) > params.min_tokens
+        if token_id in self._stop_ids and past_min:
             self._finish(FinishReason.STOP, token_id)
             return self.detokenizer.finish()
         delta = self.detokenizer.add_token(token_id)

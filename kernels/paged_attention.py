@@ -35,16 +35,28 @@ def write_kv(
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Per-step gather indices, shared by every layer (built once by the runner).
+    """Per-step indices shared by every layer (built once by the runner).
 
     Decode tokens (one query each) are attended in one batched call over their
     contexts padded to the longest; prefill chunks one sequence at a time.
     """
 
+    positions: torch.Tensor  # [T] absolute position of every new token
+    new_token_slots: torch.Tensor  # [T] flat cache slot each new token's KV is written to
     decode_rows: torch.Tensor  # [B] token rows of the decode queries
-    decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (0 past its end)
+    decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (block 0 past its end)
     decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
-    prefill: list[tuple[int, int, int, torch.Tensor]]  # (first row, n_new, ctx_len, slots [ctx])
+    # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+
+def flat_slots(
+    tables: torch.Tensor,  # [S, max_blocks] block ids (padded)
+    positions: torch.Tensor,  # [..., N] positions, broadcastable against rows of `tables`
+    block_size: int,
+) -> torch.Tensor:
+    """``table[p // block_size] * block_size + p % block_size`` for each row's positions."""
+    return tables.gather(-1, positions // block_size) * block_size + positions % block_size
 
 
 def plan_attention(
@@ -54,26 +66,45 @@ def plan_attention(
     block_size: int,
     device: torch.device,
 ) -> AttentionPlan:
-    decode_rows, decode_slots, prefill = [], [], []
-    row = 0
-    for table, ctx_len, n_new in zip(block_tables, context_lens, query_lens, strict=True):
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx_len)]
-        if n_new == 1:
-            decode_rows.append(row)
-            decode_slots.append(slots)
-        else:
-            prefill.append((row, n_new, ctx_len, torch.tensor(slots, device=device)))
-        row += n_new
-    longest = max((len(s) for s in decode_slots), default=0)
-    padded = [s + [0] * (longest - len(s)) for s in decode_slots]
-    lens = torch.tensor([len(s) for s in decode_slots], device=device, dtype=torch.long)
-    mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
+    long = {"dtype": torch.long, "device": device}
+    num_seqs = len(block_tables)
+    width = max((len(t) for t in block_tables), default=0) or 1
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], **long)
+    tables = tables.reshape(num_seqs, width)
+    ctx = torch.tensor(context_lens, **long)
+    n_new = torch.tensor(query_lens, **long)
+    # New tokens: sequence s owns rows [ends[s] - n_new[s], ends[s]) at positions
+    # ctx[s] - n_new[s] .. ctx[s] - 1.
+    ends = n_new.cumsum(0)
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, **long), n_new)
+    row = torch.arange(int(ends[-1]) if num_seqs else 0, **long)
+    positions = (ctx - ends)[seq_of_row] + row
+    new_token_slots = flat_slots(tables[seq_of_row], positions[:, None], block_size)[:, 0]
+
+    is_decode = [n == 1 for n in query_lens]
+    decode = torch.tensor([i for i, d in enumerate(is_decode) if d], **long)
+    longest = max((c for c, d in zip(context_lens, is_decode, strict=True) if d), default=0)
+    span = torch.arange(longest, **long)
+    decode_slots = flat_slots(tables[decode], span.expand(len(decode), longest), block_size)
+    decode_mask = span[None, :] < ctx[decode][:, None]
+
+    prefill = []
+    for i, (table_len, ctx_len, n) in enumerate(
+        zip(map(len, block_tables), context_lens, query_lens, strict=True)
+    ):
+        if n == 1:
+            continue
+        keys = torch.arange(ctx_len, **long)
+        slots = flat_slots(tables[i, :table_len], keys, block_size)
+        # Causal, bottom-right aligned: query j (position ctx - n + j) sees keys <= it.
+        causal = keys[ctx_len - n :, None] >= keys[None, :]
+        prefill.append((int(ends[i]) - n, n, slots, causal))
     return AttentionPlan(
-        decode_rows=torch.tensor(decode_rows, device=device, dtype=torch.long),
-        decode_slots=torch.tensor(padded, device=device, dtype=torch.long).reshape(
-            len(padded), longest
-        ),
-        decode_mask=mask[:, None, None, :],
+        positions=positions,
+        new_token_slots=new_token_slots,
+        decode_rows=ends[decode] - 1,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask[:, None, None, :],
         prefill=prefill,
     )
 
@@ -108,14 +139,12 @@ def paged_attention_reference(
         v = v_flat[plan.decode_slots].transpose(1, 2)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
         out.index_copy_(0, plan.decode_rows, attn.reshape(batch, q_heads, head_dim))
-    for first, n_new, ctx_len, slots in plan.prefill:
+    for first, n_new, slots, causal in plan.prefill:
         q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
         k = k_flat[slots].transpose(0, 1)  # [Hkv, L, D]
         v = v_flat[slots].transpose(0, 1)
-        # Causal, bottom-right aligned: query i (position L - n + i) sees keys <= it.
-        q_pos = torch.arange(ctx_len - n_new, ctx_len, device=query.device).repeat(group)
-        mask = q_pos[:, None] >= torch.arange(ctx_len, device=query.device)[None, :]
+        mask = causal.repeat(group, 1)  # query rows are group-major: [group * n_new, L]
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)
         out[first : first + n_new] = attn.reshape(n_new, q_heads, head_dim)

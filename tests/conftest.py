@@ -6,16 +6,12 @@ reason other than needing a GPU is reported as a failure.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.fixtures.ci import _in_ci
+
 pytest_plugins = ["tests.fixtures.services", "tests.fixtures.models", "tests.fixtures.browser"]
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -80,14 +80,6 @@ class LoRAWeights:
     def rank(self) -> int:
         return max(m.rank for m in self.modules.values())
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for m in self.modules.values()
-            for t in (*m.a.values(), *m.b.values())
-        )
-
 
 def _pattern_value(pattern: dict, module: str, default):
     for key, value in (pattern or {}).items():

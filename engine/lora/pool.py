@@ -59,9 +59,6 @@ class LoRAPool(LoRAWeightSource):
         return self._b[module][layer]
 
     # --- residency -------------------------------------------------------------
-    def __contains__(self, adapter_id: int) -> bool:
-        return adapter_id in self._resident
-
     @property
     def num_rows_used(self) -> int:
         return sum(self._row_used)
@@ -134,10 +131,17 @@ class LoRAPool(LoRAWeightSource):
         dense = {}
         if self._device.type == "cpu" and len(used) > 1:
             num_tokens = spans[-1][1]
+            # Modules with the same segments (an adapter targeting several modules) share
+            # one batch: the mask and scales depend on the segments only.
+            built: dict[tuple, LoRADenseBatch | None] = {}
             for module, module_segments in segments.items():
-                batch = self._dense_batch(module_segments, num_tokens)
-                if batch is not None:
-                    dense[module] = batch
+                key = tuple(
+                    (s.start, s.end, s.contiguous_start, s.rank, s.scale) for s in module_segments
+                )
+                if key not in built:
+                    built[key] = self._dense_batch(module_segments, num_tokens)
+                if built[key] is not None:
+                    dense[module] = built[key]
         return LoRAStep(pools=self, segments=segments, max_rank=max_rank, dense=dense)
 
     def _dense_batch(self, segments: list[LoRASegment], num_tokens: int) -> LoRADenseBatch | None:

@@ -297,7 +297,6 @@ async def create_chat_completion(
 ):
     """A chat completion: the messages rendered with the base model's chat template."""
     target = await service.resolve(session, tenant, body.model, runtime)
-    prompt = service.render_chat([m.for_template() for m in body.messages])
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -307,7 +306,7 @@ async def create_chat_completion(
         tenant,
         target,
         request_id=new_request_id("chatcmpl"),
-        prompt=prompt,
+        messages=[m.for_template() for m in body.messages],
         n=body.n,
         sampling=_sampling(body, max_tokens=max_tokens, logprobs=top_logprobs),
     )

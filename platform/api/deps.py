@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Iterator
 from datetime import timedelta
@@ -17,6 +16,7 @@ from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import ApiKey, Tenant
 from loramux.platform.db.types import utc_now
 from loramux.platform.services.adapter_runtime import AdapterRuntime
+from loramux.platform.services.api_keys import api_key_hash
 
 
 def get_context(request: Request) -> PlatformContext:
@@ -41,9 +41,16 @@ def bearer_token(request: Request) -> str:
 BearerDep = Annotated[str, Depends(bearer_token)]
 
 
+def is_admin_token(context: PlatformContext, token: str) -> bool:
+    """Whether ``token`` is the operator's admin token.
+
+    Timing-safe: the comparison takes as long whatever prefix matches.
+    """
+    return hmac.compare_digest(token.encode(), context.admin_token.encode())
+
+
 def require_admin(context: ContextDep, token: BearerDep) -> None:
-    # Timing-safe: the comparison takes as long whatever prefix matches.
-    if not hmac.compare_digest(token.encode(), context.admin_token.encode()):
+    if not is_admin_token(context, token):
         raise APIError(401, "Invalid admin token.", code="invalid_api_key")
 
 
@@ -59,11 +66,6 @@ def get_session(context: ContextDep) -> Iterator[Session]:
 # scope="function": commit before the response is sent, so a failed commit is an error
 # response rather than a success the database then doesn't hold.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
-
-
-def api_key_hash(key: str) -> str:
-    """Keys are stored only as their sha256 (they are random, so no salt is needed)."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)

@@ -6,13 +6,18 @@ and each of its adapters with a ready version, named as the tenant named them.
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from loramux.platform.api.deps import BearerDep, ContextDep, SessionDep, current_tenant
+from loramux.platform.api.deps import (
+    BearerDep,
+    ContextDep,
+    SessionDep,
+    current_tenant,
+    is_admin_token,
+)
 from loramux.platform.db.models import Tenant
 from loramux.platform.services import adapters
 
@@ -35,7 +40,7 @@ class ModelList(BaseModel):
 
 def admin_or_tenant(context: ContextDep, session: SessionDep, token: BearerDep) -> Tenant | None:
     """``None`` for the admin token, the tenant for a live API key; 401 otherwise."""
-    if hmac.compare_digest(token.encode(), context.admin_token.encode()):
+    if is_admin_token(context, token):
         return None
     return current_tenant(session, token)
 

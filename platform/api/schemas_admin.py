@@ -29,9 +29,9 @@ from loramux.platform.db.models import (
 )
 from loramux.platform.services.api_keys import IssuedKey
 from loramux.platform.services.tenants import (
+    SCHEDULING_SETTINGS,
     NewTenant,
     PriceChange,
-    PriceSpec,
     TenantView,
     micro_usd_to_usd,
     usd_to_micro_usd,
@@ -66,6 +66,10 @@ def _micro(usd: float | None) -> int | None:
     return None if usd is None else usd_to_micro_usd(usd)
 
 
+def _usd(micro_usd: int | None) -> float | None:
+    return None if micro_usd is None else micro_usd_to_usd(micro_usd)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -88,8 +92,13 @@ class TenantCreate(_Request):
     output_price_per_mtok: Usd = 0.0
 
     def to_new_tenant(self) -> NewTenant:
-        input_micro = usd_to_micro_usd(self.input_price_per_mtok)
-        cached = _micro(self.cached_input_price_per_mtok)
+        # Every part given (input always is), so nothing comes from the empty price list;
+        # PriceChange applies the rule that the cached-input price follows the input price.
+        price = PriceChange(
+            input=usd_to_micro_usd(self.input_price_per_mtok),
+            cached_input=_micro(self.cached_input_price_per_mtok),
+            output=usd_to_micro_usd(self.output_price_per_mtok),
+        ).applied_to(None)
         return NewTenant(
             name=self.name,
             priority=self.priority,
@@ -97,11 +106,7 @@ class TenantCreate(_Request):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             monthly_budget_micro_usd=_micro(self.monthly_budget_usd),
-            price=PriceSpec(
-                input=input_micro,
-                cached_input=input_micro if cached is None else cached,
-                output=usd_to_micro_usd(self.output_price_per_mtok),
-            ),
+            price=price,
         )
 
 
@@ -163,7 +168,7 @@ class TenantUpdate(_Request):
         return PriceChange(**changes) if changes else None
 
     def changes_scheduling(self) -> bool:
-        return bool(self.model_fields_set & {"priority", "weight"})
+        return bool(self.model_fields_set & SCHEDULING_SETTINGS)
 
 
 class TenantOut(BaseModel):
@@ -186,7 +191,6 @@ class TenantOut(BaseModel):
     @classmethod
     def from_view(cls, view: TenantView) -> TenantOut:
         tenant, price = view.tenant, view.price
-        budget = tenant.monthly_budget_micro_usd
         return cls(
             id=tenant.id,
             name=tenant.name,
@@ -194,16 +198,10 @@ class TenantOut(BaseModel):
             weight=tenant.weight,
             requests_per_minute=tenant.requests_per_minute,
             tokens_per_minute=tenant.tokens_per_minute,
-            monthly_budget_usd=None if budget is None else micro_usd_to_usd(budget),
-            input_price_per_mtok=None
-            if price is None
-            else micro_usd_to_usd(price.input_micro_usd_per_mtok),
-            cached_input_price_per_mtok=None
-            if price is None
-            else micro_usd_to_usd(price.cached_input_micro_usd_per_mtok),
-            output_price_per_mtok=None
-            if price is None
-            else micro_usd_to_usd(price.output_micro_usd_per_mtok),
+            monthly_budget_usd=_usd(tenant.monthly_budget_micro_usd),
+            input_price_per_mtok=_usd(price and price.input_micro_usd_per_mtok),
+            cached_input_price_per_mtok=_usd(price and price.cached_input_micro_usd_per_mtok),
+            output_price_per_mtok=_usd(price and price.output_micro_usd_per_mtok),
             created_at=tenant.created_at,
             updated_at=tenant.updated_at,
         )

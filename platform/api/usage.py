@@ -15,7 +15,6 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from loramux.platform.api.deps import AdminDep, CurrentTenant, SessionDep
-from loramux.platform.api.errors import APIError
 from loramux.platform.api.schemas_usage import (
     REPORT_SCHEMAS,
     AdminUsageQuery,
@@ -24,6 +23,7 @@ from loramux.platform.api.schemas_usage import (
 )
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.billing import UsageReport, to_csv, usage_report
+from loramux.platform.services.tenants import tenant_not_found
 
 router = APIRouter(tags=["usage"])
 
@@ -57,7 +57,7 @@ def admin_usage(
 ) -> Response | UsageReportOut:
     """Any tenant's usage (every tenant's without ``tenant_id``), grouped and totalled."""
     if query.tenant_id is not None and session.get(Tenant, query.tenant_id) is None:
-        raise APIError(404, f"No tenant with id {query.tenant_id!r}.", code="tenant_not_found")
+        raise tenant_not_found(query.tenant_id)
     report = usage_report(
         session,
         tenant_id=query.tenant_id,

@@ -327,7 +327,8 @@ def validate_adapter_dir(
     rank, modules, dtype = _check_tensors(entries, model_config, max_rank)
     _check_finite(weights_path, entries)
     try:
-        load_adapter(adapter_dir, model_config, max_rank=max_rank)
+        # In the file's own dtype: a check, so no reason to make an fp32 copy of the weights.
+        load_adapter(adapter_dir, model_config, max_rank=max_rank, dtype=getattr(torch, dtype))
     except AdapterError as exc:
         raise UploadRejected(str(exc)) from exc
     return AdapterInfo(

@@ -16,6 +16,7 @@ async routes call them through the thread pool. Functions that write commit befo
 
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
 from dataclasses import dataclass
@@ -80,13 +81,17 @@ def _not_found(name: str) -> APIError:
     return APIError(404, f"No adapter named {name!r}.", code="adapter_not_found")
 
 
-def live_adapter(session: Session, tenant: Tenant, name: str) -> Adapter:
-    """The tenant's live adapter called ``name``; 404 otherwise."""
-    adapter = session.scalar(
+def _find_live_adapter(session: Session, tenant_id: str, name: str) -> Adapter | None:
+    return session.scalar(
         select(Adapter).where(
-            Adapter.tenant_id == tenant.id, Adapter.name == name, Adapter.deleted_at.is_(None)
+            Adapter.tenant_id == tenant_id, Adapter.name == name, Adapter.deleted_at.is_(None)
         )
     )
+
+
+def live_adapter(session: Session, tenant: Tenant, name: str) -> Adapter:
+    """The tenant's live adapter called ``name``; 404 otherwise."""
+    adapter = _find_live_adapter(session, tenant.id, name)
     if adapter is None:
         raise _not_found(name)
     return adapter
@@ -101,27 +106,43 @@ def latest_version(
     return session.scalar(query.order_by(AdapterVersion.version.desc()).limit(1))
 
 
+def ready_version(
+    session: Session, tenant_id: str, name: str
+) -> tuple[Adapter, AdapterVersion] | None:
+    """The tenant's live adapter called ``name`` and its newest ready version, if both exist."""
+    adapter = _find_live_adapter(session, tenant_id, name)
+    if adapter is None:
+        return None
+    version = latest_version(session, adapter, ready=True)
+    return None if version is None else (adapter, version)
+
+
 def get_adapter(session: Session, adapter: Adapter) -> AdapterView:
     return AdapterView(adapter, latest_version(session, adapter))
 
 
+def _live_adapters(session: Session, tenant: Tenant) -> list[Adapter]:
+    return list(
+        session.scalars(
+            select(Adapter)
+            .where(Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None))
+            .order_by(Adapter.name)
+        ).all()
+    )
+
+
 def list_adapters(session: Session, tenant: Tenant) -> list[AdapterView]:
     """The tenant's live adapters, by name, each with its latest version."""
-    adapters = session.scalars(
-        select(Adapter)
-        .where(Adapter.tenant_id == tenant.id, Adapter.deleted_at.is_(None))
-        .order_by(Adapter.name)
-    ).all()
-    return [get_adapter(session, adapter) for adapter in adapters]
+    return [get_adapter(session, adapter) for adapter in _live_adapters(session, tenant)]
 
 
 def ready_adapters(session: Session, tenant: Tenant) -> list[AdapterView]:
     """The tenant's live adapters that can serve, each with its latest ready version."""
     views = []
-    for view in list_adapters(session, tenant):
-        ready = latest_version(session, view.adapter, ready=True)
+    for adapter in _live_adapters(session, tenant):
+        ready = latest_version(session, adapter, ready=True)
         if ready is not None:
-            views.append(AdapterView(view.adapter, ready))
+            views.append(AdapterView(adapter, ready))
     return views
 
 
@@ -155,7 +176,7 @@ def upload_adapter(
                 adapter_dir = _adapter_dir(received, Path(work))
                 info = validate_adapter_dir(
                     adapter_dir,
-                    ModelConfig.from_pretrained(context.base_model.path),
+                    _base_model_config(context.base_model.path),
                     base_model_id=context.base_model.model_id,
                     max_rank=MAX_RANK,
                     max_bytes=MAX_UPLOAD_BYTES,
@@ -170,6 +191,12 @@ def upload_adapter(
         _mark_ready(version, info, config=config, weights=weights)
         session.commit()
         return AdapterView(adapter, version)
+
+
+@functools.lru_cache(maxsize=4)
+def _base_model_config(path: Path) -> ModelConfig:
+    """The base model's parsed config, read once per model directory (not per upload)."""
+    return ModelConfig.from_pretrained(path)
 
 
 def _begin(

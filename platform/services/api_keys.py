@@ -7,13 +7,13 @@ authenticates with the same hash and refuses revoked keys and deleted tenants.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loramux.platform.api.deps import api_key_hash
 from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import ApiKey
 from loramux.platform.db.types import utc_now
@@ -22,6 +22,11 @@ from loramux.platform.services.tenants import live_tenant
 KEY_PREFIX = "lmx-"
 KEY_RANDOM_BYTES = 32  # token_urlsafe(32): 256 random bits, 43 characters
 DISPLAY_PREFIX_LENGTH = 12  # "lmx-" and 8 random characters: enough to tell keys apart
+
+
+def api_key_hash(key: str) -> str:
+    """Keys are stored only as their sha256 (they are random, so no salt is needed)."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

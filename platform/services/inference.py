@@ -35,10 +35,12 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import TokenLogprobs
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
-from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion, Tenant, UsageRecord
+from loramux.platform.db.models import Tenant, UsageRecord
 from loramux.platform.limits import TenantLimits
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
+from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
+from loramux.platform.services.tenants import micro_usd_to_usd
 
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
 _NO_USAGE = {  # a request that delivered no token is not recorded, hence not billed
@@ -175,7 +177,7 @@ class InferenceService:
     async def adapter_target(
         self, session: Session, tenant: Tenant, name: str, runtime: AdapterRuntime
     ) -> Target:
-        found = await run_in_threadpool(_ready_version, session, tenant.id, name)
+        found = await run_in_threadpool(ready_version, session, tenant.id, name)
         if found is None:
             raise APIError(
                 404,
@@ -224,18 +226,54 @@ class InferenceService:
         target: Target,
         *,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
         n: int,
         sampling: dict[str, Any],
         default_max_tokens: int | None = None,
     ) -> Job:
-        """Validate, check budget and limits, and reserve tokens: the job to run."""
+        """Validate, check budget and limits, and reserve tokens: the job to run.
+
+        The prompt is ``prompt``, or ``messages`` rendered with the chat template. The
+        blocking work (tokenizing, the budget query, the rate limiter) runs in one worker
+        thread, off the event loop.
+        """
+        return await run_in_threadpool(
+            self._prepare_sync,
+            session,
+            tenant,
+            target,
+            request_id=request_id,
+            prompt=prompt,
+            messages=messages,
+            n=n,
+            sampling=sampling,
+            default_max_tokens=default_max_tokens,
+        )
+
+    def _prepare_sync(
+        self,
+        session: Session,
+        tenant: Tenant,
+        target: Target,
+        *,
+        request_id: str,
+        prompt: str | list[int] | None,
+        messages: Sequence[dict[str, Any]] | None,
+        n: int,
+        sampling: dict[str, Any],
+        default_max_tokens: int | None,
+    ) -> Job:
+        if messages is not None:
+            prompt = self.render_chat(messages)
+        if prompt is None:
+            raise TypeError("prepare needs a prompt or messages")
         prompt_tokens = self.count_prompt(prompt)
         if sampling.get("max_tokens") is None:
             sampling["max_tokens"] = default_max_tokens or self.default_max_tokens(prompt_tokens)
         params = build_params(sampling, n)
         caller = Caller.of(tenant)
-        await run_in_threadpool(check_budget, session, tenant)
+        check_budget(session, tenant)
         reserved = n * (prompt_tokens + params[0].max_tokens)
         self._reserve(caller, reserved)
         return Job(
@@ -418,26 +456,7 @@ def check_budget(session: Session, tenant: Tenant) -> None:
     if spent >= budget:
         raise APIError(
             402,
-            f"Monthly budget exhausted: this month's usage costs ${spent / 1e6:.6f} of a "
-            f"${budget / 1e6:.6f} budget. Ask your operator to raise it.",
+            f"Monthly budget exhausted: this month's usage costs ${micro_usd_to_usd(spent):.6f} of a "
+            f"${micro_usd_to_usd(budget):.6f} budget. Ask your operator to raise it.",
             code="budget_exceeded",
         )
-
-
-def _ready_version(
-    session: Session, tenant_id: str, name: str
-) -> tuple[Adapter, AdapterVersion] | None:
-    """The tenant's live adapter called ``name`` and its newest ready version."""
-    row = session.execute(
-        select(Adapter, AdapterVersion)
-        .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
-        .where(
-            Adapter.tenant_id == tenant_id,
-            Adapter.name == name,
-            Adapter.deleted_at.is_(None),
-            AdapterVersion.status == AdapterStatus.READY.value,
-        )
-        .order_by(AdapterVersion.version.desc())
-        .limit(1)
-    ).first()
-    return None if row is None else (row.Adapter, row.AdapterVersion)

@@ -141,7 +141,7 @@ class TenantView:
 # --- reads -----------------------------------------------------------------------------------
 
 
-def _not_found(tenant_id: str) -> APIError:
+def tenant_not_found(tenant_id: str) -> APIError:
     return APIError(404, f"No tenant with id {tenant_id!r}.", code="tenant_not_found")
 
 
@@ -152,7 +152,7 @@ def live_tenant(session: Session, tenant_id: str, *, for_update: bool = False) -
         statement = statement.with_for_update()
     tenant = session.scalars(statement).first()
     if tenant is None:
-        raise _not_found(tenant_id)
+        raise tenant_not_found(tenant_id)
     return tenant
 
 

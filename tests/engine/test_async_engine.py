@@ -11,17 +11,12 @@ import time
 
 import pytest
 
-from loramux.engine import Engine, EngineConfig, EngineError, RequestOutput, SamplingParams
+from loramux.engine import Engine, EngineError, RequestOutput, SamplingParams
 from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineStoppedError
+from tests.engine.factories import PROMPTS, build_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-PROMPTS = [
-    "Hello there, how are you today?",
-    "The capital of France is",
-    "Once upon a time, in a land far away,",
-    "def fibonacci(n):\n    ",
-]
 
 
 @pytest.fixture
@@ -34,18 +29,7 @@ def adapters(tiny_model_dir, make_adapter):
 
 @pytest.fixture
 def engine(tiny_model_dir, adapters) -> Engine:
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            kv_cache_bytes=16 << 20,
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            dtype="float32",
-        )
-    )
-    for name, path in adapters.items():
-        engine.add_adapter(name, path)
-    return engine
+    return build_engine(tiny_model_dir, adapters)
 
 
 async def collect(aengine: AsyncEngine, prompt, params=GREEDY, **kwargs) -> list[RequestOutput]:

@@ -28,6 +28,11 @@ def tiny_adapters(tiny_model_dir, make_adapter):
     return {name: make_adapter(tiny_model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
 
 
+@pytest.fixture(scope="module")
+def smollm2_adapters(smollm2_dir, make_adapter):
+    return {name: make_adapter(smollm2_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+
+
 def run_staggered(engine: Engine, requests: list[tuple[str, str | None]], max_tokens: int):
     """Add one request per step (so they arrive at different steps), then drain."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -126,8 +131,8 @@ def test_preemption_matches_peft(tiny_model_dir, tiny_adapters):
     assert engine.kv.num_used_blocks == 0
 
 
-def test_first_step_logits_match_peft(tiny_model_dir, tiny_adapters):
-    engine = build_engine(tiny_model_dir, tiny_adapters)
+def assert_first_step_logits_match(engine, model_dir, adapters):
+    """The engine's logits for a mixed first step equal transformers + PEFT's, per request."""
     captured = []
     compute = engine.model.compute_logits
     engine.model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
@@ -138,16 +143,21 @@ def test_first_step_logits_match_peft(tiny_model_dir, tiny_adapters):
         adapters=[a for _, a in requests],
     )
     logits = captured[0]
-    assert logits.shape[0] == 4
+    assert logits.shape[0] == len(requests)
     for row, (prompt, adapter) in enumerate(requests):
         expected = first_step_logits(
-            tiny_model_dir,
-            None if adapter is None else tiny_adapters[adapter],
+            model_dir,
+            None if adapter is None else adapters[adapter],
             engine.tokenizer(prompt)["input_ids"],
         )
         got = logits[_row_of(engine, requests, row)]
         rel = (got - expected).abs().max() / expected.abs().max()
         assert rel < 1e-4, (prompt, adapter, float(rel))
+
+
+def test_first_step_logits_match_peft(tiny_model_dir, tiny_adapters):
+    engine = build_engine(tiny_model_dir, tiny_adapters)
+    assert_first_step_logits_match(engine, tiny_model_dir, tiny_adapters)
 
 
 def _row_of(engine, requests, index):
@@ -161,21 +171,21 @@ def _row_of(engine, requests, index):
 
 
 @pytest.mark.slow
-def test_smollm2_mixed_batch_matches_peft(smollm2_dir, make_adapter):
-    adapters = {name: make_adapter(smollm2_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
-    engine = build_engine(smollm2_dir, adapters, kv_cache_bytes=64 << 20, max_num_batched_tokens=64)
+def test_smollm2_mixed_batch_matches_peft(smollm2_dir, smollm2_adapters):
+    engine = build_engine(
+        smollm2_dir, smollm2_adapters, kv_cache_bytes=64 << 20, max_num_batched_tokens=64
+    )
     requests = mixed_requests(6)
     outputs = run_staggered(engine, requests, 16)
-    assert_matches_reference(engine, smollm2_dir, adapters, requests, outputs, 16)
+    assert_matches_reference(engine, smollm2_dir, smollm2_adapters, requests, outputs, 16)
 
 
 @pytest.mark.slow
-def test_smollm2_preemption_and_prefix_hits_match_peft(smollm2_dir, make_adapter):
-    adapters = {name: make_adapter(smollm2_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+def test_smollm2_preemption_and_prefix_hits_match_peft(smollm2_dir, smollm2_adapters):
     # 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KiB per token; 20 blocks of 4 tokens.
     engine = build_engine(
         smollm2_dir,
-        adapters,
+        smollm2_adapters,
         kv_cache_bytes=20 * 4 * 46080,
         block_size=4,
         max_num_batched_tokens=32,
@@ -188,33 +198,20 @@ def test_smollm2_preemption_and_prefix_hits_match_peft(smollm2_dir, make_adapter
     outputs = run_staggered(engine, requests, 12)
     assert engine.num_preemptions > 0
     assert engine.kv.prefix_cache_hits > 0
-    assert_matches_reference(engine, smollm2_dir, adapters, requests, outputs, 12)
+    assert_matches_reference(engine, smollm2_dir, smollm2_adapters, requests, outputs, 12)
 
 
-def test_logits_dtype_is_float32(tiny_model_dir, tiny_adapters):
-    engine = build_engine(tiny_model_dir, {})
-    assert next(engine.model.parameters()).dtype == torch.float32
-
-
-@pytest.mark.slow
-def test_smollm2_first_step_logits_match_peft(smollm2_dir, make_adapter):
-    adapters = {name: make_adapter(smollm2_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
-    engine = build_engine(smollm2_dir, adapters, kv_cache_bytes=64 << 20)
+def test_fp32_engine_computes_float32_logits(tiny_model_dir):
+    engine = build_engine(tiny_model_dir)
     captured = []
     compute = engine.model.compute_logits
     engine.model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
-    requests = mixed_requests(4)
-    engine.generate(
-        [p for p, _ in requests],
-        SamplingParams(max_tokens=1, temperature=0.0),
-        adapters=[a for _, a in requests],
-    )
-    for row, (prompt, adapter) in enumerate(requests):
-        expected = first_step_logits(
-            smollm2_dir,
-            None if adapter is None else adapters[adapter],
-            engine.tokenizer(prompt)["input_ids"],
-        )
-        got = captured[0][_row_of(engine, requests, row)]
-        rel = (got - expected).abs().max() / expected.abs().max()
-        assert rel < 1e-4, (prompt, adapter, float(rel))
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert captured
+    assert all(logits.dtype == torch.float32 for logits in captured)
+
+
+@pytest.mark.slow
+def test_smollm2_first_step_logits_match_peft(smollm2_dir, smollm2_adapters):
+    engine = build_engine(smollm2_dir, smollm2_adapters, kv_cache_bytes=64 << 20)
+    assert_first_step_logits_match(engine, smollm2_dir, smollm2_adapters)

@@ -7,13 +7,10 @@ from prometheus_client import generate_latest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
 from loramux.engine.metrics import EngineMetrics
+from tests.engine.factories import PROMPTS as ALL_PROMPTS
 from tests.engine.factories import build_engine
 
-PROMPTS = [
-    "Hello there, how are you today?",
-    "The capital of France is",
-    "Once upon a time, in a land far away,",
-]
+PROMPTS = ALL_PROMPTS[:3]
 MAX_TOKENS = [5, 8, 3]
 # Well over a few 16-token blocks, so a second run finds a cached prefix.
 LONG_PROMPT = " ".join(f"item {i} is number {i * 7} in the list;" for i in range(12))

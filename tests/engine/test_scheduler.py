@@ -448,7 +448,7 @@ def test_vtc_shares_tokens_in_proportion_to_tenant_weights():
             sim.served.clear()  # measure the steady state
         sim.step()
     ratio = sim.served["heavy"] / sim.served["light"]
-    assert 2.0 * 0.85 <= ratio <= 2.0 * 1.15, sim.served
+    assert 2.0 * 0.95 <= ratio <= 2.0 * 1.05, sim.served  # observed 2.0075
 
 
 def test_vtc_equal_weights_share_equally():
@@ -463,7 +463,7 @@ def test_vtc_equal_weights_share_equally():
             sim.served.clear()
         sim.step()
     ratio = sim.served["x"] / sim.served["y"]
-    assert 0.85 <= ratio <= 1.15, sim.served
+    assert 0.95 <= ratio <= 1.05, sim.served  # observed 1.0
 
 
 def test_vtc_returning_idle_tenant_cannot_monopolize():
@@ -492,7 +492,7 @@ def test_vtc_returning_idle_tenant_cannot_monopolize():
         sim.step()
     # Without the lift "idle" would take (nearly) everything for ~200 steps.
     share = sim.served["idle"] / (sim.served["idle"] + sim.served["busy"])
-    assert 0.35 <= share <= 0.65, sim.served
+    assert 0.5 * 0.95 <= share <= 0.5 * 1.05, sim.served  # observed 0.5
 
 
 # --- adapter cap and starvation guard -----------------------------------------------------

@@ -11,16 +11,12 @@ import pytest
 import torch
 
 from loramux.kernels.lora import LoRASegment, lora_expand, lora_shrink
+from tests.kernels.helpers import DTYPES, assert_close
 
 IN_FEATURES = 37
 OUT_FEATURES = 29
 POOL_ROWS = 160
 MAX_RANK = 72  # wider than the largest segment rank (64): columns 64.. stay zero
-
-DTYPES = [
-    pytest.param(torch.float32, 1e-5, id="float32"),
-    pytest.param(torch.float64, 1e-12, id="float64"),
-]
 
 
 def _segment(start: int, end: int, rows: list[int], scale: float, contiguous: bool) -> LoRASegment:
@@ -92,13 +88,6 @@ def _data(dtype, tokens):
     return x, a_pool, b_pool, out
 
 
-def _close(actual, expected, rtol):
-    # Relative to the result's scale, so entries near zero from cancellation don't
-    # demand more precision than the dtype has.
-    atol = rtol * float(expected.abs().max())
-    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
 def test_shrink_matches_naive_loop(dtype, rtol):
     tokens, segments, untouched = _batch()
@@ -108,7 +97,7 @@ def test_shrink_matches_naive_loop(dtype, rtol):
 
     assert y.shape == (tokens, MAX_RANK)
     assert y.dtype == dtype
-    _close(y, _naive_shrink(x, a_pool, segments, MAX_RANK), rtol)
+    assert_close(y, _naive_shrink(x, a_pool, segments, MAX_RANK), rtol)
     # Columns past each segment's rank, past every rank, and rows of tokens without an
     # adapter are exactly zero.
     for seg in segments:
@@ -127,7 +116,7 @@ def test_expand_matches_naive_loop(dtype, rtol):
 
     lora_expand(out, y, b_pool, segments)
 
-    _close(out, _naive_expand(before, y, b_pool, segments), rtol)
+    assert_close(out, _naive_expand(before, y, b_pool, segments), rtol)
     for t in untouched:
         assert torch.equal(out[t], before[t]), f"token {t} has no adapter but changed"
 
@@ -149,7 +138,7 @@ def test_expand_reads_only_each_segments_rank_columns(dtype, rtol):
     lora_expand(out, y, b_pool, segments)
 
     assert not torch.isnan(out).any()
-    _close(out, expected, rtol)
+    assert_close(out, expected, rtol)
     for t in untouched:
         assert torch.equal(out[t], before[t])
 
@@ -194,4 +183,4 @@ def test_matches_peft_formulation(dtype, rtol):
     y = lora_shrink(x, a_pool, seg, 4)
     lora_expand(out, y, b_pool, seg)
 
-    _close(out, expected, rtol)
+    assert_close(out, expected, rtol)

@@ -16,11 +16,7 @@ import pytest
 import torch
 
 from loramux.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
-
-DTYPES = [
-    pytest.param(torch.float32, 1e-5, id="float32"),
-    pytest.param(torch.float64, 1e-12, id="float64"),
-]
+from tests.kernels.helpers import DTYPES, assert_close
 
 # (q_heads, kv_heads): GQA ratios 1, 3 and 8.
 HEADS = [
@@ -121,11 +117,6 @@ def _dense_causal(seq: Sequence, scale: float) -> torch.Tensor:
     return torch.einsum("hij,jhd->ihd", weights, v)
 
 
-def _close(actual, expected, rtol):
-    atol = rtol * float(expected.abs().max())
-    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
 @pytest.mark.parametrize(("block_size", "head_dim"), SHAPES)
 @pytest.mark.parametrize(("q_heads", "kv_heads"), HEADS)
@@ -150,7 +141,7 @@ def test_mixed_batch_matches_dense_causal_attention(
     assert out.shape == query.shape
     assert out.dtype == dtype
     expected = torch.cat([_dense_causal(s, scale) for s in seqs])
-    _close(out, expected, rtol)
+    assert_close(out, expected, rtol)
     # The public op is the same maths.
     public = paged_attention(
         query,
@@ -161,7 +152,7 @@ def test_mixed_batch_matches_dense_causal_attention(
         [n for _, n in BATCH],
         scale,
     )
-    _close(public, expected, rtol)
+    assert_close(public, expected, rtol)
 
 
 @pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
@@ -184,7 +175,7 @@ def test_single_sequence_shapes(ctx_len, n_new, dtype, rtol):
     out = paged_attention_reference(
         seqs[0].queries, k_cache, v_cache, [seqs[0].table], [ctx_len], [n_new], scale
     )
-    _close(out, _dense_causal(seqs[0], scale), rtol)
+    assert_close(out, _dense_causal(seqs[0], scale), rtol)
 
 
 def test_block_table_may_be_longer_than_the_context():
@@ -197,7 +188,7 @@ def test_block_table_may_be_longer_than_the_context():
     out = paged_attention_reference(
         seqs[0].queries, k_cache, v_cache, [seqs[0].table + spare], [7], [3], 0.25
     )
-    _close(out, _dense_causal(seqs[0], 0.25), 1e-5)
+    assert_close(out, _dense_causal(seqs[0], 0.25), 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -56,6 +56,19 @@ def new_tenant(client, admin):
     return create
 
 
+@pytest.fixture
+def tenant_key(client, admin, new_tenant):
+    """``tenant_key()`` creates a tenant with an API key; returns its auth headers."""
+
+    def create() -> dict[str, str]:
+        tenant = new_tenant()
+        response = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin)
+        assert response.status_code == 201, response.text
+        return {"Authorization": f"Bearer {response.json()['key']}"}
+
+    return create
+
+
 def assert_openai_error(response, status: int) -> dict:
     """The response is ``status`` with an OpenAI-style error body; returns the error."""
     assert response.status_code == status, response.text

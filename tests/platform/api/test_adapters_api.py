@@ -50,19 +50,6 @@ def private_tmp(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def tenant_key(client, admin, new_tenant):
-    """``tenant_key()`` creates a tenant with an API key; returns its auth headers."""
-
-    def create() -> dict[str, str]:
-        tenant = new_tenant()
-        response = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin)
-        assert response.status_code == 201, response.text
-        return {"Authorization": f"Bearer {response.json()['key']}"}
-
-    return create
-
-
-@pytest.fixture
 def auth(tenant_key) -> dict[str, str]:
     return tenant_key()
 

@@ -320,8 +320,12 @@ def test_a_dropped_stream_bills_only_what_was_delivered(make_client, server, con
         totals = httpx.get(
             f"{server.url}/admin/usage", params={"tenant_id": tenant_id}, headers=admin
         ).json()["totals"]
-        if totals["requests"] or time.monotonic() > deadline:
+        if totals["requests"]:
             break
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out waiting for the dropped stream's usage record (tenant {tenant_id})"
+            )
         time.sleep(0.1)
     assert totals["requests"] == 1
     assert 1 <= totals["completion_tokens"] < 480

@@ -15,17 +15,6 @@ def good_adapter(make_adapter, tiny_model_dir):
     return make_adapter(tiny_model_dir, rank=8, targets=("q_proj", "v_proj"), seed=1)
 
 
-@pytest.fixture
-def tenant_key(client, admin, new_tenant):
-    def create() -> dict[str, str]:
-        tenant = new_tenant()
-        response = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin)
-        assert response.status_code == 201, response.text
-        return {"Authorization": f"Bearer {response.json()['key']}"}
-
-    return create
-
-
 def _upload(client, headers, name, adapter_dir):
     files = [("files", (n, (adapter_dir / n).read_bytes())) for n in (CONFIG, WEIGHTS)]
     response = client.post("/v1/adapters", data={"name": name}, files=files, headers=headers)
