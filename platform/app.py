@@ -9,12 +9,16 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api import adapters, admin, completions, health, metrics, models, usage
-from loramux.platform.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from loramux.platform.api.body_limit import (
+    DEFAULT_MAX_BODY_BYTES,
+    UPLOAD_ROUTE,
+    BodyLimitMiddleware,
+)
 from loramux.platform.api.errors import install_error_handlers
 from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
-from loramux.platform.services.adapters import discard_interrupted_uploads
+from loramux.platform.services.adapter_upload import discard_interrupted_uploads
 from loramux.platform.services.tenants import push_all_scheduling
 
 
@@ -22,12 +26,12 @@ def create_app(
     context: PlatformContext, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
     """The app over ``context``; request bodies over ``max_body_bytes`` are refused with
-    413 (adapter uploads excepted: they have their own streaming cap)."""
+    413 (adapter uploads have their own cap, ``settings.max_upload_bytes``)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Uploads cut off by a crash or restart must not linger as "validating" forever.
-        await run_in_threadpool(discard_interrupted_uploads, context.sessions)
+        await run_in_threadpool(discard_interrupted_uploads, context.sessions, context.store)
         # The in-process engine's step thread lives exactly as long as the app.
         if context.engine is not None:
             await context.engine.start()
@@ -51,7 +55,11 @@ def create_app(
     app.state.platform_metrics = PlatformMetrics()
     install_error_handlers(app)
     # The last added is the outermost: metrics see every request, the 413s included.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=max_body_bytes,
+        route_limits={UPLOAD_ROUTE: context.settings.max_upload_bytes},
+    )
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.platform_metrics)
     app.include_router(health.router)
     app.include_router(metrics.router)

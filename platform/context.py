@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.engine import AsyncEngine, Engine, EngineConfig
@@ -15,8 +16,10 @@ from loramux.platform.base_model import BaseModel, resolve_base_model
 from loramux.platform.db.migrate import upgrade
 from loramux.platform.db.session import create_engine_for, session_factory
 from loramux.platform.limits import RateLimiter, build_rate_limiter
+from loramux.platform.services.adapter_upload import ValidationTarget
 from loramux.platform.settings import Settings
 from loramux.platform.store import ObjectStore, build_store
+from loramux.platform.tasks.celery_app import make_celery
 
 
 @dataclass
@@ -27,8 +30,23 @@ class PlatformContext:
     sessions: sessionmaker[Session]  # metadata database (migrated to head at start)
     store: ObjectStore  # adapter files
     rate_limiter: RateLimiter  # per-tenant token buckets
+    tasks: Celery  # background tasks: queued to a broker, or run in-process (eager)
     admin_token_created: bool = False
     engine: AsyncEngine | None = None  # the in-process engine of the embedded default
+
+    @property
+    def tasks_queued(self) -> bool:
+        """Whether tasks go to a broker (and workers) rather than run in the caller."""
+        return not self.tasks.conf.task_always_eager
+
+    def validation_target(self) -> ValidationTarget:
+        """What uploads are validated against: this platform's base model and limits."""
+        return ValidationTarget.for_model_dir(
+            self.base_model.path,
+            base_model_id=self.base_model.model_id,
+            max_rank=self.settings.max_adapter_rank,
+            max_bytes=self.settings.max_upload_bytes,
+        )
 
 
 def build_engine(settings: Settings, base_model: BaseModel) -> AsyncEngine:
@@ -56,5 +74,6 @@ def build_context(settings: Settings, *, log=print, with_engine: bool = True) ->
         sessions=session_factory(create_engine_for(database_url)),
         store=build_store(settings),
         rate_limiter=build_rate_limiter(settings.redis_url),
+        tasks=make_celery(settings),
         engine=build_engine(settings, base_model) if with_engine else None,
     )

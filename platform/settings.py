@@ -74,6 +74,16 @@ class Settings(BaseSettings):
         default=2048, gt=0, description="Token budget of one engine step (decode + prefill)."
     )
 
+    # --- adapter uploads ---------------------------------------------------------
+    max_upload_bytes: int = Field(
+        default=512 << 20,
+        gt=0,
+        description="Largest adapter upload (the request body, and the unpacked adapter).",
+    )
+    max_adapter_rank: int = Field(
+        default=64, gt=0, description="Largest LoRA rank an uploaded adapter may have."
+    )
+
     # --- operator access ---------------------------------------------------------
     admin_token: SecretStr | None = Field(
         default=None,

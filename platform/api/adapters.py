@@ -1,10 +1,13 @@
 """The tenant adapter API under ``/v1/adapters``: upload, list, get, delete.
 
-Routes translate between HTTP and ``loramux.platform.services.adapters``. The upload route
-reads the multipart body itself, through a receive channel that counts bytes, so a body
-over ``MAX_UPLOAD_BYTES`` is refused with 413 as soon as it passes the cap (a declared
-``Content-Length`` over the cap is refused before a byte is read). Received files go to a
+Routes translate between HTTP and ``loramux.platform.services.adapters`` /
+``adapter_upload``. The body-limit middleware caps an upload's body at
+``settings.max_upload_bytes`` (413 as soon as it passes the cap). Received files go to a
 private temporary folder that is removed when the request ends, whatever happened.
+
+An upload answers 201 with status ``ready`` when it was validated in the request (tasks
+in-process, the embedded default), or 202 with status ``validating`` when validation was
+queued to a worker: poll ``GET /v1/adapters/{name}`` until ``ready`` or ``failed``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
-from starlette.types import Message
+from starlette.responses import JSONResponse
 
 from loramux.platform.api.deps import (
     AdapterRuntimeDep,
@@ -27,9 +30,12 @@ from loramux.platform.api.deps import (
 )
 from loramux.platform.api.errors import APIError
 from loramux.platform.api.schemas_adapters import AdapterList, AdapterOut
+from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Adapter
 from loramux.platform.ingest.archive import ADAPTER_FILES, PICKLE_SUFFIXES
 from loramux.platform.services import adapters as service
+from loramux.platform.services.adapter_upload import ReceivedUpload, upload_adapter
+from loramux.platform.tasks.celery_app import VALIDATE_ADAPTER
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 
@@ -68,34 +74,6 @@ def tenant_adapter(name: str, session: SessionDep, tenant: CurrentTenant) -> Ada
 TenantAdapter = Annotated[Adapter, Depends(tenant_adapter)]
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(
-        413,
-        f"Upload too large: the request body is over the limit of {limit} bytes.",
-        code="upload_too_large",
-    )
-
-
-def _capped(request: Request, limit: int) -> Request:
-    """``request`` re-read through a receive channel that refuses bodies over ``limit``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    received = 0
-    receive = request.receive
-
-    async def counting_receive() -> Message:
-        nonlocal received
-        message = await receive()
-        if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise _too_large(limit)
-        return message
-
-    return Request(request.scope, counting_receive)
-
-
 def _file_name(upload: UploadFile) -> str:
     """The base name the client gave a part (never a path), or a 400 if it gave none."""
     raw = (upload.filename or "").replace("\\", "/")
@@ -112,11 +90,9 @@ async def _save(upload: UploadFile, dest: Path) -> None:
             await run_in_threadpool(out.write, chunk)
 
 
-async def _receive_upload(request: Request, folder: Path) -> tuple[str, service.ReceivedUpload]:
+async def _receive_upload(request: Request, folder: Path) -> tuple[str, ReceivedUpload]:
     """Parse the form: the adapter name and its files, written under ``folder``."""
-    form = await _capped(request, service.MAX_UPLOAD_BYTES).form(
-        max_files=MAX_FORM_PARTS, max_fields=MAX_FORM_PARTS
-    )
+    form = await request.form(max_files=MAX_FORM_PARTS, max_fields=MAX_FORM_PARTS)
     try:
         name = form.get("name")
         if not isinstance(name, str) or not name:
@@ -142,7 +118,7 @@ async def _receive_upload(request: Request, folder: Path) -> tuple[str, service.
         if len(files) == 1 and names[0] not in ADAPTER_FILES:
             archive = folder / "upload.archive"
             await _save(files[0], archive)
-            return name, service.ReceivedUpload(folder=folder, archive=archive)
+            return name, ReceivedUpload(folder=folder, archive=archive)
         adapter_dir = folder / "adapter"
         adapter_dir.mkdir()
         for part, file_name in zip(files, names, strict=True):
@@ -158,22 +134,48 @@ async def _receive_upload(request: Request, folder: Path) -> tuple[str, service.
                     422, f"Adapter rejected: {file_name} was sent twice.", code="invalid_adapter"
                 )
             await _save(part, adapter_dir / file_name)
-        return name, service.ReceivedUpload(folder=adapter_dir)
+        return name, ReceivedUpload(folder=adapter_dir)
     finally:
         await form.close()
 
 
-@router.post("", status_code=201, openapi_extra=_UPLOAD_DOC)
-async def upload_adapter(
-    request: Request, tenant: CurrentTenant, context: ContextDep
-) -> AdapterOut:
+def _validation_queue(context: PlatformContext):
+    """Where an upload's validation goes: a worker through the broker, or ``None`` (inline)."""
+    if not context.tasks_queued:
+        return None
+
+    def enqueue(version_id: str, target) -> None:
+        context.tasks.send_task(VALIDATE_ADAPTER, args=[version_id, target.to_json()])
+
+    return enqueue
+
+
+@router.post(
+    "",
+    status_code=201,
+    openapi_extra=_UPLOAD_DOC,
+    responses={202: {"model": AdapterOut, "description": "Accepted; validation queued."}},
+)
+async def upload(request: Request, tenant: CurrentTenant, context: ContextDep) -> AdapterOut:
     folder = Path(tempfile.mkdtemp(prefix="loramux-upload-"))
     try:
         name, received = await _receive_upload(request, folder)
-        view = await run_in_threadpool(service.upload_adapter, context, tenant.id, name, received)
+        view = await run_in_threadpool(
+            upload_adapter,
+            context.sessions,
+            context.store,
+            context.validation_target(),
+            tenant.id,
+            name,
+            received,
+            enqueue=_validation_queue(context),
+        )
     finally:
         await run_in_threadpool(shutil.rmtree, folder, True)
-    return AdapterOut.from_view(view)
+    out = AdapterOut.from_view(view)
+    if out.status != "ready":  # queued: the worker decides
+        return JSONResponse(out.model_dump(mode="json"), status_code=202)
+    return out
 
 
 @router.get("")

@@ -2,13 +2,13 @@
 
 An ASGI middleware: a declared ``Content-Length`` over the cap is refused at once; a body
 without one (chunked) is counted as it is received and refused the moment it passes the
-cap. Either way the client gets 413 with an OpenAI-style error body. Some routes are exempt
-because they enforce their own, larger cap while streaming (adapter uploads).
+cap. Either way the client gets 413 with an OpenAI-style error body. Some routes have a
+cap of their own (adapter uploads: a larger one, the configured upload limit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -17,8 +17,7 @@ from loramux.platform.api.errors import error_response
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 """The cap on JSON request bodies (1 MiB): prompts are text, far below it."""
 
-# (method, path) pairs with their own streaming cap; the path without a trailing slash.
-DEFAULT_EXEMPT_ROUTES: frozenset[tuple[str, str]] = frozenset({("POST", "/v1/adapters")})
+UPLOAD_ROUTE = ("POST", "/v1/adapters")
 
 
 class _BodyTooLarge(Exception):
@@ -30,19 +29,22 @@ class BodyLimitMiddleware:
         self,
         app: ASGIApp,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        exempt: Iterable[tuple[str, str]] = DEFAULT_EXEMPT_ROUTES,
+        route_limits: Mapping[tuple[str, str], int] | None = None,
     ):
-        if max_body_bytes <= 0:
-            raise ValueError("max_body_bytes must be positive")
+        """``route_limits`` maps (method, path without trailing slash) to a route's own cap."""
+        limits = dict(route_limits or {})
+        if min([max_body_bytes, *limits.values()]) <= 0:
+            raise ValueError("body limits must be positive")
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.exempt = frozenset((method.upper(), path.rstrip("/")) for method, path in exempt)
+        self.route_limits = {
+            (method.upper(), path.rstrip("/")): limit for (method, path), limit in limits.items()
+        }
 
-    def _too_large_response(self):
+    @staticmethod
+    def _too_large_response(limit: int):
         return error_response(
-            413,
-            f"Request body too large: the limit is {self.max_body_bytes} bytes.",
-            "request_too_large",
+            413, f"Request body too large: the limit is {limit} bytes.", "request_too_large"
         )
 
     def _declared_length(self, scope: Scope) -> int | None:
@@ -55,12 +57,14 @@ class BodyLimitMiddleware:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or ((scope["method"], scope["path"].rstrip("/")) in self.exempt):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        route = (scope["method"], scope["path"].rstrip("/"))
+        limit = self.route_limits.get(route, self.max_body_bytes)
         declared = self._declared_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await self._too_large_response()(scope, receive, send)
+        if declared is not None and declared > limit:
+            await self._too_large_response(limit)(scope, receive, send)
             return
 
         received = 0
@@ -72,7 +76,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
+                if received > limit:
                     exceeded = True
                     raise _BodyTooLarge()
             return message
@@ -95,4 +99,4 @@ class BodyLimitMiddleware:
             if not exceeded:
                 raise
         if exceeded and not response_started:
-            await self._too_large_response()(scope, receive, send)
+            await self._too_large_response(limit)(scope, receive, send)

@@ -17,6 +17,7 @@ class AdapterOut(BaseModel):
     name: str
     version: int | None
     status: str | None
+    failure_reason: str | None = None  # why a failed version was refused
     rank: int | None
     target_modules: list[str] | None
     size_bytes: int | None
@@ -32,6 +33,7 @@ class AdapterOut(BaseModel):
             name=view.adapter.name,
             version=None if version is None else version.version,
             status=None if version is None else version.status,
+            failure_reason=None if version is None else version.failure_reason,
             rank=None if version is None else version.rank,
             target_modules=None if version is None else version.target_modules,
             size_bytes=None if version is None else version.size_bytes,

@@ -4,20 +4,19 @@ Cheap checks come first and nothing is unpickled, ever: a pickle file in the fol
 refused unopened. The safetensors header (an 8-byte little-endian length, then JSON) is
 parsed here, bounded, before any tensor is read; every tensor must be a float LoRA A/B
 weight of a module the base model has, in one of its layers, with the base model's
-shapes and a rank within the limit. Only then are the values read (to refuse NaN and
-infinities) and the engine's own loader run over the folder for the full semantic check,
-so an adapter accepted here is one the engine will load.
+shapes and a rank within the limit. Only then is the engine's own loader run over the
+folder: it reads the values (refusing NaN and infinities) and makes the full semantic
+check, so an adapter accepted here is one the engine will load. Digests are not computed
+here: the object store hashes the files as it stores them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from loramux.engine.lora.adapter import (
     CONFIG_FILE,
@@ -34,7 +33,6 @@ from loramux.platform.ingest.errors import UploadRejected
 
 MAX_HEADER_BYTES = 8 << 20  # a 70B model's all-module adapter header is ~200 KB
 MAX_CONFIG_BYTES = 1 << 20
-HASH_CHUNK_BYTES = 1 << 20
 
 # safetensors dtype code -> (name reported in AdapterInfo, bytes per element)
 FLOAT_DTYPES = {
@@ -52,8 +50,6 @@ class AdapterInfo:
     rank: int  # the largest rank over its modules
     target_modules: list[str]  # sorted short names, e.g. ["q_proj", "v_proj"]
     size_bytes: int  # adapter_config.json + adapter_model.safetensors
-    sha256: str  # of adapter_model.safetensors
-    config_sha256: str  # of adapter_config.json
     dtype: str  # "float32", "float16", "bfloat16" or "float64"
 
 
@@ -258,28 +254,6 @@ def _check_config(config: dict, *, base_model_id: str | None, max_rank: int) -> 
             )
 
 
-def _check_finite(path: Path, entries: list[TensorEntry]) -> None:
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for entry in entries:
-                if not torch.isfinite(handle.get_tensor(entry.name)).all():
-                    raise UploadRejected(
-                        f"{WEIGHTS_FILE}: tensor {entry.name!r} holds NaN or infinite values"
-                    )
-    except UploadRejected:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise UploadRejected(f"{WEIGHTS_FILE} could not be read as safetensors: {exc}") from exc
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _require_file(adapter_dir: Path, name: str) -> Path:
     path = adapter_dir / name
     if path.is_symlink() or (path.exists() and not path.is_file()):
@@ -325,7 +299,6 @@ def validate_adapter_dir(
     _check_config(config, base_model_id=base_model_id, max_rank=max_rank)
     entries = read_safetensors_header(weights_path)
     rank, modules, dtype = _check_tensors(entries, model_config, max_rank)
-    _check_finite(weights_path, entries)
     try:
         # In the file's own dtype: a check, so no reason to make an fp32 copy of the weights.
         load_adapter(adapter_dir, model_config, max_rank=max_rank, dtype=getattr(torch, dtype))
@@ -335,7 +308,5 @@ def validate_adapter_dir(
         rank=rank,
         target_modules=modules,
         size_bytes=size_bytes,
-        sha256=file_sha256(weights_path),
-        config_sha256=file_sha256(config_path),
         dtype=dtype,
     )

@@ -7,6 +7,10 @@ them and ``... beat`` schedules the daily export.
 
 Tasks (called by name; arguments and results are JSON):
 
+* ``loramux.validate_adapter(version_id, target)``: validate a queued upload's stored files
+  against ``target`` (a ``ValidationTarget`` as JSON: the platform's base model and limits)
+  and mark the version ready or failed; see ``loramux.platform.services.adapter_upload``.
+
 * ``loramux.export_daily_billing(day=None)``: export one UTC day (``"YYYY-MM-DD"``; default:
   the UTC day before the moment the task runs) grouped by ``billing_export_group_by``;
   returns the export's id, store key, sha256, size and row count. Beat sends it every day
@@ -23,11 +27,14 @@ from celery import Celery
 from celery.schedules import crontab
 
 from loramux.platform.db.types import utc_now
+from loramux.platform.services.adapter_upload import ValidationTarget, validate_stored_version
 from loramux.platform.settings import Settings
+from loramux.platform.store import StoreUnavailable
 from loramux.platform.tasks.billing import export_billing
 from loramux.platform.tasks.resources import TaskResources
 
 EXPORT_DAILY_BILLING = "loramux.export_daily_billing"
+VALIDATE_ADAPTER = "loramux.validate_adapter"
 DAILY_EXPORT_AT = crontab(hour=0, minute=10)  # in the app's time zone, UTC
 EAGER_BROKER_URL = "memory://"  # never used: eager tasks do not reach a broker
 
@@ -69,6 +76,21 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             "size_bytes": export.size_bytes,
             "rows": export.rows,
         }
+
+    # A store outage is retried (with backoff); a bad adapter is a result, not an error.
+    @app.task(
+        name=VALIDATE_ADAPTER,
+        shared=False,
+        autoretry_for=(StoreUnavailable,),
+        retry_backoff=True,
+        max_retries=5,
+    )
+    def validate_adapter(version_id: str, target: dict[str, Any]) -> dict[str, str]:
+        context = resources.get()
+        status = validate_stored_version(
+            context.sessions, context.store, version_id, ValidationTarget.from_json(target)
+        )
+        return {"version_id": version_id, "status": status}
 
 
 def make_celery(settings: Settings) -> Celery:

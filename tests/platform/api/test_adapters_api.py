@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import select
 
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion
-from loramux.platform.services import adapters as adapters_service
 from tests.fixtures.models import build_tiny_model
 from tests.platform.api.conftest import assert_openai_error
 from tests.platform.ingest.builders import (
@@ -303,16 +302,21 @@ def test_bad_name_is_422(client, context, auth, good_adapter, private_tmp, name)
     _assert_left_nothing(context, private_tmp)
 
 
-def test_oversize_upload_is_413(client, context, auth, good_adapter, private_tmp, monkeypatch):
-    monkeypatch.setattr(adapters_service, "MAX_UPLOAD_BYTES", 4096)
+@pytest.fixture
+def small_upload_cap(context) -> int:
+    """A 4 KiB upload cap; request it before ``client`` so the app is built with it."""
+    context.settings = context.settings.model_copy(update={"max_upload_bytes": 4096})
+    return 4096
+
+
+def test_oversize_upload_is_413(small_upload_cap, client, context, auth, good_adapter, private_tmp):
     error = assert_openai_error(_upload(client, auth, "big", _files(good_adapter)), 413)
     assert "too large" in error["message"] and "4096" in error["message"]
     _assert_left_nothing(context, private_tmp)
 
 
-def test_oversize_chunked_upload_is_413(client, context, auth, private_tmp, monkeypatch):
+def test_oversize_chunked_upload_is_413(small_upload_cap, client, context, auth, private_tmp):
     """Without a Content-Length the body is counted as it arrives."""
-    monkeypatch.setattr(adapters_service, "MAX_UPLOAD_BYTES", 4096)
     boundary = "loramuxboundary"
     body = (
         (

@@ -1,4 +1,4 @@
-"""Request bodies over the cap are refused with 413, declared or streamed; uploads are exempt."""
+"""Request bodies over the cap are refused with 413, declared or streamed; uploads have their own."""
 
 from __future__ import annotations
 
@@ -60,11 +60,15 @@ def test_bodies_under_the_cap_still_work(client, admin):
     assert streamed.json()["name"] == "streamed"
 
 
-def test_adapter_uploads_are_exempt(client, admin):
-    # Over the JSON cap, but the upload route applies its own limits (here: no tenant key).
+def test_adapter_uploads_have_the_upload_cap(client, context, admin):
+    # Over the JSON cap but under the upload cap: the route answers (here: no tenant key).
     response = client.post("/v1/adapters", content=_big_json(), headers=admin)
-    assert response.status_code != 413, response.text
     assert_openai_error(response, 401)
+    over = context.settings.max_upload_bytes + 1
+    headers = {**admin, "Content-Length": str(over)}
+    refused = client.post("/v1/adapters/", content=b"x", headers=headers)
+    error = assert_openai_error(refused, 413)
+    assert str(context.settings.max_upload_bytes) in error["message"]
 
 
 def test_the_cap_is_an_app_parameter(context, admin):

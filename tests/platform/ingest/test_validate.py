@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import re
@@ -55,8 +54,6 @@ def test_good_adapter(good_adapter, model_config):
         rank=GOOD_RANK,
         target_modules=sorted(GOOD_TARGETS),
         size_bytes=weights.stat().st_size + config.stat().st_size,
-        sha256=hashlib.sha256(weights.read_bytes()).hexdigest(),
-        config_sha256=hashlib.sha256(config.read_bytes()).hexdigest(),
         dtype="float32",
     )
 
@@ -212,7 +209,7 @@ def test_non_finite_values(good_adapter, adapter_copy, model_config, bad):
         return tensors
 
     rewrite_tensors(adapter, poison)
-    with pytest.raises(UploadRejected, match=f"'{re.escape(Q_A)}' holds NaN or infinite values"):
+    with pytest.raises(UploadRejected, match=r"layers\.0\.q_proj holds NaN or infinite values"):
         validate(adapter, model_config)
 
 
