@@ -6,15 +6,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from loramux.platform.db.models import UsageRecord
+from loramux.platform.db.types import new_id
 
 _INSERTS_WITH_ON_CONFLICT = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
 
-def record_usage(session: Session, record: UsageRecord) -> bool:
-    """Insert ``record`` unless a record with its ``request_id`` exists; True if inserted.
+def record_usage(session: Session, record: UsageRecord) -> str | None:
+    """Insert ``record`` unless a record with its ``request_id`` exists; the new row's id, or
+    ``None`` when nothing was inserted.
 
-    ``record`` is a new, unsaved ``UsageRecord``; it is not added to the session (read the
-    stored row back by ``request_id`` if needed). Retries and duplicate deliveries of the same
+    ``record`` is a new, unsaved ``UsageRecord``; it is not added to the session. When it
+    was inserted, its ``id`` is set to the row's, so it stands for the stored row. Retries and duplicate deliveries of the same
     request are therefore harmless: the first write wins. Runs in the session's transaction.
     """
     dialect = session.get_bind().dialect.name
@@ -22,6 +24,8 @@ def record_usage(session: Session, record: UsageRecord) -> bool:
         make_insert = _INSERTS_WITH_ON_CONFLICT[dialect]
     except KeyError:
         raise NotImplementedError(f"record_usage does not support {dialect!r}") from None
+    if record.id is None:
+        record.id = new_id()
     values = {
         column.key: value
         for column in UsageRecord.__table__.columns
@@ -34,4 +38,4 @@ def record_usage(session: Session, record: UsageRecord) -> bool:
         .returning(UsageRecord.id)
     )
     # RETURNING yields the new row's id, or nothing when the request id was already there.
-    return session.execute(statement).scalar_one_or_none() is not None
+    return session.execute(statement).scalar_one_or_none()

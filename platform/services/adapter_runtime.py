@@ -24,11 +24,16 @@ class AdapterNotServable(RuntimeError):
 
 
 class AdapterRuntime:
-    """Loads adapter versions into one engine, once each, whatever the concurrency."""
+    """Loads adapter versions into one engine, once each, whatever the concurrency.
+
+    It remembers what it loaded rather than asking the engine on every request: the engine
+    drops an adapter only when told to (``unload``), and this is the only caller that tells.
+    """
 
     def __init__(self, context: PlatformContext):
         self._context = context
         self._locks: dict[str, asyncio.Lock] = {}
+        self._loaded: set[str] = set()
 
     @staticmethod
     def engine_name(version: AdapterVersion) -> str:
@@ -42,19 +47,24 @@ class AdapterRuntime:
         if version.status != AdapterStatus.READY:
             raise AdapterNotServable(f"adapter version {version.id} is {version.status}")
         name = self.engine_name(version)
+        if name in self._loaded:
+            return name
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
-            if name in await engine.list_adapters():
+            if name in self._loaded:  # another request loaded it while this one waited
                 return name
             with tempfile.TemporaryDirectory(prefix="loramux-adapter-") as folder:
                 await run_in_threadpool(self._fetch, version, Path(folder))
                 await engine.add_adapter(name, folder)
+            self._loaded.add(name)
         return name
 
     async def unload(self, version: AdapterVersion) -> None:
         engine = self._context.engine
         name = self.engine_name(version)
-        if engine is not None and name in await engine.list_adapters():
+        if engine is not None and name in self._loaded:
+            self._loaded.discard(name)
+            self._locks.pop(name, None)
             await engine.remove_adapter(name)
 
     def _fetch(self, version: AdapterVersion, folder: Path) -> None:

@@ -138,9 +138,8 @@ class Meter:
                 finish_reason=event.finish_reason,
                 created_at=moment,
             )
-            if not record_usage(session, record):
-                return None
-            return _stored(session, event.request_id)
+            # Every column is set here (defaults included), so the inserted record is the row.
+            return record if record_usage(session, record) else None
 
     def stored(self, request_id: str) -> UsageRecord | None:
         """The record written for ``request_id``, if any."""

@@ -35,12 +35,13 @@ Semantics every backend keeps (``tests/platform/store`` runs one contract suite 
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import io
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -247,6 +248,41 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+def write_atomically(
+    directory: Path,
+    prefix: str,
+    write: Callable[[BinaryIO], Path],
+    *,
+    disk_errors: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Path:
+    """Write a file durably under the name ``write`` picks, or leave nothing.
+
+    ``write(out)`` fills a temporary file in ``directory`` and returns where the file belongs
+    (it may decide only once it has seen the bytes: a content address). The file is then
+    fsynced, renamed there and the rename made durable. On any failure the temporary file is
+    removed. ``disk_errors`` wraps this function's own file operations (not ``write``'s), so
+    a backend can report them its way.
+    """
+    with disk_errors():
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".part")
+    tmp_path = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            final = write(out)
+            with disk_errors():
+                out.flush()
+                os.fsync(out.fileno())
+        with disk_errors():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp_path, final)
+            fsync_directory(final.parent)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return final
+
+
 # --- the interface -----------------------------------------------------------------------------
 
 
@@ -290,23 +326,15 @@ class ObjectStore(abc.ABC):
         :class:`ObjectNotFound`, I/O) the temporary file is removed and ``dest`` is untouched.
         """
         dest = Path(dest)
+        size = 0
+
+        def copy(out: BinaryIO) -> Path:
+            nonlocal size
+            while chunk := reader.read(CHUNK_SIZE):  # raises ChecksumMismatch at the end
+                out.write(chunk)
+                size += len(chunk)
+            return dest
+
         with self.open(key) as reader:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(
-                dir=dest.parent, prefix=f".{dest.name}.", suffix=".part"
-            )
-            try:
-                size = 0
-                with os.fdopen(fd, "wb") as out:
-                    while chunk := reader.read(CHUNK_SIZE):
-                        out.write(chunk)
-                        size += len(chunk)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(tmp_name, dest)
-            except BaseException:
-                Path(tmp_name).unlink(missing_ok=True)
-                raise
-        fsync_directory(dest.parent)
-        sha256 = sha256_of_key(key)
-        return StoredObject(key=key, sha256=sha256, size=size)
+            write_atomically(dest.parent, f".{dest.name}.", copy)
+        return StoredObject(key=key, sha256=sha256_of_key(key), size=size)

@@ -14,10 +14,9 @@ rename is atomic), which also repairs a copy that had been corrupted on disk.
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from loramux.platform.store.base import (
     ContentHasher,
@@ -30,6 +29,7 @@ from loramux.platform.store.base import (
     fsync_directory,
     iter_chunks,
     sha256_of_key,
+    write_atomically,
 )
 
 TMP_DIR = "tmp"
@@ -60,30 +60,16 @@ class LocalObjectStore(ObjectStore):
 
     def put_stream(self, source: Source, *, max_bytes: int | None = None) -> StoredObject:
         hasher = ContentHasher(max_bytes)
-        tmp_dir = self.root / TMP_DIR
-        with self._disk_errors():
-            tmp_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=tmp_dir, prefix="put-", suffix=".part")
-        tmp_path = Path(tmp_name)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for chunk in iter_chunks(source):  # the source's own errors pass through
-                    hasher.update(chunk)
-                    with self._disk_errors():
-                        out.write(chunk)
+
+        def copy(out: BinaryIO) -> Path:
+            for chunk in iter_chunks(source):  # the source's own errors pass through
+                hasher.update(chunk)
                 with self._disk_errors():
-                    out.flush()
-                    os.fsync(out.fileno())
-            stored = hasher.result()
-            final = self.root / stored.key
-            with self._disk_errors():
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp_path, final)
-                fsync_directory(final.parent)
-        except BaseException:
-            tmp_path.unlink(missing_ok=True)
-            raise
-        return stored
+                    out.write(chunk)
+            return self.root / hasher.result().key
+
+        write_atomically(self.root / TMP_DIR, "put-", copy, disk_errors=self._disk_errors)
+        return hasher.result()
 
     def open(self, key: str) -> VerifyingReader:
         path = self.path_of(key)
