@@ -53,7 +53,13 @@ class Settings(BaseSettings):
     billing_export_group_by: Literal["day", "adapter", "request"] = Field(
         default="request",
         description="Grouping of the daily billing export Celery beat writes to the store "
-        "(00:10 UTC, the previous UTC day): `day`, `adapter` or `request`.",
+        "(at 00:10 UTC, every closed UTC day not exported yet): `day`, `adapter` or `request`.",
+    )
+    usage_rollup_interval_s: int = Field(
+        default=3600,
+        gt=0,
+        description="Seconds between Celery beat's usage roll-ups (closed UTC days summed per "
+        "tenant, adapter and model; the monthly budget reads them).",
     )
 
     # --- base model and engine ---------------------------------------------------

@@ -15,13 +15,14 @@ The schema history lives in ``loramux.migrations``; a change here needs a new re
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from enum import StrEnum
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     CheckConstraint,
+    Date,
     Float,
     ForeignKey,
     Index,
@@ -287,6 +288,46 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utc_now, index=True)
 
 
+class UsageDaily(Base):
+    """One closed UTC day of usage per (day, tenant, adapter, model): the monthly roll-up.
+
+    ``loramux.platform.services.rollups`` computes these rows from ``usage_records`` only for
+    *closed* days (a few minutes past the day's end, when no record of the day can still be
+    committed), so a row is final: reading it instead of the day's raw records (the monthly
+    budget does) gives the same sums at a fraction of the cost. ``adapter_id`` is ``None``
+    for the base model. A day without usage has no rows. ``computed_at`` is when the day was
+    rolled up.
+    """
+
+    __tablename__ = "usage_daily"
+    __table_args__ = (
+        Index("ix_usage_daily_tenant_id_day", "tenant_id", "day"),
+        CheckConstraint("requests > 0", name="requests_positive"),
+        CheckConstraint("prompt_tokens >= 0", name="prompt_tokens_non_negative"),
+        CheckConstraint(
+            "cached_prompt_tokens >= 0 AND cached_prompt_tokens <= prompt_tokens",
+            name="cached_prompt_tokens_range",
+        ),
+        CheckConstraint("completion_tokens >= 0", name="completion_tokens_non_negative"),
+        CheckConstraint("cost_micro_usd >= 0", name="cost_non_negative"),
+    )
+
+    id: Mapped[str] = _id_column()
+    day: Mapped[date] = mapped_column(Date, index=True)  # rolled up and replaced by day
+    tenant_id: Mapped[str] = _tenant_fk(ondelete=None)
+    adapter_id: Mapped[str | None] = mapped_column(
+        String(ID_LENGTH), ForeignKey("adapters.id", ondelete="SET NULL")
+    )
+    model: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    # Sums over a day can pass 2**31 where one record cannot: BIGINT throughout.
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost_micro_usd: Mapped[int] = mapped_column(BigInteger)
+    computed_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utc_now)
+
+
 class BillingExport(Base):
     """One stored billing export: the usage CSV of every tenant over ``[period_start, period_end)``.
 
@@ -326,5 +367,6 @@ __all__ = [
     "BillingExport",
     "Price",
     "Tenant",
+    "UsageDaily",
     "UsageRecord",
 ]

@@ -22,11 +22,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -35,11 +33,13 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import TokenLogprobs
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
-from loramux.platform.db.models import Tenant, UsageRecord
+from loramux.platform.db.models import Tenant
+from loramux.platform.db.types import utc_now
 from loramux.platform.limits import TenantLimits
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
+from loramux.platform.services.rollups import month_spend
 from loramux.platform.services.tenants import micro_usd_to_usd
 
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
@@ -145,10 +145,6 @@ def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def month_start(now: datetime) -> datetime:
-    return now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
 # --- the service --------------------------------------------------------------------------
@@ -441,18 +437,15 @@ def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]
 
 
 def check_budget(session: Session, tenant: Tenant) -> None:
-    """402 once the tenant's cost this calendar month (UTC) has reached its budget."""
+    """402 once the tenant's cost this calendar month (UTC) has reached its budget.
+
+    The cost comes from the daily roll-ups plus the raw records of the days not rolled up
+    yet (``month_spend``), so the check stays cheap late in a busy month.
+    """
     budget = tenant.monthly_budget_micro_usd
     if budget is None:
         return
-    spent = int(
-        session.scalar(
-            select(func.coalesce(func.sum(UsageRecord.cost_micro_usd), 0)).where(
-                UsageRecord.tenant_id == tenant.id,
-                UsageRecord.created_at >= month_start(datetime.now(UTC)),
-            )
-        )
-    )
+    spent = month_spend(session, tenant.id, now=utc_now())
     if spent >= budget:
         raise APIError(
             402,

@@ -1,53 +1,78 @@
-"""The Celery app: JSON messages only, the daily billing export, in-process without a broker.
+"""The Celery app: JSON messages only, billing exports and usage roll-ups, eager without a broker.
 
 ``make_celery(settings)`` builds an app and registers its tasks on it; nothing happens at
 import. With ``celery_broker_url`` unset (the embedded default) tasks run eagerly in the
 caller's process; with a broker, ``celery -A loramux.platform.tasks.worker worker`` runs
-them and ``... beat`` schedules the daily export.
+them and ``... beat`` schedules the daily export and the usage roll-ups.
 
-Tasks (called by name; arguments and results are JSON):
+Tasks (called by name; arguments and results are JSON). Both scheduled ones work on *closed*
+UTC days (``loramux.platform.services.rollups``: a day closes ``ROLLUP_GRACE`` after its
+end) and catch up from where the last run stopped, so a task that waits in the queue, runs
+twice or misses a day still covers each day exactly once, whatever day it runs on:
 
 * ``loramux.validate_adapter(version_id, target)``: validate a queued upload's stored files
   against ``target`` (a ``ValidationTarget`` as JSON: the platform's base model and limits)
   and mark the version ready or failed; see ``loramux.platform.services.adapter_upload``.
 
-* ``loramux.export_daily_billing(day=None)``: export one UTC day (``"YYYY-MM-DD"``; default:
-  the UTC day before the moment the task runs) grouped by ``billing_export_group_by``;
-  returns the export's id, store key, sha256, size and row count. Beat sends it every day
-  at 00:10 UTC with no argument, so a task that waits in the queue past the next midnight
-  exports the wrong day: run it again with ``day`` set (it is idempotent).
+* ``loramux.export_daily_billing(day=None)``: export, grouped by
+  ``billing_export_group_by``, every closed day not exported yet (``export_closed_days``),
+  or only ``day`` (``"YYYY-MM-DD"``; ``ValueError`` if it is not closed). Returns the
+  grouping and, per day exported, the export's id, store key, sha256, size and row count.
+  Beat sends it every day at 00:10 UTC with no argument.
+
+* ``loramux.rollup_usage(day=None)``: roll up every closed day not rolled up yet
+  (``rollup_closed_days``), or roll ``day`` up again (``ValueError`` if it is not closed),
+  e.g. after a backfill. Returns the days rolled up. Beat sends it every
+  ``usage_rollup_interval_s`` seconds with no argument.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date, timedelta
 from typing import Any
 
 from celery import Celery
 from celery.schedules import crontab
 
+from loramux.platform.db.models import BillingExport
 from loramux.platform.db.types import utc_now
 from loramux.platform.services.adapter_upload import ValidationTarget, validate_stored_version
+from loramux.platform.services.rollups import (
+    is_closed,
+    rollup_closed_days,
+    rollup_day,
+    utc_day_bounds,
+)
 from loramux.platform.settings import Settings
 from loramux.platform.store import StoreUnavailable
-from loramux.platform.tasks.billing import export_billing
+from loramux.platform.tasks.billing import export_billing, export_closed_days
 from loramux.platform.tasks.resources import TaskResources
 
 EXPORT_DAILY_BILLING = "loramux.export_daily_billing"
+ROLLUP_USAGE = "loramux.rollup_usage"
 VALIDATE_ADAPTER = "loramux.validate_adapter"
 DAILY_EXPORT_AT = crontab(hour=0, minute=10)  # in the app's time zone, UTC
 EAGER_BROKER_URL = "memory://"  # never used: eager tasks do not reach a broker
 
 
-def previous_utc_day(now: datetime) -> date:
-    """The UTC calendar day before the one ``now`` (aware) falls on."""
-    return now.astimezone(UTC).date() - timedelta(days=1)
+def closed_day(day: str) -> date:
+    """``day`` (``"YYYY-MM-DD"``) as a date; ``ValueError`` unless it is closed by now."""
+    parsed = date.fromisoformat(day)
+    if not is_closed(parsed, utc_now()):
+        raise ValueError(f"{parsed.isoformat()} is not a closed UTC day yet")
+    return parsed
 
 
-def utc_day_bounds(day: date) -> tuple[datetime, datetime]:
-    """``[00:00, next 00:00)`` of ``day`` in UTC."""
-    start = datetime.combine(day, time(), tzinfo=UTC)
-    return start, start + timedelta(days=1)
+def export_summary(export: BillingExport) -> dict[str, Any]:
+    """What the export task reports about one export."""
+    return {
+        "day": export.period_start.date().isoformat(),
+        "id": export.id,
+        "store_key": export.store_key,
+        "sha256": export.sha256,
+        "size_bytes": export.size_bytes,
+        "rows": export.rows,
+    }
 
 
 def register_tasks(app: Celery, settings: Settings) -> None:
@@ -57,25 +82,35 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     # shared=False: Celery would otherwise add the task to every app made in this process.
     @app.task(name=EXPORT_DAILY_BILLING, shared=False)
     def export_daily_billing(day: str | None = None) -> dict[str, Any]:
-        export_day = date.fromisoformat(day) if day else previous_utc_day(utc_now())
-        start, end = utc_day_bounds(export_day)
         context = resources.get()
-        export = export_billing(
-            context.sessions,
-            context.store,
-            period_start=start,
-            period_end=end,
-            group_by=settings.billing_export_group_by,
-        )
-        return {
-            "id": export.id,
-            "day": export_day.isoformat(),
-            "group_by": export.group_by,
-            "store_key": export.store_key,
-            "sha256": export.sha256,
-            "size_bytes": export.size_bytes,
-            "rows": export.rows,
-        }
+        group_by = settings.billing_export_group_by
+        if day is None:
+            exports = export_closed_days(
+                context.sessions, context.store, now=utc_now(), group_by=group_by
+            )
+        else:
+            start, end = utc_day_bounds(closed_day(day))
+            exports = [
+                export_billing(
+                    context.sessions,
+                    context.store,
+                    period_start=start,
+                    period_end=end,
+                    group_by=group_by,
+                )
+            ]
+        return {"group_by": group_by, "exports": [export_summary(e) for e in exports]}
+
+    @app.task(name=ROLLUP_USAGE, shared=False)
+    def rollup_usage(day: str | None = None) -> dict[str, list[str]]:
+        context = resources.get()
+        if day is None:
+            days = rollup_closed_days(context.sessions, now=utc_now())
+        else:
+            days = [closed_day(day)]
+            with context.sessions.begin() as session:
+                rollup_day(session, days[0])
+        return {"days": [rolled.isoformat() for rolled in days]}
 
     # A store outage is retried (with backoff); a bad adapter is a result, not an error.
     @app.task(
@@ -116,7 +151,11 @@ def make_celery(settings: Settings) -> Celery:
         timezone="UTC",
         enable_utc=True,
         beat_schedule={
-            "export-daily-billing": {"task": EXPORT_DAILY_BILLING, "schedule": DAILY_EXPORT_AT}
+            "export-daily-billing": {"task": EXPORT_DAILY_BILLING, "schedule": DAILY_EXPORT_AT},
+            "rollup-usage": {
+                "task": ROLLUP_USAGE,
+                "schedule": timedelta(seconds=settings.usage_rollup_interval_s),
+            },
         },
     )
     register_tasks(app, settings)

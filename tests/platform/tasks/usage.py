@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests.platform.db.factories import add_adapter, add_tenant, usage_record
 
-DAY_START = datetime(2031, 3, 4, tzinfo=UTC)
+DAY_START = datetime(2025, 3, 4, tzinfo=UTC)  # a closed day: the tasks refuse others
 DAY_END = DAY_START + timedelta(days=1)
 
 

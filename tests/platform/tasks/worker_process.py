@@ -1,4 +1,4 @@
-"""A real Celery worker process (``celery -A loramux.platform.tasks.worker worker``) for tests."""
+"""Real Celery processes for tests: worker and beat (`celery -A loramux.platform.tasks.worker`)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def running_worker(env: dict[str, str], log: Path):
         "--without-mingle",
         "--without-heartbeat",
     )
+    return running(command, env, log)
+
+
+def running_beat(env: dict[str, str], log: Path, schedule_path: Path):
+    """Celery beat sending the app's schedule for the block; its state kept in ``schedule_path``
+    (a file of the test's own, never the default ``celerybeat-schedule`` in the checkout)."""
+    command = celery_command("beat", "--schedule", str(schedule_path), "--loglevel=INFO")
     return running(command, env, log)
 
 
