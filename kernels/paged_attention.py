@@ -11,6 +11,15 @@ Semantics (per sequence s with ``L_s`` tokens of context after this step, whose 
 
 with ``p_i = L_s - n_s + i`` (causal, bottom-right aligned: new tokens see the whole
 cached prefix). Decode is the case ``n_s = 1``. Accumulation in float32.
+
+Dispatch (:func:`paged_attention`): CUDA tensors in float16/bfloat16/float32 go to the Triton
+kernels of :mod:`loramux.kernels.attention_triton` (imported only then) unless
+``LORAMUX_KERNELS=reference``; everything else to :func:`paged_attention_reference` (see
+:mod:`loramux.kernels.dispatch`).
+On the Triton path the decode sequences (``n_s = 1``, rows ``plan.decode_rows``) run the
+split-context decode kernel and the others the prefill kernel (or, with
+``TRITON_PREFILL = False``, the per-sequence SDPA of the reference), each over its own
+sub-batch of the step; together they cover every row exactly once.
 """
 
 from __future__ import annotations
@@ -19,6 +28,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from loramux.kernels.dispatch import use_triton, use_triton_on
+
+# Prefill chunks on CUDA: True runs the Triton prefill kernel, False the reference's
+# per-sequence masked SDPA (decodes stay on Triton either way). A benchmark decides.
+TRITON_PREFILL = True
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def write_kv(
@@ -31,6 +47,35 @@ def write_kv(
     """``cache.flat[slot_mapping[t]] = kv[t]`` for both caches, in place."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+@dataclass(frozen=True)
+class TritonAttentionPlan:
+    """The step's sub-batches as the Triton kernels take them (int32, on the device).
+
+    Decode sequences (one new token) in batch order, their query rows being
+    ``AttentionPlan.decode_rows``; prefilling sequences (``n_s > 1``) in batch order,
+    sequence p owning query rows ``prefill_query_starts[p] .. prefill_query_ends[p] - 1``.
+    When a step is all decodes or all prefills, the tensors are the whole batch's.
+    The maxima are host ints so launches never read the device back.
+    """
+
+    decode_block_tables: torch.Tensor  # [B, max_blocks] int32 (0-padded)
+    decode_context_lens: torch.Tensor  # [B] int32 L_s
+    decode_max_context_len: int
+    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    prefill_context_lens: torch.Tensor  # [P] int32 L_s
+    prefill_query_starts: torch.Tensor  # [P] int32 first query row
+    prefill_query_ends: torch.Tensor  # [P] int32 one past the last query row
+    prefill_max_query_len: int
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_context_lens.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_context_lens.shape[0]
 
 
 @dataclass(frozen=True)
@@ -48,6 +93,8 @@ class AttentionPlan:
     decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
     # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # Built only for the Triton path (CUDA, references not forced): the CPU path pays nothing.
+    triton: TritonAttentionPlan | None = None
 
 
 def flat_slots(
@@ -65,7 +112,10 @@ def plan_attention(
     query_lens: list[int],
     block_size: int,
     device: torch.device,
+    triton: bool | None = None,
 ) -> AttentionPlan:
+    """Indices for one step. ``triton`` (default: CUDA device and references not forced)
+    also builds :class:`TritonAttentionPlan`."""
     long = {"dtype": torch.long, "device": device}
     num_seqs = len(block_tables)
     width = max((len(t) for t in block_tables), default=0) or 1
@@ -76,8 +126,9 @@ def plan_attention(
     # New tokens: sequence s owns rows [ends[s] - n_new[s], ends[s]) at positions
     # ctx[s] - n_new[s] .. ctx[s] - 1.
     ends = n_new.cumsum(0)
-    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, **long), n_new)
-    row = torch.arange(int(ends[-1]) if num_seqs else 0, **long)
+    total = sum(query_lens)  # host sums and sizes: no device read-back on CUDA
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, **long), n_new, output_size=total)
+    row = torch.arange(total, **long)
     positions = (ctx - ends)[seq_of_row] + row
     new_token_slots = flat_slots(tables[seq_of_row], positions[:, None], block_size)[:, 0]
 
@@ -89,16 +140,24 @@ def plan_attention(
     decode_mask = span[None, :] < ctx[decode][:, None]
 
     prefill = []
+    first_row = 0
     for i, (table_len, ctx_len, n) in enumerate(
         zip(map(len, block_tables), context_lens, query_lens, strict=True)
     ):
+        first_row += n
         if n == 1:
             continue
         keys = torch.arange(ctx_len, **long)
         slots = flat_slots(tables[i, :table_len], keys, block_size)
         # Causal, bottom-right aligned: query j (position ctx - n + j) sees keys <= it.
         causal = keys[ctx_len - n :, None] >= keys[None, :]
-        prefill.append((int(ends[i]) - n, n, slots, causal))
+        prefill.append((first_row - n, n, slots, causal))
+
+    if triton is None:
+        triton = use_triton_on(device)
+    triton_plan = None
+    if triton:
+        triton_plan = _triton_plan(tables, ctx, n_new, ends, decode, longest, query_lens)
     return AttentionPlan(
         positions=positions,
         new_token_slots=new_token_slots,
@@ -106,6 +165,45 @@ def plan_attention(
         decode_slots=decode_slots,
         decode_mask=decode_mask[:, None, None, :],
         prefill=prefill,
+        triton=triton_plan,
+    )
+
+
+def _triton_plan(
+    tables: torch.Tensor,  # [S, max_blocks] int64
+    ctx: torch.Tensor,  # [S] int64 L_s
+    n_new: torch.Tensor,  # [S] int64 n_s
+    ends: torch.Tensor,  # [S] int64 cumulative n_s: one past each sequence's last row
+    decode: torch.Tensor,  # [B] int64 indices of the decode sequences
+    decode_max_context_len: int,
+    query_lens: list[int],
+) -> TritonAttentionPlan:
+    """Sub-batches for the kernels: a few small device ops, aliases when the step is uniform."""
+    tables32, ctx32, ends32 = tables.int(), ctx.int(), ends.int()
+    starts32 = ends32 - n_new.int()
+    num_decodes = decode.shape[0]
+    if num_decodes == len(query_lens):  # all decodes
+        dec_tables, dec_ctx = tables32, ctx32
+        pre_tables, pre_ctx, pre_starts, pre_ends = tables32[:0], ctx32[:0], ends32[:0], ends32[:0]
+    elif num_decodes == 0:  # all prefills
+        dec_tables, dec_ctx = tables32[:0], ctx32[:0]
+        pre_tables, pre_ctx, pre_starts, pre_ends = tables32, ctx32, starts32, ends32
+    else:
+        prefill = torch.tensor(
+            [i for i, n in enumerate(query_lens) if n != 1], dtype=torch.long, device=ctx.device
+        )
+        dec_tables, dec_ctx = tables32[decode], ctx32[decode]
+        pre_tables, pre_ctx = tables32[prefill], ctx32[prefill]
+        pre_starts, pre_ends = starts32[prefill], ends32[prefill]
+    return TritonAttentionPlan(
+        decode_block_tables=dec_tables,
+        decode_context_lens=dec_ctx,
+        decode_max_context_len=decode_max_context_len,
+        prefill_block_tables=pre_tables,
+        prefill_context_lens=pre_ctx,
+        prefill_query_starts=pre_starts,
+        prefill_query_ends=pre_ends,
+        prefill_max_query_len=max((n for n in query_lens if n != 1), default=0),
     )
 
 
@@ -122,23 +220,40 @@ def paged_attention_reference(
     """Torch reference: batched SDPA for decodes, masked SDPA per prefilling sequence."""
     if plan is None:
         plan = plan_attention(
-            block_tables, context_lens, query_lens, k_cache.shape[1], query.device
+            block_tables, context_lens, query_lens, k_cache.shape[1], query.device, triton=False
         )
+    out = torch.empty_like(query)
+    _reference_decodes(query, k_cache, v_cache, plan, scale, out)
+    _reference_prefills(query, k_cache, v_cache, plan, scale, out)
+    return out
+
+
+def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, out) -> None:
+    """Rows ``plan.decode_rows`` of ``out``: one batched SDPA over padded contexts."""
+    if not plan.decode_rows.numel():
+        return
     _, q_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
     k_flat = k_cache.view(-1, kv_heads, head_dim)
     v_flat = v_cache.view(-1, kv_heads, head_dim)
-    out = torch.empty_like(query)
-    if plan.decode_rows.numel():
-        # The `group` query heads sharing a KV head act as `group` query positions of
-        # that head: q [B, Hkv, group, D] against k, v [B, Hkv, L, D]; no causal mask.
-        batch = plan.decode_rows.shape[0]
-        q = query.index_select(0, plan.decode_rows).view(batch, kv_heads, group, head_dim)
-        k = k_flat[plan.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_flat[plan.decode_slots].transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
-        out.index_copy_(0, plan.decode_rows, attn.reshape(batch, q_heads, head_dim))
+    # The `group` query heads sharing a KV head act as `group` query positions of
+    # that head: q [B, Hkv, group, D] against k, v [B, Hkv, L, D]; no causal mask.
+    batch = plan.decode_rows.shape[0]
+    q = query.index_select(0, plan.decode_rows).view(batch, kv_heads, group, head_dim)
+    k = k_flat[plan.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_flat[plan.decode_slots].transpose(1, 2)
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+    out.index_copy_(0, plan.decode_rows, attn.reshape(batch, q_heads, head_dim))
+
+
+def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out) -> None:
+    """Rows of each prefilling sequence of ``out``: a causally masked SDPA per sequence."""
+    _, q_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
     for first, n_new, slots, causal in plan.prefill:
         q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
@@ -148,12 +263,11 @@ def paged_attention_reference(
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)
         out[first : first + n_new] = attn.reshape(n_new, q_heads, head_dim)
-    return out
 
 
 def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
+    query: torch.Tensor,  # [T, q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
     block_tables: list[list[int]],
     context_lens: list[int],
@@ -161,7 +275,61 @@ def paged_attention(
     scale: float,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """The public op. Only the reference exists so far; Triton joins behind this."""
-    return paged_attention_reference(
-        query, k_cache, v_cache, block_tables, context_lens, query_lens, scale, plan
-    )
+    """The public op: the module docstring's maths, by Triton on CUDA, else the reference.
+
+    ``plan`` (built once per step by the runner) is rebuilt here when missing, or when it
+    lacks the Triton sub-batches the chosen path needs.
+    """
+    triton_ok = use_triton(query) and query.dtype in _TRITON_DTYPES
+    if not triton_ok or k_cache.dtype not in _TRITON_DTYPES:
+        return paged_attention_reference(
+            query, k_cache, v_cache, block_tables, context_lens, query_lens, scale, plan
+        )
+    # Imported here so CPU-only installs never import triton.
+    from loramux.kernels import attention_triton
+
+    if plan is None or plan.triton is None:
+        plan = plan_attention(
+            block_tables, context_lens, query_lens, k_cache.shape[1], query.device, triton=True
+        )
+    sub = plan.triton
+    assert sub is not None
+    if sub.num_prefills == 0:  # pure decode step (the hot path): rows are the batch, in order
+        return attention_triton.paged_decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            sub.decode_block_tables,
+            sub.decode_context_lens,
+            scale,
+            max_context_len=sub.decode_max_context_len,
+        )
+    out = torch.empty_like(query)
+    if sub.num_decodes:
+        rows = plan.decode_rows
+        decoded = attention_triton.paged_decode_attention(
+            query.index_select(0, rows),
+            k_cache,
+            v_cache,
+            sub.decode_block_tables,
+            sub.decode_context_lens,
+            scale,
+            max_context_len=sub.decode_max_context_len,
+        )
+        out.index_copy_(0, rows, decoded)
+    if TRITON_PREFILL:
+        attention_triton.paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            sub.prefill_block_tables,
+            sub.prefill_context_lens,
+            sub.prefill_query_starts,
+            scale,
+            sub.prefill_max_query_len,
+            query_ends=sub.prefill_query_ends,
+            out=out,
+        )
+    else:
+        _reference_prefills(query, k_cache, v_cache, plan, scale, out)
+    return out

@@ -11,7 +11,12 @@ import torch
 
 from tests.fixtures.ci import _in_ci
 
-pytest_plugins = ["tests.fixtures.services", "tests.fixtures.models", "tests.fixtures.browser"]
+pytest_plugins = [
+    "tests.fixtures.triton_interpreter",  # first: before any test module imports a kernel
+    "tests.fixtures.services",
+    "tests.fixtures.models",
+    "tests.fixtures.browser",
+]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,8 +17,10 @@ import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import LoRASegment, LoRAStep, LoRAWeightSource
+from loramux.engine.model.llama import LORA_TARGETS, LoRASegment, LoRAStep, LoRAWeightSource
+from loramux.kernels.dispatch import use_triton_on
 from loramux.kernels.lora import LoRADenseBatch
+from loramux.kernels.lora_batch import LoRABatch
 
 # The masked-dense form computes every token against every row of the step's span:
 # worth it while the span is small (CPU, a few dozen adapters of modest rank).
@@ -50,6 +52,12 @@ class LoRAPool(LoRAWeightSource):
         self._a: dict[str, list[torch.Tensor]] = {}  # module -> per layer [capacity, in]
         self._b: dict[str, list[torch.Tensor]] = {}  # module -> per layer [capacity, out]
         self._resident: dict[int, ResidentAdapter] = {}
+        # The Triton ops take a fused projection's slices (q/k/v, gate/up) in one launch,
+        # so every target module has a pool there (zero rows for adapters skipping it).
+        self._triton = use_triton_on(device)
+        if self._triton:
+            for module in LORA_TARGETS:
+                self._ensure_module(module)
 
     # --- LoRAWeightSource ------------------------------------------------------
     def a_pool(self, layer: int, module: str) -> torch.Tensor:
@@ -113,6 +121,8 @@ class LoRAPool(LoRAWeightSource):
         used = [(s, e, self._resident[a]) for s, e, a in spans if a is not None and e > s]
         if not used:
             return None
+        if self._triton:
+            return LoRAStep(pools=self, segments={}, max_rank={}, batch=self._kernel_batch(spans))
         segments: dict[str, list[LoRASegment]] = {}
         max_rank: dict[str, int] = {}
         for start, end, resident in used:
@@ -143,6 +153,24 @@ class LoRAPool(LoRAWeightSource):
                 if built[key] is not None:
                     dense[module] = built[key]
         return LoRAStep(pools=self, segments=segments, max_rank=max_rank, dense=dense)
+
+    def _kernel_batch(self, spans: list[tuple[int, int, int | None]]) -> LoRABatch:
+        """The step as one ``LoRABatch`` whose slices are ``LORA_TARGETS`` in order."""
+        table: dict[int, int] = {}  # adapter id -> index in the step's table
+        indexed = []
+        for start, end, adapter_id in spans:
+            index = None if adapter_id is None else table.setdefault(adapter_id, len(table))
+            indexed.append((start, end, index))
+        residents = [self._resident[adapter_id] for adapter_id in table]
+        modules = [[r.modules.get(m, (0, 0.0)) for r in residents] for m in LORA_TARGETS]
+        return LoRABatch.build(
+            indexed,
+            adapter_rows=[r.rows.tolist() for r in residents],
+            ranks=[[rank for rank, _ in per_adapter] for per_adapter in modules],
+            scales=[[scale for _, scale in per_adapter] for per_adapter in modules],
+            num_tokens=spans[-1][1] if spans else 0,
+            device=self._device,
+        )
 
     def _dense_batch(self, segments: list[LoRASegment], num_tokens: int) -> LoRADenseBatch | None:
         first = min(seg.contiguous_start for seg in segments)

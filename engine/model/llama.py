@@ -22,11 +22,16 @@ from loramux.kernels.lora import (
     LoRASegment,
     lora_dense,
     lora_expand,
+    lora_expand_slices,
     lora_shrink,
+    lora_shrink_slices,
 )
+from loramux.kernels.lora_batch import LoRABatch
 from loramux.kernels.paged_attention import AttentionPlan, paged_attention, write_kv
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QKV = ("q_proj", "k_proj", "v_proj")  # projections of the same input, consecutive slices
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass
@@ -60,6 +65,9 @@ class LoRAStep:
     max_rank: dict[str, int]  # module -> largest rank among its segments
     # module -> the same batch in masked-dense form, where that is cheaper (CPU)
     dense: dict[str, LoRADenseBatch] = field(default_factory=dict)
+    # The Triton path: the whole step as one table whose slices are LORA_TARGETS in order
+    # (then ``segments`` and ``dense`` are empty).
+    batch: LoRABatch | None = None
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +87,40 @@ def _project(
     x: torch.Tensor, linear: nn.Linear, layer: int, module: str, lora: LoRAStep | None
 ) -> torch.Tensor:
     """``linear(x)`` plus, per segment, ``scale * (x @ A^T) @ B^T`` of its adapter."""
+    return _project_group(x, (linear,), layer, (module,), lora)[0]
+
+
+def _project_group(
+    x: torch.Tensor,
+    linears: tuple[nn.Linear, ...],
+    layer: int,
+    modules: tuple[str, ...],
+    lora: LoRAStep | None,
+) -> list[torch.Tensor]:
+    """``_project`` of several projections of the same ``x`` (q/k/v, gate/up).
+
+    On the Triton path their LoRA shrinks are one launch over all slices (x is read once);
+    each output then takes its own expand. Elsewhere, one ``_project_one`` each.
+    """
+    if lora is None or lora.batch is None:
+        return [
+            _project_one(x, lin, layer, m, lora) for lin, m in zip(linears, modules, strict=True)
+        ]
+    outs = [F.linear(x, linear.weight, linear.bias) for linear in linears]
+    first = LORA_TARGETS.index(modules[0])
+    pools = lora.pools
+    y = lora_shrink_slices(
+        x, [pools.a_pool(layer, m) for m in modules], lora.batch, first_slice=first
+    )
+    for s, (out, module) in enumerate(zip(outs, modules, strict=True)):
+        b_pool = pools.b_pool(layer, module)
+        lora_expand_slices(out, y[s : s + 1], [b_pool], [0], lora.batch, first_slice=first + s)
+    return outs
+
+
+def _project_one(
+    x: torch.Tensor, linear: nn.Linear, layer: int, module: str, lora: LoRAStep | None
+) -> torch.Tensor:
     out = F.linear(x, linear.weight, linear.bias)
     if lora is not None:
         dense = lora.dense.get(module)
@@ -108,9 +150,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, lora):
         tokens = x.shape[0]
-        q = _project(x, self.q_proj, self.layer, "q_proj", lora)
-        k = _project(x, self.k_proj, self.layer, "k_proj", lora)
-        v = _project(x, self.v_proj, self.layer, "v_proj", lora)
+        q, k, v = _project_group(x, (self.q_proj, self.k_proj, self.v_proj), self.layer, QKV, lora)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -139,8 +179,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x, lora):
-        gate = _project(x, self.gate_proj, self.layer, "gate_proj", lora)
-        up = _project(x, self.up_proj, self.layer, "up_proj", lora)
+        gate, up = _project_group(x, (self.gate_proj, self.up_proj), self.layer, GATE_UP, lora)
         return _project(F.silu(gate) * up, self.down_proj, self.layer, "down_proj", lora)
 
 

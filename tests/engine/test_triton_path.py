@@ -1,0 +1,91 @@
+"""The engine's Triton path gives transformers + PEFT's greedy tokens too.
+
+``LORAMUX_KERNELS=triton`` sends every op the engine makes on CUDA through the Triton
+kernels; without a GPU they run in Triton's interpreter (see
+``tests/fixtures/triton_interpreter.py``), so this checks on the CPU what the kernels'
+own tests cannot: the engine's wiring (the pool's per-step ``LoRABatch`` over all seven
+target modules, fused q/k/v and gate/up shrinks, the attention plan's Triton tables, and
+decode and prefill rows in the same step). Small requests: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from loramux.engine import SamplingParams
+from loramux.kernels import attention_triton, dispatch, lora_triton
+from tests.engine.factories import build_engine
+from tests.engine.test_exactness import (
+    assert_matches_reference,
+    mixed_requests,
+    run_staggered,
+    tiny_adapters,  # noqa: F401 (fixture)
+)
+
+LAUNCHERS = {
+    lora_triton: ("lora_shrink_sgmv", "lora_shrink_bgmv", "lora_expand_sgmv", "lora_expand_bgmv"),
+    attention_triton: ("paged_decode_attention", "paged_prefill_attention"),
+}
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch) -> Counter:
+    """Triton ops everywhere; counts the launcher calls (the test asserts they all ran)."""
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
+    calls: Counter = Counter()
+    for module, names in LAUNCHERS.items():
+        for name in names:
+            launcher = getattr(module, name)
+
+            def counted(*args, _launcher=launcher, _name=name, **kwargs):
+                calls[_name] += 1
+                return _launcher(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _assert_every_launcher_ran(calls: Counter) -> None:
+    expected = {name for names in LAUNCHERS.values() for name in names}
+    assert {name for name, count in calls.items() if count} == expected, calls
+
+
+def _engine(model_dir, adapters, **overrides):
+    engine = build_engine(model_dir, adapters, **overrides)
+    assert engine.runner.lora_pool._triton, "the pool did not take the Triton path"
+    return engine
+
+
+def test_mixed_batch_matches_peft(triton_kernels, tiny_model_dir, tiny_adapters):  # noqa: F811
+    engine = _engine(tiny_model_dir, tiny_adapters)
+    requests = mixed_requests(4)
+    outs = engine.generate(
+        [p for p, _ in requests],
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        adapters=[a for _, a in requests],
+    )
+    assert_matches_reference(
+        engine, tiny_model_dir, tiny_adapters, requests, [o.token_ids for o in outs], 5
+    )
+    _assert_every_launcher_ran(triton_kernels)
+
+
+def test_staggered_chunks_and_prefix_hits_match_peft(
+    triton_kernels,
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+):
+    """Steps that mix decodes with prefill chunks over cached prefixes."""
+    engine = _engine(
+        tiny_model_dir, tiny_adapters, block_size=4, max_num_batched_tokens=12, max_prefill_chunk=5
+    )
+    system = "Answer briefly. "
+    requests = [(system + p, a) for p, a in mixed_requests(4)]
+    first = run_staggered(engine, requests, 4)
+    second = run_staggered(engine, requests, 4)
+    assert engine.kv.prefix_cache_hits > 0
+    assert first == second
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, second, 4)
+    _assert_every_launcher_ran(triton_kernels)
