@@ -1,0 +1,199 @@
+"""LoRA shrink and expand: the Triton SGMV/BGMV launchers against torch's gather + bmm.
+
+A case is one fused projection of the model (``qkv``: the q/k/v slices of the hidden
+state; ``gate_up``: the gate and up slices), one op, and one batch: ``num_seqs``
+sequences of ``tokens_per_seq`` tokens each (1: a decode batch), ``num_adapters``
+distinct adapters over them, grouped as the scheduler groups them (sequence i uses
+adapter ``i * num_adapters // num_seqs``), adapter a of rank ``ranks[a % len(ranks)]``.
+The launcher is the one the public op dispatches to: BGMV when every segment is one
+token (distinct adapters on a decode batch), SGMV otherwise (prefill, or decode
+sequences that share an adapter, which ``LoRABatch`` merges into one segment).
+
+Bytes and FLOPs of the floor, with e the element size, K = in_features, S slices of
+widths n_s (N = Σ n_s), T tokens, r_a adapter a's rank, r_t that of token t's adapter and
+R the largest rank:
+
+    shrink  bytes = e (T K  +  S K Σ_a r_a  +  S T R)     x read, each distinct adapter's
+            flops = 2 K S Σ_t r_t                           A rows read once, y written
+    expand  bytes = e (S Σ_t r_t  +  N Σ_a r_a  +  2 T N)  y read, each distinct adapter's
+            flops = 2 N Σ_t r_t                             B rows read once, out read+written
+
+The baseline is ``lora_{shrink,expand}_slices_gather_bmm`` (gather every token's adapter
+rows, one bmm per slice). Both are checked once per case against the float32 reference
+(``lora_*_slices_reference`` on upcast inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from kernels_gpu_timing import BenchContext, relative_error, run_case, timing_fields
+
+from loramux.engine.model.config import ModelConfig
+from loramux.kernels.lora import (
+    lora_expand_slices_gather_bmm,
+    lora_expand_slices_reference,
+    lora_shrink_slices_gather_bmm,
+    lora_shrink_slices_reference,
+)
+from loramux.kernels.lora_batch import LoRABatch
+
+PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+LORA_SCALE = 0.5  # c of every adapter: any finite value costs the same
+
+
+@dataclass(frozen=True)
+class LoRACase:
+    projection: str  # a key of PROJECTIONS
+    op: str  # "shrink" or "expand"
+    num_seqs: int
+    tokens_per_seq: int  # 1: a decode batch
+    num_adapters: int
+    ranks: tuple[int, ...]  # adapter a has rank ranks[a % len(ranks)]
+
+    @property
+    def rank_label(self) -> str:
+        if len(self.ranks) == 1:
+            return str(self.ranks[0])
+        return "mixed " + "/".join(map(str, self.ranks))
+
+    @property
+    def adapter_ranks(self) -> list[int]:
+        return [self.ranks[a % len(self.ranks)] for a in range(self.num_adapters)]
+
+
+def grouped_spans(num_seqs: int, tokens_per_seq: int, adapters: list) -> list[tuple]:
+    """Spans ``(start, end, adapter)``: sequence i uses ``adapters[i * len // num_seqs]``,
+    consecutive sequences with the same adapter merged (the runner's layout)."""
+    spans: list[tuple] = []
+    for i in range(num_seqs):
+        adapter = adapters[i * len(adapters) // num_seqs]
+        start, end = i * tokens_per_seq, (i + 1) * tokens_per_seq
+        if spans and spans[-1][2] == adapter:
+            spans[-1] = (spans[-1][0], end, adapter)
+        else:
+            spans.append((start, end, adapter))
+    return spans
+
+
+@dataclass
+class _Problem:
+    batch: LoRABatch
+    in_features: int
+    widths: list[int]  # n_s per slice
+    num_rows: int  # pool rows: Σ_a r_a, each adapter's rows contiguous
+    tokens_per_rank: int  # Σ_t r_t of one slice
+
+
+def _problem(case: LoRACase, config: ModelConfig, device: torch.device) -> _Problem:
+    modules = PROJECTIONS[case.projection]
+    in_features = config.module_shape(modules[0])[0]
+    widths = [config.module_shape(m)[1] for m in modules]
+    ranks = case.adapter_ranks
+    starts = [sum(ranks[:a]) for a in range(len(ranks))]
+    rows = [list(range(start, start + r)) for start, r in zip(starts, ranks, strict=True)]
+    spans = grouped_spans(case.num_seqs, case.tokens_per_seq, list(range(case.num_adapters)))
+    batch = LoRABatch.build(
+        spans,
+        adapter_rows=rows,
+        ranks=[ranks] * len(modules),
+        scales=[[LORA_SCALE] * len(ranks)] * len(modules),
+        num_tokens=case.num_seqs * case.tokens_per_seq,
+        device=device,
+    )
+    tokens_per_rank = sum((end - start) * ranks[a] for start, end, a in spans)
+    return _Problem(batch, in_features, widths, sum(ranks), tokens_per_rank)
+
+
+def lora_traffic(case: LoRACase, problem: _Problem, element_size: int) -> tuple[int, int]:
+    """(bytes, flops) of the floor, by the module docstring's formulas."""
+    k, widths = problem.in_features, problem.widths
+    s, n = len(widths), sum(widths)
+    t = problem.batch.num_tokens
+    rank_rows = problem.num_rows  # Σ_a r_a
+    if case.op == "shrink":
+        num_bytes = t * k + s * k * rank_rows + s * t * problem.batch.max_rank
+        return num_bytes * element_size, 2 * k * s * problem.tokens_per_rank
+    num_bytes = s * problem.tokens_per_rank + n * rank_rows + 2 * t * n
+    return num_bytes * element_size, 2 * n * problem.tokens_per_rank
+
+
+def run_lora_case(case: LoRACase, config: ModelConfig, ctx: BenchContext) -> dict:
+    fields = {
+        "projection": case.projection,
+        "op": case.op,
+        "phase": "decode" if case.tokens_per_seq == 1 else "prefill",
+        "num_seqs": case.num_seqs,
+        "tokens": case.num_seqs * case.tokens_per_seq,
+        "adapters": case.num_adapters,
+        "rank": case.rank_label,
+    }
+    return run_case(fields, lambda: _measure(case, config, ctx))
+
+
+def _measure(case: LoRACase, config: ModelConfig, ctx: BenchContext) -> dict:
+    problem = _problem(case, config, ctx.device)
+    kernel_name = "bgmv" if problem.batch.is_decode else "sgmv"
+    if case.op == "shrink":
+        triton_fn, baseline_fn, errors = _shrink(problem, kernel_name, ctx)
+    else:
+        triton_fn, baseline_fn, errors = _expand(problem, kernel_name, ctx)
+    triton_s = ctx.timer.median_s(triton_fn)
+    baseline_s = ctx.timer.median_s(baseline_fn)
+    num_bytes, flops = lora_traffic(case, problem, ctx.element_size)
+    return {
+        "kernel": kernel_name,
+        **timing_fields(ctx, triton_s, baseline_s, num_bytes, flops),
+        **errors,
+        "matches": ctx.matches(errors),
+    }
+
+
+def _random(shape, ctx: BenchContext, std: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, dtype=ctx.dtype, device=ctx.device) * std
+
+
+def _shrink(problem: _Problem, kernel_name: str, ctx: BenchContext) -> tuple:
+    from loramux.kernels import lora_triton  # after the caller chose compiler or interpreter
+
+    kernel = getattr(lora_triton, f"lora_shrink_{kernel_name}")
+    batch, k = problem.batch, problem.in_features
+    # A ~ N(0, 1/K) keeps y ~ N(0, 1) for x ~ N(0, 1).
+    a_pools = [_random((problem.num_rows, k), ctx, k**-0.5) for _ in problem.widths]
+    x = _random((batch.num_tokens, k), ctx)
+    expected = lora_shrink_slices_reference(x.float(), [p.float() for p in a_pools], batch)
+    errors = {
+        "triton_rel_err": relative_error(kernel(x, a_pools, batch), expected),
+        "baseline_rel_err": relative_error(
+            lora_shrink_slices_gather_bmm(x, a_pools, batch), expected
+        ),
+    }
+    triton_fn = partial(kernel, x, a_pools, batch)
+    return triton_fn, partial(lora_shrink_slices_gather_bmm, x, a_pools, batch), errors
+
+
+def _expand(problem: _Problem, kernel_name: str, ctx: BenchContext) -> tuple:
+    from loramux.kernels import lora_triton
+
+    kernel = getattr(lora_triton, f"lora_expand_{kernel_name}")
+    batch, widths = problem.batch, problem.widths
+    offsets = [sum(widths[:s]) for s in range(len(widths))]
+    # B ~ N(0, 1/R) keeps the delta ~ N(0, c²) for y ~ N(0, 1): the same scale as out.
+    b_pools = [_random((problem.num_rows, n), ctx, max(1, batch.max_rank) ** -0.5) for n in widths]
+    y = _random((len(widths), batch.num_tokens, batch.max_rank), ctx)
+    out0 = _random((batch.num_tokens, sum(widths)), ctx)
+    expected = out0.to(torch.float32, copy=True)  # .float() would alias a float32 out0
+    lora_expand_slices_reference(expected, y.float(), [p.float() for p in b_pools], offsets, batch)
+    out_triton, out_baseline = out0.clone(), out0.clone()
+    kernel(out_triton, y, b_pools, offsets, batch)
+    lora_expand_slices_gather_bmm(out_baseline, y, b_pools, offsets, batch)
+    errors = {
+        "triton_rel_err": relative_error(out_triton, expected),
+        "baseline_rel_err": relative_error(out_baseline, expected),
+    }
+    # Timed runs keep adding into the same buffers: the cost does not depend on the values.
+    triton_fn = partial(kernel, out_triton, y, b_pools, offsets, batch)
+    baseline_fn = partial(lora_expand_slices_gather_bmm, out_baseline, y, b_pools, offsets, batch)
+    return triton_fn, baseline_fn, errors

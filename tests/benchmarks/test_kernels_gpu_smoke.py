@@ -1,0 +1,124 @@
+"""The GPU kernel benchmark's plumbing, run in its CPU smoke mode.
+
+``benchmarks/kernels_gpu.py --smoke`` runs every section at tiny shapes in float32, the
+Triton kernels in Triton's interpreter, so CI keeps the script (imports, shapes, output
+checks, the report) working for the session that runs it on an H100. Its times mean
+nothing and are not asserted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "benchmarks" / "kernels_gpu.py"
+SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora")
+KERNEL_SECTIONS = ("decode_attention", "prefill_attention", "lora")
+VERDICTS = (
+    "Verdict, decode step LoRA overhead ≤ 15%",
+    "Verdict, paged decode attention ≥ 70% of copy bandwidth",
+)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("kernels_gpu")
+    env = {**os.environ, "LORAMUX_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return result, out
+
+
+def _only(out: Path, suffix: str) -> Path:
+    found = sorted(out.glob(f"kernels_gpu_*-smoke{suffix}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_smoke_run_exits_zero(smoke_run):
+    result, _ = smoke_run
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_every_section_has_rows_that_match_their_reference(smoke_run):
+    _, out = smoke_run
+    data = json.loads(_only(out, ".json").read_text())
+    assert data["complete"] and data["all_match"]
+    assert data["rates"]["copy_gbs"] > 0 and data["rates"]["matmul_tflops"] > 0
+    for section in SECTIONS:
+        rows = data["sections"][section]
+        assert rows, section
+        for row in rows:
+            assert row["matches"] is True and "error" not in row, (section, row)
+    for section in KERNEL_SECTIONS:
+        for row in data["sections"][section]:
+            assert row["triton_ms"] > 0 and row["floor_ms"] > 0, row
+            assert row["baseline_ms"] > 0 and row["baseline_rel_err"] is not None, row
+
+
+def test_lora_rows_cover_both_kernels_and_both_ops(smoke_run):
+    _, out = smoke_run
+    rows = json.loads(_only(out, ".json").read_text())["sections"]["lora"]
+    assert {(r["kernel"], r["op"]) for r in rows} == {
+        (kernel, op) for kernel in ("sgmv", "bgmv") for op in ("shrink", "expand")
+    }
+    assert {r["projection"] for r in rows} == {"qkv", "gate_up"}
+    assert any(r["rank"].startswith("mixed") for r in rows)
+
+
+def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
+    _, out = smoke_run
+    rows = json.loads(_only(out, ".json").read_text())["sections"]["decode_step"]
+    assert [r["variant"] for r in rows].count("base") == 1
+    lora = [r for r in rows if r["variant"] == "lora"]
+    assert {r["kernel"] for r in lora} == {"sgmv", "bgmv"}  # shared and distinct adapters
+    assert all(r["base_ms"] > 0 and "overhead_pct" in r for r in lora)
+    assert sum(bool(r["target"]) for r in lora) == 1
+    # The adapters change the output: the check compares two real LoRA computations.
+    assert all(r["lora_effect"] > 1e-2 for r in lora)
+
+
+def test_markdown_states_both_target_verdicts(smoke_run):
+    _, out = smoke_run
+    markdown = _only(out, ".md").read_text()
+    for verdict in VERDICTS:
+        assert re.search(re.escape(verdict) + r" \(.*\): (PASS|FAIL)", markdown), verdict
+
+
+def test_a_mismatch_makes_the_exit_code_nonzero(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    kernels_gpu = importlib.import_module("kernels_gpu")
+    results = {
+        "sections": {"lora": [{"matches": True}, {"matches": False}]},
+        "targets": {},
+        "machine": {"device": "cpu", "python": "3", "date": "today"},
+        "rates": {"copy_gbs": 1.0, "matmul_tflops": 1.0},
+        "config": {
+            "grid": "smoke",
+            "dtype": "float32",
+            "iters": 1,
+            "warmup": 0,
+            "tolerance": 1e-4,
+            "step_tolerance": 1e-3,
+        },
+        "command": "test",
+    }
+    paths = (tmp_path / "r.json", tmp_path / "r.md")
+    assert kernels_gpu.finish(results, paths) == 1
+    assert json.loads(paths[0].read_text())["all_match"] is False
+    results["sections"]["lora"].pop()
+    assert kernels_gpu.finish(results, paths) == 0
