@@ -42,7 +42,9 @@ Failures
   Engine; a new thread only starts once the old one has exited.
 
 The AsyncEngine must own its Engine: once started, nothing else may call the Engine.
-Adapter loading runs on the engine thread, so steps pause while an adapter loads.
+``add_adapter`` parses the adapter on the engine thread (steps pause meanwhile);
+``register_adapter`` does no work there: the engine's loader thread fetches and parses it
+when a request first needs it, and the steps go on.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from typing import Any
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import Engine
 from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.lora.source import AdapterSource
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
@@ -341,8 +344,14 @@ class AsyncEngine:
     async def add_adapter(self, name: str, path: str | Path) -> LoRARequest:
         return await self._call(self.engine.add_adapter, name, path)
 
+    async def register_adapter(self, name: str, source: AdapterSource) -> LoRARequest:
+        return await self._call(self.engine.register_adapter, name, source)
+
     async def remove_adapter(self, name: str) -> None:
         await self._call(self.engine.remove_adapter, name)
+
+    async def adapter_residency(self) -> dict[str, str]:
+        return await self._call(self.engine.adapter_residency)
 
     async def list_adapters(self) -> list[str]:
         return await self._call(self.engine.list_adapters)

@@ -17,7 +17,18 @@ _DTYPES = {
 @dataclass
 class EngineConfig:
     model: str  # HF-format Llama-family directory
-    kv_cache_bytes: int = 256 * 1024 * 1024  # byte budget of the paged KV cache
+    # Device bytes shared by the paged KV cache and the resident adapters (S-LoRA unified
+    # paging): KV blocks fill it from the bottom, adapter rank-rows from the top.
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    # Cap on the share of kv_cache_bytes adapters may hold (None: all but KV's floor, the
+    # blocks one request of max_model_len needs).
+    adapter_device_bytes: int | None = None
+    # Host-RAM tier: bytes of parsed adapters kept in memory (LRU) between the store and
+    # the device, so a re-used adapter is not fetched again.
+    adapter_host_bytes: int = 1 << 30
+    # Optional local-disk tier between the store and RAM (sources with a content id only).
+    adapter_disk_cache_dir: str | None = None
+    adapter_disk_cache_bytes: int = 8 << 30
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step: decodes + prefill chunks
@@ -39,14 +50,30 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_lora_rank",
             "adapter_wait_steps",
+            "adapter_host_bytes",
+            "adapter_disk_cache_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_prefill_chunk", "max_model_len", "max_adapters_per_step"):
+        names = (
+            "max_prefill_chunk",
+            "max_model_len",
+            "max_adapters_per_step",
+            "adapter_device_bytes",
+        )
+        for name in names:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive or None, got {value}")
+        if (
+            self.adapter_device_bytes is not None
+            and self.adapter_device_bytes > self.kv_cache_bytes
+        ):
+            raise ValueError(
+                f"EngineConfig.adapter_device_bytes ({self.adapter_device_bytes}) is a share of "
+                f"kv_cache_bytes ({self.kv_cache_bytes}) and cannot exceed it"
+            )
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(
                 f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"

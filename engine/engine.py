@@ -5,8 +5,15 @@
     outs = engine.generate(["Hi", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0),
                            adapters=["support-bot", None])
 
-Low level: ``add_request`` / ``step`` / ``abort``. One ``step()`` asks the scheduler
-what to run, has the runner run it, and applies the results.
+Low level: ``add_request`` / ``step`` / ``abort``. One ``step()`` takes finished adapter
+loads, makes the adapters of waiting requests device-resident where there is room, asks
+the scheduler what to run, has the runner run it, and applies the results.
+
+Adapters live in three tiers (``loramux.engine.lora.tiers``): registered ones in their
+source (the object store), recently used ones in host RAM, the ones in use on the device,
+in rows that share one budget with the KV cache. ``register_adapter(name, source)``
+makes an adapter servable without loading it; a request for a cold adapter waits in the
+queue while a background thread loads it, and the steps go on meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +31,17 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
+from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
+from loramux.engine.lora.loader import AdapterLoader
 from loramux.engine.lora.pool import LoRAPool
+from loramux.engine.lora.source import (
+    AdapterDiskCache,
+    AdapterSource,
+    DiskCachedSource,
+    LocalDirectorySource,
+)
+from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.loader import load_model
 from loramux.engine.outputs import RequestOutput
@@ -63,6 +80,8 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # kv_cache_bytes is one budget for KV blocks and resident adapters (S-LoRA's unified
+        # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
         block_bytes = kv_block_bytes(self.model, config.block_size, dtype)
         num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 2:
@@ -70,9 +89,28 @@ class Engine:
                 f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} KV blocks; "
                 f"raise it (one block needs {block_bytes} bytes)"
             )
-        # A request must fit in the whole cache, or it could never be scheduled.
-        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.arena = DeviceArena(self.model_config, num_blocks, config.block_size, dtype, device)
+        rows = self.arena.layout.total_rows
+        max_rows = None
+        if config.adapter_device_bytes is not None:
+            max_rows = config.adapter_device_bytes // self.arena.bytes_per_row
+            if max_rows < 1:
+                raise ValueError(
+                    f"adapter_device_bytes={config.adapter_device_bytes} holds no adapter row; "
+                    f"one rank-row of this model needs {self.arena.bytes_per_row} bytes"
+                )
+        # KV's floor is the blocks one request of max_model_len needs: adapters never take
+        # them, so a request always fits once the others are preempted. The context is capped
+        # so that the floor leaves room for one adapter of max_lora_rank (half the rows at
+        # most, on a budget too small for that; never more than max_rows).
+        reserve = min(config.max_lora_rank, rows // 2, rows if max_rows is None else max_rows)
+        kv_room = max(1, self.arena.layout.kv_limit_for(rows - reserve))
+        self.max_model_len = min(self.max_model_len, kv_room * config.block_size)
+        kv_floor = -(-self.max_model_len // config.block_size)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, min_limit=kv_floor
+        )
+        self.lora_pool = LoRAPool(self.model_config, self.arena, self.kv, max_rows=max_rows)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -82,11 +120,11 @@ class Engine:
                 adapter_wait_steps=config.adapter_wait_steps,
             ),
             self.kv,
+            adapter_ready=self.lora_pool.is_resident,
         )
-        self.lora_pool = LoRAPool(self.model_config, dtype=dtype, device=device)
         self.runner = ModelRunner(
             self.model,
-            num_blocks=num_blocks,
+            kv_caches=self.arena.kv_caches,
             block_size=config.block_size,
             lora_pool=self.lora_pool,
             sampler=Sampler(config.seed),
@@ -94,7 +132,24 @@ class Engine:
         )
         self.metrics = metrics or EngineMetrics()
         self.metrics.kv_blocks_total.set(num_blocks)
-        self._adapters: dict[str, LoRARequest] = {}
+        self.tiers = AdapterTiers(
+            self.lora_pool,
+            HostAdapterCache(config.adapter_host_bytes),
+            AdapterLoader(
+                self.model_config,
+                dtype=dtype,
+                max_rank=config.max_lora_rank,
+                pin_memory=device.type == "cuda",
+            ),
+            self.metrics,
+        )
+        self._disk_cache = (
+            None
+            if config.adapter_disk_cache_dir is None
+            else AdapterDiskCache(
+                Path(config.adapter_disk_cache_dir), config.adapter_disk_cache_bytes
+            )
+        )
         self._adapter_ids = itertools.count(1)
         self._requests: dict[str, Sequence] = {}
         self._request_ids = itertools.count()
@@ -102,25 +157,55 @@ class Engine:
 
     # --- adapters ------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path) -> LoRARequest:
-        """Load a PEFT adapter and make it servable under ``name``."""
-        if name in self._adapters:
-            raise EngineError(f"adapter {name!r} is already loaded; remove it first")
-        weights = load_adapter(
+        """Make the PEFT adapter in folder ``path`` servable under ``name``.
+
+        It is parsed now, into the host tier (so a bad adapter is refused here, with the
+        reason); it goes to the device when a request needs it.
+        """
+        self._check_new_adapter_name(name)
+        weights = load_adapter(  # AdapterError (a ValueError) says what is wrong
             path,
             self.model_config,
             name=name,
             max_rank=self.config.max_lora_rank,
             dtype=self.config.torch_dtype,
-            device=self.config.torch_device,
+            device="cpu",
         )
-        request = LoRARequest(name=name, adapter_id=next(self._adapter_ids), source=str(path))
-        self.lora_pool.load(request.adapter_id, weights)
-        self._adapters[name] = request
-        self.metrics.adapter_loads.inc()
+        self.tiers.check_fits_device(name, weights.rank)
+        request = self._new_adapter(name, LocalDirectorySource(Path(path)))
+        try:
+            self.tiers.keep_in_host(request.adapter_id, weights)
+        except (ValueError, HostCacheFull) as exc:
+            self.tiers.unregister(name)
+            raise EngineError(f"adapter {name!r} cannot be held in host memory: {exc}") from exc
+        return request
+
+    def register_adapter(self, name: str, source: AdapterSource) -> LoRARequest:
+        """Make an adapter servable under ``name`` without loading it.
+
+        Its first request queues it for the background loader; requests for it wait
+        until it is on the device, without stalling the others. With a disk cache
+        configured, sources with a content id are cached on local disk.
+        """
+        self._check_new_adapter_name(name)
+        if self._disk_cache is not None and source.cache_key is not None:
+            source = DiskCachedSource(source, self._disk_cache)
+        return self._new_adapter(name, source)
+
+    def _check_new_adapter_name(self, name: str) -> None:
+        if self.tiers.get(name) is not None:
+            raise EngineError(f"adapter {name!r} is already loaded; remove it first")
+
+    def _new_adapter(self, name: str, source: AdapterSource) -> LoRARequest:
+        request = LoRARequest(
+            name=name, adapter_id=next(self._adapter_ids), source=source.description
+        )
+        self.tiers.register(request, source)
         return request
 
     def remove_adapter(self, name: str) -> None:
-        request = self._adapters.get(name)
+        """Unregister ``name``, freeing its device rows and host memory."""
+        request = self.tiers.get(name)
         if request is None:
             raise EngineError(f"adapter {name!r} is not loaded")
         users = [s.request_id for s in self._requests.values() if s.lora == request]
@@ -128,11 +213,14 @@ class Engine:
             raise EngineError(
                 f"adapter {name!r} is in use by {len(users)} request(s); abort or finish them first"
             )
-        self.lora_pool.unload(request.adapter_id)
-        del self._adapters[name]
+        self.tiers.unregister(name)
 
     def list_adapters(self) -> list[str]:
-        return sorted(self._adapters)
+        return self.tiers.names()
+
+    def adapter_residency(self) -> dict[str, str]:
+        """Adapter name -> the tier holding it: device, host, loading, store or failed."""
+        return self.tiers.residency()
 
     def set_tenant_weight(self, tenant: str | None, weight: float) -> None:
         self.scheduler.fair.set_weight(tenant, weight)
@@ -163,7 +251,7 @@ class Engine:
             raise EngineError("params must be a SamplingParams")
         lora = None
         if adapter is not None:
-            lora = self._adapters.get(adapter)
+            lora = self.tiers.get(adapter)
             if lora is None:
                 raise EngineError(f"unknown adapter {adapter!r}; add_adapter() it first")
         vocab = self.model_config.vocab_size
@@ -199,6 +287,8 @@ class Engine:
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+        if lora is not None:
+            self.tiers.note_request(lora.adapter_id)
 
     def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -235,13 +325,29 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that got tokens."""
+        """Run one iteration; returns an output for every request that got tokens, and
+        for every request ended by an adapter that failed to load."""
+        failures = self._fail_waiting(self.tiers.poll(), "could not be loaded")
+        never = self.tiers.prepare(
+            seq.adapter_id
+            for seq in self.scheduler.waiting_in_order()
+            if seq.adapter_id is not None
+        )
+        failures += self._fail_waiting(never, "cannot be served")
+        self._give_kv_room()
         plan = self.scheduler.schedule()
+        self.tiers.pin_running(
+            seq.adapter_id for seq in self.scheduler.running if seq.adapter_id is not None
+        )
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
         if plan.is_empty:
             self._update_gauges()
-            return []
+            if not failures and self.tiers.loader.pending():
+                # Nothing can run until a load finishes: wait for it briefly instead of
+                # spinning (short, so new requests and commands are not held up).
+                self.tiers.loader.wait(timeout=0.01)
+            return failures
         now = time.monotonic()
         for item in plan.scheduled:
             if item.seq.metrics.first_scheduled_time is None:
@@ -249,14 +355,46 @@ class Engine:
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
         sampled = self.runner.execute(plan)
         updates = self.scheduler.update(plan, sampled, time.monotonic())
-        outputs = []
+        outputs = failures
         for seq, text in updates:
             self._observe_token(seq)
             outputs.append(self._output(seq, text, seq.output_token_ids[-1:]))
             if seq.is_finished:
                 del self._requests[seq.request_id]
+        # Finished requests no longer hold their adapters on the device.
+        self.tiers.pin_running(
+            seq.adapter_id for seq in self.scheduler.running if seq.adapter_id is not None
+        )
         self._update_gauges()
         return outputs
+
+    def _fail_waiting(self, errors: dict[int, str], what: str) -> list[RequestOutput]:
+        """End the waiting requests whose adapter is in ``errors`` (adapter id -> why). A
+        failed load is retried by the next request for that adapter."""
+        if not errors:
+            return []
+        outputs = []
+        for seq in list(self.scheduler.waiting):
+            error = errors.get(seq.adapter_id) if seq.adapter_id is not None else None
+            if error is None:
+                continue
+            self.scheduler.fail(seq, f"adapter {seq.lora.name!r} {what}: {error}")
+            del self._requests[seq.request_id]
+            outputs.append(self._output(seq, "", []))
+        return outputs
+
+    def _give_kv_room(self) -> None:
+        """Let KV take rows back from idle adapters when the next step's blocks are short:
+        the running requests' next tokens plus the first admissible waiting prompt."""
+        size = self.kv.block_size
+        needed = sum(1 for seq in self.scheduler.running if seq.num_computed_tokens % size == 0)
+        for seq in self.scheduler.waiting_in_order():
+            if seq.adapter_id is None or self.lora_pool.is_resident(seq.adapter_id):
+                needed += -(-seq.num_tokens // size)
+                break
+        short = needed - self.kv.num_free_blocks
+        if short > 0:
+            self.lora_pool.release_for_kv(short)
 
     def _observe_token(self, seq: Sequence) -> None:
         m = seq.metrics

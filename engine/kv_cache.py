@@ -1,8 +1,9 @@
 """Paged KV-cache bookkeeping: which physical blocks each request owns, and the prefix cache.
 
-This module holds no tensors. The runner owns the KV tensors, shaped
-``[num_blocks, block_size, ...]``; this manager only decides which block ids a request may
-write to and read from, and the runner reads those ids through :meth:`KVCacheManager.block_table`.
+This module holds no tensors. The device arena (``loramux.engine.lora.device_arena``) owns
+the KV tensors, shaped ``[num_blocks, block_size, ...]``; this manager only decides which
+block ids a request may write to and read from, and the runner reads those ids through
+:meth:`KVCacheManager.block_table`.
 
 Idioms
 ------
@@ -31,6 +32,17 @@ always possible. A request's blocks are released tail first, so within one reque
 blocks are evicted before the earlier ones; the heads of prefixes, which the most requests
 share, survive the longest.
 
+*A movable limit.* The KV tensors are shared with the resident LoRA adapters (S-LoRA's
+unified paging, see ``loramux.engine.lora.device_arena``): KV blocks are handed out from
+the bottom, adapter rows live at the top of the same memory. Only blocks ``[0, limit)`` are
+KV's; the adapter pool moves the limit with :meth:`KVCacheManager.try_lower_limit` (which
+succeeds only when every block it takes is free or evictable) and
+:meth:`KVCacheManager.raise_limit`. Free blocks are handed out lowest id first (a heap), so
+in-use blocks gather at the bottom and the top stays free for adapters to take. The limit
+never goes below ``min_limit``, the blocks one request of the maximum length needs: every
+admitted request can always run to completion alone. Accounting (``num_free_blocks``,
+``usage``, admission) is relative to the limit; ``num_blocks`` stays the physical count.
+
 *Salt = adapter id + tenant.* KV depends on the weights that produced it, so a prompt run
 under adapter A must not reuse KV computed under adapter B; and one tenant must not be able
 to detect (through timing) what another tenant has recently sent. The caller therefore passes
@@ -41,9 +53,10 @@ for verification, so identical tokens under different salts never share blocks.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import sys
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -135,16 +148,31 @@ _EMPTY_PREFIX = CachedPrefix()
 
 
 class KVCacheManager:
-    """Block allocator with ref counts and a chained-hash prefix cache. See the module docstring."""
+    """Block allocator with ref counts, a chained-hash prefix cache and a movable limit.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    See the module docstring. ``num_blocks`` is the physical block count; ``limit`` (starting
+    at ``num_blocks``) the blocks KV may use now, never below ``min_limit``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        *,
+        min_limit: int = 1,
+    ):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 1 <= min_limit <= num_blocks:
+            raise ValueError(f"min_limit must be in [1, {num_blocks}], got {min_limit}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.min_limit = min_limit
+        self._limit = num_blocks
 
         # Per-block state, indexed by block id.
         self._ref_count = [0] * num_blocks
@@ -152,8 +180,9 @@ class KVCacheManager:
         # (parent hash, salt, token ids) the block was registered with, to verify hash hits.
         self._key: list[tuple[int | None, Hashable, tuple[int, ...]] | None] = [None] * num_blocks
 
-        # ref 0, holding nothing worth keeping; taken first.
-        self._free: deque[int] = deque(range(num_blocks))
+        # ref 0, holding nothing worth keeping; taken first, lowest id first (a min-heap: a
+        # sorted list is one). Holds only blocks below the limit, as does _evictable.
+        self._free: list[int] = list(range(num_blocks))
         # ref 0 but registered in the prefix cache; insertion order = order freed, so the first
         # item is the least recently used one. OrderedDict gives O(1) removal from the middle
         # when a prefix hit revives a block.
@@ -171,17 +200,23 @@ class KVCacheManager:
     # -- accounting -------------------------------------------------------------------------
 
     @property
+    def limit(self) -> int:
+        """Blocks ``[0, limit)`` are KV's now; the rest of the memory holds adapter rows."""
+        return self._limit
+
+    @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation could take now: truly free plus evictable cached ones."""
+        """Blocks below the limit an allocation could take now: truly free plus evictable."""
         return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one request."""
-        return self.num_blocks - self.num_free_blocks
+        return self._limit - self.num_free_blocks
 
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        """Share of the blocks KV may use now (below the limit) that requests hold."""
+        return self.num_used_blocks / self._limit
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -306,7 +341,7 @@ class KVCacheManager:
 
     def _pop_block(self) -> int:
         if self._free:
-            bid = self._free.popleft()
+            bid = heapq.heappop(self._free)
         else:
             # Reclaim the least recently freed cached block; its KV is about to be overwritten,
             # so it must stop matching lookups now.
@@ -382,22 +417,66 @@ class KVCacheManager:
                 if self._hash[bid] is not None:
                     self._evictable[bid] = None  # appended = most recently used
                 else:
-                    self._free.append(bid)
+                    heapq.heappush(self._free, bid)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: evictable ones become truly free, and blocks still in use
         are unregistered (so they are no longer found, and are freed outright on release)."""
         for bid in self._evictable:
             self._unregister(bid)
-            self._free.append(bid)
+            heapq.heappush(self._free, bid)
         self._evictable.clear()
         for bid in list(self._hash_to_block.values()):
             self._unregister(bid)
+
+    # -- the limit -------------------------------------------------------------------------
+
+    def lowest_possible_limit(self) -> int:
+        """The lowest limit :meth:`try_lower_limit` would accept now: no block at or above it
+        is in use, and it is not below ``min_limit``. O(limit)."""
+        low = self._limit
+        while low > self.min_limit and self._ref_count[low - 1] == 0:
+            low -= 1
+        return low
+
+    def try_lower_limit(self, new_limit: int) -> bool:
+        """Hand blocks ``[new_limit, limit)`` over (to the adapter pool); False if impossible.
+
+        Succeeds only if ``new_limit >= min_limit`` and every block in the range is truly free
+        or evictable; evictable ones leave the prefix cache (their KV is about to be
+        overwritten). A refusal changes nothing. ``new_limit == limit`` is a no-op success.
+        """
+        if new_limit > self._limit:
+            raise ValueError(f"new limit {new_limit} is above the limit {self._limit}")
+        if new_limit < self.min_limit:
+            return False
+        taken = range(new_limit, self._limit)
+        if any(self._ref_count[bid] for bid in taken):
+            return False
+        for bid in taken:
+            if bid in self._evictable:
+                del self._evictable[bid]
+                self._unregister(bid)
+        if taken:
+            self._free = [bid for bid in self._free if bid < new_limit]
+            heapq.heapify(self._free)
+        self._limit = new_limit
+        return True
+
+    def raise_limit(self, new_limit: int) -> None:
+        """Take blocks ``[limit, new_limit)`` back as truly free (their old contents are garbage
+        to KV: they are unregistered, and a block is written before it is read)."""
+        if not self._limit <= new_limit <= self.num_blocks:
+            raise ValueError(f"new limit {new_limit} must be in [{self._limit}, {self.num_blocks}]")
+        for bid in range(self._limit, new_limit):
+            heapq.heappush(self._free, bid)
+        self._limit = new_limit
 
     # -- debugging --------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Assert the internal structures agree with each other (for tests; O(num_blocks))."""
+        assert self.min_limit <= self._limit <= self.num_blocks, "limit out of range"
         refs = [0] * self.num_blocks
         for table in self._tables.values():
             for bid in table:
@@ -407,7 +486,14 @@ class KVCacheManager:
         evictable = set(self._evictable)
         assert len(free) == len(self._free), "duplicate in free list"
         assert not free & evictable, "block both free and evictable"
-        for bid in range(self.num_blocks):
+        heap = self._free
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "free not a heap"
+        for bid in range(self._limit, self.num_blocks):
+            # Above the limit the memory is the adapter pool's: no KV state may point there.
+            assert refs[bid] == 0, f"block {bid} above the limit is in use"
+            assert bid not in free and bid not in evictable, f"block {bid} above limit pooled"
+            assert self._hash[bid] is None, f"block {bid} above the limit is registered"
+        for bid in range(self._limit):
             if refs[bid] == 0:
                 assert (bid in free) != (bid in evictable), f"block {bid} lost"
             else:

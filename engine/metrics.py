@@ -40,7 +40,34 @@ class EngineMetrics:
             "loramux_prefix_cache_hit_tokens", "Prompt tokens found cached.", registry=r
         )
         self.adapter_loads = Counter(
-            "loramux_adapter_loads", "Adapters loaded into the pool.", registry=r
+            "loramux_adapter_loads", "Adapters loaded from their source into host RAM.", registry=r
+        )
+        # Per tier ("device", "host"): a request's adapter is looked up on the device, then
+        # (on a device miss) in host RAM, then loaded from the store; so per tier
+        # hits + misses = lookups, and device lookups = requests with an adapter.
+        self.adapter_hits = Counter(
+            "loramux_adapter_hits", "Adapter lookups found in the tier.", ["tier"], registry=r
+        )
+        self.adapter_misses = Counter(
+            "loramux_adapter_misses", "Adapter lookups not found in the tier.", ["tier"], registry=r
+        )
+        self.adapter_evictions = Counter(
+            "loramux_adapter_evictions", "Adapters evicted from the tier.", ["tier"], registry=r
+        )
+        self.adapters_resident = Gauge(
+            "loramux_adapters_resident", "Adapters held in the tier.", ["tier"], registry=r
+        )
+        self.adapter_bytes = Gauge(
+            "loramux_adapter_bytes",
+            "Bytes of adapter weights held in the tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            "loramux_adapter_load_seconds",
+            "Fetching and parsing one adapter from its source (the loader thread).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.preemptions = Counter("loramux_preemptions", "Sequences preempted.", registry=r)
         self.generated_tokens = Counter("loramux_generated_tokens", "Tokens generated.", registry=r)

@@ -1,8 +1,9 @@
 """The runner executes a ``SchedulerOutput``: tensors in, sampled tokens out.
 
-It owns the model, the KV cache tensors, the adapter pool and the sampler; it makes
-no decisions. The batch is laid out in the scheduler's order (grouped by adapter),
-each sequence contributing the tokens ``[num_computed, num_computed + n)``.
+It holds the model, the KV cache tensors (the device arena's, shared with the adapter
+pool), the adapter pool and the sampler; it makes no decisions. The batch is laid out in
+the scheduler's order (grouped by adapter), each sequence contributing the tokens
+``[num_computed, num_computed + n)``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         *,
-        num_blocks: int,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         lora_pool: LoRAPool,
         sampler: Sampler,
@@ -39,18 +40,11 @@ class ModelRunner:
         self.lora_pool = lora_pool
         self.sampler = sampler
         self._block_table = block_tables
-        c = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(c.num_layers)
-        ]
+        # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values: the
+        # device arena's tensors, whose top also holds the resident adapters' rows.
+        self.kv_caches = kv_caches
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:

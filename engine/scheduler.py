@@ -29,10 +29,14 @@ Policy, in order:
    other waiting sequence is admitted (not even for adapters already running) until
    it is. Running sequences finish (each has a finite ``max_tokens``), so its
    adapter's turn comes within a bounded number of steps.
+5. **Cold adapters**: a waiting sequence whose adapter is not on the device
+   (``adapter_ready`` says so; the engine loads it in the background) is skipped
+   without holding up the sequences behind it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.engine.kv_cache import KVCacheManager
@@ -97,10 +101,20 @@ class FairShare:
         self.counters[tenant] = self.counter(tenant) + cost / self.weights.get(tenant, 1.0)
 
 
+def _always_ready(adapter_id: int) -> bool:
+    return True
+
+
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager):
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv: KVCacheManager,
+        adapter_ready: Callable[[int], bool] = _always_ready,
+    ):
         self.limits = limits
         self.kv = kv
+        self.adapter_ready = adapter_ready  # adapter id -> on the device now
         self.fair = FairShare()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -121,6 +135,10 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
+
+    def waiting_in_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they would be admitted."""
+        return sorted(self.waiting, key=self._waiting_order)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -162,6 +180,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq in preempted or (starving is not None and seq is not starving):
+                continue
+            if seq.adapter_id is not None and not self.adapter_ready(seq.adapter_id):
                 continue
             if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, adapters):
                 if seq.adapter_blocked_since is None:

@@ -1,30 +1,62 @@
-"""Resident adapters in a row pool: an adapter of rank r owns r rank-rows.
+"""Resident adapters as rank-rows at the top of the shared KV memory (S-LoRA unified paging).
 
-Every target module has, per layer, an A pool ``[rows, in]`` and a B pool
-``[rows, out]`` (B stored transposed so a rank-row is contiguous). An adapter's rows
-have the same indices in every module's pool; a module it does not target is simply
-left out of that module's segments. The pool grows (doubling) when it runs out of
-rows; removing an adapter frees its rows for the next one. This is the simple
-residency the engine starts with; the adapter-tiers work adds host and device
-budgets on top of the same layout.
+An adapter of rank r owns r consecutive rows of the ``DeviceArena`` (see
+``loramux.engine.lora.device_arena``): row i holds its i-th rank-row of A and of B
+(transposed) for every target module and layer, at the same index in every module's pool.
+A module or layer it does not target holds zeros there; a module whose rank is below the
+adapter's largest leaves its extra rows unread.
+
+The adapters' *region* is rows ``[first_row, total_rows)``; KV owns the blocks below
+``kv.limit == layout.kv_limit_for(first_row)``. The pool keeps the region tight (it starts
+at the lowest occupied row) and moves the KV limit itself:
+
+* ``try_load`` places an adapter in the highest free run of rows that fits (adapters pack at
+  the top); failing that, grows the region downward by just enough rows, which needs
+  ``kv.try_lower_limit`` to succeed (the blocks are free or evictable, and KV stays at or
+  above its floor). Failing that, it compacts (slides idle adapters up into free runs) and
+  evicts idle adapters, least recently used first, the larger first among equally old ones,
+  retrying after each. It evicts nothing when even evicting every idle adapter could not make
+  room (pinned adapters, KV blocks in use, the floor or ``max_rows`` stand in the way).
+* ``unload`` and evictions shrink the region to the lowest occupied row: KV gets the memory
+  back at once. ``release_for_kv`` compacts and evicts on KV's behalf.
+* A *pinned* adapter (in use by a running request; pins are counted) is never evicted or
+  moved. Moving an idle one is safe: rows are looked up afresh by ``build_step`` every step.
+* Recency counts steps: each ``build_step`` starts a new step and marks its adapters used;
+  a load, ``touch``, ``pin`` and ``unpin`` mark the current step. Adapters last used in the
+  same step are equally recent, and the larger is evicted first (it frees more rows). So a
+  caller that loads several adapters for the same step pins each one it needs before loading
+  the next.
+
+Every row inside the region holds finite values (each adapter's rows are zeroed before its
+weights are written, and a row only enters the region by being claimed): the masked-dense
+form multiplies the span's unused rows by zero, which must give zero.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
+from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights
+from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS, LoRASegment, LoRAStep, LoRAWeightSource
 from loramux.kernels.dispatch import use_triton_on
 from loramux.kernels.lora import LoRADenseBatch
 from loramux.kernels.lora_batch import LoRABatch
 
+__all__ = ["DENSE_MAX_ROWS", "LoRAPool", "PoolFull", "ResidentAdapter"]
+
 # The masked-dense form computes every token against every row of the step's span:
 # worth it while the span is small (CPU, a few dozen adapters of modest rank).
 DENSE_MAX_ROWS = 512
+
+
+class PoolFull(RuntimeError):
+    """The adapter does not fit in device memory now; the message gives the sizes."""
 
 
 @dataclass(frozen=True)
@@ -32,70 +64,166 @@ class ResidentAdapter:
     adapter_id: int
     row_start: int
     num_rows: int
-    rows: torch.Tensor  # [num_rows] int64
+    rows: torch.Tensor  # [num_rows] int64, row_start .. row_start + num_rows - 1
     modules: dict[str, tuple[int, float]]  # module -> (rank, scale)
+
+    @property
+    def row_end(self) -> int:
+        return self.row_start + self.num_rows
 
 
 class LoRAPool(LoRAWeightSource):
+    """Adapter residency in the arena's rows, and per-step LoRA metadata. See the module doc.
+
+    ``max_rows`` caps the region (the rows adapters may take from the shared memory);
+    None leaves only KV's floor (``kv.min_limit``) as the bound. ``on_evict(adapter_id)`` is
+    called after the pool evicts an adapter on its own (not after ``unload``).
+    """
+
     def __init__(
         self,
         model_config: ModelConfig,
+        arena: DeviceArena,
+        kv: KVCacheManager,
         *,
-        dtype: torch.dtype,
-        device: torch.device,
-        initial_rows: int = 64,
+        max_rows: int | None = None,
     ):
+        if max_rows is not None and max_rows < 0:
+            raise ValueError(f"max_rows must be non-negative or None, got {max_rows}")
+        if kv.num_blocks != arena.layout.num_blocks:
+            raise ValueError(
+                f"the KV manager has {kv.num_blocks} blocks, the arena {arena.layout.num_blocks}"
+            )
+        if model_config.num_layers != arena.num_layers:
+            raise ValueError(
+                f"the model has {model_config.num_layers} layers, the arena {arena.num_layers}"
+            )
+        if kv.limit != kv.num_blocks:
+            raise ValueError("the KV manager's limit must start at num_blocks (no adapters yet)")
         self._config = model_config
-        self._dtype, self._device = dtype, device
-        self._capacity = initial_rows
-        self._row_used = bytearray(initial_rows)  # 1 = owned by an adapter
-        self._a: dict[str, list[torch.Tensor]] = {}  # module -> per layer [capacity, in]
-        self._b: dict[str, list[torch.Tensor]] = {}  # module -> per layer [capacity, out]
+        self._arena, self._layout, self._kv = arena, arena.layout, kv
+        self._dtype, self._device = arena.dtype, arena.device
+        total = self._layout.total_rows
+        self.max_rows = max_rows
+        # The lowest row the region may ever reach: the cap, and never below row 0.
+        self._cap_row = max(0, total - max_rows) if max_rows is not None else 0
+        self._first_row = total  # the region is empty
         self._resident: dict[int, ResidentAdapter] = {}
-        # The Triton ops take a fused projection's slices (q/k/v, gate/up) in one launch,
-        # so every target module has a pool there (zero rows for adapters skipping it).
-        self._triton = use_triton_on(device)
-        if self._triton:
-            for module in LORA_TARGETS:
-                self._ensure_module(module)
+        self._pins: dict[int, int] = {}  # adapter id -> running users (absent: 0)
+        self._last_use: dict[int, int] = {}  # adapter id -> step of its last use
+        self._step = 0  # recency counts steps: build_step starts a new one
+        self.evictions = 0
+        self.on_evict: Callable[[int], None] | None = None
+        self._triton = use_triton_on(self._device)
 
     # --- LoRAWeightSource ------------------------------------------------------
     def a_pool(self, layer: int, module: str) -> torch.Tensor:
-        return self._a[module][layer]
+        return self._arena.a_pool(layer, module)
 
     def b_pool(self, layer: int, module: str) -> torch.Tensor:
-        return self._b[module][layer]
+        return self._arena.b_pool(layer, module)
 
-    # --- residency -------------------------------------------------------------
+    # --- accounting ------------------------------------------------------------
     @property
-    def num_rows_used(self) -> int:
-        return sum(self._row_used)
+    def rows_used(self) -> int:
+        """Rows owned by resident adapters."""
+        return sum(r.num_rows for r in self._resident.values())
+
+    num_rows_used = rows_used  # the name the engine's tests knew first
+
+    @property
+    def bytes_used(self) -> int:
+        """Device bytes of the rows resident adapters own."""
+        return self.rows_used * self._arena.bytes_per_row
+
+    @property
+    def region_rows(self) -> int:
+        """Rows taken from KV now (owned rows plus the free runs between them)."""
+        return self._layout.total_rows - self._first_row
+
+    @property
+    def first_row(self) -> int:
+        return self._first_row
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        """The most rows adapters could ever hold: the cap, or all the memory above KV's floor."""
+        rows = self._layout.total_rows - self._layout.first_row_for(self._kv.min_limit)
+        return rows if self.max_rows is None else min(rows, self.max_rows)
 
+    def is_resident(self, adapter_id: int) -> bool:
+        return adapter_id in self._resident
+
+    def resident_ids(self) -> list[int]:
+        return list(self._resident)
+
+    def resident(self, adapter_id: int) -> ResidentAdapter:
+        return self._resident[adapter_id]
+
+    def is_pinned(self, adapter_id: int) -> bool:
+        return adapter_id in self._pins
+
+    # --- use -------------------------------------------------------------------
+    def touch(self, adapter_id: int) -> None:
+        """Mark the adapter used in the current step (LRU order for eviction)."""
+        self._require(adapter_id)
+        self._last_use[adapter_id] = self._step
+
+    def pin(self, adapter_id: int) -> None:
+        """One more running user: not evicted or moved until every pin is undone. Touches."""
+        self.touch(adapter_id)
+        self._pins[adapter_id] = self._pins.get(adapter_id, 0) + 1
+
+    def unpin(self, adapter_id: int) -> None:
+        """One user fewer. Touches: the adapter's last use is when its last user stopped."""
+        count = self._pins.get(adapter_id, 0)
+        if count == 0:
+            raise ValueError(f"adapter {adapter_id} is not pinned")
+        self.touch(adapter_id)
+        if count == 1:
+            del self._pins[adapter_id]
+        else:
+            self._pins[adapter_id] = count - 1
+
+    # --- residency -------------------------------------------------------------
     def load(self, adapter_id: int, weights: LoRAWeights) -> ResidentAdapter:
+        """``try_load``, or :class:`PoolFull` when the adapter does not fit now."""
+        resident = self.try_load(adapter_id, weights)
+        if resident is None:
+            rows = weights.rank
+            pinned = sum(self._resident[a].num_rows for a in self._pins)
+            raise PoolFull(
+                f"adapter {adapter_id} needs {rows} rows ({rows * self._arena.bytes_per_row} "
+                f"bytes) of device memory; adapters hold {self.rows_used} rows ({pinned} pinned, "
+                f"which stay), at most {self.capacity} rows fit, and KV blocks in use hold "
+                f"{self._kv.num_used_blocks} of {self._kv.num_blocks} blocks "
+                f"({self._arena.bytes_per_block} bytes each)"
+            )
+        return resident
+
+    def try_load(self, adapter_id: int, weights: LoRAWeights) -> ResidentAdapter | None:
+        """Make the adapter resident, or return None (nothing changed) if it cannot fit now.
+
+        Places it in a free run, or grows the region into free KV blocks; failing both,
+        compacts and evicts idle adapters (LRU, larger first on ties) and retries.
+        """
         if adapter_id in self._resident:
             raise ValueError(f"adapter id {adapter_id} is already resident")
         num_rows = weights.rank
-        start = self._find_rows(num_rows)
-        if start is None:
-            self._grow(max(self._capacity * 2, self._capacity + num_rows))
-            start = self._find_rows(num_rows)
-        assert start is not None
-        for module, mw in weights.modules.items():
-            self._ensure_module(module)
-            for layer in range(self._config.num_layers):
-                a_pool, b_pool = self._a[module][layer], self._b[module][layer]
-                rows = slice(start, start + mw.rank)
-                if layer in mw.a:
-                    a_pool[rows] = mw.a[layer].to(self._dtype)
-                    b_pool[rows] = mw.b[layer].T.to(self._dtype)
-                else:  # a layer the adapter skips: zero rows add exactly nothing
-                    a_pool[rows] = 0
-                    b_pool[rows] = 0
-        self._row_used[start : start + num_rows] = b"\x01" * num_rows
+        if not self._could_fit(num_rows):
+            return None  # not even evicting every idle adapter would do: evict nobody
+        while True:
+            start = self._place(num_rows)
+            if start is not None:
+                break
+            # Compaction copies rows; worth it only when the free rows would add up.
+            if self._free_rows_from(self._floor_row()) >= num_rows and self._compact():
+                continue
+            victim = self._lru_victim()
+            if victim is None:
+                return None
+            self._evict(victim)
+        self._write(start, weights)
         resident = ResidentAdapter(
             adapter_id=adapter_id,
             row_start=start,
@@ -104,21 +232,50 @@ class LoRAPool(LoRAWeightSource):
             modules={m: (mw.rank, mw.scale) for m, mw in weights.modules.items()},
         )
         self._resident[adapter_id] = resident
+        self._last_use[adapter_id] = self._step
         return resident
 
     def unload(self, adapter_id: int) -> None:
-        resident = self._resident.pop(adapter_id)
-        end = resident.row_start + resident.num_rows
-        self._row_used[resident.row_start : end] = bytes(resident.num_rows)
+        """Free the adapter's rows and give the memory below the lowest occupied row to KV."""
+        self._require(adapter_id)
+        if adapter_id in self._pins:
+            raise ValueError(f"adapter {adapter_id} is pinned by a running request")
+        self._drop(adapter_id)
 
+    def release_for_kv(self, blocks_needed: int) -> int:
+        """Compact and evict idle adapters until KV's limit has risen by ``blocks_needed``.
+
+        Returns the blocks KV gained. Evicts only when that can reach the goal (no pinned
+        adapter sits in the rows KV would need); otherwise it only compacts.
+        """
+        if blocks_needed <= 0:
+            return 0
+        before = self._kv.limit
+        target = min(self._kv.num_blocks, before + blocks_needed)
+        needed_row = self._layout.first_row_for(target)  # every adapter must sit at or above
+        reachable = all(self._resident[a].row_start >= needed_row for a in self._pins)
+        while self._kv.limit < target:
+            if self._compact():
+                continue
+            victim = self._lru_victim() if reachable else None
+            if victim is None:
+                break
+            self._evict(victim)
+        return self._kv.limit - before
+
+    # --- step metadata ---------------------------------------------------------
     def build_step(self, spans: list[tuple[int, int, int | None]]) -> LoRAStep | None:
         """LoRA metadata for a batch whose tokens [start, end) use adapter ids (or None).
 
         Per module, either segments (one matmul pair per adapter) or, when the step's
         adapters sit in a short span of rows, the masked-dense form (a fixed number of
-        ops whatever the adapter count): see ``loramux.kernels.lora``.
+        ops whatever the adapter count): see ``loramux.kernels.lora``. Each call is a new
+        step for LRU recency, in which the spans' adapters are used.
         """
         used = [(s, e, self._resident[a]) for s, e, a in spans if a is not None and e > s]
+        self._step += 1
+        for _, _, resident in used:
+            self._last_use[resident.adapter_id] = self._step
         if not used:
             return None
         if self._triton:
@@ -186,27 +343,131 @@ class LoRAPool(LoRAWeightSource):
         return LoRADenseBatch(row_start=first, row_end=last, mask=mask, scale=scale)
 
     # --- internals -------------------------------------------------------------
-    def _find_rows(self, count: int) -> int | None:
-        run = 0
-        for index, used in enumerate(self._row_used):
-            run = 0 if used else run + 1
-            if run == count:
-                return index - count + 1
-        return None
+    def _require(self, adapter_id: int) -> None:
+        if adapter_id not in self._resident:
+            raise KeyError(f"adapter {adapter_id} is not resident")
 
-    def _ensure_module(self, module: str) -> None:
-        if module in self._a:
-            return
-        in_f, out_f = self._config.module_shape(module)
-        layers = range(self._config.num_layers)
-        kw = {"dtype": self._dtype, "device": self._device}
-        self._a[module] = [torch.zeros(self._capacity, in_f, **kw) for _ in layers]
-        self._b[module] = [torch.zeros(self._capacity, out_f, **kw) for _ in layers]
+    def _by_start(self, skip: int | None = None) -> list[ResidentAdapter]:
+        return sorted(
+            (r for a, r in self._resident.items() if a != skip), key=lambda r: r.row_start
+        )
 
-    def _grow(self, capacity: int) -> None:
-        extra = capacity - self._capacity
-        for pools in (*self._a.values(), *self._b.values()):
-            for layer, pool in enumerate(pools):
-                pools[layer] = torch.cat([pool, pool.new_zeros(extra, pool.shape[1])])
-        self._row_used.extend(bytes(extra))
-        self._capacity = capacity
+    def _free_runs(self, low: int, occupied: list[ResidentAdapter]) -> list[tuple[int, int]]:
+        """Free runs ``(start, end)`` of rows in ``[low, total_rows)`` around ``occupied``
+        (sorted by start; those below ``low`` are ignored), highest first."""
+        runs, cursor = [], self._layout.total_rows
+        for r in reversed(occupied):
+            if r.row_start < low:
+                break
+            if r.row_end < cursor:
+                runs.append((r.row_end, cursor))
+            cursor = r.row_start
+        if low < cursor:
+            runs.append((low, cursor))
+        return runs
+
+    def _floor_row(self) -> int:
+        """The lowest row the region could reach now: KV's blocks in use and floor, the cap."""
+        kv_row = self._layout.first_row_for(self._kv.lowest_possible_limit())
+        return max(self._cap_row, kv_row)
+
+    def _free_rows_from(self, low: int) -> int:
+        return self._layout.total_rows - low - self.rows_used
+
+    def _could_fit(self, num_rows: int) -> bool:
+        """Whether some free run would fit with every idle adapter gone."""
+        pinned = sorted((self._resident[a] for a in self._pins), key=lambda r: r.row_start)
+        runs = self._free_runs(self._floor_row(), pinned)
+        return any(end - start >= num_rows for start, end in runs)
+
+    def _place(self, num_rows: int) -> int | None:
+        """First row for a new adapter: the top of the highest free run inside the region
+        that fits, else right below the region, grown by just enough (KV permitting)."""
+        for start, end in self._free_runs(self._first_row, self._by_start()):
+            if end - start >= num_rows:
+                return end - num_rows
+        first = self._first_row - num_rows
+        if first < self._cap_row:
+            return None
+        if not self._kv.try_lower_limit(self._layout.kv_limit_for(first)):
+            return None
+        self._first_row = first
+        return first
+
+    def _compact(self) -> bool:
+        """Slide idle adapters, topmost first, up into the highest free run that fits each;
+        then shrink the region. Whether anything moved."""
+        moved = False
+        for resident in sorted(self._resident.values(), key=lambda r: -r.row_start):
+            adapter_id = resident.adapter_id
+            if adapter_id in self._pins:
+                continue
+            resident = self._resident[adapter_id]
+            runs = self._free_runs(resident.row_start, self._by_start(skip=adapter_id))
+            for start, end in runs:
+                new_start = end - resident.num_rows
+                if end - start >= resident.num_rows and new_start > resident.row_start:
+                    self._arena.move_rows(resident.row_start, new_start, resident.num_rows)
+                    self._resident[adapter_id] = replace(
+                        resident,
+                        row_start=new_start,
+                        rows=torch.arange(
+                            new_start, new_start + resident.num_rows, device=self._device
+                        ),
+                    )
+                    moved = True
+                    break
+        self._shrink()
+        return moved
+
+    def _lru_victim(self) -> int | None:
+        idle = [a for a in self._resident if a not in self._pins]
+        if not idle:
+            return None
+        return min(idle, key=lambda a: (self._last_use[a], -self._resident[a].num_rows))
+
+    def _evict(self, adapter_id: int) -> None:
+        self._drop(adapter_id)
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(adapter_id)
+
+    def _drop(self, adapter_id: int) -> None:
+        del self._resident[adapter_id]
+        del self._last_use[adapter_id]
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Start the region at the lowest occupied row, giving the rows below back to KV."""
+        first = min((r.row_start for r in self._resident.values()), default=None)
+        first = self._layout.total_rows if first is None else first
+        if first > self._first_row:
+            self._kv.raise_limit(self._layout.kv_limit_for(first))
+            self._first_row = first
+
+    def _write(self, start: int, weights: LoRAWeights) -> None:
+        """Zero the rows (modules and layers the adapter skips stay zero), then write A and
+        B^T of each module's layers into them."""
+        self._arena.zero_rows(start, start + weights.rank)
+        for module, mw in weights.modules.items():
+            rows = slice(start, start + mw.rank)
+            for layer, a in mw.a.items():
+                self._arena.a_pool(layer, module)[rows] = a.to(self._dtype)
+                self._arena.b_pool(layer, module)[rows] = mw.b[layer].T.to(self._dtype)
+
+    def check_invariants(self) -> None:
+        """Assert the pool's structures agree with each other and with KV (for tests)."""
+        total = self._layout.total_rows
+        cursor = self._first_row
+        for r in self._by_start():
+            assert r.row_start >= cursor, f"adapter {r.adapter_id} overlaps or leaves the region"
+            assert r.rows.tolist() == list(range(r.row_start, r.row_end)), "stale rows tensor"
+            cursor = r.row_end
+        assert cursor <= total, "an adapter runs past the last row"
+        lowest = min((r.row_start for r in self._resident.values()), default=total)
+        assert self._first_row == lowest, "the region is not tight"
+        assert self._first_row >= self._cap_row, "the region exceeds max_rows"
+        assert self._kv.limit == self._layout.kv_limit_for(self._first_row), "KV limit drifted"
+        assert set(self._pins) <= set(self._resident), "a pin on an adapter not resident"
+        assert all(count > 0 for count in self._pins.values()), "a zero pin count"
+        assert set(self._last_use) == set(self._resident), "LRU ticks disagree with residents"

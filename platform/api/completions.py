@@ -30,6 +30,7 @@ from loramux.platform.api.schemas_openai import (
 )
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.inference import (
+    EngineRequestFailed,
     InferenceService,
     Job,
     Tally,
@@ -180,6 +181,8 @@ def _sse(payload: dict[str, Any] | str) -> str:
 def _engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineError):
         return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, EngineRequestFailed):
+        return APIError(503, f"The request could not be served: {exc}", code="adapter_unavailable")
     return APIError(503, f"The engine could not finish the request: {exc}", code="engine_error")
 
 
@@ -195,7 +198,7 @@ async def _respond(
         async with aclosing(service.run(job, tally)) as run:
             async for index, out in run:
                 tally.deliver(index, out)
-    except (EngineError, AsyncEngineError) as exc:
+    except (EngineError, AsyncEngineError, EngineRequestFailed) as exc:
         raise _engine_error(exc) from exc
     return render.response(tally)
 
@@ -211,7 +214,7 @@ async def _stream(
             async for index, out in run:
                 yield _sse(render.chunk(index, out, tally))
                 tally.deliver(index, out)  # only once the client was handed the chunk
-    except (EngineError, AsyncEngineError) as exc:
+    except (EngineError, AsyncEngineError, EngineRequestFailed) as exc:
         error = _engine_error(exc)
         yield _sse({"error": {"message": error.message, "type": "error", "code": error.code}})
     if include_usage and tally.usage is not None:

@@ -1,20 +1,22 @@
-"""Getting a ready adapter version into the engine, from the object store.
+"""Making a ready adapter version servable by the engine, from the object store.
 
 The engine knows an adapter version by its id (``AdapterVersion.id``), never by the
-tenant's name for it: names are per tenant and re-uploads make new versions. The
-files are read back from the store (checksums verified) into a temporary folder,
-loaded (the engine copies the weights into its pool), and the folder is removed.
+tenant's name for it: names are per tenant and re-uploads make new versions. A version
+is *registered* with the engine on its first request, with a source that reads its two
+files from the object store (checksums verified): no I/O happens on the request path.
+The engine's loader thread fetches it when a request needs it and keeps it in its host
+and device tiers while it is used; a fetch that fails (store unreachable, object missing
+or corrupt) fails the requests waiting for it, and the next request retries.
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
+from functools import partial
 from pathlib import Path
 
-from starlette.concurrency import run_in_threadpool
-
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from loramux.engine.lora.source import CallableSource
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
 
@@ -24,10 +26,11 @@ class AdapterNotServable(RuntimeError):
 
 
 class AdapterRuntime:
-    """Loads adapter versions into one engine, once each, whatever the concurrency.
+    """Registers adapter versions with one engine, once each, whatever the concurrency.
 
-    It remembers what it loaded rather than asking the engine on every request: the engine
-    drops an adapter only when told to (``unload``), and this is the only caller that tells.
+    It remembers what it registered rather than asking the engine on every request: the
+    engine forgets an adapter only when told to (``unload``), and this is the only caller
+    that tells.
     """
 
     def __init__(self, context: PlatformContext):
@@ -40,7 +43,7 @@ class AdapterRuntime:
         return version.id
 
     async def ensure_loaded(self, version: AdapterVersion) -> str:
-        """The engine's name for ``version``, loading it first if needed."""
+        """The engine's name for ``version``, registering it first if needed."""
         engine = self._context.engine
         if engine is None:
             raise AdapterNotServable("no engine is running in this process")
@@ -51,11 +54,16 @@ class AdapterRuntime:
             return name
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
-            if name in self._loaded:  # another request loaded it while this one waited
+            if name in self._loaded:  # another request registered it while this one waited
                 return name
-            with tempfile.TemporaryDirectory(prefix="loramux-adapter-") as folder:
-                await run_in_threadpool(self._fetch, version, Path(folder))
-                await engine.add_adapter(name, folder)
+            if not version.weights_store_key or not version.config_store_key:
+                raise AdapterNotServable(f"adapter version {version.id} has no stored files")
+            source = CallableSource(
+                partial(self._fetch, version.config_store_key, version.weights_store_key),
+                description=f"version {version.id} (store object {version.weights_store_key})",
+                cache_key=version.sha256,
+            )
+            await engine.register_adapter(name, source)
             self._loaded.add(name)
         return name
 
@@ -67,9 +75,8 @@ class AdapterRuntime:
             self._locks.pop(name, None)
             await engine.remove_adapter(name)
 
-    def _fetch(self, version: AdapterVersion, folder: Path) -> None:
-        if not version.weights_store_key or not version.config_store_key:
-            raise AdapterNotServable(f"adapter version {version.id} has no stored files")
+    def _fetch(self, config_key: str, weights_key: str, folder: Path) -> None:
+        """Runs on the engine's loader thread: the two files from the store, verified."""
         store = self._context.store
-        store.read_to(version.config_store_key, folder / CONFIG_FILE)
-        store.read_to(version.weights_store_key, folder / WEIGHTS_FILE)
+        store.read_to(config_key, folder / CONFIG_FILE)
+        store.read_to(weights_key, folder / WEIGHTS_FILE)

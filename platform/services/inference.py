@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from loramux.engine import SamplingParams
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import TokenLogprobs
+from loramux.engine.sequence import FinishReason
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Tenant
@@ -145,6 +146,10 @@ def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class EngineRequestFailed(RuntimeError):
+    """The engine ended a request it could not serve (e.g. its adapter failed to load)."""
 
 
 # --- the service --------------------------------------------------------------------------
@@ -303,7 +308,8 @@ class InferenceService:
     async def run(self, job: Job, tally: Tally) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's deltas as they come; the usage record is written when this ends.
 
-        Raises ``EngineError`` (a refused request) or ``AsyncEngineError`` from the engine.
+        Raises ``EngineError`` (a refused request), ``AsyncEngineError`` from the engine, or
+        ``EngineRequestFailed`` when the engine ended it unserved (its adapter failed).
         Closing the iterator early aborts the choices still running.
         """
         started = time.monotonic()
@@ -314,8 +320,8 @@ class InferenceService:
             with anyio.CancelScope(shield=True):  # even when the client's task is cancelled
                 await run_in_threadpool(self._finish, job, tally, time.monotonic() - started)
 
-    def _generate(self, job: Job, index: int) -> AsyncIterator[RequestOutput]:
-        return self._engine.generate(
+    async def _generate(self, job: Job, index: int) -> AsyncIterator[RequestOutput]:
+        stream = self._engine.generate(
             job.prompt,
             job.params[index],
             adapter=job.target.engine_adapter,
@@ -323,6 +329,13 @@ class InferenceService:
             tenant=job.caller.tenant_id,
             request_id=f"{job.request_id}-{index}",
         )
+        try:
+            async for out in stream:
+                if out.finished and out.finish_reason == FinishReason.ERROR:
+                    raise EngineRequestFailed(out.error or "the engine could not serve it")
+                yield out
+        finally:
+            await stream.aclose()
 
     async def _merged(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(job.params) == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loramux.engine import Engine, EngineConfig
+from loramux.engine.model.config import ModelConfig
 
 PROMPTS = [
     "Hello there, how are you today?",
@@ -30,3 +31,18 @@ def build_engine(model_dir, adapters=None, **overrides) -> Engine:
     for name, path in (adapters or {}).items():
         engine.add_adapter(name, path)
     return engine
+
+
+# A model whose adapter rows line up with nothing: Σ in_features over the seven LoRA targets
+# is 184, Σ out is 168, a KV block of one 8-wide head is 8 elements per token.
+ODD_ROWS_CONFIG = ModelConfig(
+    vocab_size=32,
+    hidden_size=24,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=3,
+    num_kv_heads=1,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)

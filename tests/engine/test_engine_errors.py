@@ -281,12 +281,19 @@ DAMAGED_ADAPTERS = {
 
 
 def assert_adapters_unchanged(engine: Engine, before: tuple, expected) -> None:
-    assert (engine.list_adapters(), engine.lora_pool.num_rows_used) == before
+    assert adapter_state(engine) == before
     assert_clean(engine, expected)
 
 
 def adapter_state(engine: Engine) -> tuple:
-    return engine.list_adapters(), engine.lora_pool.num_rows_used
+    """What is registered, what is where, and the memory of both tiers."""
+    tiers = engine.tiers
+    return (
+        engine.list_adapters(),
+        engine.adapter_residency(),
+        engine.lora_pool.num_rows_used,
+        tiers.host.bytes_used,
+    )
 
 
 @pytest.mark.parametrize("case", list(DAMAGED_ADAPTERS))
@@ -392,9 +399,13 @@ def test_remove_unknown_adapter_is_refused(engine):
 def test_remove_adapter_in_use_is_refused_until_its_requests_end(engine, small_adapter):
     expected = baseline(engine)
     rows_before = engine.lora_pool.num_rows_used
+    host_before = engine.tiers.host.bytes_used
     engine.add_adapter("small", small_adapter)
-    assert engine.lora_pool.num_rows_used == rows_before + 4
+    assert engine.adapter_residency()["small"] == "host"  # on the device once a request needs it
+    assert engine.tiers.host.bytes_used > host_before
     [alone] = engine.generate([GOOD_PROMPT], GREEDY, adapters=["small"])
+    assert engine.adapter_residency()["small"] == "device"
+    assert engine.lora_pool.num_rows_used == rows_before + 4
 
     engine.add_request("w", GOOD_PROMPT, GREEDY, adapter="small")
     with pytest.raises(EngineError, match="'small' is in use by 1 request"):
@@ -413,7 +424,8 @@ def test_remove_adapter_in_use_is_refused_until_its_requests_end(engine, small_a
 
     engine.remove_adapter("small")
     assert engine.list_adapters() == ["kept"]
-    assert engine.lora_pool.num_rows_used == rows_before
+    assert engine.lora_pool.num_rows_used == rows_before  # device rows and host memory freed
+    assert engine.tiers.host.bytes_used == host_before
     with pytest.raises(EngineError, match="unknown adapter 'small'"):
         engine.add_request("x", GOOD_PROMPT, GREEDY, adapter="small")
     assert_clean(engine, expected)
@@ -421,7 +433,7 @@ def test_remove_adapter_in_use_is_refused_until_its_requests_end(engine, small_a
     # the freed rows are reused, and the name can be loaded again
     capacity = engine.lora_pool.capacity
     engine.add_adapter("small", small_adapter)
+    [again] = engine.generate([GOOD_PROMPT], GREEDY, adapters=["small"])
     assert engine.lora_pool.num_rows_used == rows_before + 4
     assert engine.lora_pool.capacity == capacity
-    [again] = engine.generate([GOOD_PROMPT], GREEDY, adapters=["small"])
     assert again.token_ids == alone.token_ids

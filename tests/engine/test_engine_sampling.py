@@ -177,11 +177,14 @@ def ids_of(tokenizer, prompt: str) -> list[int]:
     "overrides",
     [
         {},
-        # chunked prefill and a KV cache small enough to force preemption by recompute
+        # chunked prefill and a KV cache small enough to force preemption by recompute:
+        # 24 blocks of 4 tokens (512 bytes a token) beside room for the adapters' rows
+        # (one 8 KiB rank-row each; the budget is shared), contexts capped at 96 tokens
         {
             "max_num_batched_tokens": 24,
             "max_prefill_chunk": 4,
-            "kv_cache_bytes": 24 * 4 * 512,
+            "kv_cache_bytes": 24 * 4 * 512 + 12 * 8192,
+            "max_model_len": 96,
             "block_size": 4,
         },
     ],

@@ -122,8 +122,15 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_model_dir, tiny_adapters):
 
 
 def test_preemption_matches_peft(tiny_model_dir, tiny_adapters):
-    # ~2 layers x 2 kv heads x 16 dim x 2 x 4 bytes = 512 bytes/token; 24 blocks of 4.
-    engine = build_engine(tiny_model_dir, tiny_adapters, kv_cache_bytes=24 * 4 * 512, block_size=4)
+    # ~2 layers x 2 kv heads x 16 dim x 2 x 4 bytes = 512 bytes/token; 24 blocks of 4 for KV
+    # beside the adapters' 28 rank-rows of 8 KiB (one budget), contexts capped at 96 tokens.
+    engine = build_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        kv_cache_bytes=24 * 4 * 512 + 28 * 8192,
+        max_model_len=96,
+        block_size=4,
+    )
     requests = mixed_requests(8)
     outputs = run_staggered(engine, requests, 24)
     assert engine.num_preemptions > 0
@@ -165,7 +172,7 @@ def _row_of(engine, requests, index):
 
     def key(i):
         adapter = requests[i][1]
-        return -1 if adapter is None else engine._adapters[adapter].adapter_id
+        return -1 if adapter is None else engine.tiers.get(adapter).adapter_id
 
     return sorted(range(len(requests)), key=key).index(index)
 
@@ -173,7 +180,11 @@ def _row_of(engine, requests, index):
 @pytest.mark.slow
 def test_smollm2_mixed_batch_matches_peft(smollm2_dir, smollm2_adapters):
     engine = build_engine(
-        smollm2_dir, smollm2_adapters, kv_cache_bytes=64 << 20, max_num_batched_tokens=64
+        smollm2_dir,
+        smollm2_adapters,
+        kv_cache_bytes=64 << 20,
+        max_model_len=512,
+        max_num_batched_tokens=64,
     )
     requests = mixed_requests(6)
     outputs = run_staggered(engine, requests, 16)
@@ -182,11 +193,14 @@ def test_smollm2_mixed_batch_matches_peft(smollm2_dir, smollm2_adapters):
 
 @pytest.mark.slow
 def test_smollm2_preemption_and_prefix_hits_match_peft(smollm2_dir, smollm2_adapters):
-    # 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KiB per token; 20 blocks of 4 tokens.
+    # 30 layers x 3 kv heads x 64 x 2 x 4 bytes = 46 KiB per token; 20 blocks of 4 tokens for
+    # KV beside the adapters' 28 rank-rows (a row: 5184 x 4 bytes x k, v x 30 layers), in one
+    # budget; contexts capped at 80 tokens.
     engine = build_engine(
         smollm2_dir,
         smollm2_adapters,
-        kv_cache_bytes=20 * 4 * 46080,
+        kv_cache_bytes=20 * 4 * 46080 + 29 * 1244160,
+        max_model_len=80,
         block_size=4,
         max_num_batched_tokens=32,
         max_prefill_chunk=8,
@@ -213,5 +227,6 @@ def test_fp32_engine_computes_float32_logits(tiny_model_dir):
 
 @pytest.mark.slow
 def test_smollm2_first_step_logits_match_peft(smollm2_dir, smollm2_adapters):
-    engine = build_engine(smollm2_dir, smollm2_adapters, kv_cache_bytes=64 << 20)
+    # 64 MiB holds KV for one 512-token context and the three adapters' rows besides.
+    engine = build_engine(smollm2_dir, smollm2_adapters, kv_cache_bytes=64 << 20, max_model_len=512)
     assert_first_step_logits_match(engine, smollm2_dir, smollm2_adapters)

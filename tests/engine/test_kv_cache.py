@@ -538,3 +538,128 @@ def test_reset_prefix_cache():
     mgr.free("b")
     assert mgr.num_free_blocks == 8
     mgr.check_invariants()
+
+
+# -- the movable limit (memory shared with the adapter pool) --------------------------------
+
+
+def test_lowest_free_block_is_allocated_first():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate("a", 12)
+    mgr.allocate("b", 8)
+    assert (mgr.block_table("a"), mgr.block_table("b")) == ([0, 1, 2], [3, 4])
+    mgr.free("a")
+    mgr.allocate("c", 8)
+    assert mgr.block_table("c") == [0, 1]  # not the never-used 5, 6
+    mgr.allocate("c", 16)
+    assert mgr.block_table("c") == [0, 1, 2, 5]
+    mgr.check_invariants()
+
+
+def test_lower_limit_takes_free_blocks_and_accounting_follows():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate("a", 8)  # blocks 0, 1
+    assert mgr.try_lower_limit(5)
+    assert (mgr.limit, mgr.num_blocks, mgr.num_free_blocks, mgr.num_used_blocks) == (5, 8, 3, 2)
+    assert mgr.usage() == 2 / 5
+    assert mgr.can_allocate("b", 12) and not mgr.can_allocate("b", 16)
+    with pytest.raises(BlockPoolExhausted, match="3 free"):
+        mgr.allocate("b", 16)
+    mgr.allocate("b", 12)
+    assert max(mgr.block_table("b")) == 4  # nothing at or above the limit is handed out
+    assert mgr.try_lower_limit(5)  # no-op
+    with pytest.raises(ValueError, match="above the limit"):
+        mgr.try_lower_limit(6)
+    mgr.check_invariants()
+
+
+def test_lower_limit_refuses_blocks_in_use_and_changes_nothing():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate("a", 4 * 6)  # blocks 0..5
+    mgr.free("a")
+    mgr.allocate("b", 4 * 5)  # blocks 0..4
+    before = snapshot(mgr, ["b"])
+    assert mgr.lowest_possible_limit() == 5
+    assert not mgr.try_lower_limit(4)
+    assert snapshot(mgr, ["b"]) == before and mgr.limit == 8
+    assert mgr.try_lower_limit(5)
+    mgr.check_invariants()
+
+
+def test_lower_limit_takes_evictable_blocks_out_of_the_prefix_cache():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    toks = list(range(13))  # 3 full blocks + 1 token: blocks 0..3
+    run_request(mgr, "a", toks)
+    mgr.free("a")
+    assert mgr.find_cached_prefix(toks, SALT).num_tokens == 12
+    stale = mgr.find_cached_prefix(toks, SALT)
+    assert mgr.lowest_possible_limit() == 1  # evictable counts as free
+    assert mgr.try_lower_limit(2)  # takes cached blocks 2 (and the free 3..7)
+    assert mgr.find_cached_prefix(toks, SALT).num_tokens == 8  # blocks 0, 1 still cached
+    with pytest.raises(ValueError, match="stale CachedPrefix"):
+        mgr.allocate("b", 13, stale)
+    assert mgr.num_free_blocks == 2
+    mgr.check_invariants()
+
+
+def test_min_limit_is_never_crossed():
+    mgr = KVCacheManager(num_blocks=8, block_size=4, min_limit=3)
+    assert mgr.lowest_possible_limit() == 3
+    assert not mgr.try_lower_limit(2)
+    assert mgr.limit == 8
+    assert mgr.try_lower_limit(3)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="min_limit"):
+            KVCacheManager(num_blocks=8, block_size=4, min_limit=bad)
+
+
+def test_raise_limit_gives_the_blocks_back():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    assert mgr.try_lower_limit(2)
+    mgr.allocate("a", 8)
+    assert not mgr.can_allocate("b", 4)
+    mgr.raise_limit(6)
+    assert (mgr.limit, mgr.num_free_blocks) == (6, 4)
+    mgr.allocate("b", 16)
+    assert mgr.block_table("b") == [2, 3, 4, 5]
+    for bad in (5, 9):
+        with pytest.raises(ValueError, match="new limit"):
+            mgr.raise_limit(bad)
+    mgr.raise_limit(8)
+    mgr.check_invariants()
+
+
+def test_limit_moves_keep_invariants_randomized():
+    lowered = refused = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        bs = 2
+        mgr = KVCacheManager(num_blocks=12, block_size=bs, min_limit=3)
+        stems = [[rng.randrange(20) for _ in range(2 * bs)] for _ in range(2)]
+        live: dict[str, list[int]] = {}
+        for step in range(200):
+            op = rng.random()
+            if op < 0.4:
+                rid, toks = f"r{step}", [*rng.choice(stems), rng.randrange(20)]
+                prefix = mgr.find_cached_prefix(toks, SALT)
+                if mgr.can_allocate(rid, len(toks), prefix):
+                    mgr.allocate(rid, len(toks), prefix)
+                    mgr.commit(rid, toks, len(toks), SALT)
+                    live[rid] = toks
+            elif op < 0.6 and live:
+                mgr.free(rid := rng.choice(sorted(live)))
+                del live[rid]
+            elif op < 0.8:
+                target = rng.randint(0, mgr.limit)
+                before = mgr.limit
+                possible = mgr.lowest_possible_limit()
+                ok = mgr.try_lower_limit(target)
+                assert ok == (target >= possible)
+                lowered += ok and target < before
+                refused += not ok
+            else:
+                mgr.raise_limit(rng.randint(mgr.limit, mgr.num_blocks))
+            mgr.check_invariants()
+            assert mgr.num_free_blocks + mgr.num_used_blocks == mgr.limit
+            assert all(bid < mgr.limit for rid in live for bid in mgr.block_table(rid))
+    assert lowered > 20 and refused > 20, (lowered, refused)

@@ -1,0 +1,191 @@
+"""One device memory budget for the paged KV cache and the resident adapters (S-LoRA).
+
+Each layer's arena is that layer's key tensor and value tensor, shaped
+``[num_blocks, block_size, kv_heads, head_dim]`` as attention expects, so neither
+attention nor the kernels know the memory is shared. Seen flat, each tensor is
+``num_blocks * E`` elements with ``E = block_size * kv_heads * head_dim`` per KV block.
+
+The same memory is also cut into *rank-rows* of ``W`` elements, counted from element 0:
+
+    A_rows[layer] = k.view(-1)[: total_rows * W].view(total_rows, W)
+    B_rows[layer] = v.view(-1)[: total_rows * W].view(total_rows, W)
+    total_rows    = (num_blocks * E) // W
+    W             = max(Σ in_m, Σ out_m) over m in LORA_TARGETS
+
+so row j covers elements ``[jW, (j+1)W)`` of both tensors of every layer, i.e. KV blocks
+``floor(jW/E) .. floor(((j+1)W - 1)/E)``. One row holds one rank-row of an adapter for all
+seven target modules at fixed offsets: module m's A row (``A_m[i, :]``) at
+``[offA_m, offA_m + in_m)`` of the A row, its B row (B transposed, ``B_m[:, i]``) at
+``[offB_m, offB_m + out_m)`` of the B row. The pools the model reads are strided views,
+``a_pool(layer, m) = A_rows[layer][:, offA_m : offA_m + in_m]`` (row stride W), which the
+LoRA references slice and the Triton kernels reach by (base pointer, row stride).
+
+KV takes blocks from the bottom, adapters take rows from the top. With the adapter region
+being rows ``[first_row, total_rows)``, KV may use blocks ``[0, kv_limit_for(first_row))``
+and the two never overlap: the block that holds row ``first_row``'s first element, and
+everything above it, is the adapters'. ``kv_limit_for`` and ``first_row_for`` convert
+between the two and form a Galois pair:
+
+    kv_limit_for(r) >= L   <=>   r >= first_row_for(L)
+
+This module only lays the memory out; which rows are whose is ``LoRAPool``'s business,
+and which blocks are whose ``KVCacheManager``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import LORA_TARGETS
+
+__all__ = ["DeviceArena", "RowLayout"]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The rows ↔ blocks arithmetic of an arena (no tensors; see the module docstring)."""
+
+    num_blocks: int
+    block_elems: int  # E: elements of one KV block in one layer's k (or v) tensor
+    row_width: int  # W: elements of one rank-row
+    in_features: dict[str, int]
+    out_features: dict[str, int]
+    a_offsets: dict[str, int]  # module -> offA_m, first element of its A row in a row
+    b_offsets: dict[str, int]  # module -> offB_m, first element of its B row in a row
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int) -> RowLayout:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"need positive num_blocks and block_size, got {num_blocks}, {block_size}"
+            )
+        shapes = {m: config.module_shape(m) for m in LORA_TARGETS}
+        a_offsets, b_offsets, a_end, b_end = {}, {}, 0, 0
+        for module, (in_f, out_f) in shapes.items():  # LORA_TARGETS order
+            a_offsets[module], b_offsets[module] = a_end, b_end
+            a_end, b_end = a_end + in_f, b_end + out_f
+        return cls(
+            num_blocks=num_blocks,
+            block_elems=block_size * config.num_kv_heads * config.head_dim,
+            row_width=max(a_end, b_end),
+            in_features={m: s[0] for m, s in shapes.items()},
+            out_features={m: s[1] for m, s in shapes.items()},
+            a_offsets=a_offsets,
+            b_offsets=b_offsets,
+        )
+
+    @property
+    def total_rows(self) -> int:
+        """Rows the whole memory would hold if KV had none of it."""
+        return self.num_blocks * self.block_elems // self.row_width
+
+    def kv_limit_for(self, first_row: int) -> int:
+        """Blocks KV may use while adapters hold rows ``[first_row, total_rows)``.
+
+        The largest L with block L-1 entirely below row ``first_row``: ``floor(first_row·W/E)``,
+        or every block when the region is empty (``first_row == total_rows``): the rows'
+        rounding leaves a tail of memory no row covers, which is KV's then.
+        """
+        if not 0 <= first_row <= self.total_rows:
+            raise ValueError(f"first_row {first_row} outside [0, {self.total_rows}]")
+        if first_row == self.total_rows:
+            return self.num_blocks
+        return first_row * self.row_width // self.block_elems
+
+    def first_row_for(self, kv_limit: int) -> int:
+        """The lowest row adapters may use while KV holds blocks ``[0, kv_limit)``.
+
+        ``ceil(kv_limit·E/W)``: the first row starting at or after the end of block
+        ``kv_limit - 1`` (``total_rows`` when no row does).
+        """
+        if not 0 <= kv_limit <= self.num_blocks:
+            raise ValueError(f"kv_limit {kv_limit} outside [0, {self.num_blocks}]")
+        return min(self.total_rows, -(-kv_limit * self.block_elems // self.row_width))
+
+    def blocks_of_rows(self, start: int, end: int) -> range:
+        """KV blocks that rows ``[start, end)`` touch (partly or wholly)."""
+        if not 0 <= start < end <= self.total_rows:
+            raise ValueError(f"rows [{start}, {end}) outside [0, {self.total_rows})")
+        w, e = self.row_width, self.block_elems
+        return range(start * w // e, (end * w - 1) // e + 1)
+
+
+class DeviceArena:
+    """Per-layer k/v tensors (the paged KV cache) and the adapter row views over them.
+
+    ``kv_caches`` goes to the runner as the model's KV cache; ``a_pool`` / ``b_pool`` are the
+    row pools the LoRA ops read. Allocated zeroed, so every row holds finite values before
+    anything writes it.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.layout = RowLayout.for_model(model_config, num_blocks, block_size)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.num_layers = model_config.num_layers
+        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+        rows, width = self.layout.total_rows, self.layout.row_width
+        # [total_rows, W] per layer: A rows over the key tensor, B rows over the value tensor.
+        self._a_rows = [k.view(-1)[: rows * width].view(rows, width) for k, _ in self.kv_caches]
+        self._b_rows = [v.view(-1)[: rows * width].view(rows, width) for _, v in self.kv_caches]
+        # The model asks for a pool per (layer, module) on every projection of every step:
+        # the views are made once.
+        lay = self.layout
+        self._a_pools = {
+            (layer, m): a[:, lay.a_offsets[m] : lay.a_offsets[m] + lay.in_features[m]]
+            for layer, a in enumerate(self._a_rows)
+            for m in LORA_TARGETS
+        }
+        self._b_pools = {
+            (layer, m): b[:, lay.b_offsets[m] : lay.b_offsets[m] + lay.out_features[m]]
+            for layer, b in enumerate(self._b_rows)
+            for m in LORA_TARGETS
+        }
+
+    # --- sizes -----------------------------------------------------------------
+    @property
+    def bytes_per_row(self) -> int:
+        """Device bytes one rank-row takes across all layers (A in k, B in v)."""
+        return 2 * self.num_layers * self.layout.row_width * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one KV block takes across all layers (keys and values)."""
+        return 2 * self.num_layers * self.layout.block_elems * self.dtype.itemsize
+
+    # --- views -----------------------------------------------------------------
+    def a_pool(self, layer: int, module: str) -> torch.Tensor:
+        """``[total_rows, in_m]``, row stride W: row i is A_m's rank-row of whoever owns i."""
+        return self._a_pools[(layer, module)]
+
+    def b_pool(self, layer: int, module: str) -> torch.Tensor:
+        """``[total_rows, out_m]``, row stride W: row i is B_m's column i, transposed."""
+        return self._b_pools[(layer, module)]
+
+    # --- whole-row operations (all layers, A and B, every module) ---------------
+    def zero_rows(self, start: int, end: int) -> None:
+        for a, b in zip(self._a_rows, self._b_rows, strict=True):
+            a[start:end] = 0
+            b[start:end] = 0
+
+    def move_rows(self, src: int, dst: int, count: int) -> None:
+        """Copy rows ``[src, src + count)`` to ``[dst, dst + count)``; the ranges may overlap."""
+        for rows in (*self._a_rows, *self._b_rows):
+            rows[dst : dst + count] = rows[src : src + count].clone()

@@ -1,0 +1,247 @@
+"""Adapters across three tiers: the store (source) → host RAM → device rows.
+
+``AdapterTiers`` is the engine's registry of adapters and the mover between tiers. It is
+used from the engine thread only (the loader thread hands results back through a queue):
+
+* ``register(name, source)`` makes an adapter servable without loading anything;
+* ``note_request(adapter_id)`` at a request's arrival counts where the adapter was found
+  (hits and misses per tier) and, if it is in neither RAM nor the device, queues it for
+  the background loader: adapters load in request arrival order (the prefetch order);
+* ``poll()`` at the top of each step takes finished loads into the host cache and returns
+  the adapters that failed (the engine fails the requests waiting for them; the adapter
+  goes back to the store tier, so the next request retries);
+* ``prepare(waiting)`` before scheduling makes the adapters of waiting requests device-
+  resident, in queue order, as far as the device pool has room (evicting idle adapters
+  LRU-first); a request whose adapter is not on the device is simply not admitted yet, so
+  a cold adapter never stalls the step;
+* ``pin_running(running)`` after scheduling: the adapters of running requests are pinned
+  (never evicted or moved), every other one is evictable.
+
+Nothing here waits on storage: the only copies on the engine thread are host → device.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
+from loramux.engine.lora.loader import AdapterLoader
+from loramux.engine.lora.pool import LoRAPool, PoolFull
+from loramux.engine.lora.source import AdapterSource
+from loramux.engine.metrics import EngineMetrics
+
+
+class Tier(enum.StrEnum):
+    """Where an adapter is now (the fastest tier holding it)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    LOADING = "loading"  # being fetched and parsed by the loader
+    STORE = "store"  # only its source has it
+    FAILED = "failed"  # its last load failed; the next request retries
+
+
+@dataclass
+class RegisteredAdapter:
+    request: LoRARequest
+    source: AdapterSource
+    failure: str | None = None  # the last load's error, until a retry starts
+
+
+class AdapterTiers:
+    def __init__(
+        self,
+        pool: LoRAPool,
+        host: HostAdapterCache,
+        loader: AdapterLoader,
+        metrics: EngineMetrics,
+    ):
+        self.pool = pool
+        self.host = host
+        self.loader = loader
+        self.metrics = metrics
+        self._by_name: dict[str, RegisteredAdapter] = {}
+        self._by_id: dict[int, RegisteredAdapter] = {}
+        self._prepared: set[int] = set()  # held on the device for this step's admissions
+        self._pinned: set[int] = set()  # used by running requests
+        pool.on_evict = self._device_evicted
+
+    # --- registry ------------------------------------------------------------------------
+    def register(self, request: LoRARequest, source: AdapterSource) -> None:
+        entry = RegisteredAdapter(request=request, source=source)
+        self._by_name[request.name] = entry
+        self._by_id[request.adapter_id] = entry
+
+    def unregister(self, name: str) -> LoRARequest:
+        """Forget ``name`` and free its device rows and host memory (the caller checks that
+        no request uses it)."""
+        entry = self._by_name.pop(name)
+        adapter_id = entry.request.adapter_id
+        del self._by_id[adapter_id]
+        # No request uses it (the caller checked), so holds from the last step are stale.
+        for holds in (self._pinned, self._prepared):
+            if adapter_id in holds:
+                holds.discard(adapter_id)
+                self.pool.unpin(adapter_id)
+        if self.pool.is_resident(adapter_id):
+            self.pool.unload(adapter_id)
+        self.host.remove(adapter_id)
+        self._update_gauges()
+        return entry.request
+
+    def check_fits_device(self, name: str, rank: int) -> None:
+        """``PoolFull`` if an adapter of ``rank`` could never be device-resident."""
+        if rank > self.pool.capacity:
+            raise PoolFull(
+                f"adapter {name!r} needs {rank} rows of device memory (its rank) but at most "
+                f"{self.pool.capacity} adapter rows fit beside the KV cache's floor; raise "
+                "kv_cache_bytes (or adapter_device_bytes), or lower max_model_len"
+            )
+
+    def keep_in_host(self, adapter_id: int, weights) -> None:
+        """Put already-parsed weights into the host tier (``Engine.add_adapter``)."""
+        evicted = self.host.put(adapter_id, weights)
+        self.metrics.adapter_evictions.labels(tier="host").inc(len(evicted))
+        self.metrics.adapter_loads.inc()
+        self._update_gauges()
+
+    def get(self, name: str) -> LoRARequest | None:
+        entry = self._by_name.get(name)
+        return None if entry is None else entry.request
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def tier_of(self, adapter_id: int) -> Tier:
+        if self.pool.is_resident(adapter_id):
+            return Tier.DEVICE
+        if adapter_id in self.host:
+            return Tier.HOST
+        if adapter_id in self.loader.pending():
+            return Tier.LOADING
+        entry = self._by_id.get(adapter_id)
+        return Tier.FAILED if entry is not None and entry.failure else Tier.STORE
+
+    def residency(self) -> dict[str, str]:
+        """Adapter name -> the tier holding it (for routers and operators)."""
+        return {
+            name: self.tier_of(entry.request.adapter_id).value
+            for name, entry in sorted(self._by_name.items())
+        }
+
+    # --- arrivals and loads --------------------------------------------------------------
+    def note_request(self, adapter_id: int) -> None:
+        """Count a request's lookup per tier and start loading a cold adapter."""
+        m = self.metrics
+        if self.pool.is_resident(adapter_id):
+            m.adapter_hits.labels(tier="device").inc()
+            return
+        m.adapter_misses.labels(tier="device").inc()
+        if adapter_id in self.host:
+            m.adapter_hits.labels(tier="host").inc()
+            return
+        m.adapter_misses.labels(tier="host").inc()
+        self._load(adapter_id)
+
+    def _load(self, adapter_id: int) -> None:
+        entry = self._by_id[adapter_id]
+        entry.failure = None
+        self.loader.submit(adapter_id, entry.source, name=entry.request.name)
+
+    def poll(self) -> dict[int, str]:
+        """Take finished loads into the host tier; adapter id -> error of the failed ones."""
+        failed: dict[int, str] = {}
+        for result in self.loader.poll():
+            entry = self._by_id.get(result.adapter_id)
+            if entry is None:  # unregistered while it loaded
+                continue
+            self.metrics.adapter_load_seconds.observe(result.seconds)
+            error = result.error
+            if error is None:
+                try:
+                    evicted = self.host.put(result.adapter_id, result.weights)
+                except (ValueError, HostCacheFull) as exc:
+                    error = f"adapter {entry.request.name!r} cannot be held in host memory: {exc}"
+                else:
+                    self.metrics.adapter_evictions.labels(tier="host").inc(len(evicted))
+                    self.metrics.adapter_loads.inc()
+            if error is not None:
+                entry.failure = error
+                failed[result.adapter_id] = error
+        if failed or self.host.bytes_used:
+            self._update_gauges()
+        return failed
+
+    # --- device residency ----------------------------------------------------------------
+    def prepare(self, adapter_ids_in_queue_order: Iterable[int]) -> dict[int, str]:
+        """Make the queued requests' adapters device-resident where room allows.
+
+        An adapter made resident here stays pinned until ``pin_running`` (so a later one in
+        the same pass cannot evict it). One missing from the host tier is (re)queued for
+        loading. Returns adapter id -> error for adapters that can never be on the device
+        (larger than the pool can ever hold): their requests must fail, not wait forever.
+        """
+        never: dict[int, str] = {}
+        full = False
+        for adapter_id in dict.fromkeys(adapter_ids_in_queue_order):
+            if adapter_id not in self._by_id:
+                continue
+            if self.pool.is_resident(adapter_id):
+                self.pool.touch(adapter_id)
+            elif full:
+                continue
+            else:
+                weights = self.host.get(adapter_id)
+                if weights is None:
+                    if adapter_id not in self.loader.pending() and not self._failed(adapter_id):
+                        self._load(adapter_id)  # evicted from RAM while it waited
+                    continue
+                try:
+                    self.check_fits_device(self._by_id[adapter_id].request.name, weights.rank)
+                except PoolFull as exc:
+                    never[adapter_id] = str(exc)
+                    continue
+                self.host.pin(adapter_id)
+                try:
+                    resident = self.pool.try_load(adapter_id, weights)
+                finally:
+                    self.host.unpin(adapter_id)
+                if resident is None:
+                    full = True  # no room without evicting pinned ones: later ones wait too
+                    continue
+            self.pool.pin(adapter_id)
+            self._prepared.add(adapter_id)
+        self._update_gauges()
+        return never
+
+    def _failed(self, adapter_id: int) -> bool:
+        return self._by_id[adapter_id].failure is not None
+
+    def pin_running(self, running_adapter_ids: Iterable[int]) -> None:
+        """Pin exactly the adapters of running requests (and release this step's holds)."""
+        wanted = set(running_adapter_ids)
+        for adapter_id in self._prepared:
+            self.pool.unpin(adapter_id)
+        self._prepared = set()
+        for adapter_id in wanted - self._pinned:
+            self.pool.pin(adapter_id)
+        for adapter_id in self._pinned - wanted:
+            self.pool.unpin(adapter_id)
+        self._pinned = wanted
+
+    def is_device_ready(self, adapter_id: int) -> bool:
+        return self.pool.is_resident(adapter_id)
+
+    # --- bookkeeping ---------------------------------------------------------------------
+    def _device_evicted(self, adapter_id: int) -> None:
+        self.metrics.adapter_evictions.labels(tier="device").inc()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.adapters_resident.labels(tier="device").set(len(self.pool.resident_ids()))
+        m.adapter_bytes.labels(tier="device").set(self.pool.bytes_used)
+        m.adapters_resident.labels(tier="host").set(len(self.host))
+        m.adapter_bytes.labels(tier="host").set(self.host.bytes_used)
