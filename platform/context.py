@@ -50,9 +50,18 @@ class PlatformContext:
 
 
 def build_engine(settings: Settings, base_model: BaseModel) -> AsyncEngine:
+    disk_cache = {}
+    if settings.adapter_disk_cache_bytes:
+        disk_cache = {
+            "adapter_disk_cache_dir": str(settings.data_dir / "adapter-cache"),
+            "adapter_disk_cache_bytes": settings.adapter_disk_cache_bytes,
+        }
     config = EngineConfig(
         model=str(base_model.path),
         kv_cache_bytes=settings.kv_cache_bytes,
+        adapter_device_bytes=settings.adapter_device_bytes,
+        adapter_host_bytes=settings.adapter_host_bytes,
+        **disk_cache,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         device=settings.device,

@@ -73,7 +73,26 @@ class Settings(BaseSettings):
     )
     device: str = Field(default="auto", description="`auto`, `cpu`, `cuda` or `cuda:N`.")
     kv_cache_bytes: int = Field(
-        default=256 * 1024 * 1024, gt=0, description="Device bytes for the paged KV cache."
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="Device bytes shared by the paged KV cache and resident adapters.",
+    )
+    adapter_device_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="Cap on the share of kv_cache_bytes resident adapters may take "
+        "(unset: all but the KV cache's floor).",
+    )
+    adapter_host_bytes: int = Field(
+        default=1 << 30,
+        gt=0,
+        description="Host RAM for parsed adapters (LRU) between store and device.",
+    )
+    adapter_disk_cache_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Local-disk cache of adapter files between the store and RAM, under "
+        "<data dir>/adapter-cache (0: none).",
     )
     max_num_seqs: int = Field(default=64, gt=0, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(
