@@ -123,3 +123,32 @@ def test_an_adapter_too_big_for_the_device_fails_at_its_request(tiny_model_dir, 
     assert failed.finish_reason == "error"
     assert "needs 8 rows" in failed.error and "at most 4 adapter rows" in failed.error
     assert not engine.has_unfinished_requests()
+
+
+def test_the_disk_cache_serves_a_reloaded_adapter_without_fetching(
+    tiny_model_dir, make_adapter, tmp_path
+):
+    adapter = make_adapter(tiny_model_dir, rank=4, seed=15)
+    engine = build_engine(
+        tiny_model_dir,
+        adapter_disk_cache_dir=str(tmp_path / "disk"),
+        adapter_disk_cache_bytes=1 << 30,
+    )
+    fetches = []
+
+    def fetch(dest: Path) -> None:
+        fetches.append(1)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(adapter / name, dest / name)
+
+    source = CallableSource(fetch, description="counted", cache_key="sha-of-the-weights")
+    engine.register_adapter("cached", source)
+    [first] = engine.generate([PROMPT], PARAMS, adapters=["cached"])
+    # Unregistered (device rows and host memory freed), then registered again: the files
+    # come from the local disk cache, not the source.
+    engine.remove_adapter("cached")
+    assert engine.tiers.host.bytes_used == 0
+    engine.register_adapter("cached", source)
+    [second] = engine.generate([PROMPT], PARAMS, adapters=["cached"])
+    assert fetches == [1]
+    assert second.token_ids == first.token_ids
