@@ -15,10 +15,13 @@ import asyncio
 from functools import partial
 from pathlib import Path
 
+from loramux.engine.engine import EngineError
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.engine.lora.source import CallableSource
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
+
+REMOVAL_RETRY_S = 0.5  # how often a deleted adapter still in use is tried again
 
 
 class AdapterNotServable(RuntimeError):
@@ -37,6 +40,7 @@ class AdapterRuntime:
         self._context = context
         self._locks: dict[str, asyncio.Lock] = {}
         self._loaded: set[str] = set()
+        self._pending_removals: set[asyncio.Task] = set()  # deletes waiting for requests
 
     @staticmethod
     def engine_name(version: AdapterVersion) -> str:
@@ -68,12 +72,30 @@ class AdapterRuntime:
         return name
 
     async def unload(self, version: AdapterVersion) -> None:
+        """Unregister ``version`` from the engine, freeing its memory; if requests still use
+        it, once they have ended (no new request can reach a deleted adapter)."""
         engine = self._context.engine
         name = self.engine_name(version)
         if engine is not None and name in self._loaded:
             self._loaded.discard(name)
             self._locks.pop(name, None)
-            await engine.remove_adapter(name)
+            try:
+                await engine.remove_adapter(name)
+            except EngineError:  # in use by running or queued requests
+                task = asyncio.create_task(self._remove_when_idle(engine, name))
+                self._pending_removals.add(task)
+                task.add_done_callback(self._pending_removals.discard)
+
+    @staticmethod
+    async def _remove_when_idle(engine, name: str) -> None:
+        while True:
+            await asyncio.sleep(REMOVAL_RETRY_S)
+            try:
+                await engine.remove_adapter(name)
+                return
+            except EngineError as exc:
+                if "is not loaded" in str(exc):
+                    return
 
     def _fetch(self, config_key: str, weights_key: str, folder: Path) -> None:
         """Runs on the engine's loader thread: the two files from the store, verified."""

@@ -4,6 +4,7 @@ budget and metering."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -336,3 +337,42 @@ def test_a_prompt_longer_than_the_context_is_a_400(make_client, base):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=base, prompt="word " * 2000, max_tokens=2)
     assert "context" in str(info.value)
+
+
+def test_deleting_an_adapter_mid_stream_frees_it_once_the_stream_ends(
+    make_client, server, context, make_adapter
+):
+    client, tenant_id = make_client()
+    adapter_dir = make_adapter(context.base_model.path, rank=4, seed=2, std=0.2)
+    config = context.store.put_file(adapter_dir / CONFIG_FILE)
+    weights = context.store.put_file(adapter_dir / WEIGHTS_FILE)
+    with context.sessions.begin() as session:
+        adapter = add_adapter(session, session.get(Tenant, tenant_id), name="leaving")
+        version = add_adapter_version(
+            session,
+            adapter,
+            status=AdapterStatus.READY.value,
+            config_store_key=config.key,
+            weights_store_key=weights.key,
+        )
+        version_id = version.id
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    body = {"model": "leaving", "prompt": PROMPT, "max_tokens": 64, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as streamed:
+        lines = streamed.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        deleted = httpx.delete(f"{server.url}/v1/adapters/leaving", headers=headers)
+        assert deleted.status_code == 204, deleted.text  # not refused while in use
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    # The engine forgets the version once its stream has ended.
+    deadline = time.monotonic() + 10
+    while version_id in asyncio.run(context.engine.list_adapters()):
+        assert time.monotonic() < deadline, "the deleted version was never unregistered"
+        time.sleep(0.1)
+    gone = httpx.post(
+        f"{server.url}/v1/completions", json={**body, "stream": False}, headers=headers
+    )
+    assert gone.status_code == 404
