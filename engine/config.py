@@ -26,6 +26,8 @@ class EngineConfig:
     # Host-RAM tier: bytes of parsed adapters kept in memory (LRU) between the store and
     # the device, so a re-used adapter is not fetched again.
     adapter_host_bytes: int = 1 << 30
+    # Threads fetching and parsing adapters: a fetch that hangs holds up only its own.
+    adapter_load_workers: int = 2
     # Optional local-disk tier between the store and RAM (sources with a content id only).
     adapter_disk_cache_dir: str | None = None
     adapter_disk_cache_bytes: int = 8 << 30
@@ -52,6 +54,7 @@ class EngineConfig:
             "adapter_wait_steps",
             "adapter_host_bytes",
             "adapter_disk_cache_bytes",
+            "adapter_load_workers",
         )
         for name in positive:
             if getattr(self, name) <= 0:

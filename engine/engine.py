@@ -140,6 +140,7 @@ class Engine:
                 dtype=dtype,
                 max_rank=config.max_lora_rank,
                 pin_memory=device.type == "cuda",
+                workers=config.adapter_load_workers,
             ),
             self.metrics,
         )

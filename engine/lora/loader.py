@@ -1,10 +1,12 @@
-"""A background thread that fetches and parses adapters, so the step loop never waits.
+"""Background threads that fetch and parse adapters, so the step loop never waits.
 
 Rules:
 
-- One daemon thread, started by the first ``submit`` (nothing runs at construction).
-- Requests are served one at a time in submission order (arrival order = prefetch
-  order), and results come back in that order through ``poll``.
+- ``workers`` daemon threads (default one), started by the first ``submit`` (nothing
+  runs at construction).
+- Loads *start* in submission order (arrival order = prefetch order). With one worker
+  results come back in that order through ``poll``; with several, in the order they
+  finish, so one hung fetch (a store that stopped answering) holds up only its worker.
 - An adapter id already queued, in flight, or finished but not yet polled is not
   queued again (``submit`` says False): until ``poll`` hands the result over, the
   engine's host cache does not hold it yet, and a second load would be wasted.
@@ -46,7 +48,7 @@ class _Job:
 
 
 class AdapterLoader:
-    """A background thread that fetches adapters from their sources and parses them."""
+    """Background threads that fetch adapters from their sources and parse them."""
 
     def __init__(
         self,
@@ -55,10 +57,14 @@ class AdapterLoader:
         dtype: torch.dtype,
         max_rank: int,
         pin_memory: bool = False,
+        workers: int = 1,
         name: str = "loramux-adapter-loader",
     ):
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory needs CUDA; this machine has no CUDA device")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self._workers = workers
         self._config = model_config
         self._dtype = dtype
         self._max_rank = max_rank
@@ -68,7 +74,7 @@ class AdapterLoader:
         self._jobs: deque[_Job] = deque()
         self._results: list[LoadResult] = []
         self._pending: set[int] = set()  # queued or in flight
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._closed = False
 
     def submit(self, adapter_id: int, source: AdapterSource, *, name: str) -> bool:
@@ -80,9 +86,12 @@ class AdapterLoader:
                 return False
             self._pending.add(adapter_id)
             self._jobs.append(_Job(adapter_id, source, name))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+            if not self._threads:
+                for index in range(self._workers):
+                    name = self._name if index == 0 else f"{self._name}-{index}"
+                    thread = threading.Thread(target=self._run, name=name, daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
             self._cond.notify_all()
             return True
 
@@ -105,16 +114,17 @@ class AdapterLoader:
             return set(self._pending)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread; queued work is dropped and unpolled results discarded."""
+        """Stop the threads; queued work is dropped and unpolled results discarded."""
         with self._cond:
             self._closed = True
             self._jobs.clear()
             self._pending.clear()
             self._results.clear()
             self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -42,6 +43,8 @@ from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
 from loramux.platform.services.rollups import month_spend
 from loramux.platform.services.tenants import micro_usd_to_usd
+
+logger = logging.getLogger(__name__)
 
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
 _NO_USAGE = {  # a request that delivered no token is not recorded, hence not billed
@@ -150,6 +153,23 @@ def new_request_id(prefix: str) -> str:
 
 class EngineRequestFailed(RuntimeError):
     """The engine ended a request it could not serve (e.g. its adapter failed to load)."""
+
+
+def tenant_facing_error(model: str, engine_error: str | None) -> str:
+    """What a tenant is told when the engine could not serve its request.
+
+    The engine's own message names internal ids, store endpoints, buckets and object keys:
+    it goes to the log for operators; the tenant gets the adapter's name and what to do.
+    """
+    logger.warning("request for %r failed in the engine: %s", model, engine_error)
+    if engine_error and "cannot be served" in engine_error:
+        return (
+            f"adapter {model!r} is too large for this deployment's device memory; "
+            "ask your operator to raise the adapter memory budget"
+        )
+    return (
+        f"adapter {model!r} could not be loaded from adapter storage right now; try again shortly"
+    )
 
 
 # --- the service --------------------------------------------------------------------------
@@ -332,7 +352,7 @@ class InferenceService:
         try:
             async for out in stream:
                 if out.finished and out.finish_reason == FinishReason.ERROR:
-                    raise EngineRequestFailed(out.error or "the engine could not serve it")
+                    raise EngineRequestFailed(tenant_facing_error(job.target.model, out.error))
                 yield out
         finally:
             await stream.aclose()
