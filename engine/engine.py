@@ -216,6 +216,11 @@ class Engine:
             )
         self.tiers.unregister(name)
 
+    def close(self) -> None:
+        """Stop the adapter loader threads (queued loads are dropped). The engine can still
+        serve adapters already in RAM or on the device, but loads no more."""
+        self.tiers.loader.close()
+
     def list_adapters(self) -> list[str]:
         return self.tiers.names()
 

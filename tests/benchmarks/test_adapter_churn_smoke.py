@@ -1,0 +1,99 @@
+"""The adapter-churn benchmark's plumbing, run in its smoke mode on the tiny model.
+
+``benchmarks/adapter_churn.py --smoke`` runs both runs (churn and all resident) on a
+tiny random Llama with a few dozen adapters in seconds, so CI keeps the script (adapter
+writing, the arrival-driven step loop, the figures, the report) working. Its times mean
+nothing and are not asserted; the counts are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "benchmarks" / "adapter_churn.py"
+RUNS = ("churn", "resident")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, tiny_model_dir) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("adapter_churn")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--model",
+            str(tiny_model_dir),
+            "--cache-dir",
+            str(out / "cache"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def report(smoke_run) -> dict:
+    result, out = smoke_run
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads((out / "adapter_churn_cpu_smoke.json").read_text())
+
+
+def test_smoke_run_exits_zero(smoke_run):
+    result, _ = smoke_run
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_both_runs_have_itl_percentiles_and_served_every_request(report):
+    requests = report["config"]["requests"]
+    for name in RUNS:
+        run = report[name]
+        assert run["requests"] == requests
+        assert run["failed_or_short"] == 0
+        assert run["tokens"] == requests * report["config"]["max_tokens"]
+        itl = run["itl"]
+        assert itl["samples"] == requests * (report["config"]["max_tokens"] - 1)
+        assert 0 < itl["p50_ms"] <= itl["p90_ms"] <= itl["p99_ms"] <= itl["max_ms"]
+    assert report["ratio_itl_p99"] > 0
+    assert isinstance(report["verdict_met"], bool)
+
+
+def test_adapter_lookups_add_up(report):
+    requests = report["config"]["requests"]
+    for name in RUNS:
+        a = report[name]["adapters"]
+        # Every request looks its adapter up on the device; each device miss in host RAM.
+        assert a["device_hits"] + a["device_misses"] == requests
+        assert a["host_hits"] + a["host_misses"] == a["device_misses"]
+    resident, churn = report["resident"]["adapters"], report["churn"]["adapters"]
+    assert resident["device_hits"] == requests
+    assert resident["loads"] == 0 and resident["device_evictions"] == 0
+    # The churn run's tiers hold far fewer adapters than the trace uses.
+    assert churn["loads"] >= report["config"]["distinct_adapters_used"]
+    assert churn["device_evictions"] > 0 and churn["host_evictions"] > 0
+
+
+def test_markdown_has_the_verdict_line(smoke_run, report):
+    _, out = smoke_run
+    markdown = (out / "adapter_churn_cpu_smoke.md").read_text()
+    verdict = re.search(
+        r"\*\*Verdict: churn ITL P99 / all-resident ITL P99 = ([0-9.]+)x "
+        r"\(target <= 1\.2x\): (met|not met)\.\*\*",
+        markdown,
+    )
+    assert verdict is not None, markdown
+    assert verdict[2] == ("met" if report["verdict_met"] else "not met")
