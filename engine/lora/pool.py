@@ -34,7 +34,8 @@ form multiplies the span's unused rows by zero, which must give zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -103,6 +104,9 @@ class LoRAPool(LoRAWeightSource):
         self._config = model_config
         self._arena, self._layout, self._kv = arena, arena.layout, kv
         self._dtype, self._device = arena.dtype, arena.device
+        # On CUDA adapters are copied in on a stream of their own, so a load overlaps the
+        # step in flight instead of queueing behind it (see _copy_stream_context).
+        self._copy_stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         total = self._layout.total_rows
         self.max_rows = max_rows
         # The lowest row the region may ever reach: the cap, and never below row 0.
@@ -448,12 +452,34 @@ class LoRAPool(LoRAWeightSource):
     def _write(self, start: int, weights: LoRAWeights) -> None:
         """Zero the rows (modules and layers the adapter skips stay zero), then write A and
         B^T of each module's layers into them."""
-        self._arena.zero_rows(start, start + weights.rank)
-        for module, mw in weights.modules.items():
-            rows = slice(start, start + mw.rank)
-            for layer, a in mw.a.items():
-                self._arena.a_pool(layer, module)[rows] = a.to(self._dtype)
-                self._arena.b_pool(layer, module)[rows] = mw.b[layer].T.to(self._dtype)
+        with self._copy_stream_context():
+            self._arena.zero_rows(start, start + weights.rank)
+            for module, mw in weights.modules.items():
+                rows = slice(start, start + mw.rank)
+                for layer, a in mw.a.items():
+                    a_rows = self._arena.a_pool(layer, module)[rows]
+                    a_rows.copy_(a.to(self._dtype), non_blocking=True)
+                    # B is copied as it is (contiguous, pinned) and transposed on the device.
+                    b = mw.b[layer].to(self._device, self._dtype, non_blocking=True)
+                    self._arena.b_pool(layer, module)[rows] = b.T
+
+    @contextlib.contextmanager
+    def _copy_stream_context(self) -> Iterator[None]:
+        """Run the block's device work on the copy stream, ordered against the compute stream.
+
+        The copy stream first waits for the compute stream: rows freed by an eviction may
+        still be read by the step in flight. The compute stream then waits for the copies:
+        the next step reads the rows only once they are written. The engine thread never
+        blocks; host sources are pinned, so the copies are asynchronous. Elsewhere: a no-op.
+        """
+        if self._copy_stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self._device)
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            yield
+        compute.wait_stream(self._copy_stream)
 
     def check_invariants(self) -> None:
         """Assert the pool's structures agree with each other and with KV (for tests)."""

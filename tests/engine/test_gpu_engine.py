@@ -1,0 +1,51 @@
+"""On a CUDA device: the engine's Triton path and its copy stream give PEFT's tokens.
+
+Skipped without a GPU (the ``gpu`` marker); on one, these are the first things to run:
+the same checks as the CPU exactness tests, with the Triton kernels compiled for real,
+adapters copied to the device on the pool's own stream while steps run, and the
+adapter tiers evicting and reloading.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loramux.engine import SamplingParams
+from loramux.engine.lora.source import LocalDirectorySource
+from tests.engine.factories import build_engine
+from tests.engine.test_exactness import (
+    assert_matches_reference,
+    mixed_requests,
+    run_staggered,
+    tiny_adapters,  # noqa: F401 (fixture)
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def test_mixed_batch_on_cuda_matches_peft(tiny_model_dir, tiny_adapters):  # noqa: F811
+    engine = build_engine(tiny_model_dir, tiny_adapters, device="cuda", dtype="float32")
+    requests = mixed_requests(8)
+    outputs = run_staggered(engine, requests, 16)
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 16)
+
+
+def test_adapters_evicted_and_reloaded_on_cuda_match_peft(
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+):
+    """A device share that holds one adapter at a time: every switch is a copy-stream load."""
+    row_bytes = build_engine(tiny_model_dir, device="cuda", dtype="float32").arena.bytes_per_row
+    engine = build_engine(
+        tiny_model_dir, device="cuda", dtype="float32", adapter_device_bytes=16 * row_bytes
+    )
+    for name, path in tiny_adapters.items():
+        engine.register_adapter(name, LocalDirectorySource(path))
+    requests = mixed_requests(8)
+    outputs = run_staggered(engine, requests, 8)
+    assert engine.metrics.registry.get_sample_value(
+        "loramux_adapter_evictions_total", {"tier": "device"}
+    )
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert engine.generate(["again"], params, adapters=["r4-qv"])[0].finish_reason == "length"
