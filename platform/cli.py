@@ -11,6 +11,12 @@ SERVE_HELP = (
 )
 
 
+BENCH_HELP = (
+    "Serve a preset workload with loramux and with transformers + PEFT in the same run and "
+    "report both (latency percentiles, throughput, SLO attainment, tenant shares, plots)."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loramux",
@@ -24,7 +30,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir", help="data directory (default: LORAMUX_DATA_DIR or ./.loramux)"
     )
     serve.set_defaults(handler=_serve)
+    bench = commands.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
+    bench.add_argument(
+        "args", nargs=argparse.REMAINDER, help="a preset, e.g. cpu-smoke; -h lists all"
+    )
+    bench.set_defaults(handler=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/bench.py`` of the source checkout this package is installed from."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    if not script.is_file():
+        print(
+            "loramux bench needs the source checkout (benchmarks/ is not part of the installed "
+            "package): clone the repository and run `make` there.",
+            file=sys.stderr,
+        )
+        return 2
+    bench = runpy.run_path(str(script), run_name="loramux_bench")
+    return bench["main"](args.args)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,129 @@
+"""Serve a workload open-loop against an in-process :class:`loramux.engine.Engine`.
+
+Rules (shared by every driver, see ``drivers.py``):
+
+* times are seconds from the run's start (``time.perf_counter() - t0``); a request's
+  ``arrival_s`` is taken from the workload, never measured;
+* every request is greedy and generates exactly ``output_len`` tokens: EOS is suppressed
+  (``min_tokens = max_tokens = output_len``, ``ignore_eos``);
+* open loop: before each ``step()``, every request whose arrival time has come is added
+  (``sent_s`` is when ``add_request`` was called, so a late add is visible); when the
+  engine is idle and the next arrival lies in the future, the driver sleeps until it;
+* each token is stamped with the time ``step()`` returned it; ``finish_s`` is the stamp
+  of the step that finished the request;
+* a request the engine refuses (``add_request`` raises) or fails (an output with
+  ``error``) gets ``error`` set and ``finish_s`` at that moment; the run goes on.
+
+Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does): siblings import as
+top-level modules.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from measures import RequestRecord
+from workload import WorkloadRequest
+
+
+def exact_length_params(output_len: int):
+    """Greedy sampling that produces exactly ``output_len`` tokens (EOS suppressed)."""
+    from loramux.engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True
+    )
+
+
+def run_engine(
+    engine,
+    requests: Sequence[WorkloadRequest],
+    prompts: dict[int, list[int]],
+    adapter_names: list[str],
+    *,
+    tenants: dict[str, tuple[int, float]] | None = None,
+    token_ids: dict[int, list[int]] | None = None,
+) -> list[RequestRecord]:
+    """Serve ``requests`` on ``engine``; one record per request, in ``requests``' order.
+
+    ``adapter_names[k]`` is the engine's name of workload adapter ``k`` (already added to
+    the engine); a request with ``adapter=None`` uses the base model. ``tenants`` maps a
+    tenant to ``(priority, weight)``: the weights are set on the engine before the run and
+    each request is added with its tenant's priority (0 for a tenant not listed, and for
+    all when ``tenants`` is None). ``token_ids``, when given, is filled with each request's
+    generated token ids (request index -> ids), for checking outputs.
+    """
+    tenants = tenants or {}
+    for tenant, (_, weight) in tenants.items():
+        engine.set_tenant_weight(tenant, weight)
+    run_id = uuid.uuid4().hex[:8]
+    records = {
+        r.index: RequestRecord(
+            index=r.index,
+            tenant=r.tenant,
+            adapter=r.adapter,
+            arrival_s=r.arrival_s,
+            prompt_tokens=len(prompts[r.index]),
+        )
+        for r in requests
+    }
+    collected = token_ids if token_ids is not None else {}
+    by_id: dict[str, int] = {}
+    active: set[int] = set()  # added and not finished
+    pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    next_pending = 0
+    t0 = time.perf_counter()
+
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    def add(request: WorkloadRequest) -> None:
+        record = records[request.index]
+        request_id = f"bench-{run_id}-{request.index}"
+        adapter = None if request.adapter is None else adapter_names[request.adapter]
+        priority = tenants.get(request.tenant, (0, 1.0))[0]
+        collected[request.index] = []
+        record.sent_s = now()
+        try:
+            engine.add_request(
+                request_id,
+                prompts[request.index],
+                exact_length_params(request.output_len),
+                adapter=adapter,
+                priority=priority,
+                tenant=request.tenant,
+            )
+        except Exception as exc:  # refused: the run goes on without it
+            record.error = f"{type(exc).__name__}: {exc}"
+            record.finish_s = now()
+            return
+        by_id[request_id] = request.index
+        active.add(request.index)
+
+    while True:
+        current = now()
+        while next_pending < len(pending) and pending[next_pending].arrival_s <= current:
+            add(pending[next_pending])
+            next_pending += 1
+        if not active:
+            if next_pending == len(pending):
+                break
+            time.sleep(max(0.0, pending[next_pending].arrival_s - now()))
+            continue
+        outputs = engine.step()
+        stamp = now()
+        for out in outputs:
+            index = by_id.get(out.request_id)
+            if index is None:  # not ours (the caller's own requests)
+                continue
+            record = records[index]
+            record.token_times_s.extend([stamp] * len(out.delta_token_ids))
+            collected[index].extend(out.delta_token_ids)
+            if out.error:
+                record.error = out.error
+            if out.finished:
+                record.finish_s = stamp
+                active.discard(index)
+    return [records[r.index] for r in requests]

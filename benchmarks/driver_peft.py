@@ -1,0 +1,181 @@
+"""Serve a workload with transformers + PEFT: the static-batching baseline.
+
+One ``PeftModel`` holds every adapter (built by ``engine_vs_peft.build_peft``) and a
+batch mixes adapters with PEFT's ``generate(..., adapter_names=[...])``; a base-model
+request uses PEFT's ``"__base__"``. Prompts are left-padded (``engine_vs_peft._left_pad``).
+
+Rules:
+
+* times are seconds from the run's start (``time.perf_counter() - t0``, taken after the
+  model is loaded and warmed up with a 2-token generate); ``arrival_s`` comes from the
+  workload;
+* static batches: requests are grouped in arrival order into batches of ``batch_size``;
+  a batch starts when its last request has arrived and the previous batch has finished
+  (the driver sleeps until then); ``sent_s`` is its start, for every request in it;
+* a batch generates ``max(output_len)`` of its requests, greedy, with EOS suppressed
+  (``min_new_tokens = max_new_tokens``); each request keeps exactly its first
+  ``output_len`` tokens. Token ``k`` of every request in the batch is stamped with the
+  time generation step ``k`` ended (a ``StoppingCriteria`` that never stops, called once
+  per step; on CUDA it synchronizes first), and ``finish_s`` is the stamp of the
+  request's last token, i.e. as if tokens were streamed out: a short request is not
+  charged for the rest of its batch, but the next batch waits for the longest one;
+* a batch whose ``generate`` raises gets the error on all its records; the run goes on.
+
+Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from measures import RequestRecord
+from workload import WorkloadRequest
+
+BASE_ADAPTER = "__base__"  # PEFT's adapter_names entry for "no adapter"
+
+
+def peft_adapter_name(k: int) -> str:
+    """The name workload adapter ``k`` is loaded under in the PeftModel."""
+    return f"a{k}"
+
+
+def load_peft_model(model_dir: Path, adapter_dirs: Sequence[Path], *, device: str, dtype):
+    """The base model holding every adapter (or the bare base model when there is none)."""
+    from engine_vs_peft import AdapterSpec, build_peft
+    from transformers import AutoModelForCausalLM
+
+    if not adapter_dirs:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        specs = []
+        for k, path in enumerate(adapter_dirs):
+            config = json.loads((Path(path) / "adapter_config.json").read_text())
+            targets = tuple(config.get("target_modules") or ())
+            specs.append(AdapterSpec(peft_adapter_name(k), Path(path), config["r"], targets))
+        model = build_peft(Path(model_dir), specs)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it records when each generation step ends."""
+
+    def __init__(self, now: Callable[[], float], device: str):
+        self.now = now
+        self.sync = torch.device(device).type == "cuda"
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.times.append(self.now())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@torch.inference_mode()
+def _generate(model, batch, names, pad_id: int, new_tokens: int, clock, device: str):
+    from engine_vs_peft import _left_pad
+    from transformers import StoppingCriteriaList
+
+    input_ids, attention_mask = _left_pad(batch, pad_id)
+    extra = {} if names is None else {"adapter_names": list(names)}
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+        stopping_criteria=StoppingCriteriaList([clock]) if clock is not None else None,
+        **extra,
+    )
+    return [row.tolist() for row in out[:, input_ids.shape[1] :].cpu()]
+
+
+def run_peft_baseline(
+    model_dir: Path,
+    adapter_dirs: list[Path],
+    requests: Sequence[WorkloadRequest],
+    prompts: dict[int, list[int]],
+    *,
+    batch_size: int,
+    device: str = "cpu",
+    dtype=torch.float32,
+    token_ids: dict[int, list[int]] | None = None,
+) -> list[RequestRecord]:
+    """Serve ``requests`` with transformers + PEFT; one record per request, in order.
+
+    ``adapter_dirs[k]`` is workload adapter ``k`` (a PEFT adapter directory). ``token_ids``,
+    when given, is filled with each request's generated token ids (request index -> ids).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    model = load_peft_model(model_dir, adapter_dirs, device=device, dtype=dtype)
+    config = model.config
+    pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    if isinstance(pad_id, list):
+        pad_id = pad_id[0]
+    pad_id = 0 if pad_id is None else int(pad_id)
+    mixed = bool(adapter_dirs)
+
+    def names_of(batch: Sequence[WorkloadRequest]) -> list[str] | None:
+        if not mixed:
+            return None
+        return [BASE_ADAPTER if r.adapter is None else peft_adapter_name(r.adapter) for r in batch]
+
+    warm = [requests[0]] if requests else []
+    if warm:  # first-call costs (allocator, kernels) stay out of the timed run
+        _generate(model, [prompts[warm[0].index][:4]], names_of(warm), pad_id, 2, None, device)
+
+    records = {
+        r.index: RequestRecord(
+            index=r.index,
+            tenant=r.tenant,
+            adapter=r.adapter,
+            arrival_s=r.arrival_s,
+            prompt_tokens=len(prompts[r.index]),
+        )
+        for r in requests
+    }
+    collected = token_ids if token_ids is not None else {}
+    order = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+    t0 = time.perf_counter()
+
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        delay = max(r.arrival_s for r in batch) - now()
+        if delay > 0:
+            time.sleep(delay)
+        began = now()
+        for r in batch:
+            records[r.index].sent_s = began
+        clock = _StepClock(now, device)
+        new_tokens = max(r.output_len for r in batch)
+        try:
+            outputs = _generate(
+                model,
+                [prompts[r.index] for r in batch],
+                names_of(batch),
+                pad_id,
+                new_tokens,
+                clock,
+                device,
+            )
+        except Exception as exc:
+            failed = now()
+            for r in batch:
+                records[r.index].error = f"{type(exc).__name__}: {exc}"
+                records[r.index].finish_s = failed
+            continue
+        for r, tokens in zip(batch, outputs, strict=True):
+            record = records[r.index]
+            record.token_times_s = list(clock.times[: r.output_len])
+            record.finish_s = record.token_times_s[-1] if record.token_times_s else now()
+            collected[r.index] = tokens[: r.output_len]
+    return [records[r.index] for r in requests]

@@ -1,0 +1,41 @@
+"""``loramux bench``: a preset served by loramux and by transformers + PEFT, reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _loramux(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "loramux.platform.cli", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    return subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_a_gpu_preset_without_a_gpu_says_so():
+    done = _loramux("bench", "slora-s2")
+    assert done.returncode == 2, done.stderr
+    assert "needs a CUDA GPU" in done.stderr and "not measured yet" in done.stderr
+
+
+def test_cpu_smoke_reports_both_systems_and_their_ratio(tmp_path):
+    done = _loramux("bench", "cpu-smoke", "--requests", "6", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
+    for system in ("loramux", "baseline"):
+        figures = report[system]
+        assert figures["requests"] == {"total": 6, "ok": 6, "failed": 0}
+        assert figures["output_tokens_per_s"] > 0 and figures["ttft_s"]["p50"] > 0
+    assert report["ratios"]["output_tokens_per_s"] > 0
+    assert report["workload"]["seed"] == 0 and report["workload"]["num_requests"] == 6
+    markdown = (tmp_path / "bench_cpu-smoke.md").read_text()
+    assert "loramux / transformers + PEFT:" in markdown and markdown in done.stdout
+    for plot in ("latency_cdf", "tenant_share"):
+        assert (tmp_path / f"bench_cpu-smoke_{plot}.png").stat().st_size > 10_000
