@@ -21,11 +21,9 @@ Rules:
   refused request, ``"stream error: <message>"`` for an error sent mid-stream, else the
   exception's type and message, with ``finish_s`` at that moment.
 
-Exact length is NOT guaranteed here: the platform's completions body (see
-``loramux.platform.api.schemas_openai``) accepts neither ``min_tokens`` nor
-``ignore_eos`` (unknown fields are ignored), so a request may stop early at EOS
-(``finish_reason == "stop"``, fewer than ``output_len`` tokens). ``extra_body`` is
-passed through unchanged for when the platform learns them.
+Every request asks for exactly ``output_len`` tokens through the platform's extensions
+(``min_tokens`` = ``max_tokens`` and ``ignore_eos``, sent in ``extra_body``), as the other
+drivers do; ``extra_body`` adds to (or overrides) them.
 
 Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
@@ -129,7 +127,11 @@ def run_http(
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body=extra_body,
+                extra_body={
+                    "min_tokens": request.output_len,
+                    "ignore_eos": True,
+                    **(extra_body or {}),
+                },
             )
             with stream:
                 for chunk in stream:

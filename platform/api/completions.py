@@ -255,6 +255,8 @@ def _sampling(body, **extra: Any) -> dict[str, Any]:
         "top_k",
         "min_p",
         "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
         "seed",
     )
     return {**{name: getattr(body, name) for name in fields}, **extra}

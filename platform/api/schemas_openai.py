@@ -3,8 +3,8 @@
 Only JSON *types* are checked here (a wrong type is a 422); ranges are checked once, by
 ``loramux.engine.SamplingParams``, whose message becomes a 400. Unknown fields are ignored,
 as OpenAI's own clients send fields a server may not know (``user``, ``metadata``...).
-``top_k``, ``min_p`` and ``repetition_penalty`` are extensions (send them with the client's
-``extra_body``).
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions
+(send them with the client's ``extra_body``; benchmarks use the last two for exact lengths).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class _Sampling(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
 
     @property
     def include_usage(self) -> bool:

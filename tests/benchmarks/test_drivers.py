@@ -6,9 +6,9 @@ before the arrival) and, where tokens are visible, the tokens a reference produc
 
 * engine: ``Engine.generate`` of the same prompts (exact-length greedy);
 * PEFT baseline: ``hf_reference.greedy_tokens`` (one request alone, no padding);
-* HTTP: a real platform server (embedded SQLite, adapters uploaded over HTTP); the
-  platform accepts no ``min_tokens``/``ignore_eos``, so the reference is an engine run
-  with plain ``max_tokens`` (stopping at EOS), and its text must match the stream's.
+* HTTP: a real platform server (embedded SQLite, adapters uploaded over HTTP); requests
+  ask for exact lengths (``min_tokens``/``ignore_eos``), so the reference is an
+  exact-length engine run, and its text must match the stream's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from loramux.engine import Engine, EngineConfig, SamplingParams
+from loramux.engine import Engine, EngineConfig
 from loramux.platform.settings import Settings
 from tests.engine.factories import build_engine
 from tests.engine.hf_reference import greedy_tokens
@@ -195,14 +195,14 @@ def test_run_http_against_a_platform(platform, adapter_dirs, requests, prompts):
         reference.add_adapter(name, adapter_dir)
     outs = reference.generate(
         [prompts[r.index] for r in requests],
-        [SamplingParams(max_tokens=r.output_len, temperature=0.0) for r in requests],
+        [exact_length_params(r.output_len) for r in requests],
         adapters=[None if r.adapter is None else NAMES[r.adapter] for r in requests],
     )
     counts = {r.index: len(o.token_ids) for r, o in zip(requests, outs, strict=True)}
     assert_complete(records, requests, counts=counts)
     assert [texts[r.index] for r in requests] == [o.text for o in outs]
     assert [reasons[r.index] for r in requests] == [o.finish_reason for o in outs]
-    # no EOS among these greedy tokens: every request got exactly its output_len
+    # min_tokens = max_tokens with ignore_eos: every request got exactly its output_len
     assert counts == {r.index: r.output_len for r in requests}
     for rec in records:
         assert rec.token_times_s[0] - rec.arrival_s > 0  # TTFT

@@ -376,3 +376,17 @@ def test_deleting_an_adapter_mid_stream_frees_it_once_the_stream_ends(
         f"{server.url}/v1/completions", json={**body, "stream": False}, headers=headers
     )
     assert gone.status_code == 404
+
+
+def test_min_tokens_and_ignore_eos_extensions_give_exact_lengths(make_client, base):
+    client, _ = make_client()
+    exact = {"min_tokens": 24, "ignore_eos": True}
+    result = client.completions.create(
+        model=base, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=exact
+    )
+    assert result.usage.completion_tokens == 24
+    assert result.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(
+            model=base, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 9}
+        )
