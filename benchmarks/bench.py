@@ -4,8 +4,13 @@ Both systems get the same requests (same arrivals, adapters, prompt token ids an
 lengths, greedy, EOS suppressed so every request generates exactly its output length) in
 the same process, one after the other:
 
-* **loramux**: the engine in-process (``drivers.run_engine``), every adapter registered
-  from its folder and loaded by the engine's tiers on demand;
+* **loramux**: with ``--driver engine`` (the default) the engine in-process
+  (``drivers.run_engine``), every adapter registered from its folder and loaded by the
+  engine's tiers on demand; with ``--driver http`` the whole platform in-process
+  (``bench_server``: the embedded default, SQLite in a temporary data dir, uvicorn on a
+  free port), the workload's tenants created with their priority and weight, each tenant
+  uploading its own copy of every adapter it uses as ``a{k}``, and the requests streamed
+  over the OpenAI API (``drivers.run_http``); the report's ``loramux.driver`` says which;
 * **baseline**: transformers + PEFT with static batches and PEFT's mixed-adapter batching
   (``drivers.run_peft_baseline``).
 
@@ -13,11 +18,16 @@ Each run writes ``<out>/bench_<preset>.json`` (workload spec and seed, machine, 
 every figure of both systems) and PNG plots (latency CDFs, per-tenant token share), and
 prints a markdown summary with the loramux / baseline ratios.
 
+``--sweep adapters`` / ``--sweep load`` (``bench_sweeps``) also run the preset's workload,
+loramux only, on the engine driver, at several numbers of adapters / offered loads, and add
+``sweeps`` to the JSON, a plot per sweep and a table per sweep to the markdown.
+
 Presets (``PRESETS``): ``cpu-smoke`` runs on this 2-core CPU in a few minutes; the
 ``slora-*`` and ``punica-distinct`` presets need a CUDA GPU (Llama-7B shapes with random
 bf16 weights) and say so when there is none: their figures are not measured yet.
 
-    python benchmarks/bench.py cpu-smoke [--out DIR] [--requests N]
+    python benchmarks/bench.py cpu-smoke [--out DIR] [--requests N] [--driver http]
+        [--sweep adapters|load [--sweep-values 1,4,16]]
     loramux bench cpu-smoke
 """
 
@@ -37,8 +47,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:  # siblings import as top-level modules
     sys.path.insert(0, str(BENCH_DIR))
 
+import bench_sweeps  # noqa: E402
 from adapter_churn import write_adapter  # noqa: E402
-from drivers import run_engine, run_peft_baseline  # noqa: E402
+from drivers import run_engine, run_http, run_peft_baseline  # noqa: E402
 from engine_vs_peft import machine_info, prepare_model, write_atomic  # noqa: E402
 from measures import memory_high_water, summarize  # noqa: E402
 from workload import (  # noqa: E402
@@ -161,7 +172,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, help="override the preset's request count")
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="models, adapters")
     parser.add_argument("--no-baseline", action="store_true", help="loramux only")
+    parser.add_argument(
+        "--driver",
+        choices=("engine", "http"),
+        default="engine",
+        help="serve loramux's run on the engine in-process, or on the platform in-process "
+        "over its OpenAI HTTP API (default: engine)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        choices=sorted(bench_sweeps.SWEEPS),
+        default=[],
+        help="also run loramux (engine driver) over several numbers of adapters "
+        "(`adapters`) or offered loads (`load`); repeatable",
+    )
+    parser.add_argument(
+        "--sweep-values",
+        type=_values,
+        help="comma-separated sweep points: adapter counts for `adapters` (default "
+        f"{','.join(map(str, bench_sweeps.SWEEPS['adapters']))}), rate multipliers of the "
+        f"preset's rate for `load` (default {','.join(map(str, bench_sweeps.SWEEPS['load']))})",
+    )
     return parser.parse_args(argv)
+
+
+def _values(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"sweep values must be > 0, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,10 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preset {preset.name!r}: the GPU runner is not written yet", file=sys.stderr)
         return 2
     report = run_cpu_preset(preset, args)
+    if args.sweep:
+        report["sweeps"] = run_sweeps(preset, args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench_{preset.name}"
     write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     plots = write_plots(report, stem)
+    plots += bench_sweeps.write_plots(report.get("sweeps") or {}, report["preset"], stem)
     markdown = render_markdown(report, plots)
     write_atomic(stem.with_suffix(".md"), markdown)
     print(markdown)
@@ -195,44 +241,101 @@ def main(argv: list[str] | None = None) -> int:
 # --- running ----------------------------------------------------------------------------------
 
 
-def run_cpu_preset(preset: Preset, args: argparse.Namespace) -> dict:
-    from loramux.engine import Engine, EngineConfig
-    from loramux.engine.lora.source import LocalDirectorySource
+@dataclass
+class Prepared:
+    """What a preset's runs share: the model, its adapters' folders, and the tokenizer ids."""
+
+    model_dir: Path
+    model_config: object  # loramux.engine.model.config.ModelConfig
+    cache_dir: Path
+
+    def adapter_dirs(self, spec: WorkloadSpec) -> list[Path]:
+        return _adapters(self.cache_dir, self.model_dir, self.model_config, spec)
+
+    def workload(self, spec: WorkloadSpec) -> tuple[list, dict[int, list[int]]]:
+        """The requests of ``spec`` and their prompt token ids (EOS avoided)."""
+        requests = generate(spec)
+        avoid = frozenset(self.model_config.eos_token_ids)
+        prompts = {
+            r.index: prompt_token_ids(
+                r, vocab_size=self.model_config.vocab_size, seed=spec.seed, avoid=avoid
+            )
+            for r in requests
+        }
+        return requests, prompts
+
+
+def prepare(cache_dir: Path) -> Prepared:
     from loramux.engine.model.config import ModelConfig
 
-    spec = preset.workload
-    model_dir = prepare_model(args.cache_dir)
-    model_config = ModelConfig.from_pretrained(model_dir)
-    adapter_dirs = _adapters(args.cache_dir, model_dir, model_config, spec)
-    requests = generate(spec)
-    avoid = frozenset(model_config.eos_token_ids)
-    prompts = {
-        r.index: prompt_token_ids(
-            r, vocab_size=model_config.vocab_size, seed=spec.seed, avoid=avoid
-        )
-        for r in requests
-    }
+    model_dir = prepare_model(cache_dir)
+    return Prepared(model_dir, ModelConfig.from_pretrained(model_dir), cache_dir)
+
+
+def serve_engine(preset: Preset, spec: WorkloadSpec, prepared: Prepared) -> dict:
+    """loramux's figures for ``spec`` on a fresh in-process engine."""
+    from loramux.engine import Engine, EngineConfig
+    from loramux.engine.lora.source import LocalDirectorySource
+
+    adapter_dirs = prepared.adapter_dirs(spec)
+    requests, prompts = prepared.workload(spec)
     names = [f"a{k}" for k in range(spec.num_adapters)]
     tenants = {t.name: (t.priority, t.weight) for t in spec.tenants}
-    weights = {t.name: t.weight for t in spec.tenants}
+    engine = Engine(EngineConfig(model=str(prepared.model_dir), device="cpu", **preset.engine))
+    try:
+        for name, path in zip(names, adapter_dirs, strict=True):
+            engine.register_adapter(name, LocalDirectorySource(path))
+        started = time.perf_counter()
+        records = run_engine(engine, requests, prompts, names, tenants=tenants)
+        duration = time.perf_counter() - started
+    finally:
+        engine.close()
+    return _figures(records, duration, preset, _weights(spec))
 
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", **preset.engine))
-    for name, path in zip(names, adapter_dirs, strict=True):
-        engine.register_adapter(name, LocalDirectorySource(path))
-    print(f"loramux: {len(requests)} requests ...", flush=True)
-    started = time.perf_counter()
-    records = run_engine(engine, requests, prompts, names, tenants=tenants)
-    loramux = _figures(records, time.perf_counter() - started, preset, weights)
-    engine.close()
+
+def serve_http(preset: Preset, spec: WorkloadSpec, prepared: Prepared) -> dict:
+    """loramux's figures for ``spec`` on the platform in-process, over its OpenAI API."""
+    from bench_server import serve_platform, setup_workload
+
+    adapter_dirs = prepared.adapter_dirs(spec)
+    requests, prompts = prepared.workload(spec)
+    with serve_platform(prepared.model_dir, **preset.engine) as platform:
+        keys = setup_workload(platform, spec, requests, adapter_dirs)
+        started = time.perf_counter()
+        records = run_http(
+            platform.url,
+            keys,
+            requests,
+            prompts,
+            [f"a{k}" for k in range(spec.num_adapters)],
+            base_model=platform.base_model,
+        )
+        duration = time.perf_counter() - started
+    return _figures(records, duration, preset, _weights(spec))
+
+
+def _weights(spec: WorkloadSpec) -> dict[str, float]:
+    return {t.name: t.weight for t in spec.tenants}
+
+
+def run_cpu_preset(preset: Preset, args: argparse.Namespace) -> dict:
+    spec = preset.workload
+    prepared = prepare(args.cache_dir)
+    driver = getattr(args, "driver", "engine")
+    print(f"loramux ({driver} driver): {spec.num_requests} requests ...", flush=True)
+    serve = serve_http if driver == "http" else serve_engine
+    loramux = {"driver": driver, **serve(preset, spec, prepared)}
 
     baseline = None
     if not args.no_baseline:
+        adapter_dirs = prepared.adapter_dirs(spec)
+        requests, prompts = prepared.workload(spec)
         print(f"transformers + PEFT: {len(requests)} requests ...", flush=True)
         started = time.perf_counter()
         records = run_peft_baseline(
-            model_dir, adapter_dirs, requests, prompts, batch_size=preset.baseline_batch
+            prepared.model_dir, adapter_dirs, requests, prompts, batch_size=preset.baseline_batch
         )
-        baseline = _figures(records, time.perf_counter() - started, preset, weights)
+        baseline = _figures(records, time.perf_counter() - started, preset, _weights(spec))
     return {
         "preset": preset.name,
         "description": preset.description,
@@ -245,6 +348,19 @@ def run_cpu_preset(preset: Preset, args: argparse.Namespace) -> dict:
         "baseline": baseline,
         "ratios": _ratios(loramux, baseline),
         "gpu_figures": "not measured yet",
+    }
+
+
+def run_sweeps(preset: Preset, args: argparse.Namespace) -> dict:
+    """Each ``--sweep`` over its points, loramux only on the engine driver."""
+    prepared = prepare(args.cache_dir)
+
+    def run_once(spec: WorkloadSpec) -> dict:
+        return serve_engine(preset, spec, prepared)
+
+    return {
+        kind: bench_sweeps.run_sweep(kind, preset.workload, run_once, args.sweep_values)
+        for kind in dict.fromkeys(args.sweep)
     }
 
 
@@ -363,7 +479,7 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, figures in (
-        ("loramux", report["loramux"]),
+        (f"loramux ({report['loramux'].get('driver', 'engine')})", report["loramux"]),
         ("transformers + PEFT", report["baseline"]),
     ):
         if not figures:
@@ -406,6 +522,8 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "",
         "Plots: " + ", ".join(p.name for p in plots),
     ]
+    for kind, sweep in (report.get("sweeps") or {}).items():
+        lines += ["", *bench_sweeps.render_markdown(kind, sweep)]
     return "\n".join(lines) + "\n"
 
 

@@ -39,3 +39,45 @@ def test_cpu_smoke_reports_both_systems_and_their_ratio(tmp_path):
     assert "loramux / transformers + PEFT:" in markdown and markdown in done.stdout
     for plot in ("latency_cdf", "tenant_share"):
         assert (tmp_path / f"bench_cpu-smoke_{plot}.png").stat().st_size > 10_000
+
+
+def test_cpu_smoke_over_http(tmp_path):
+    """The same preset through a real platform server and the openai client, streaming."""
+    done = _loramux(
+        "bench",
+        "cpu-smoke",
+        "--requests",
+        "6",
+        "--driver",
+        "http",
+        "--no-baseline",
+        "--out",
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
+    assert report["loramux"]["requests"] == {"total": 6, "ok": 6, "failed": 0}
+    assert report["loramux"]["itl_s"]["p50"] > 0
+    assert "loramux (http)" in (tmp_path / "bench_cpu-smoke.md").read_text()
+
+
+def test_throughput_against_adapters_sweep(tmp_path):
+    done = _loramux(
+        "bench",
+        "cpu-smoke",
+        "--requests",
+        "6",
+        "--no-baseline",
+        "--sweep",
+        "adapters",
+        "--sweep-values",
+        "1,4",
+        "--out",
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    sweep = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())["sweeps"]["adapters"]
+    assert [p["num_adapters"] for p in sweep["points"]] == [1, 4]
+    assert all(p["figures"]["requests"]["ok"] == 6 for p in sweep["points"])
+    plot = tmp_path / "bench_cpu-smoke_throughput_vs_adapters.png"
+    assert plot.stat().st_size > 10_000
