@@ -12,6 +12,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+LOAD_FORMATS = ("safetensors", "random")
 
 
 @dataclass
@@ -43,6 +44,12 @@ class EngineConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     seed: int = 0  # for requests without their own seed
+    # "safetensors": the checkpoint in ``model``; "random": weights drawn at random on the
+    # device from ``model``'s config.json (benchmarks at real shapes without the files).
+    load_format: str = "safetensors"
+    # Decode-only steps of up to this many sequences replay CUDA graphs captured for a set
+    # of batch-size buckets (CUDA and the Triton path only); 0 runs every step eagerly.
+    cuda_graph_max_batch: int = 64
 
     def __post_init__(self) -> None:
         positive = (
@@ -76,6 +83,16 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.adapter_device_bytes ({self.adapter_device_bytes}) is a share of "
                 f"kv_cache_bytes ({self.kv_cache_bytes}) and cannot exceed it"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                f"got {self.load_format!r}"
+            )
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                "EngineConfig.cuda_graph_max_batch must be 0 (no CUDA graphs) or positive, "
+                f"got {self.cuda_graph_max_batch}"
             )
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(
