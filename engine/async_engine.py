@@ -69,6 +69,7 @@ from loramux.engine.lora.adapter import LoRARequest
 from loramux.engine.lora.source import AdapterSource
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -364,3 +365,7 @@ class AsyncEngine:
 
     async def has_unfinished_requests(self) -> bool:
         return await self._call(self.engine.has_unfinished_requests)
+
+    async def stats(self) -> EngineStats:
+        """``Engine.stats()``, taken on the engine thread between steps."""
+        return await self._call(self.engine.stats)

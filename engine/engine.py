@@ -50,6 +50,7 @@ from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler, SchedulerLimits
 from loramux.engine.sequence import FinishReason, Sequence
+from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
 
 
 class EngineError(ValueError):
@@ -155,6 +156,8 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._request_ids = itertools.count()
         self._prefix_stats = (0, 0)
+        self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
+        self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
 
     # --- adapters ------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path) -> LoRARequest:
@@ -233,6 +236,7 @@ class Engine:
 
     def set_tenant_priority(self, tenant: str | None, priority: int) -> int:
         """Move the tenant's queued and running requests to ``priority``; returns how many."""
+        self._tenant_priorities[tenant] = priority
         changed = 0
         for seq in self._requests.values():
             if seq.tenant == tenant and seq.priority != priority:
@@ -407,8 +411,10 @@ class Engine:
         self.metrics.generated_tokens.inc()
         if m.completion_tokens == 1 and m.time_to_first_token is not None:
             self.metrics.time_to_first_token.observe(m.time_to_first_token)
+            self.latencies.ttft.add(m.time_to_first_token)
         elif m.inter_token_times:
             self.metrics.inter_token_latency.observe(m.inter_token_times[-1])
+            self.latencies.itl.add(m.inter_token_times[-1])
 
     def _update_gauges(self) -> None:
         self.metrics.running_requests.set(len(self.scheduler.running))
@@ -419,6 +425,27 @@ class Engine:
         self.metrics.prefix_cache_queries.inc(queries - old_q)
         self.metrics.prefix_cache_hits.inc(hits - old_h)
         self._prefix_stats = (queries, hits)
+
+    def stats(self) -> EngineStats:
+        """What the engine is doing now: load, KV cache, adapter tiers, recent latency."""
+        device, host = tier_stats(self.tiers, self.arena.bytes_per_row)
+        ttft, itl = self.latencies.snapshot()
+        return EngineStats(
+            running_requests=len(self.scheduler.running),
+            waiting_requests=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_usable=self.kv.limit,
+            kv_blocks_total=self.kv.num_blocks,
+            kv_block_size=self.kv.block_size,
+            device=device,
+            host=host,
+            residency=self.tiers.residency(),
+            ttft=ttft,
+            itl=itl,
+            window_s=self.latencies.window_s,
+            tenant_priorities=dict(self._tenant_priorities),
+            tenant_weights=dict(self.scheduler.fair.weights),
+        )
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         return RequestOutput(

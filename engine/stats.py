@@ -1,0 +1,135 @@
+"""A live snapshot of one engine for operators: load, KV cache, adapter tiers, latency.
+
+Prometheus histograms (``metrics.py``) count since the process started; an operator
+watching the engine wants *recent* latency instead, so the engine also keeps the last
+TTFT and inter-token samples in a :class:`LatencyWindow` (bounded in count and in age)
+and reports their percentiles in :class:`EngineStats`, a plain value built on the engine
+thread by ``Engine.stats()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loramux.engine.lora.tiers import AdapterTiers, Tier
+
+DEFAULT_WINDOW_S = 300.0  # percentiles cover the last five minutes...
+DEFAULT_MAX_SAMPLES = 4096  # ...or this many samples, whichever is fewer
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Percentiles (seconds) of the samples in a window; ``None`` while it is empty."""
+
+    samples: int
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile of a non-empty ascending list."""
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class LatencyWindow:
+    """The recent samples of one latency: at most ``max_samples``, none older than
+    ``window_s`` seconds (by ``clock``)."""
+
+    def __init__(
+        self,
+        window_s: float = DEFAULT_WINDOW_S,
+        max_samples: int = DEFAULT_MAX_SAMPLES,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if window_s <= 0 or max_samples < 1:
+            raise ValueError("a latency window needs window_s > 0 and max_samples >= 1")
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (when, value)
+
+    def add(self, seconds: float) -> None:
+        self._samples.append((self._clock(), seconds))
+
+    def _drop_old(self) -> None:
+        oldest = self._clock() - self.window_s
+        while self._samples and self._samples[0][0] < oldest:
+            self._samples.popleft()
+
+    def summary(self) -> LatencySummary:
+        self._drop_old()
+        ordered = sorted(value for _, value in self._samples)
+        if not ordered:
+            return LatencySummary(samples=0, p50=None, p90=None, p99=None)
+        return LatencySummary(
+            samples=len(ordered),
+            p50=percentile(ordered, 50),
+            p90=percentile(ordered, 90),
+            p99=percentile(ordered, 99),
+        )
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Adapters held in one memory tier: their engine names, bytes used and the most the
+    tier may hold."""
+
+    adapters: tuple[str, ...]
+    bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine is doing now (``Engine.stats()``)."""
+
+    running_requests: int
+    waiting_requests: int
+    kv_blocks_used: int
+    kv_blocks_usable: int  # blocks KV may use now (the rest lent to resident adapters)
+    kv_blocks_total: int
+    kv_block_size: int  # tokens per block
+    device: TierStats  # adapters in device memory
+    host: TierStats  # adapters parsed in host RAM (those on the device too, usually)
+    residency: dict[str, str]  # every registered adapter -> its fastest tier
+    ttft: LatencySummary  # arrival to first token
+    itl: LatencySummary  # gap between consecutive tokens
+    window_s: float  # how far back the latency samples go
+    tenant_priorities: dict[str | None, int]  # as last set by set_tenant_priority
+    tenant_weights: dict[str | None, float]  # the fair-share weights the scheduler uses
+
+
+def tier_stats(tiers: AdapterTiers, bytes_per_row: int) -> tuple[TierStats, TierStats]:
+    """(device, host) occupancy of the adapter tiers."""
+    residency = tiers.residency()
+    on_device = tuple(name for name, tier in residency.items() if tier == Tier.DEVICE)
+    in_host = tuple(name for name in residency if tiers.get(name).adapter_id in tiers.host)
+    device = TierStats(
+        adapters=on_device,
+        bytes=tiers.pool.bytes_used,
+        capacity_bytes=tiers.pool.capacity * bytes_per_row,
+    )
+    host = TierStats(
+        adapters=in_host, bytes=tiers.host.bytes_used, capacity_bytes=tiers.host.max_bytes
+    )
+    return device, host
+
+
+class LatencyRecorder:
+    """The engine's TTFT and inter-token windows, fed as tokens are produced."""
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S):
+        self.ttft = LatencyWindow(window_s)
+        self.itl = LatencyWindow(window_s)
+
+    @property
+    def window_s(self) -> float:
+        return self.ttft.window_s
+
+    def snapshot(self) -> tuple[LatencySummary, LatencySummary]:
+        return self.ttft.summary(), self.itl.summary()
