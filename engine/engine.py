@@ -71,7 +71,13 @@ class Engine:
     def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
-        self.model = load_model(config.model, dtype=dtype, device=device)
+        self.model = load_model(
+            config.model,
+            dtype=dtype,
+            device=device,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
         self.model_config = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_model_len = min(

@@ -1,18 +1,34 @@
-"""Build the decoder and load an HF-format safetensors checkpoint (single or sharded)."""
+"""Build the decoder and fill its weights: an HF-format safetensors checkpoint (single or
+sharded), or seeded random values (``load_format="random"``: benchmarks at real shapes when
+only ``config.json`` is at hand; the cost of serving does not depend on the values).
+
+Random weights are made where they live: the decoder is built on the meta device, given
+storage on the target device in the target dtype, and each parameter is drawn there by
+its own generator, seeded from the seed and the parameter's name. So no host copy or
+float32 copy ever exists, and any module using HF's parameter names (transformers'
+``LlamaForCausalLM``) filled by :func:`fill_random_` with the same seed holds exactly the
+same values on the same device.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from loramux.engine.config import LOAD_FORMATS
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
 
 # Checkpoint names we accept but don't need (rotary caches saved by old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Random weights: projections and embeddings ~ N(0, 0.02²) (the usual init scale of Llama
+# checkpoints), norm weights 1, biases 0.
+RANDOM_WEIGHT_STD = 0.02
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -32,10 +48,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> LlamaForCausalLM:
+    """The decoder of ``model_dir``: its checkpoint, or random weights drawn from ``seed``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
+    if load_format == "random":
+        return random_model(config, dtype=dtype, device=device, seed=seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = dict(model.named_parameters())
@@ -65,3 +93,36 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     return model
+
+
+def random_model(
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, seed: int
+) -> LlamaForCausalLM:
+    """The decoder of ``config`` with random weights made on ``device`` in ``dtype``."""
+    with torch.device("meta"):  # no storage yet: 13 GB at Llama-7B must not touch the host
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)  # storage on the device, in dtype
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    fill_random_(model, seed=seed)
+    return model.eval()
+
+
+def fill_random_(module: nn.Module, *, seed: int, std: float = RANDOM_WEIGHT_STD) -> None:
+    """Overwrite every parameter of ``module`` in place, each by its name (see the module
+    docstring): names ending in ``norm.weight`` get 1, biases 0, the rest N(0, std²)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():  # a tied weight comes once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=_generator(seed, name, param.device))
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    # One stream per parameter: its values depend on (seed, name) only, not on the order
+    # or the set of parameters the module has.
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8]) >> 1)
