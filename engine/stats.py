@@ -103,6 +103,12 @@ class EngineStats:
     tenant_priorities: dict[str | None, int]  # as last set by set_tenant_priority
     tenant_weights: dict[str | None, float]  # the fair-share weights the scheduler uses
 
+    @property
+    def tenant_ids(self) -> list[str]:
+        """Tenants the engine holds scheduling for (the default tenant ``None`` left out)."""
+        known = {*self.tenant_priorities, *self.tenant_weights}
+        return sorted(tenant for tenant in known if tenant is not None)
+
 
 def tier_stats(tiers: AdapterTiers, bytes_per_row: int) -> tuple[TierStats, TierStats]:
     """(device, host) occupancy of the adapter tiers."""

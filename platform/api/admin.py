@@ -1,4 +1,5 @@
-"""The operator API under ``/admin``: tenants and their API keys (admin token required).
+"""The operator API under ``/admin``: tenants, their API keys, every tenant's adapters and
+the engine's live snapshot (admin token required).
 
 Routes only translate between HTTP and ``loramux.platform.services``; every one of them
 needs ``Authorization: Bearer <admin token>`` (a router-wide dependency, so none can forget
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Query
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from loramux.engine.stats import EngineStats
 from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
+from loramux.platform.api.errors import APIError
 from loramux.platform.api.schemas_admin import (
+    AdminAdapterList,
+    AdminAdapterOut,
     ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyOut,
@@ -22,7 +28,10 @@ from loramux.platform.api.schemas_admin import (
     TenantOut,
     TenantUpdate,
 )
-from loramux.platform.services import api_keys, tenants
+from loramux.platform.api.schemas_engine import EngineSnapshotOut
+from loramux.platform.db.types import utc_now
+from loramux.platform.services import adapters, api_keys, tenants
+from loramux.platform.services.adapters import VersionLabel
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
@@ -87,3 +96,43 @@ def list_api_keys(tenant_id: str, session: SessionDep) -> list[ApiKeyOut]:
 @router.delete("/api-keys/{key_id}", status_code=204)
 def revoke_api_key(key_id: str, session: SessionDep) -> None:
     api_keys.revoke_api_key(session, key_id)
+
+
+# --- every tenant's adapters -----------------------------------------------------------------
+
+
+@router.get("/adapters")
+def list_all_adapters(
+    session: SessionDep,
+    tenant_id: Annotated[
+        str | None, Query(description="Only this tenant's (404 if unknown).")
+    ] = None,
+) -> AdminAdapterList:
+    """Live adapters of every live tenant (or of one), each with its latest version."""
+    if tenant_id is not None:
+        tenants.live_tenant(session, tenant_id)  # 404 for an unknown or deleted tenant
+    owned = adapters.list_all_adapters(session, tenant_id)
+    return AdminAdapterList(data=[AdminAdapterOut.from_tenant_view(item) for item in owned])
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+
+def _engine_labels(
+    session: Session, stats: EngineStats
+) -> tuple[dict[str, VersionLabel], dict[str, str]]:
+    """The names behind the engine's ids: adapter versions and tenants."""
+    labels = adapters.version_labels(session, stats.residency)
+    return labels, tenants.tenant_names(session, stats.tenant_ids)
+
+
+@router.get("/engine")
+async def engine_snapshot(session: SessionDep, context: ContextDep) -> EngineSnapshotOut:
+    """The in-process engine now: requests, KV cache, adapters per tier, recent latency and
+    the tenants' scheduling as the engine holds it."""
+    if context.engine is None:
+        raise APIError(503, "No engine runs in this platform process.", code="engine_unavailable")
+    stats = await context.engine.stats()
+    taken_at = utc_now()
+    labels, names = await run_in_threadpool(_engine_labels, session, stats)
+    return EngineSnapshotOut.from_stats(stats, taken_at=taken_at, labels=labels, tenant_names=names)

@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
 )
 
+from loramux.platform.api.schemas_adapters import AdapterOut
 from loramux.platform.db.models import (
     DEFAULT_PRIORITY,
     DEFAULT_WEIGHT,
@@ -27,6 +28,7 @@ from loramux.platform.db.models import (
     MIN_PRIORITY,
     NAME_LENGTH,
 )
+from loramux.platform.services.adapters import TenantAdapterView
 from loramux.platform.services.api_keys import IssuedKey
 from loramux.platform.services.tenants import (
     SCHEDULING_SETTINGS,
@@ -248,3 +250,23 @@ class ApiKeyOut(BaseModel):
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+
+
+# --- every tenant's adapters -----------------------------------------------------------------
+
+
+class AdminAdapterOut(AdapterOut):
+    """An adapter with its owner (``GET /admin/adapters``)."""
+
+    tenant_id: str
+    tenant_name: str
+
+    @classmethod
+    def from_tenant_view(cls, owned: TenantAdapterView) -> AdminAdapterOut:
+        base = AdapterOut.from_view(owned.view).model_dump()
+        return cls(**base, tenant_id=owned.tenant.id, tenant_name=owned.tenant.name)
+
+
+class AdminAdapterList(BaseModel):
+    object: str = "list"
+    data: list[AdminAdapterOut]

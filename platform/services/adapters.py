@@ -8,6 +8,7 @@ write commit before returning.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -118,3 +119,62 @@ def delete_adapter(session: Session, adapter: Adapter) -> list[AdapterVersion]:
     adapter.deleted_at = utc_now()
     session.commit()
     return versions
+
+
+# --- operators' views ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TenantAdapterView:
+    """An adapter with its owner, for operators (who see every tenant's)."""
+
+    tenant: Tenant
+    view: AdapterView
+
+
+def list_all_adapters(session: Session, tenant_id: str | None = None) -> list[TenantAdapterView]:
+    """Live adapters of live tenants (only ``tenant_id``'s when given), by tenant name then
+    adapter name, each with its latest version."""
+    statement = (
+        select(Adapter, Tenant)
+        .join(Tenant, Adapter.tenant_id == Tenant.id)
+        .where(Adapter.deleted_at.is_(None), Tenant.deleted_at.is_(None))
+        .order_by(Tenant.name, Adapter.name)
+    )
+    if tenant_id is not None:
+        statement = statement.where(Tenant.id == tenant_id)
+    return [
+        TenantAdapterView(tenant, get_adapter(session, adapter))
+        for adapter, tenant in session.execute(statement).all()
+    ]
+
+
+@dataclass(frozen=True)
+class VersionLabel:
+    """Who an adapter version belongs to, in the names people use."""
+
+    tenant_id: str
+    tenant_name: str
+    adapter: str
+    version: int
+
+
+def version_labels(session: Session, version_ids: Iterable[str]) -> dict[str, VersionLabel]:
+    """Version id -> its tenant and adapter names; unknown ids are left out.
+
+    The engine knows adapters by version id (``AdapterRuntime.engine_name``); operators
+    read them as "tenant / adapter v2".
+    """
+    ids = sorted(set(version_ids))
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(AdapterVersion.id, AdapterVersion.version, Adapter.name, Tenant.id, Tenant.name)
+        .join(Adapter, AdapterVersion.adapter_id == Adapter.id)
+        .join(Tenant, Adapter.tenant_id == Tenant.id)
+        .where(AdapterVersion.id.in_(ids))
+    ).all()
+    return {
+        version_id: VersionLabel(tenant_id, tenant_name, adapter, version)
+        for version_id, version, adapter, tenant_id, tenant_name in rows
+    }

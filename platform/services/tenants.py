@@ -11,7 +11,7 @@ Money is integer micro-dollars here (``Price`` and ``Tenant.monthly_budget_micro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -167,6 +167,14 @@ def list_tenants(session: Session) -> list[TenantView]:
         select(Tenant).where(Tenant.deleted_at.is_(None)).order_by(Tenant.created_at, Tenant.id)
     ).all()
     return [TenantView(tenant, current_price(session, tenant.id)) for tenant in tenants]
+
+
+def tenant_names(session: Session, tenant_ids: Iterable[str]) -> dict[str, str]:
+    """Tenant id -> name for the ids that exist (deleted tenants included)."""
+    ids = sorted(set(tenant_ids))
+    if not ids:
+        return {}
+    return dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids))).all())
 
 
 # --- writes ----------------------------------------------------------------------------------

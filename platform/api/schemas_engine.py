@@ -1,0 +1,148 @@
+"""Response body of ``GET /admin/engine``: the in-process engine's live snapshot.
+
+Built from ``loramux.engine.stats.EngineStats`` (the engine knows adapters by version id
+and tenants by id) and the names the platform's database holds for them. Latencies are
+milliseconds over the engine's recent window (``latency_window_s``); ``null`` while the
+window holds no sample.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.platform.services.adapters import VersionLabel
+
+MS_PER_S = 1000.0
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * MS_PER_S, 3)
+
+
+class LatencyOut(BaseModel):
+    samples: int = Field(description="Samples in the window.")
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+
+    @classmethod
+    def from_summary(cls, summary: LatencySummary) -> LatencyOut:
+        return cls(
+            samples=summary.samples,
+            p50_ms=_ms(summary.p50),
+            p90_ms=_ms(summary.p90),
+            p99_ms=_ms(summary.p99),
+        )
+
+
+class KVCacheOut(BaseModel):
+    blocks_used: int
+    blocks_usable: int = Field(description="Blocks KV may use now (the rest hold adapters).")
+    blocks_total: int
+    block_size: int = Field(description="Tokens per block.")
+    usage: float = Field(description="blocks_used / blocks_usable, 0-1.")
+
+
+class EngineAdapterOut(BaseModel):
+    """A registered adapter version and where it is; names are null for versions the
+    database does not know."""
+
+    engine_name: str = Field(description="The engine's name: the adapter version's id.")
+    tier: str = Field(description="Fastest tier: device, host, loading, store or failed.")
+    tenant_id: str | None
+    tenant_name: str | None
+    adapter: str | None
+    version: int | None
+
+
+class TierOut(BaseModel):
+    count: int
+    bytes: int
+    capacity_bytes: int
+    adapters: list[EngineAdapterOut]
+
+
+class EngineTenantOut(BaseModel):
+    """A tenant's scheduling as the engine holds it (what the platform last pushed)."""
+
+    tenant_id: str
+    tenant_name: str | None
+    priority: int | None
+    weight: float | None
+
+
+class EngineSnapshotOut(BaseModel):
+    taken_at: datetime
+    running_requests: int
+    waiting_requests: int
+    kv_cache: KVCacheOut
+    device: TierOut = Field(description="Adapters in device memory (shared with the KV cache).")
+    host: TierOut = Field(description="Adapters parsed in host RAM (most on the device too).")
+    adapters: list[EngineAdapterOut] = Field(description="Every registered adapter version.")
+    latency_window_s: float
+    ttft: LatencyOut = Field(description="Arrival to first token.")
+    itl: LatencyOut = Field(description="Gap between consecutive tokens.")
+    tenants: list[EngineTenantOut]
+
+    @classmethod
+    def from_stats(
+        cls,
+        stats: EngineStats,
+        *,
+        taken_at: datetime,
+        labels: dict[str, VersionLabel],
+        tenant_names: dict[str, str],
+    ) -> EngineSnapshotOut:
+        adapters = {
+            name: _adapter(name, tier, labels.get(name)) for name, tier in stats.residency.items()
+        }
+        return cls(
+            taken_at=taken_at,
+            running_requests=stats.running_requests,
+            waiting_requests=stats.waiting_requests,
+            kv_cache=KVCacheOut(
+                blocks_used=stats.kv_blocks_used,
+                blocks_usable=stats.kv_blocks_usable,
+                blocks_total=stats.kv_blocks_total,
+                block_size=stats.kv_block_size,
+                usage=stats.kv_blocks_used / stats.kv_blocks_usable,
+            ),
+            device=_tier(stats.device, adapters),
+            host=_tier(stats.host, adapters),
+            adapters=list(adapters.values()),
+            latency_window_s=stats.window_s,
+            ttft=LatencyOut.from_summary(stats.ttft),
+            itl=LatencyOut.from_summary(stats.itl),
+            tenants=[
+                EngineTenantOut(
+                    tenant_id=tid,
+                    tenant_name=tenant_names.get(tid),
+                    priority=stats.tenant_priorities.get(tid),
+                    weight=stats.tenant_weights.get(tid),
+                )
+                for tid in stats.tenant_ids
+            ],
+        )
+
+
+def _adapter(name: str, tier: str, label: VersionLabel | None) -> EngineAdapterOut:
+    return EngineAdapterOut(
+        engine_name=name,
+        tier=tier,
+        tenant_id=label and label.tenant_id,
+        tenant_name=label and label.tenant_name,
+        adapter=label and label.adapter,
+        version=label and label.version,
+    )
+
+
+def _tier(tier: TierStats, adapters: dict[str, EngineAdapterOut]) -> TierOut:
+    return TierOut(
+        count=len(tier.adapters),
+        bytes=tier.bytes,
+        capacity_bytes=tier.capacity_bytes,
+        adapters=[adapters[name] for name in tier.adapters if name in adapters],
+    )

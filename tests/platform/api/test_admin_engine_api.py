@@ -1,0 +1,102 @@
+"""``GET /admin/engine``: the in-process engine's live snapshot, in the platform's names."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from loramux.platform.app import create_app
+from loramux.platform.context import build_context
+from loramux.platform.db.models import AdapterVersion
+from loramux.platform.settings import Settings
+from tests.platform.api.conftest import assert_openai_error
+
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(make_adapter, tiny_model_dir):
+    return make_adapter(tiny_model_dir, rank=4, targets=("q_proj", "v_proj"), seed=22)
+
+
+def test_idle_engine(client, admin, context):
+    response = client.get("/admin/engine", headers=admin)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["running_requests"] == body["waiting_requests"] == 0
+    kv = body["kv_cache"]
+    assert kv["blocks_used"] == 0 and kv["usage"] == 0
+    assert kv["blocks_total"] == kv["blocks_usable"] > 0
+    assert body["device"] == {
+        "count": 0,
+        "bytes": 0,
+        "capacity_bytes": body["device"]["capacity_bytes"],
+        "adapters": [],
+    }
+    assert body["device"]["capacity_bytes"] > 0
+    assert body["host"]["capacity_bytes"] == context.settings.adapter_host_bytes
+    assert body["adapters"] == [] and body["tenants"] == []
+    assert body["ttft"] == {"samples": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None}
+    assert body["latency_window_s"] > 0 and body["taken_at"]
+
+
+def test_after_requests_names_adapters_tenants_and_latency(
+    client, admin, context, new_tenant, adapter_dir
+):
+    tenant = new_tenant(name="acme", priority=3, weight=2.0)
+    key = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin).json()["key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    files = [("files", (f, (adapter_dir / f).read_bytes())) for f in FILES]
+    uploaded = client.post("/v1/adapters", data={"name": "support"}, files=files, headers=auth)
+    assert uploaded.status_code == 201, uploaded.text
+    for model in ("support", "support"):
+        done = client.post(
+            "/v1/completions",
+            json={"model": model, "prompt": "Hello", "max_tokens": MAX_TOKENS, "ignore_eos": True},
+            headers=auth,
+        )
+        assert done.status_code == 200, done.text
+    patched = client.patch(f"/admin/tenants/{tenant['id']}", json={"priority": 8}, headers=admin)
+    assert patched.status_code == 200, patched.text
+
+    body = client.get("/admin/engine", headers=admin).json()
+    assert body["ttft"]["samples"] == 2
+    assert body["itl"]["samples"] == 2 * (MAX_TOKENS - 1)
+    assert 0 < body["ttft"]["p50_ms"] <= body["ttft"]["p90_ms"] <= body["ttft"]["p99_ms"]
+    with context.sessions() as session:  # the engine knows a version by its id
+        version_id = session.scalars(select(AdapterVersion.id)).one()
+    assert body["adapters"] == [
+        {
+            "engine_name": version_id,
+            "tier": "device",
+            "tenant_id": tenant["id"],
+            "tenant_name": "acme",
+            "adapter": "support",
+            "version": 1,
+        }
+    ]
+    assert body["device"]["count"] == 1 and body["device"]["bytes"] > 0
+    assert body["device"]["adapters"] == body["adapters"]
+    assert [a["adapter"] for a in body["host"]["adapters"]] == ["support"]
+    # What the platform pushed: the priority as changed, the weight as created.
+    assert body["tenants"] == [
+        {"tenant_id": tenant["id"], "tenant_name": "acme", "priority": 8, "weight": 2.0}
+    ]
+
+
+def test_only_operators_may_look(client, tenant_key):
+    assert_openai_error(client.get("/admin/engine"), 401)
+    assert_openai_error(client.get("/admin/engine", headers=tenant_key()), 401)
+
+
+def test_a_platform_without_an_engine_says_so(tmp_path, tiny_model_dir):
+    settings = Settings(data_dir=tmp_path, model=str(tiny_model_dir), admin_token=None)
+    context = build_context(settings, log=lambda _: None, with_engine=False)
+    with TestClient(create_app(context)) as client:
+        response = client.get(
+            "/admin/engine", headers={"Authorization": f"Bearer {context.admin_token}"}
+        )
+    error = assert_openai_error(response, 503)
+    assert error["code"] == "engine_unavailable"
