@@ -8,7 +8,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.api import adapters, admin, completions, health, metrics, models, usage
+from loramux.platform.api import (
+    adapters,
+    admin,
+    completions,
+    health,
+    identity,
+    metrics,
+    models,
+    ui,
+    usage,
+)
 from loramux.platform.api.body_limit import (
     DEFAULT_MAX_BODY_BYTES,
     UPLOAD_ROUTE,
@@ -68,4 +78,6 @@ def create_app(
     app.include_router(usage.router)
     app.include_router(completions.router)
     app.include_router(adapters.router)
+    app.include_router(identity.router)
+    app.include_router(ui.router)
     return app

@@ -1,0 +1,141 @@
+// Operator: the live engine panel, refreshed every 2 seconds from GET /admin/engine.
+
+import { api } from "../lib/api.js";
+import { $, fill, fillRows, h } from "../lib/dom.js";
+import { lineChart } from "../lib/chart.js";
+import { bytes, count, ms } from "../lib/format.js";
+import { startPage } from "../lib/shell.js";
+
+const REFRESH_MS = 2000;
+const HISTORY = 60; // two minutes of refreshes
+const history = [];
+let paused = false;
+let timer = null;
+let refreshes = 0;
+let inFlight = false;
+
+function adapterLabel(adapter) {
+  if (!adapter.adapter) return adapter.engine_name;
+  return `${adapter.tenant_name} / ${adapter.adapter} v${adapter.version}`;
+}
+
+function showTier(box, tier, emptyText) {
+  const summary = h(
+    "div",
+    { class: "row" },
+    h("span", { class: "stat-value" }, count(tier.count)),
+    h("span", { class: "hint" }, `adapters · ${bytes(tier.bytes)} of ${bytes(tier.capacity_bytes)}`),
+  );
+  const share = tier.capacity_bytes ? Math.min(100, (100 * tier.bytes) / tier.capacity_bytes) : 0;
+  const meter = h("div", { class: "meter", "aria-hidden": "true" }, h("div", {}));
+  meter.firstChild.style.width = `${share}%`;
+  const chips = tier.adapters.length
+    ? h("ul", { class: "tier-list" }, tier.adapters.map((a) => h("li", { class: "chip", title: a.engine_name }, adapterLabel(a))))
+    : h("p", { class: "hint" }, emptyText);
+  fill(box, summary, meter, chips);
+}
+
+function showLatency(prefix, latency) {
+  fill($(`#${prefix}-p50`), ms(latency.p50_ms));
+  fill($(`#${prefix}-p90`), ms(latency.p90_ms));
+  fill($(`#${prefix}-p99`), ms(latency.p99_ms));
+  fill($(`#${prefix}-n`), count(latency.samples));
+}
+
+function showTenants(tenants) {
+  const rows = tenants.map((tenant) =>
+    h(
+      "tr",
+      { dataset: { tenantId: tenant.tenant_id } },
+      h("td", {}, tenant.tenant_name ? h("a", { href: `/ui/operator/tenants/${encodeURIComponent(tenant.tenant_id)}` }, tenant.tenant_name) : h("code", {}, tenant.tenant_id)),
+      h("td", { class: "num" }, tenant.priority ?? "–"),
+      h("td", { class: "num" }, tenant.weight ?? "–"),
+    ),
+  );
+  fillRows($("#engine-tenants tbody"), rows, "No tenants yet", "The engine hears each tenant's priority and weight when it is created or changed.");
+}
+
+function drawLoad() {
+  lineChart($("#chart-load"), {
+    title: "Running and waiting requests",
+    categories: history.map((point) => point.time),
+    series: [
+      { name: "Running", color: "#4f46e5", values: history.map((point) => point.running) },
+      { name: "Waiting", color: "#f59e0b", values: history.map((point) => point.waiting) },
+    ],
+    format: count,
+    integer: true,
+    height: 200,
+  });
+}
+
+function show(snapshot) {
+  fill($("#running"), count(snapshot.running_requests));
+  fill($("#waiting"), count(snapshot.waiting_requests));
+  const kv = snapshot.kv_cache;
+  fill($("#kv"), `${(kv.usage * 100).toFixed(1)}%`);
+  $("#kv-meter").style.width = `${Math.min(100, kv.usage * 100)}%`;
+  fill($("#kv-sub"), `${count(kv.blocks_used)} of ${count(kv.blocks_usable)} blocks (${count(kv.blocks_total)} in all, ${kv.block_size} tokens each)`);
+  fill($("#registered"), count(snapshot.adapters.length));
+  fill($("#registered-sub"), `${snapshot.device.count} on the device, ${snapshot.host.count} in RAM`);
+  showLatency("ttft", snapshot.ttft);
+  showLatency("itl", snapshot.itl);
+  fill($("#latency-window"), `Over the last ${Math.round(snapshot.latency_window_s / 60)} minutes`);
+  showTier($("#device-tier"), snapshot.device, "No adapter is on the device: the next request for one loads it.");
+  showTier($("#host-tier"), snapshot.host, "No adapter is held in RAM.");
+  showTenants(snapshot.tenants);
+  const time = new Date(snapshot.taken_at).toLocaleTimeString("en-GB");
+  history.push({ time, running: snapshot.running_requests, waiting: snapshot.waiting_requests });
+  if (history.length > HISTORY) history.shift();
+  drawLoad();
+  refreshes += 1;
+  fill($("#updated-at"), `Live · updated ${time}`);
+  $("#updated-at").dataset.refreshes = String(refreshes);
+}
+
+async function refresh() {
+  clearTimeout(timer);
+  timer = null;
+  if (inFlight) return; // the refresh under way schedules the next one
+  inFlight = true;
+  const error = $("#engine-error");
+  try {
+    const snapshot = await api("/admin/engine");
+    if (!paused) show(snapshot);
+    error.hidden = true;
+  } catch (err) {
+    error.textContent = `The engine could not be read: ${err.message}`;
+    error.hidden = false;
+    fill($("#updated-at"), "Retrying…");
+  } finally {
+    inFlight = false;
+  }
+  schedule();
+}
+
+function schedule() {
+  if (!paused && !document.hidden && timer === null) timer = setTimeout(refresh, REFRESH_MS);
+}
+
+function setPaused(value) {
+  paused = value;
+  const button = $("#pause");
+  button.textContent = paused ? "Resume" : "Pause";
+  button.setAttribute("aria-pressed", String(paused));
+  $("#live-dot").classList.toggle("paused", paused);
+  if (paused) {
+    clearTimeout(timer);
+    timer = null;
+    fill($("#updated-at"), "Paused");
+  } else {
+    refresh();
+  }
+}
+
+if (startPage("operator")) {
+  refresh();
+  $("#pause").addEventListener("click", () => setPaused(!paused));
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden && !paused) refresh();
+  });
+}

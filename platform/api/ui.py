@@ -1,0 +1,200 @@
+"""The admin UI at ``/ui``: server-rendered page shells and their static files.
+
+Every page is a template from the installed package ``loramux.admin_ui`` (found with
+``importlib.resources``, never by a path into the repository) that renders at once with a
+skeleton of what it will show; its script then asks the public JSON API for the data,
+with the bearer token the user signed in with (kept in the browser's ``sessionStorage``).
+So nothing here reads the database or needs a token: whatever the UI does, a script
+holding the same token can do through the API.
+
+Pages belong to a role (``operator`` or ``tenant``); the script sends a signed-in user of
+the other role to their own home page, and a signed-out one to ``/ui/signin``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from loramux.platform.api.errors import APIError
+
+PACKAGE = "loramux.admin_ui"
+
+router = APIRouter(include_in_schema=False)
+
+# Pages run only our own files: no inline script or style, nothing from elsewhere.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
+    "form-action 'self'"
+)
+
+STATIC_TYPES = {
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+}
+
+
+@dataclass(frozen=True)
+class NavItem:
+    key: str
+    label: str
+    href: str
+    icon: str  # a symbol id in static/img/icons.svg
+
+
+NAV = {
+    "operator": (
+        NavItem("tenants", "Tenants", "/ui/operator/tenants", "tenants"),
+        NavItem("adapters", "Adapters", "/ui/operator/adapters", "adapters"),
+        NavItem("usage", "Usage & billing", "/ui/operator/usage", "usage"),
+        NavItem("engine", "Engine", "/ui/operator/engine", "engine"),
+    ),
+    "tenant": (
+        NavItem("adapters", "Adapters", "/ui/tenant/adapters", "adapters"),
+        NavItem("playground", "Playground", "/ui/tenant/playground", "playground"),
+        NavItem("usage", "Usage", "/ui/tenant/usage", "usage"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Page:
+    template: str
+    title: str
+    role: str | None  # None: open to anyone (sign-in, the home redirect)
+    section: str | None = None  # the nav item it highlights
+
+
+PAGES = {
+    "home": Page("home.html", "loramux", None),
+    "signin": Page("signin.html", "Sign in", None),
+    "operator/tenants": Page("operator/tenants.html", "Tenants", "operator", "tenants"),
+    "operator/tenant": Page("operator/tenant.html", "Tenant", "operator", "tenants"),
+    "operator/adapters": Page("operator/adapters.html", "Adapters", "operator", "adapters"),
+    "operator/usage": Page("operator/usage.html", "Usage & billing", "operator", "usage"),
+    "operator/engine": Page("operator/engine.html", "Engine", "operator", "engine"),
+    "tenant/adapters": Page("tenant/adapters.html", "Adapters", "tenant", "adapters"),
+    "tenant/playground": Page("tenant/playground.html", "Playground", "tenant", "playground"),
+    "tenant/usage": Page("tenant/usage.html", "Usage", "tenant", "usage"),
+}
+
+
+class UIAssets:
+    """The package's templates and static files, read once per app."""
+
+    def __init__(self) -> None:
+        self.static_root: Traversable = resources.files(PACKAGE) / "static"
+        self._versions: dict[str, str] = {}
+        self.env = Environment(
+            loader=PackageLoader(PACKAGE, "templates"),
+            autoescape=select_autoescape(default=True),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        self.env.globals["static"] = self.static_url
+
+    def static_file(self, path: str) -> Traversable | None:
+        """The static file at ``path`` (a relative POSIX path), or None; never outside."""
+        parts = path.split("/")
+        if not path or any(part in ("", ".", "..") or part.startswith(".") for part in parts):
+            return None
+        if posixpath.splitext(path)[1] not in STATIC_TYPES:
+            return None
+        node = self.static_root.joinpath(*parts)
+        return node if node.is_file() else None
+
+    def version(self, path: str) -> str:
+        """A short digest of the file's content: URLs change when the file does."""
+        if path not in self._versions:
+            node = self.static_file(path)
+            data = b"" if node is None else node.read_bytes()
+            self._versions[path] = hashlib.sha256(data).hexdigest()[:12]
+        return self._versions[path]
+
+    def static_url(self, path: str) -> str:
+        return f"/ui/static/{path}?v={self.version(path)}"
+
+
+def ui_assets(request: Request) -> UIAssets:
+    """This app's assets, built on first use (nothing is read at import)."""
+    state = request.app.state
+    assets = getattr(state, "ui_assets", None)
+    if assets is None:
+        assets = state.ui_assets = UIAssets()
+    return assets
+
+
+def _render(request: Request, key: str, **extra: object) -> HTMLResponse:
+    page = PAGES[key]
+    assets = ui_assets(request)
+    html = assets.env.get_template(page.template).render(
+        page=key,
+        title=page.title,
+        role=page.role,
+        section=page.section,
+        nav=NAV.get(page.role or "", ()),
+        script=f"js/pages/{key.replace('/', '_')}.js",
+        **extra,
+    )
+    return HTMLResponse(
+        html,
+        headers={
+            "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "same-origin",
+        },
+    )
+
+
+@router.get("/")
+def root() -> RedirectResponse:
+    return RedirectResponse("/ui", status_code=307)
+
+
+@router.get("/ui")
+def home(request: Request) -> HTMLResponse:
+    return _render(request, "home")
+
+
+@router.get("/ui/signin")
+def signin(request: Request) -> HTMLResponse:
+    return _render(request, "signin")
+
+
+@router.get("/ui/operator/tenants/{tenant_id}")
+def tenant_page(request: Request, tenant_id: str) -> HTMLResponse:
+    return _render(request, "operator/tenant", tenant_id=tenant_id)
+
+
+@router.get("/ui/static/{path:path}")
+def static(request: Request, path: str) -> Response:
+    assets = ui_assets(request)
+    node = assets.static_file(path)
+    if node is None:
+        raise APIError(404, f"No UI file {path!r}.", code="not_found")
+    etag = f'"{assets.version(path)}"'
+    headers = {"ETag": etag, "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    media_type = STATIC_TYPES[posixpath.splitext(path)[1]]
+    return Response(node.read_bytes(), media_type=media_type, headers=headers)
+
+
+@router.get("/ui/{role}/{name}")
+def role_page(request: Request, role: str, name: str) -> HTMLResponse:
+    key = f"{role}/{name}"
+    if key not in PAGES or key == "operator/tenant":
+        raise APIError(404, f"No UI page /ui/{key}.", code="not_found")
+    return _render(request, key)
