@@ -50,7 +50,9 @@ from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler, SchedulerLimits
 from loramux.engine.sequence import FinishReason, Sequence
+from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
+from loramux.kernels.dispatch import use_triton_on
 
 
 class EngineError(ValueError):
@@ -89,14 +91,27 @@ class Engine:
         )
         # kv_cache_bytes is one budget for KV blocks and resident adapters (S-LoRA's unified
         # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
+        # The static decode path (CUDA graphs) pads its batches with rows that write to a
+        # scratch block of the budget's.
+        static_decode = (
+            config.cuda_graph_max_batch > 0 and use_triton_on(device) and dtype in STATIC_DTYPES
+        )
+        scratch_blocks = 1 if static_decode else 0
         block_bytes = kv_block_bytes(self.model, config.block_size, dtype)
-        num_blocks = config.kv_cache_bytes // block_bytes
+        num_blocks = config.kv_cache_bytes // block_bytes - scratch_blocks
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} KV blocks; "
                 f"raise it (one block needs {block_bytes} bytes)"
             )
-        self.arena = DeviceArena(self.model_config, num_blocks, config.block_size, dtype, device)
+        self.arena = DeviceArena(
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            dtype,
+            device,
+            scratch_blocks=scratch_blocks,
+        )
         rows = self.arena.layout.total_rows
         max_rows = None
         if config.adapter_device_bytes is not None:
@@ -136,6 +151,7 @@ class Engine:
             lora_pool=self.lora_pool,
             sampler=Sampler(config.seed),
             block_tables=self.kv.block_table,
+            static_decode=self._static_decode() if static_decode else None,
         )
         self.metrics = metrics or EngineMetrics()
         self.metrics.kv_blocks_total.set(num_blocks)
@@ -164,6 +180,21 @@ class Engine:
         self._prefix_stats = (0, 0)
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
         self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
+
+    def _static_decode(self) -> StaticDecode:
+        """Fixed buffers for decode-only steps; on CUDA their graphs are captured now."""
+        config = self.config
+        return StaticDecode(
+            self.model,
+            self.arena.kv_caches,
+            self.lora_pool,
+            block_size=config.block_size,
+            max_context_len=self.max_model_len,
+            buckets=decode_buckets(min(config.cuda_graph_max_batch, config.max_num_seqs)),
+            max_rank=config.max_lora_rank,
+            scratch_slot=self.arena.scratch_slot,
+            capture=config.torch_device.type == "cuda",
+        )
 
     # --- adapters ------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path) -> LoRARequest:

@@ -14,6 +14,7 @@ from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.model.llama import AttentionMetadata, LlamaForCausalLM
 from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from loramux.engine.scheduler import SchedulerOutput
+from loramux.engine.static_decode import DecodeStep, StaticDecode
 from loramux.kernels.paged_attention import plan_attention
 
 
@@ -34,6 +35,7 @@ class ModelRunner:
         lora_pool: LoRAPool,
         sampler: Sampler,
         block_tables,  # callable: request_id -> list[int]
+        static_decode: StaticDecode | None = None,
     ):
         self.model = model
         self.block_size = block_size
@@ -45,6 +47,9 @@ class ModelRunner:
         # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values: the
         # device arena's tensors, whose top also holds the resident adapters' rows.
         self.kv_caches = kv_caches
+        # Decode-only steps of up to its largest bucket run over its fixed buffers (CUDA
+        # graphs on CUDA); every other step builds its tensors afresh.
+        self.static_decode = static_decode
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
@@ -82,17 +87,11 @@ class ModelRunner:
                 suppress.append(seq.suppressed_token_ids())
 
         long = {"dtype": torch.long, "device": self.device}
-        plan = plan_attention(tables, context_lens, query_lens, self.block_size, self.device)
-        meta = AttentionMetadata(
-            positions=plan.positions,
-            slot_mapping=plan.new_token_slots,
-            block_tables=tables,
-            context_lens=context_lens,
-            query_lens=query_lens,
-            plan=plan,
-        )
-        lora = self.lora_pool.build_step(spans)
-        hidden = self.model(torch.tensor(input_ids, **long), meta, self.kv_caches, lora)
+        if self._is_static(query_lens):
+            step = DecodeStep(input_ids, context_lens, tables, self.lora_pool.step_table(spans))
+            hidden = self.static_decode.run(step)
+        else:
+            hidden = self._forward(input_ids, tables, context_lens, query_lens, spans)
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_index, **long)])
@@ -103,3 +102,26 @@ class ModelRunner:
                 sampling, result.token_ids, result.logprobs, strict=True
             )
         }
+
+    def _is_static(self, query_lens: list[int]) -> bool:
+        """Whether the step is decode-only and small enough for the static path."""
+        return (
+            self.static_decode is not None
+            and 0 < len(query_lens) <= self.static_decode.max_batch
+            and all(n == 1 for n in query_lens)
+        )
+
+    def _forward(self, input_ids, tables, context_lens, query_lens, spans) -> torch.Tensor:
+        """The step's hidden states over tensors built for it (any mix of tokens)."""
+        plan = plan_attention(tables, context_lens, query_lens, self.block_size, self.device)
+        meta = AttentionMetadata(
+            positions=plan.positions,
+            slot_mapping=plan.new_token_slots,
+            block_tables=tables,
+            context_lens=context_lens,
+            query_lens=query_lens,
+            plan=plan,
+        )
+        lora = self.lora_pool.build_step(spans)
+        input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return self.model(input_tensor, meta, self.kv_caches, lora)

@@ -19,9 +19,12 @@ tiles seen so far, running max ``m``, sum ``l = sum_j 2^(t_j - m)`` and accumula
 
 and ``out = a / l``. (``m`` starts at ``-inf``, so ``c = 0`` on the first tile.)
 
-Decode (one query per sequence) splits each context into ``num_splits`` spans of
-``split_len`` tokens, one program per (sequence, KV head, split), so that a few long
-sequences still fill the GPU. Program k leaves partial ``(m_k, l_k, a_k)`` in float32
+Decode (one query per sequence) splits each context into ``num_splits`` spans, one
+program per (sequence, KV head, split), so that a few long sequences still fill the GPU.
+Each sequence's spans are its own: ``split_len_s = round_up(ceil(L_s / num_splits),
+BLOCK_N)``, computed in the kernel from ``L_s``, so the launch depends only on the batch
+size and ``num_splits`` (never on the contexts): a CUDA graph captured once serves every
+step of that batch size. Program k leaves partial ``(m_k, l_k, a_k)`` in float32
 scratch; a second kernel combines them exactly:
 
     M = max_k m_k,   w_k = 2^(m_k - M),   out = sum_k w_k a_k / sum_k w_k l_k
@@ -172,7 +175,6 @@ def _decode_split_kernel(
     part_l_ptr,  # [B, Hq, NUM_SPLITS]
     part_acc_ptr,  # [B, Hq, NUM_SPLITS, D_PAD]
     qk_scale,
-    split_len,  # tokens per split, a multiple of BLOCK_N
     stride_qb,
     stride_qh,
     stride_kb,
@@ -200,6 +202,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
     ctx_len = tl.load(ctx_ptr + seq)
+    # This sequence's span per split: ceil(L / NUM_SPLITS) rounded up to whole key tiles.
+    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx_len)
 
@@ -442,8 +446,9 @@ def paged_decode_attention(
     """Decode attention, ``out[s, h] = sum_{j < L_s} softmax_j(scale q[s,h].k_j) v_j``.
 
     ``num_splits`` (default: :func:`choose_num_splits`) splits every context into spans of
-    ``split_len = round_up(ceil(max L / num_splits), BLOCK_N)`` tokens, combined by a
-    second kernel (module docstring). ``max_context_len`` (the largest ``L_s``) avoids
+    ``round_up(ceil(L_s / num_splits), BLOCK_N)`` tokens, combined by a second kernel
+    (module docstring). ``max_context_len`` (the largest ``L_s``, or any bound on it: a
+    CUDA graph passes the context cap) only chooses the default ``num_splits``, without
     reading ``context_lens`` back from the device. Returns ``[B, Hq, D]`` in the query's
     dtype; float32 accumulation.
     """
@@ -460,7 +465,6 @@ def paged_decode_attention(
     g_pad = max(16, g_pad)  # tl.dot needs at least 16 rows
     if num_splits is None:
         num_splits = choose_num_splits(max_context_len, batch, kv_heads)
-    split_len = triton.cdiv(max(1, triton.cdiv(max_context_len, num_splits)), block_n) * block_n
     if num_splits > 1:
         part_m = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
@@ -479,7 +483,6 @@ def paged_decode_attention(
         part_l,
         part_acc,
         scale * math.log2(math.e),
-        split_len,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),

@@ -128,10 +128,11 @@ def lora_dense(x, out, a_pool, b_pool, batch):
 
 
 def _host_segments(batch: LoRABatch) -> list[tuple[int, int, int]]:
-    """(start, end, adapter) per segment, read back to the host (references only)."""
+    """(start, end, adapter) per segment with an adapter, read back to the host (references
+    only; a ``per_token`` batch has segments of adapter -1, which are skipped)."""
     starts, lengths = batch.seg_start.tolist(), batch.seg_len.tolist()
     adapters = batch.seg_adapter.tolist()
-    return [(s, s + n, a) for s, n, a in zip(starts, lengths, adapters, strict=True)]
+    return [(s, s + n, a) for s, n, a in zip(starts, lengths, adapters, strict=True) if a >= 0]
 
 
 def lora_shrink_slices_reference(

@@ -12,7 +12,9 @@ Two views of the same token → adapter map:
 * SGMV (prefill): segments, maximal runs of consecutive tokens with the same adapter:
   ``seg_adapter[g]`` for tokens ``seg_start[g] .. seg_start[g] + seg_len[g] - 1``.
   Adjacent spans with the same adapter are merged (a kernel tile then reads that
-  adapter's weights once for all of them). Tokens with no adapter are in no segment.
+  adapter's weights once for all of them). Tokens with no adapter are in no segment,
+  except in a ``per_token`` batch (fixed buffers for CUDA graphs): one segment per token,
+  ``seg_adapter[g] = -1`` where the token has none.
 * BGMV (decode): ``token_adapter[t]`` = t's adapter, or -1.
 
 Adapter table, for adapter a (an index into the step's table, not an adapter id):
@@ -61,6 +63,36 @@ class LoRABatch:
     def is_decode(self) -> bool:
         """Every segment has one token: per-token (BGMV) grids beat per-segment tiles."""
         return self.max_seg_len <= 1
+
+    @classmethod
+    def per_token(
+        cls,
+        token_adapter: torch.Tensor,  # [T] int32, adapter index or -1
+        rows: torch.Tensor,  # [A, max_rank] int32
+        rank: torch.Tensor,  # [num_slices, A] int32
+        scale: torch.Tensor,  # [num_slices, A] float32
+    ) -> LoRABatch:
+        """A decode batch over the caller's fixed device buffers (the CUDA-graph path).
+
+        The buffers are refilled before every replay, so nothing here may depend on their
+        values: the segment view is one segment per token (``seg_adapter`` is
+        ``token_adapter`` itself) and ``max_rank`` is the buffers' width, the largest rank
+        any adapter may have.
+        """
+        num_tokens = token_adapter.shape[0]
+        seg_start = torch.arange(num_tokens, dtype=torch.int32, device=token_adapter.device)
+        return cls(
+            num_tokens=num_tokens,
+            seg_start=seg_start,
+            seg_len=torch.ones_like(seg_start),
+            seg_adapter=token_adapter,
+            max_seg_len=min(num_tokens, 1),
+            token_adapter=token_adapter,
+            rows=rows,
+            rank=rank,
+            scale=scale,
+            max_rank=rows.shape[1],
+        )
 
     @classmethod
     def build(
@@ -132,6 +164,32 @@ class LoRABatch:
             rank=parts[5].view(num_slices, num_adapters),
             scale=parts[6].view(torch.float32).view(num_slices, num_adapters),
             max_rank=max_rank,
+        )
+
+
+@dataclass(frozen=True)
+class LoRATable:
+    """A step's adapter table on the host: the arguments of :meth:`LoRABatch.build`.
+
+    ``spans`` are ``(start, end, adapter index or None)`` covering ``0 .. num_tokens``;
+    ``adapter_rows[a]`` adapter a's pool rows; ``ranks[s][a]`` / ``scales[s][a]`` its rank
+    and scaling in slice s. The engine's static decode path copies it into buffers of its
+    own instead of building a ``LoRABatch``.
+    """
+
+    spans: list[tuple[int, int, int | None]]
+    adapter_rows: list[list[int]]
+    ranks: list[list[int]]
+    scales: list[list[float]]
+    num_tokens: int
+
+    @property
+    def max_rank(self) -> int:
+        return max((r for slice_ranks in self.ranks for r in slice_ranks), default=0)
+
+    def to_batch(self, device: torch.device | str) -> LoRABatch:
+        return LoRABatch.build(
+            self.spans, self.adapter_rows, self.ranks, self.scales, self.num_tokens, device
         )
 
 

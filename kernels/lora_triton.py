@@ -40,12 +40,16 @@ tests run these kernels in, and keep a single code path that those tests cover:
   and lets the compiler drop the masks when ``in_features`` is a multiple of ``BLOCK_K``;
   expand's rank tiles past an adapter's rank are fully masked and load nothing.
 
-Each launch copies a small per-slice table (pool base addresses, strides, column offsets)
-to the device; callers that capture CUDA graphs will want it cached per pool set.
+Each launch reads a small per-slice table (pool base addresses, strides, column offsets)
+on the device. The tables are cached by content: a model's pools are few and fixed (views
+of the KV arena), so launches reuse them instead of copying one to the device every time,
+and a CUDA-graph capture (which cannot copy from pageable host memory) finds them made by
+its warm-up run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -480,6 +484,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _slice_table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
     """``[num_slices, len(columns[0])]`` int64 on ``device``: per slice, base address etc."""
+    return _device_table(tuple(map(tuple, columns)), torch.device(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _device_table(columns: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
+    # Keyed by the table's own values, so a hit is always the right table (module doc);
+    # never written after it is made.
     return torch.tensor(columns, dtype=torch.int64, device=device)
 
 

@@ -95,6 +95,46 @@ class AttentionPlan:
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     # Built only for the Triton path (CUDA, references not forced): the CPU path pays nothing.
     triton: TritonAttentionPlan | None = None
+    # A plan over fixed buffers refilled every step (``static_decode_plan``): only its
+    # Triton tables are valid, so the reference refuses it.
+    static: bool = False
+
+
+def static_decode_plan(
+    positions: torch.Tensor,  # [B] int64
+    new_token_slots: torch.Tensor,  # [B] int64
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32; 0 for a padding row
+    max_context_len: int,  # a bound on every L_s (the context cap)
+) -> AttentionPlan:
+    """A decode-only plan over the caller's fixed device buffers (the CUDA-graph path).
+
+    The buffers are refilled before every replay, so nothing here reads them: the Triton
+    decode kernel takes the tables and lengths as they are, and ``max_context_len`` only
+    sizes the launch. Rows with ``L_s = 0`` attend to nothing (zeros).
+    """
+    batch = context_lens.shape[0]
+    rows = torch.arange(batch, dtype=torch.long, device=context_lens.device)
+    none = block_tables[:0]
+    return AttentionPlan(
+        positions=positions,
+        new_token_slots=new_token_slots,
+        decode_rows=rows,
+        decode_slots=rows[:0, None],
+        decode_mask=rows[:0, None, None, None] > 0,
+        prefill=[],
+        triton=TritonAttentionPlan(
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            decode_max_context_len=max_context_len,
+            prefill_block_tables=none,
+            prefill_context_lens=context_lens[:0],
+            prefill_query_starts=context_lens[:0],
+            prefill_query_ends=context_lens[:0],
+            prefill_max_query_len=0,
+        ),
+        static=True,
+    )
 
 
 def flat_slots(
@@ -218,6 +258,11 @@ def paged_attention_reference(
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Torch reference: batched SDPA for decodes, masked SDPA per prefilling sequence."""
+    if plan is not None and plan.static:
+        raise ValueError(
+            "a static decode plan (fixed buffers for CUDA graphs) runs on the Triton kernels "
+            "only; build the step's plan with plan_attention for the reference"
+        )
     if plan is None:
         plan = plan_attention(
             block_tables, context_lens, query_lens, k_cache.shape[1], query.device, triton=False

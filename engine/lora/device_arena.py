@@ -28,6 +28,10 @@ between the two and form a Galois pair:
 
     kv_limit_for(r) >= L   <=>   r >= first_row_for(L)
 
+Optionally ``scratch_blocks`` more KV blocks follow the ``num_blocks`` the layout knows
+(neither KV's nor any row's): the static decode path (``loramux.engine.decode_graphs``)
+pads its batch with rows that write their keys and values to :attr:`DeviceArena.scratch_slot`.
+
 This module only lays the memory out; which rows are whose is ``LoRAPool``'s business,
 and which blocks are whose ``KVCacheManager``'s.
 """
@@ -128,11 +132,18 @@ class DeviceArena:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        scratch_blocks: int = 0,
     ):
+        if scratch_blocks < 0:
+            raise ValueError(f"scratch_blocks must be >= 0, got {scratch_blocks}")
         self.layout = RowLayout.for_model(model_config, num_blocks, block_size)
         self.dtype, self.device = dtype, torch.device(device)
         self.num_layers = model_config.num_layers
-        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.scratch_blocks = scratch_blocks
+        self._scratch_slot = num_blocks * block_size  # first slot past the layout's blocks
+        blocks = num_blocks + scratch_blocks
+        shape = (blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -158,6 +169,13 @@ class DeviceArena:
             for layer, b in enumerate(self._b_rows)
             for m in LORA_TARGETS
         }
+
+    @property
+    def scratch_slot(self) -> int:
+        """A flat KV slot no sequence and no adapter row owns (needs ``scratch_blocks``)."""
+        if not self.scratch_blocks:
+            raise ValueError("this arena has no scratch block (scratch_blocks=0)")
+        return self._scratch_slot
 
     # --- sizes -----------------------------------------------------------------
     @property

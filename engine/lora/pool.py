@@ -47,7 +47,7 @@ from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS, LoRASegment, LoRAStep, LoRAWeightSource
 from loramux.kernels.dispatch import use_triton_on
 from loramux.kernels.lora import LoRADenseBatch
-from loramux.kernels.lora_batch import LoRABatch
+from loramux.kernels.lora_batch import LoRATable
 
 __all__ = ["DENSE_MAX_ROWS", "LoRAPool", "PoolFull", "ResidentAdapter"]
 
@@ -276,14 +276,12 @@ class LoRAPool(LoRAWeightSource):
         ops whatever the adapter count): see ``loramux.kernels.lora``. Each call is a new
         step for LRU recency, in which the spans' adapters are used.
         """
-        used = [(s, e, self._resident[a]) for s, e, a in spans if a is not None and e > s]
-        self._step += 1
-        for _, _, resident in used:
-            self._last_use[resident.adapter_id] = self._step
+        used = self._mark_used(spans)
         if not used:
             return None
         if self._triton:
-            return LoRAStep(pools=self, segments={}, max_rank={}, batch=self._kernel_batch(spans))
+            batch = self._kernel_table(spans).to_batch(self._device)
+            return LoRAStep(pools=self, segments={}, max_rank={}, batch=batch)
         segments: dict[str, list[LoRASegment]] = {}
         max_rank: dict[str, int] = {}
         for start, end, resident in used:
@@ -315,8 +313,21 @@ class LoRAPool(LoRAWeightSource):
                     dense[module] = built[key]
         return LoRAStep(pools=self, segments=segments, max_rank=max_rank, dense=dense)
 
-    def _kernel_batch(self, spans: list[tuple[int, int, int | None]]) -> LoRABatch:
-        """The step as one ``LoRABatch`` whose slices are ``LORA_TARGETS`` in order."""
+    def step_table(self, spans: list[tuple[int, int, int | None]]) -> LoRATable | None:
+        """The step's adapters as a host table (None without any), for a caller that fills
+        its own device buffers (the static decode path); a new step, like ``build_step``."""
+        return self._kernel_table(spans) if self._mark_used(spans) else None
+
+    def _mark_used(self, spans: list[tuple[int, int, int | None]]) -> list:
+        """Start a step for LRU recency; its spans' (start, end, resident adapter)."""
+        used = [(s, e, self._resident[a]) for s, e, a in spans if a is not None and e > s]
+        self._step += 1
+        for _, _, resident in used:
+            self._last_use[resident.adapter_id] = self._step
+        return used
+
+    def _kernel_table(self, spans: list[tuple[int, int, int | None]]) -> LoRATable:
+        """The step as one table whose slices are ``LORA_TARGETS`` in order."""
         table: dict[int, int] = {}  # adapter id -> index in the step's table
         indexed = []
         for start, end, adapter_id in spans:
@@ -324,13 +335,12 @@ class LoRAPool(LoRAWeightSource):
             indexed.append((start, end, index))
         residents = [self._resident[adapter_id] for adapter_id in table]
         modules = [[r.modules.get(m, (0, 0.0)) for r in residents] for m in LORA_TARGETS]
-        return LoRABatch.build(
-            indexed,
+        return LoRATable(
+            spans=indexed,
             adapter_rows=[r.rows.tolist() for r in residents],
             ranks=[[rank for rank, _ in per_adapter] for per_adapter in modules],
             scales=[[scale for _, scale in per_adapter] for per_adapter in modules],
             num_tokens=spans[-1][1] if spans else 0,
-            device=self._device,
         )
 
     def _dense_batch(self, segments: list[LoRASegment], num_tokens: int) -> LoRADenseBatch | None:

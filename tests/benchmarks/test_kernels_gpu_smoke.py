@@ -90,6 +90,12 @@ def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
     assert sum(bool(r["target"]) for r in lora) == 1
     # The adapters change the output: the check compares two real LoRA computations.
     assert all(r["lora_effect"] > 1e-2 for r in lora)
+    # The engine's static decode path ran each variant over its buffers (no capture on the
+    # CPU) and computed the eager step's output.
+    for row in rows:
+        assert row["graph_ms"] > 0 and row["graph_captured"] is False, row
+        assert row["graph_err"] < 1e-3, row
+    assert all("graph_overhead_pct" in r for r in lora)
 
 
 def test_markdown_states_both_target_verdicts(smoke_run):

@@ -13,12 +13,14 @@ import pytest
 from loramux.engine import SamplingParams
 from loramux.engine.lora.source import LocalDirectorySource
 from tests.engine.factories import build_engine
+from tests.engine.hf_reference import greedy_tokens
 from tests.engine.test_exactness import (
     assert_matches_reference,
     mixed_requests,
     run_staggered,
     tiny_adapters,  # noqa: F401 (fixture)
 )
+from tests.engine.test_static_decode import run_ragged
 
 pytestmark = pytest.mark.gpu
 
@@ -49,3 +51,38 @@ def test_adapters_evicted_and_reloaded_on_cuda_match_peft(
     assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 8)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert engine.generate(["again"], params, adapters=["r4-qv"])[0].finish_reason == "length"
+
+
+def test_cuda_graphs_replay_peft_tokens(tiny_model_dir, tiny_adapters):  # noqa: F811
+    """Decode steps replayed from captured graphs (buckets 1, 2, 4, padded rows, with
+    and without LoRA) give PEFT's tokens, and the same tokens as the eager path."""
+    engine = build_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        cuda_graph_max_batch=4,
+        max_num_seqs=8,
+    )
+    static = engine.runner.static_decode
+    assert static is not None and static.captured
+    requests = mixed_requests(6)
+    max_tokens = [9, 6, 5, 4, 3, 2]
+    outputs = run_ragged(engine, requests, max_tokens)
+    assert {bucket for bucket, _ in static.steps_run} == {1, 2, 4}, static.steps_run
+    for (prompt, adapter), n, got in zip(requests, max_tokens, outputs, strict=True):
+        prompt_ids = engine.tokenizer(prompt)["input_ids"]
+        path = None if adapter is None else tiny_adapters[adapter]
+        assert got == greedy_tokens(tiny_model_dir, path, prompt_ids, n), (prompt, adapter)
+    eager = build_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        cuda_graph_max_batch=0,
+        max_num_seqs=8,
+    )
+    assert eager.runner.static_decode is None
+    assert run_ragged(eager, requests, max_tokens) == outputs

@@ -53,7 +53,9 @@ def _assert_every_launcher_ran(calls: Counter) -> None:
 
 
 def _engine(model_dir, adapters, **overrides):
-    engine = build_engine(model_dir, adapters, **overrides)
+    # Every step built afresh (decode-only steps too): tests/engine/test_static_decode.py
+    # covers the fixed-buffer path.
+    engine = build_engine(model_dir, adapters, cuda_graph_max_batch=0, **overrides)
     assert engine.runner.lora_pool._triton, "the pool did not take the Triton path"
     return engine
 

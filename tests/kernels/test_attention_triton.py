@@ -189,6 +189,32 @@ def test_decode_empty_splits_and_empty_context():
         _assert_matches_reference(out[keep], live, 0.25)
 
 
+def test_decode_with_a_bound_on_the_contexts_instead_of_the_longest():
+    """A CUDA graph launches with the context cap as ``max_context_len`` (many splits for
+    short contexts): each sequence spreads its own keys over the splits, so the result is
+    the same."""
+    step = _step([(200, 1), (3, 1), (0, 1), (75, 1)], 6, 2, 16, 4, torch.float32, seed=7)
+    out = paged_decode_attention(
+        step.query,
+        step.k_cache,
+        step.v_cache,
+        step.padded,
+        step.ctx(),
+        0.25,
+        max_context_len=100_000,
+    )
+    keep = [0, 1, 3]
+    live = replace(
+        step,
+        query=step.query[keep],
+        tables=[step.tables[i] for i in keep],
+        context_lens=[step.context_lens[i] for i in keep],
+        query_lens=[1, 1, 1],
+    )
+    _assert_matches_reference(out[keep], live, 0.25)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
 def test_decode_splits_chosen_from_the_longest_context():
     assert choose_num_splits(200, 8, 3) == 1  # short: one pass, no reduction kernel
     assert choose_num_splits(600, 1, 1) == 3  # ceil(600 / 256)
