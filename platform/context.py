@@ -64,6 +64,7 @@ def build_engine(settings: Settings, base_model: BaseModel) -> AsyncEngine:
         **disk_cache,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        cuda_graph_max_batch=settings.cuda_graph_max_batch,
         device=settings.device,
     )
     return AsyncEngine(Engine(config))

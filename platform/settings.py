@@ -98,6 +98,50 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(
         default=2048, gt=0, description="Token budget of one engine step (decode + prefill)."
     )
+    cuda_graph_max_batch: int = Field(
+        default=64,
+        ge=0,
+        description="Decode-only steps of up to this many requests replay CUDA graphs "
+        "captured at start (CUDA only; 0: every step eager).",
+    )
+
+    # --- engines: in-process, or `loramux engine` processes behind the platform --------
+    engine_mode: Literal["local", "remote"] = Field(
+        default="local",
+        description="`local`: the engine runs in the platform's process. `remote`: requests "
+        "go to `loramux engine` processes that register in Redis (needs LORAMUX_REDIS_URL "
+        "and LORAMUX_ENGINE_SECRET).",
+    )
+    engine_secret: SecretStr | None = Field(
+        default=None,
+        description="Shared secret between the platform and `loramux engine` processes "
+        "(bearer token of the engines' internal API).",
+    )
+    engine_host: str = Field(default="127.0.0.1", description="Address `loramux engine` binds.")
+    engine_port: int = Field(
+        default=8100, ge=0, le=65535, description="Port `loramux engine` binds."
+    )
+    engine_advertise_url: str | None = Field(
+        default=None,
+        description="URL the platform reaches this engine at, as it registers "
+        "(default: http://<hostname>:<engine_port>).",
+    )
+    engine_id: str | None = Field(
+        default=None,
+        description="This engine's name in the registry (default: <hostname>-<engine_port>).",
+    )
+    engine_heartbeat_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds between an engine's registry heartbeats; one silent for three "
+        "is dead and gets no new requests.",
+    )
+    routing_load_factor: float = Field(
+        default=1.25,
+        ge=1.0,
+        description="Bounded imbalance of routing: an engine takes a request (even for an "
+        "adapter it holds) only while its load stays within this factor of the mean.",
+    )
 
     # --- adapter uploads ---------------------------------------------------------
     max_upload_bytes: int = Field(
@@ -124,6 +168,21 @@ class Settings(BaseSettings):
     def _check_s3(self) -> Settings:
         if self.store_backend == "s3" and not self.s3_bucket:
             raise ValueError("LORAMUX_STORE_BACKEND=s3 needs LORAMUX_S3_BUCKET")
+        return self
+
+    @model_validator(mode="after")
+    def _check_remote_engines(self) -> Settings:
+        if self.engine_mode == "remote":
+            missing = [
+                name
+                for name, value in (
+                    ("LORAMUX_REDIS_URL", self.redis_url),
+                    ("LORAMUX_ENGINE_SECRET", self.engine_secret),
+                )
+                if not value
+            ]
+            if missing:
+                raise ValueError(f"LORAMUX_ENGINE_MODE=remote needs {' and '.join(missing)}")
         return self
 
     @property
