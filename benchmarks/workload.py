@@ -20,6 +20,10 @@ A :class:`WorkloadSpec` describes a workload; :func:`generate` turns it into a l
   * ``"power"``: S-LoRA's scheme, k = floor(x · num_adapters) with
     x ~ ``Generator.power(alpha)`` (density alpha·x^(alpha-1) on [0, 1]), alpha =
     ``popularity_param``; alpha = 1 is uniform, alpha < 1 favours low indices.
+  * ``"distinct"``: request i uses adapter i mod ``num_adapters`` (``popularity_param``
+    unused), so with ``num_requests <= num_adapters`` every request has its own adapter
+    (Punica's "distinct" case). The uniform draws are still made and discarded, so the
+    later fields' draws match those of any other popularity.
 
 - Ranks: adapter k has rank ``ranks[k % len(ranks)]``.
 - Lengths: prompt lengths come from ``input_lens`` when it is non-empty (each request picks
@@ -37,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-POPULARITIES = ("uniform", "zipf", "power")
+POPULARITIES = ("uniform", "zipf", "power", "distinct")
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,9 @@ def adapter_ranks(spec: WorkloadSpec) -> list[int]:
 
 def _draw_adapters(spec: WorkloadSpec, rng: np.random.Generator) -> np.ndarray:
     n, size = spec.num_adapters, spec.num_requests
-    if spec.popularity == "uniform":
-        return rng.integers(0, n, size=size)
+    if spec.popularity in ("uniform", "distinct"):
+        drawn = rng.integers(0, n, size=size)
+        return drawn if spec.popularity == "uniform" else np.arange(size) % n
     if spec.popularity == "zipf":
         weights = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** spec.popularity_param
         return rng.choice(n, size=size, p=weights / weights.sum())
@@ -263,3 +268,15 @@ def prompt_token_ids(
     # it. banned[k] - k is the compact position of the k-th banned id (non-decreasing).
     shift = np.searchsorted(banned - np.arange(len(banned)), compact, side="right")
     return [int(t) for t in compact + shift]
+
+
+def requests_with_prompts(
+    spec: WorkloadSpec, *, vocab_size: int, avoid: frozenset[int] = frozenset()
+) -> tuple[list[WorkloadRequest], dict[int, list[int]]]:
+    """The requests of ``spec`` and each one's prompt token ids (request index -> ids)."""
+    requests = generate(spec)
+    prompts = {
+        r.index: prompt_token_ids(r, vocab_size=vocab_size, seed=spec.seed, avoid=avoid)
+        for r in requests
+    }
+    return requests, prompts

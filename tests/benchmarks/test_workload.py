@@ -105,6 +105,19 @@ def test_uniform_popularity_is_flat():
     assert chi_square < 30  # 7 degrees of freedom: p ≈ 1e-4
 
 
+def test_distinct_popularity_gives_each_request_its_own_adapter():
+    spec = make_spec(num_requests=32, num_adapters=32, popularity="distinct")
+    requests = generate(spec)
+    assert [r.adapter for r in requests] == list(range(32))
+    wrapped = generate(dataclasses.replace(spec, num_adapters=5))
+    assert [r.adapter for r in wrapped] == [i % 5 for i in range(32)]
+    # the adapters' draws are still made: lengths and tenants match a uniform spec's
+    uniform = generate(dataclasses.replace(spec, popularity="uniform"))
+    assert [(r.prompt_len, r.output_len, r.arrival_s) for r in requests] == [
+        (r.prompt_len, r.output_len, r.arrival_s) for r in uniform
+    ]
+
+
 def test_adapter_indices_in_range():
     requests = generate(
         make_spec(num_requests=2000, num_adapters=3, popularity="power", popularity_param=3.0)
