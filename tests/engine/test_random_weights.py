@@ -17,20 +17,14 @@ import torch
 from loramux.engine import Engine, EngineConfig, SamplingParams
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.loader import RANDOM_WEIGHT_STD, fill_random_, load_model, random_model
+from tests.fixtures.models import TINY_CONFIG
 
 HF_CONFIG = {
+    **TINY_CONFIG,
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": 32000,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
