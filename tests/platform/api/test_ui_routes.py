@@ -80,7 +80,7 @@ def test_static_files_have_types_etags_and_revalidate(client):
     etag = response.headers["etag"]
     again = client.get("/ui/static/js/lib/api.js", headers={"If-None-Match": etag})
     assert again.status_code == 304 and again.content == b""
-    css = client.get("/ui/static/css/app.css")
+    css = client.get("/ui/static/css/base.css")
     assert css.headers["content-type"].startswith("text/css")
 
 

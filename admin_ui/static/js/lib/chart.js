@@ -79,12 +79,19 @@ function responsive(box, draw) {
   render();
 }
 
+/** Axis tick values 0, step, 2·step … max. */
+function tickValues(scale) {
+  const values = [];
+  for (let i = 0; i * scale.step <= scale.max + 1e-12; i += 1) values.push(i * scale.step);
+  return values;
+}
+
 function yAxis(group, scale, plot, format) {
-  for (let value = 0; value <= scale.max + 1e-9; value += scale.step) {
+  for (const value of tickValues(scale)) {
     const y = plot.top + plot.height - (value / scale.max) * plot.height;
     group.append(
       s("line", { class: "grid-line", x1: plot.left, x2: plot.left + plot.width, y1: y, y2: y }),
-      s("text", { x: plot.left - 8, y: y + 4, "text-anchor": "end" }, format(value)),
+      s("text", { x: plot.left - 8, y: y + 4, "text-anchor": "end" }, format(value, scale.step)),
     );
   }
 }
@@ -92,7 +99,7 @@ function yAxis(group, scale, plot, format) {
 function xLabels(group, labels, positions, plot) {
   const every = Math.max(1, Math.ceil((labels.length * 46) / plot.width));
   labels.forEach((label, i) => {
-    if (i % every !== 0) return;
+    if ((labels.length - 1 - i) % every !== 0) return; // counted from the end: the latest shows
     group.append(
       s("text", { x: positions[i], y: plot.top + plot.height + 18, "text-anchor": "middle" }, label),
     );
@@ -126,8 +133,7 @@ export function barChart(box, spec) {
   responsive(box, (width) => {
     const totals = categories.map((_, i) => series.reduce((sum, item) => sum + item.values[i], 0));
     const scale = niceScale(Math.max(...totals), { integer });
-    const ticks = [];
-    for (let v = 0; v <= scale.max; v += scale.step) ticks.push(axisFormat(v));
+    const ticks = tickValues(scale).map((v) => axisFormat(v, scale.step));
     const { svg, plot } = frame(width, height, ticks, spec.title);
     const band = plot.width / categories.length;
     const barWidth = Math.max(2, Math.min(42, band * 0.66));
@@ -174,8 +180,7 @@ export function lineChart(box, spec) {
   responsive(box, (width) => {
     const peak = Math.max(...series.flatMap((item) => item.values));
     const scale = niceScale(peak, { integer });
-    const ticks = [];
-    for (let v = 0; v <= scale.max; v += scale.step) ticks.push(axisFormat(v));
+    const ticks = tickValues(scale).map((v) => axisFormat(v, scale.step));
     const { svg, plot } = frame(width, height, ticks, spec.title);
     const step = categories.length > 1 ? plot.width / (categories.length - 1) : 0;
     const xs = categories.map((_, i) => (categories.length > 1 ? plot.left + step * i : plot.left + plot.width / 2));
@@ -231,10 +236,10 @@ export function hbarChart(box, spec) {
     plot.height = categories.length * row;
     const x = (value) => plot.left + (value / scale.max) * plot.width;
     const axis = s("g", { class: "axis" });
-    for (let value = 0; value <= scale.max + 1e-9; value += scale.step) {
+    for (const value of tickValues(scale)) {
       axis.append(
         s("line", { class: "grid-line", x1: x(value), x2: x(value), y1: plot.top, y2: plot.top + plot.height }),
-        s("text", { x: x(value), y: plot.top + plot.height + 18, "text-anchor": "middle" }, axisFormat(value)),
+        s("text", { x: x(value), y: plot.top + plot.height + 18, "text-anchor": "middle" }, axisFormat(value, scale.step)),
       );
     }
     svg.append(axis);

@@ -24,6 +24,16 @@ export function usd(dollars) {
   return `$${dollars.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: most })}`;
 }
 
+/** An axis tick in USD: as many decimals as the axis step needs, the same on every tick. */
+export function usdTick(value, step) {
+  if (value === 0) return "$0";
+  let decimals = 2;
+  while (decimals < 8 && Math.abs(Math.round(step * 10 ** decimals) - step * 10 ** decimals) > 1e-6) {
+    decimals += 1;
+  }
+  return `$${value.toFixed(decimals)}`;
+}
+
 /** Exact integer micro-dollars as USD. */
 export function microUsd(micro) {
   return usd(micro / 1e6);

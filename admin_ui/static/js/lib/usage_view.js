@@ -3,7 +3,7 @@
 
 import { $, fill, h } from "./dom.js";
 import { barChart, hbarChart, lineChart } from "./chart.js";
-import { compactCount, count, daysBetween, microUsd, shortDay, usd } from "./format.js";
+import { compactCount, count, daysBetween, microUsd, shortDay, usd, usdTick } from "./format.js";
 
 const PROMPT = { name: "Prompt tokens", color: "#4f46e5" };
 const COMPLETION = { name: "Completion tokens", color: "#14b8a6" };
@@ -48,7 +48,7 @@ function drawDays(rows, start, end) {
     categories: labels,
     series: [{ name: "Cost (USD)", color: "#f59e0b", values: values.map((v) => v.cost / 1e6) }],
     format: usd,
-    axisFormat: usd,
+    axisFormat: usdTick,
     area: true,
   });
 }

@@ -43,7 +43,8 @@ function showLatency(prefix, latency) {
 }
 
 function showTenants(tenants) {
-  const rows = tenants.map((tenant) =>
+  const byName = [...tenants].sort((a, b) => (a.tenant_name || a.tenant_id).localeCompare(b.tenant_name || b.tenant_id));
+  const rows = byName.map((tenant) =>
     h(
       "tr",
       { dataset: { tenantId: tenant.tenant_id } },

@@ -1,0 +1,173 @@
+"""The operator's console in the browser: raising a tenant's priority reaches the running
+engine; the billing CSV adds up to ``GET /admin/usage``; the engine panel refreshes by
+itself; every tenant's adapters are listed; API errors sit next to the fields."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, datetime, timedelta
+
+import httpx
+
+from tests.platform.ui.conftest import complete, sign_in, upload_adapter, wait_loaded
+
+METRICS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+
+
+def _admin_get(platform, path: str, **params) -> dict:
+    response = httpx.get(f"{platform.url}{path}", params=params, headers=platform.admin)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _engine_scheduling(platform, tenant_id: str) -> dict:
+    tenants = _admin_get(platform, "/admin/engine")["tenants"]
+    return next(t for t in tenants if t["tenant_id"] == tenant_id)
+
+
+def _set_range(page, selector: str, value: str) -> None:
+    page.locator(selector).evaluate(
+        "(el, v) => { el.value = v; el.dispatchEvent(new Event('input', {bubbles: true})); }",
+        value,
+    )
+
+
+def test_priority_reaches_the_engine_and_billing_csv_adds_up(
+    page, ui_platform, adapter_dir, tmp_path, shots
+):
+    tenant = ui_platform.new_tenant(
+        priority=2, weight=1.0, input_price_per_mtok=0.4, output_price_per_mtok=1.6
+    )
+    upload_adapter(ui_platform, tenant, "ledger", adapter_dir)
+    for model, prompt in (("ledger", "Total the receipts:"), (ui_platform.base_model, "Hi")):
+        complete(ui_platform, tenant, model=model, prompt=prompt, max_tokens=4, ignore_eos=True)
+    assert _engine_scheduling(ui_platform, tenant.id)["priority"] == 2
+
+    # Raise the priority (and the weight) on the tenant's page.
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    page.click(f"#tenants-table tr[data-tenant-id='{tenant.id}'] a")
+    page.wait_for_url(f"{ui_platform.url}/ui/operator/tenants/{tenant.id}")
+    wait_loaded(page)
+    _set_range(page, "#priority", "8")
+    assert page.text_content("#priority-value") == "8"
+    page.fill("#weight", "3")
+    page.click("#save-scheduling")
+    page.wait_for_selector("#scheduling-status:text('Live on the engine.')")
+    page.get_by_text("now runs at priority 8, weight 3").wait_for()
+    shots(page, "priority-raised")
+
+    stored = _admin_get(ui_platform, f"/admin/tenants/{tenant.id}")
+    assert (stored["priority"], stored["weight"]) == (8, 3.0)
+    assert _engine_scheduling(ui_platform, tenant.id) == {
+        "tenant_id": tenant.id,
+        "tenant_name": stored["name"],
+        "priority": 8,
+        "weight": 3.0,
+    }
+
+    # The engine panel shows the same.
+    page.click("nav >> text=Engine")
+    row = page.locator(f"#engine-tenants tr[data-tenant-id='{tenant.id}']")
+    row.wait_for()
+    assert row.locator("td").all_inner_texts()[1:] == ["8", "3"]
+
+    # Usage charts and the billing export of this tenant for the last two weeks.
+    today = datetime.now(UTC).date()
+    start, end = today - timedelta(days=13), today
+    page.goto(f"{ui_platform.url}/ui/operator/usage?tenant={tenant.id}&start={start}&end={end}")
+    wait_loaded(page)
+    page.wait_for_selector("#chart-tokens-day svg rect.bar")
+    page.wait_for_selector("#chart-adapter svg rect.bar")
+    assert page.input_value("#tenant") == tenant.id
+    assert page.text_content("#total-requests") == "2"
+    shots(page, "usage-and-billing")
+    page.select_option("#group-by", "request")
+    with page.expect_download() as download_info:
+        page.click("#download-csv")
+    download = download_info.value
+    assert download.suggested_filename == f"usage-{start}-{end + timedelta(days=1)}.csv"
+    saved = tmp_path / download.suggested_filename
+    download.save_as(saved)
+    page.wait_for_selector("#export-status:text('Downloaded')")
+
+    rows = list(csv.DictReader(io.StringIO(saved.read_text())))
+    api = _admin_get(
+        ui_platform,
+        "/admin/usage",
+        tenant_id=tenant.id,
+        start=str(start),
+        end=str(end + timedelta(days=1)),
+        group_by="request",
+    )
+    assert len(rows) == len(api["rows"]) == 2
+    assert {row["adapter"] for row in rows} == {"ledger", ""}
+    for metric in (*METRICS, "cost_micro_usd"):
+        assert sum(int(row[metric]) for row in rows) == api["totals"][metric], metric
+    assert api["totals"]["cost_micro_usd"] > 0
+
+
+def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
+    page, ui_platform, adapter_dir, shots
+):
+    first, second = ui_platform.new_tenant(), ui_platform.new_tenant()
+    upload_adapter(ui_platform, first, "alpha", adapter_dir)
+    upload_adapter(ui_platform, second, "beta", adapter_dir)
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+
+    page.click("nav >> text=Engine")
+    page.wait_for_url(f"{ui_platform.url}/ui/operator/engine")
+    page.wait_for_selector("#updated-at[data-refreshes]")
+    seen = int(page.get_attribute("#updated-at", "data-refreshes"))
+    # A request arrives while the panel is open: the panel shows it without a reload.
+    complete(ui_platform, first, model="alpha", prompt="Hello", max_tokens=3, ignore_eos=True)
+    page.wait_for_function(
+        "n => Number(document.querySelector('#updated-at').dataset.refreshes) >= n", arg=seen + 2
+    )
+    first_name = _admin_get(ui_platform, f"/admin/tenants/{first.id}")["name"]
+    page.locator("#device-tier .chip", has_text=f"{first_name} / alpha v1").wait_for()
+    assert page.text_content("#ttft-n") != "0"
+    shots(page, "engine-live")
+    page.click("#pause")
+    assert page.text_content("#updated-at") == "Paused"
+
+    page.click("nav >> text=Adapters")
+    page.wait_for_url(f"{ui_platform.url}/ui/operator/adapters")
+    wait_loaded(page)
+    names = page.locator("#adapters-table tbody tr td:nth-child(2)").all_inner_texts()
+    assert {"alpha", "beta"} <= set(names)
+    shots(page, "all-adapters")
+    page.wait_for_selector(f"#tenant-filter option[value='{second.id}']", state="attached")
+    page.select_option("#tenant-filter", second.id)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#adapters-table tbody tr td:nth-child(2)')]"
+        ".map(td => td.textContent).join() === 'beta'"
+    )
+
+
+def test_api_errors_show_next_to_their_fields(page, ui_platform, shots):
+    taken = ui_platform.new_tenant()
+    taken_name = _admin_get(ui_platform, f"/admin/tenants/{taken.id}")["name"]
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    page.click("#new-tenant-toggle")
+    page.fill("#name", "fresh-name")
+    page.fill("#priority", "12")
+    page.fill("#weight", "0")
+    page.click("#create-tenant")
+    page.wait_for_selector("[data-field='priority'].invalid")
+    assert "less than or equal to 9" in page.text_content("#priority-error")
+    assert "greater than 0" in page.text_content("#weight-error")
+    assert page.text_content("#name-error") == ""
+    shots(page, "invalid-fields")
+
+    page.fill("#priority", "5")
+    page.fill("#weight", "1")
+    page.fill("#name", taken_name)
+    page.click("#create-tenant")
+    page.wait_for_selector("[data-field='name'].invalid")
+    assert "already exists" in page.text_content("#name-error")
+    assert page.text_content("#priority-error") == "" and page.text_content("#weight-error") == ""
+    assert page.evaluate("document.activeElement.id") == "name"
+    shots(page, "name-taken")
+    names = [t["name"] for t in _admin_get(ui_platform, "/admin/tenants")]
+    assert "fresh-name" not in names and names.count(taken_name) == 1
