@@ -16,6 +16,7 @@ Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -70,15 +71,25 @@ def run_sweep(
     return {"kind": kind, "driver": "engine", "values": values, "points": points}
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None (said on stderr) without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots are drawn", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_plots(sweeps: dict, preset: str, stem: Path) -> list[Path]:
     """One PNG per sweep next to ``stem``: ``<stem>_throughput_vs_adapters.png`` and
     ``<stem>_ttft_vs_load.png``."""
-    if not sweeps:
+    plt = pyplot() if sweeps else None
+    if plt is None:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     paths = []
     for kind, sweep in sweeps.items():

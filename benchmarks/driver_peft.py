@@ -3,6 +3,9 @@
 One ``PeftModel`` holds every adapter (built by ``engine_vs_peft.build_peft``) and a
 batch mixes adapters with PEFT's ``generate(..., adapter_names=[...])``; a base-model
 request uses PEFT's ``"__base__"``. Prompts are left-padded (``engine_vs_peft._left_pad``).
+``serve_static_batches`` is the loop itself, on a model built elsewhere, with an optional
+hook that readies each batch's adapters before it runs (``driver_peft_swap``: the GPU
+baseline, which cannot hold every adapter at once).
 
 Rules:
 
@@ -114,21 +117,62 @@ def run_peft_baseline(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     model = load_peft_model(model_dir, adapter_dirs, device=device, dtype=dtype)
-    config = model.config
+    return serve_static_batches(
+        model,
+        requests,
+        prompts,
+        batch_size=batch_size,
+        device=device,
+        names_of=adapter_names if adapter_dirs else None,
+        token_ids=token_ids,
+    )
+
+
+def adapter_names(batch: Sequence[WorkloadRequest]) -> list[str]:
+    """PEFT's ``adapter_names`` for a batch: each request's adapter, or the base model."""
+    return [BASE_ADAPTER if r.adapter is None else peft_adapter_name(r.adapter) for r in batch]
+
+
+def _pad_id(config) -> int:
     pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     if isinstance(pad_id, list):
         pad_id = pad_id[0]
-    pad_id = 0 if pad_id is None else int(pad_id)
-    mixed = bool(adapter_dirs)
+    return 0 if pad_id is None else int(pad_id)
 
-    def names_of(batch: Sequence[WorkloadRequest]) -> list[str] | None:
-        if not mixed:
-            return None
-        return [BASE_ADAPTER if r.adapter is None else peft_adapter_name(r.adapter) for r in batch]
+
+BatchHook = Callable[[Sequence[WorkloadRequest], Sequence[WorkloadRequest]], None]
+
+
+def serve_static_batches(
+    model,
+    requests: Sequence[WorkloadRequest],
+    prompts: dict[int, list[int]],
+    *,
+    batch_size: int,
+    device: str,
+    names_of: Callable[[Sequence[WorkloadRequest]], list[str]] | None,
+    before_batch: BatchHook | None = None,
+    token_ids: dict[int, list[int]] | None = None,
+) -> list[RequestRecord]:
+    """The static-batching loop of the module docstring on a loaded ``model``.
+
+    ``names_of(batch)`` gives PEFT's ``adapter_names`` (None: a model without adapters).
+    ``before_batch(batch, next_batch)``, when given, readies a batch's adapters: it is
+    called at each batch's start, inside the timed run (its time delays the batch's
+    tokens), with the batch after it (empty for the last), and once before the warm-up.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    pad_id = _pad_id(model.config)
+
+    def names(batch: Sequence[WorkloadRequest]) -> list[str] | None:
+        return None if names_of is None else names_of(batch)
 
     warm = [requests[0]] if requests else []
     if warm:  # first-call costs (allocator, kernels) stay out of the timed run
-        _generate(model, [prompts[warm[0].index][:4]], names_of(warm), pad_id, 2, None, device)
+        if before_batch is not None:
+            before_batch(warm, [])
+        _generate(model, [prompts[warm[0].index][:4]], names(warm), pad_id, 2, None, device)
 
     records = {
         r.index: RequestRecord(
@@ -158,10 +202,12 @@ def run_peft_baseline(
         clock = _StepClock(now, device)
         new_tokens = max(r.output_len for r in batch)
         try:
+            if before_batch is not None:
+                before_batch(batch, order[start + batch_size : start + 2 * batch_size])
             outputs = _generate(
                 model,
                 [prompts[r.index] for r in batch],
-                names_of(batch),
+                names(batch),
                 pad_id,
                 new_tokens,
                 clock,

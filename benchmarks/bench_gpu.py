@@ -1,0 +1,433 @@
+"""The GPU runner of ``loramux bench``: ``slora-s1``, ``slora-s2`` and ``punica-distinct``.
+
+Both systems serve the preset's requests on one CUDA GPU at Llama-7B shapes with random
+bf16 weights (``bench_gpu_model``), one after the other in the same process:
+
+* **loramux**: the engine in-process with ``load_format="random"`` (weights drawn on the
+  device from the workload's seed) and the preset's ``engine`` settings; every adapter is
+  registered with a ``CallableSource`` whose fetch writes its PEFT files, generated from
+  (seed, adapter index), so the engine's loader threads fetch and parse each one on
+  demand, bounded by the host tier, like a store fetch. Before the clock starts, a
+  warm-up runs one request per rank of the mix (kernel compilation, CUDA graphs) on
+  adapters outside the workload; with ``preload_adapters`` every workload adapter is
+  then brought onto the device (Punica's setting);
+* **baseline**: transformers' ``LlamaForCausalLM`` with the same weights (filled by the
+  engine's own ``fill_random_`` from the same seed) under PEFT, static mixed-adapter
+  batches (``adapter_names=``) over the first ``baseline_requests`` requests, holding at
+  most ``baseline_resident`` adapters: each batch's missing adapters are loaded before
+  it runs and the least recently used evicted (``driver_peft_swap``), their tensors made
+  by as many threads as the engine's loader has, one batch ahead.
+
+Each system's clock starts after its warm-up; its duration ends with its last request.
+The report adds to ``bench``'s: the model and adapter settings, the engine's
+configuration, the device and versions, each system's peak GPU memory
+(``torch.cuda.max_memory_allocated`` over its timed run), adapter traffic, the greedy
+agreement of the requests both served (identical weights, so identical tokens up to
+bf16 rounding in different kernels; the CPU smoke is float32 and must agree exactly),
+and the preset's published references and goals with a met / not met verdict.
+
+``--smoke`` runs all of this on the CPU at tiny shapes (``SMOKE_MODEL``, at most 12
+requests and 8 adapters, short lengths, float32), so the test suite runs every line;
+its figures are not GPU figures and its goals are not judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from adapter_churn import read_counters
+from bench_gpu_model import (
+    ADAPTER_B_STD,
+    ADAPTER_TARGETS,
+    LLAMA_7B,
+    SMOKE_MODEL,
+    WARM_ADAPTER,
+    baseline_model,
+    lora_config,
+    random_adapter_source,
+    random_adapter_state,
+    random_model_dir,
+)
+from bench_gpu_report import agreement, judge, unjudged_reason
+from bench_presets import PRESETS, Preset
+from bench_report import figures, ratios
+from driver_engine import run_engine
+from driver_peft import adapter_names, serve_static_batches
+from driver_peft_swap import AdapterSwapper
+from engine_vs_peft import machine_info, prepare_model
+from measures import memory_high_water
+from workload import WorkloadRequest, WorkloadSpec, adapter_ranks, requests_with_prompts
+
+MODEL_FOLDERS = {"gpu": "llama-7b-random", "smoke": "llama-tiny-random-smoke"}
+SMOKE_ENGINE = {
+    "kv_cache_bytes": 16 << 20,
+    "adapter_host_bytes": 64 << 20,
+    "adapter_load_workers": 2,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 256,
+}
+# The smoke's caps: enough to batch, mix ranks, evict in the baseline and sweep.
+SMOKE_REQUESTS, SMOKE_ADAPTERS, SMOKE_INPUT, SMOKE_OUTPUT = 12, 8, 24, 8
+SMOKE_BASELINE = {"baseline_batch": 4, "baseline_requests": 8}
+SMOKE_RESIDENT = 2  # fewer than a batch's adapters: the baseline evicts (unless preloading)
+WARM_PROMPT_LEN = 40  # spans several KV blocks
+
+
+@dataclass(frozen=True)
+class GpuSetup:
+    """What every run of one invocation shares."""
+
+    preset: Preset  # the smoke's caps already applied
+    smoke: bool
+    device: str  # "cuda", or "cpu" for the smoke
+    model_dir: Path
+    model_config: object  # loramux.engine.model.config.ModelConfig
+    seed: int  # the model's weights; each adapter's generator derives from it too
+
+    def engine_config(self):
+        from loramux.engine import EngineConfig
+
+        return EngineConfig(
+            model=str(self.model_dir),
+            device=self.device,
+            load_format="random",
+            seed=self.seed,
+            **self.preset.engine,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine_config().torch_dtype
+
+    def workload(self, spec: WorkloadSpec) -> tuple[list[WorkloadRequest], dict[int, list[int]]]:
+        avoid = frozenset(self.model_config.eos_token_ids)
+        return requests_with_prompts(spec, vocab_size=self.model_config.vocab_size, avoid=avoid)
+
+
+def model_folder(cache_dir: Path, *, smoke: bool) -> Path:
+    """The weightless model folder (config.json + SmolLM2's tokenizer files), made once."""
+    mode = "smoke" if smoke else "gpu"
+    return random_model_dir(
+        cache_dir / "random-models" / MODEL_FOLDERS[mode],
+        SMOKE_MODEL if smoke else LLAMA_7B,
+        lambda: prepare_model(cache_dir),
+    )
+
+
+def smoke_preset(preset: Preset) -> Preset:
+    """``preset`` at the smoke's sizes, on the smoke's engine settings."""
+    spec = preset.workload
+
+    def capped(bounds: tuple[int, int], cap: int) -> tuple[int, int]:
+        return (min(bounds[0], cap), min(bounds[1], cap))
+
+    workload = dataclasses.replace(
+        spec,
+        num_requests=min(spec.num_requests, SMOKE_REQUESTS),
+        num_adapters=min(spec.num_adapters, SMOKE_ADAPTERS),
+        input_len=capped(spec.input_len, SMOKE_INPUT),
+        output_len=capped(spec.output_len, SMOKE_OUTPUT),
+    )
+    resident = None if preset.preload_adapters else SMOKE_RESIDENT
+    return dataclasses.replace(
+        preset,
+        workload=workload,
+        engine=SMOKE_ENGINE,
+        baseline_resident=resident,
+        **SMOKE_BASELINE,
+    )
+
+
+def make_setup(
+    preset: Preset, cache_dir: Path, *, smoke: bool, baseline_requests: int | None = None
+) -> GpuSetup:
+    """The shared set-up; ``baseline_requests`` overrides the preset's (the smoke's too)."""
+    from loramux.engine.model.config import ModelConfig
+
+    folder = model_folder(cache_dir, smoke=smoke)
+    preset = smoke_preset(preset) if smoke else preset
+    if baseline_requests is not None:
+        preset = dataclasses.replace(preset, baseline_requests=baseline_requests)
+    return GpuSetup(
+        preset=preset,
+        smoke=smoke,
+        device="cpu" if smoke else "cuda",
+        model_dir=folder,
+        model_config=ModelConfig.from_pretrained(folder),
+        seed=preset.workload.seed,
+    )
+
+
+# --- loramux ------------------------------------------------------------------------------
+
+
+def serve_loramux(
+    setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, list[int]] | None = None
+) -> dict:
+    """loramux's figures for ``spec`` on a fresh engine with random weights."""
+    from loramux.engine import Engine
+
+    requests, prompts = setup.workload(spec)
+    names = [f"a{k}" for k in range(spec.num_adapters)]
+    tenants = {t.name: (t.priority, t.weight) for t in spec.tenants}
+    engine = Engine(setup.engine_config())
+    try:
+        for k, rank in enumerate(adapter_ranks(spec)):
+            source = random_adapter_source(
+                setup.model_config, rank, seed=setup.seed, index=k, dtype=setup.dtype
+            )
+            engine.register_adapter(names[k], source)
+        _warm_up(engine, setup, spec)
+        if setup.preset.preload_adapters:
+            _generate_one_token(engine, names)
+        before = read_counters(engine)
+        _reset_peak_memory(setup.device)
+        records = run_engine(engine, requests, prompts, names, tenants=tenants, token_ids=token_ids)
+        result = figures(records, setup.preset, spec)
+        result["peak_gpu_bytes"] = _peak_memory(setup.device)
+        after = read_counters(engine)
+        result["adapter_traffic"] = {key: after[key] - before[key] for key in after}
+    finally:
+        engine.close()
+        del engine
+        _free_memory(setup.device)
+    return {"driver": "engine", **result}
+
+
+def _warm_up(engine, setup: GpuSetup, spec: WorkloadSpec) -> None:
+    """One request per rank of the mix on an adapter outside the workload, one on the base
+    model: kernels compile and graphs are captured before the clock starts."""
+    warm = []
+    for i, rank in enumerate(dict.fromkeys(spec.ranks)):
+        name = f"warm-r{rank}"
+        source = random_adapter_source(
+            setup.model_config,
+            rank,
+            seed=setup.seed,
+            index=spec.num_adapters + i,
+            dtype=setup.dtype,
+        )
+        engine.register_adapter(name, source)
+        warm.append(name)
+    prompts = [
+        [10 + (7 * i + j) % 1000 for j in range(WARM_PROMPT_LEN)] for i in range(len(warm) + 1)
+    ]
+    engine.generate(prompts, _exact(4), adapters=[*warm, None])
+    for name in warm:
+        engine.remove_adapter(name)
+
+
+def _generate_one_token(engine, names: list[str]) -> None:
+    """Bring every adapter in ``names`` onto the device (one 1-token request each)."""
+    if names:
+        engine.generate([[7, 8, 9]] * len(names), _exact(1), adapters=names)
+
+
+def _exact(tokens: int):
+    from loramux.engine import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+# --- baseline -----------------------------------------------------------------------------
+
+
+def baseline_policy(setup: GpuSetup, served: int, total: int) -> str:
+    p = setup.preset
+    resident = p.baseline_resident or setup.preset.workload.num_adapters
+    return (
+        f"transformers + PEFT, static mixed-adapter batches of {p.baseline_batch} "
+        f"(adapter_names=) in arrival order over the first {served} of the {total} requests; "
+        f"before each batch PEFT loads the batch's adapters it does not hold (add_adapter + "
+        f"set_peft_model_state_dict, host tensors made one batch ahead by "
+        f"{_loader_workers(setup)} threads) and deletes the least recently used beyond "
+        f"{resident}; that time counts against the batch"
+        + ("; every adapter loaded before the clock starts" if p.preload_adapters else "")
+    )
+
+
+def _loader_workers(setup: GpuSetup) -> int:
+    return setup.engine_config().adapter_load_workers
+
+
+def serve_baseline(setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, list[int]]) -> dict:
+    """The baseline's figures over the first ``baseline_requests`` requests of ``spec``."""
+    p = setup.preset
+    requests, prompts = setup.workload(spec)
+    held_before = _allocated_memory(setup.device)  # what loramux's run left on the device
+    served = sorted(requests, key=lambda r: (r.arrival_s, r.index))[: p.baseline_requests]
+    ranks = adapter_ranks(spec)
+
+    def make_state(k: int):
+        state = random_adapter_state(
+            setup.model_config, ranks[k], seed=setup.seed, index=k, dtype=setup.dtype
+        )
+        return lora_config(ranks[k]), state
+
+    model = baseline_model(
+        setup.model_dir,
+        seed=setup.seed,
+        dtype=setup.dtype,
+        device=setup.device,
+        warm_rank=spec.ranks[0],
+    )
+    swapper = AdapterSwapper(
+        model,
+        make_state,
+        resident=p.baseline_resident or spec.num_adapters,
+        workers=_loader_workers(setup),
+        held=[WARM_ADAPTER],
+    )
+    try:
+        if p.preload_adapters:
+            swapper.preload(r.adapter for r in served if r.adapter is not None)
+        preloaded = swapper.loads
+        _reset_peak_memory(setup.device)
+        records = serve_static_batches(
+            model,
+            served,
+            prompts,
+            batch_size=p.baseline_batch,
+            device=setup.device,
+            names_of=adapter_names,
+            before_batch=swapper.before_batch,
+            token_ids=token_ids,
+        )
+        result = figures(records, p, spec)
+        result["peak_gpu_bytes"] = _peak_memory(setup.device)
+        result["adapter_traffic"] = {**swapper.stats(), "preloaded": preloaded}
+    finally:
+        swapper.close()
+        del model, swapper
+        _free_memory(setup.device)
+    result["gpu_bytes_held_before"] = held_before
+    result["policy"] = baseline_policy(setup, len(served), len(requests))
+    result["batch_size"] = p.baseline_batch
+    return result
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+def _reset_peak_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def _allocated_memory(device: str) -> int | None:
+    return int(torch.cuda.memory_allocated()) if device.startswith("cuda") else None
+
+
+def _free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+def run_gpu_preset(setup: GpuSetup, args) -> dict:
+    """Both systems on ``setup``'s workload; the report ``bench.main`` writes and prints."""
+    p, spec = setup.preset, setup.preset.workload
+    loramux_ids: dict[int, list[int]] = {}
+    print(
+        f"loramux (engine, random {_dtype_name(setup.dtype)} weights on {setup.device}): "
+        f"{spec.num_requests} requests over {spec.num_adapters} adapters ...",
+        flush=True,
+    )
+    loramux = serve_loramux(setup, spec, loramux_ids)
+    baseline, baseline_ids = None, {}
+    if not args.no_baseline:
+        print(f"transformers + PEFT: the first {p.baseline_requests} requests ...", flush=True)
+        baseline = serve_baseline(setup, spec, baseline_ids)
+    unjudged = unjudged_reason(PRESETS[p.name], spec.num_adapters, setup.smoke)
+    return {
+        "preset": p.name,
+        "description": p.description,
+        "mode": "smoke" if setup.smoke else "gpu",
+        "workload": spec.to_json(),
+        "adapter_ranks": adapter_ranks(spec),
+        "machine": {**machine_info(), "accelerator": _accelerator(setup.device)},
+        "model": _model_facts(setup),
+        "adapters": _adapter_facts(setup),
+        "engine_config": dataclasses.asdict(setup.engine_config()),
+        "memory_high_water": memory_high_water(),
+        "slo": {"ttft_s": p.slo_ttft_s, "itl_s": p.slo_itl_s},
+        "loramux": loramux,
+        "baseline": baseline,
+        "ratios": ratios(loramux, baseline),
+        "ratio_note": _ratio_note(baseline, spec),
+        "agreement": None if baseline is None else agreement(loramux_ids, baseline_ids),
+        **judge(p, loramux, unjudged),
+        "gpu_figures": "not measured yet (this run is the CPU smoke of the GPU runner)"
+        if setup.smoke
+        else f"measured on {torch.cuda.get_device_name()}",
+    }
+
+
+def _ratio_note(baseline: dict | None, spec: WorkloadSpec) -> str:
+    if baseline is None or baseline["requests"]["total"] == spec.num_requests:
+        return "same workload, same run"
+    return (
+        f"loramux over all {spec.num_requests} requests, the baseline over the first "
+        f"{baseline['requests']['total']}, both saturated; same run"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _accelerator(device: str) -> dict:
+    from kernels_gpu import machine_info as device_info
+
+    return device_info(torch.device(device))
+
+
+def _model_facts(setup: GpuSetup) -> dict:
+    from loramux.engine.model.loader import RANDOM_WEIGHT_STD
+
+    c = setup.model_config
+    shape = "Llama-7B shapes" if not setup.smoke else "tiny smoke shapes"
+    return {
+        "shape": f"{shape} (hidden {c.hidden_size}, {c.num_layers} layers, {c.num_heads} "
+        f"heads, {c.num_kv_heads} KV heads, intermediate {c.intermediate_size}, vocab "
+        f"{c.vocab_size})",
+        "config": dataclasses.asdict(c),
+        "load_format": "random",
+        "seed": setup.seed,
+        "weight_std": RANDOM_WEIGHT_STD,
+        "dtype": _dtype_name(setup.dtype),
+        "device": setup.device,
+        "folder": str(setup.model_dir),
+    }
+
+
+def _adapter_facts(setup: GpuSetup) -> dict:
+    source = (
+        "PEFT LoRA on q/k/v/o generated from (seed, adapter index) by a CallableSource's "
+        "fetch, which writes the two PEFT files; the engine's loader threads fetch and parse "
+        "each on demand, bounded by the host tier"
+    )
+    if setup.preset.preload_adapters:
+        source += "; every workload adapter brought onto the device before the clock starts"
+    return {
+        "targets": list(ADAPTER_TARGETS),
+        "a_std": "1/sqrt(in_features)",
+        "b_std": ADAPTER_B_STD,
+        "lora_alpha": "2 * rank",
+        "source": source,
+    }

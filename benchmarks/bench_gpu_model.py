@@ -1,0 +1,210 @@
+"""What the GPU runner serves: a model folder without weights, random adapters, and the
+transformers + PEFT baseline built on the same random weights.
+
+* Model folders (``random_model_dir``): ``config.json`` (Llama-7B's shape, or a tiny one
+  for the CPU smoke) and the tokenizer files copied from the SmolLM2 folder (its ids
+  below 32,000 decode fine); the engine runs them with ``load_format="random"``.
+* Adapters (``random_adapter_state``): PEFT LoRA tensors on q/k/v/o (S-LoRA's setting)
+  made on the host from ``(seed, index)`` alone, A ~ N(0, 1/in), B ~ N(0, 0.02²),
+  ``lora_alpha = 2r``: a delta of 10-25% of a 7B projection's output, large enough at
+  the smoke's tiny shapes to change greedy tokens. The engine gets them through a
+  ``CallableSource`` whose fetch writes the two PEFT files (``random_adapter_source``),
+  so its loader threads pay what a store fetch costs; the baseline gets the tensors.
+* Baseline model (``baseline_model``): transformers' ``LlamaForCausalLM`` built on the
+  device in the run's dtype and filled by the engine's own ``fill_random_`` with the
+  engine's seed, so both systems hold the same weights, wrapped in a ``PeftModel``.
+
+Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+LLAMA_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+# The CPU smoke: the same code at shapes that run in seconds.
+SMOKE_MODEL = {
+    **LLAMA_7B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+    "torch_dtype": "float32",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTER_B_STD = 0.02
+WARM_ADAPTER = "warm"  # the PeftModel's first adapter, before any of the workload's
+
+
+def random_model_dir(folder: Path, hf_config: dict, tokenizer_source) -> Path:
+    """``folder`` holding ``hf_config`` as config.json and a tokenizer; made once.
+
+    ``tokenizer_source()`` returns the folder to copy the tokenizer files from; it is
+    called only when ``folder`` is missing or holds another config.
+    """
+    config_text = json.dumps(hf_config, indent=2) + "\n"
+    config_path = folder / "config.json"
+    if (
+        config_path.is_file()
+        and config_path.read_text() == config_text
+        and (folder / "tokenizer.json").is_file()
+    ):
+        return folder
+    source = Path(tokenizer_source())
+    staging = folder.with_name(f"{folder.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy(source / name, staging / name)
+        (staging / "config.json").write_text(config_text)
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)  # the folder appears complete or not at all
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def adapter_seed(seed: int, index: int) -> int:
+    """The generator seed of workload adapter ``index`` (one stream per adapter)."""
+    return seed * 1_000_003 + index
+
+
+def adapter_config(rank: int) -> dict:
+    """The PEFT ``adapter_config.json`` of a random adapter of ``rank``."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(ADAPTER_TARGETS),
+        "bias": "none",
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+
+
+def random_adapter_state(
+    model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """PEFT-named LoRA tensors of adapter ``index``: host tensors in ``dtype``, drawn in
+    a fixed order (layer, module, A then B) from ``adapter_seed(seed, index)``."""
+    generator = torch.Generator().manual_seed(adapter_seed(seed, index))
+    tensors = {}
+    for layer in range(model_config.num_layers):
+        for module in ADAPTER_TARGETS:
+            in_features, out_features = model_config.module_shape(module)
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = torch.empty(rank, in_features, dtype=dtype)
+            b = torch.empty(out_features, rank, dtype=dtype)
+            tensors[f"{prefix}.lora_A.weight"] = a.normal_(
+                0, in_features**-0.5, generator=generator
+            )
+            tensors[f"{prefix}.lora_B.weight"] = b.normal_(0, ADAPTER_B_STD, generator=generator)
+    return tensors
+
+
+class RandomAdapterFiles:
+    """A ``CallableSource`` fetch: writes adapter ``index``'s two PEFT files into ``dest``."""
+
+    def __init__(self, model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype):
+        self.model_config, self.rank, self.seed, self.index = model_config, rank, seed, index
+        self.dtype = dtype
+
+    def __call__(self, dest: Path) -> None:
+        from safetensors.torch import save_file
+
+        from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+
+        state = random_adapter_state(
+            self.model_config, self.rank, seed=self.seed, index=self.index, dtype=self.dtype
+        )
+        save_file(state, str(dest / WEIGHTS_FILE), metadata={"format": "pt"})
+        (dest / CONFIG_FILE).write_text(json.dumps(adapter_config(self.rank)) + "\n")
+
+
+def random_adapter_source(model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype):
+    from loramux.engine.lora.source import CallableSource
+
+    fetch = RandomAdapterFiles(model_config, rank, seed=seed, index=index, dtype=dtype)
+    return CallableSource(fetch, description=f"random adapter {index} (rank {rank}, seed {seed})")
+
+
+def lora_config(rank: int):
+    """PEFT's ``LoraConfig`` for ``adapter_config(rank)``."""
+    from peft import LoraConfig
+
+    raw = adapter_config(rank)
+    return LoraConfig(
+        r=rank,
+        lora_alpha=raw["lora_alpha"],
+        lora_dropout=raw["lora_dropout"],
+        target_modules=raw["target_modules"],
+        bias=raw["bias"],
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def baseline_model(model_dir: Path, *, seed: int, dtype: torch.dtype, device: str, warm_rank: int):
+    """transformers' Llama on ``device`` in ``dtype`` holding the engine's random weights
+    for ``seed``, as a ``PeftModel`` whose only adapter is ``WARM_ADAPTER``."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from loramux.engine.model.loader import fill_random_
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    # Allocated on the device in the dtype from the start (transformers' own init runs
+    # there too, then is overwritten); never a host or float32 copy of the weights.
+    with torch.device(device), _default_dtype(dtype):
+        base = LlamaForCausalLM(hf_config)
+    fill_random_(base, seed=seed)
+    model = get_peft_model(
+        base, lora_config(warm_rank), adapter_name=WARM_ADAPTER, autocast_adapter_dtype=False
+    )
+    return model.eval()

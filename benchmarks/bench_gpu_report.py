@@ -1,0 +1,127 @@
+"""The GPU runner's own report parts: greedy agreement, references and goals, markdown.
+
+* ``agreement``: of the requests both systems served, how many got identical tokens;
+* ``judge``: each published reference next to loramux's figure (with the ratio), and each
+  goal with ``met`` True / False, or None with the reason when the run cannot be judged
+  (the CPU smoke; a workload other than the preset's). A goal is met only when every
+  request was served;
+* ``markdown_lines``: what ``bench_report.render_markdown`` adds for a GPU run.
+
+Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bench_presets import Preset
+
+METRIC_UNITS = {"requests_per_s": "req/s", "output_tokens_per_s": "output tok/s"}
+
+
+def agreement(loramux: dict[int, list[int]], baseline: dict[int, list[int]]) -> dict:
+    """Identical token sequences over the requests both systems served."""
+    common = sorted(set(loramux) & set(baseline))
+    mismatched = [i for i in common if loramux[i] != baseline[i]]
+    return {
+        "compared": len(common),
+        "identical": len(common) - len(mismatched),
+        "fraction": (len(common) - len(mismatched)) / len(common) if common else None,
+        "mismatched_requests": mismatched[:20],
+    }
+
+
+def judge(preset: Preset, loramux: dict, unjudged: str | None) -> dict:
+    """``{"references": [...], "goals": [...]}`` for loramux's figures of this run."""
+    failed = loramux["requests"]["failed"]
+    references = []
+    for ref in preset.references:
+        measured = loramux[ref.metric]
+        references.append(
+            {**dataclasses.asdict(ref), "loramux": measured, "ratio": measured / ref.value}
+        )
+    goals = []
+    for goal in preset.goals:
+        measured = loramux[goal.metric]
+        if unjudged is not None:
+            met, verdict = None, f"not judged: {unjudged}"
+        elif failed:
+            met, verdict = False, f"not met: {failed} request(s) failed"
+        else:
+            met = goal.met_by(measured)
+            verdict = "met" if met else "not met"
+        goals.append(
+            {**dataclasses.asdict(goal), "measured": measured, "met": met, "verdict": verdict}
+        )
+    return {"references": references, "goals": goals}
+
+
+def unjudged_reason(preset: Preset, spec_adapters: int, smoke: bool) -> str | None:
+    """Why this run's figures cannot be held against the goals, or None."""
+    if smoke:
+        return "the CPU smoke of the GPU runner (tiny shapes), not a GPU figure"
+    if spec_adapters != preset.workload.num_adapters:
+        return f"{spec_adapters} adapters, not the preset's {preset.workload.num_adapters}"
+    return None
+
+
+def _gib(value: int | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value / 2**30:.1f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
+
+
+def _goal_text(goal: dict) -> str:
+    unit = METRIC_UNITS.get(goal["metric"], goal["metric"])
+    op = ">" if goal["strict"] else "≥"
+    why = f" ({goal['why']})" if goal["why"] else ""
+    return (
+        f"**Goal: loramux {unit} {op} {goal['value']:g}{why}: measured "
+        f"{goal['measured']:.2f}, {goal['verdict']}.**"
+    )
+
+
+def markdown_lines(report: dict) -> list[str]:
+    """Model, engine, baseline, agreement, memory, references and goals of a GPU run."""
+    model, engine = report["model"], report["engine_config"]
+    lines = [
+        f"Model: {model['shape']} from config.json, random weights (load_format=random, seed "
+        f"{model['seed']}, N(0, {model['weight_std']}²), norms 1), {model['dtype']}, on "
+        f"{model['device']}. Adapters: {report['adapters']['source']}.",
+        "",
+        f"Engine: kv_cache_bytes {_gib(engine['kv_cache_bytes'])} (KV and resident adapters), "
+        f"adapter_host_bytes {_gib(engine['adapter_host_bytes'])}, "
+        f"{engine['adapter_load_workers']} loader threads, max_num_seqs "
+        f"{engine['max_num_seqs']}, max_num_batched_tokens {engine['max_num_batched_tokens']}.",
+    ]
+    baseline = report["baseline"]
+    if baseline is not None:
+        lines += ["", f"Baseline: {baseline['policy']}."]
+    if report["agreement"] is not None:
+        a = report["agreement"]
+        lines += [
+            "",
+            f"Greedy agreement (same weights in both): {a['identical']}/{a['compared']} "
+            "requests with identical tokens.",
+        ]
+    lines += [
+        "",
+        f"Peak GPU memory: loramux {_gib(report['loramux']['peak_gpu_bytes'])}"
+        + ("" if baseline is None else f", baseline {_gib(baseline['peak_gpu_bytes'])}")
+        + ".",
+    ]
+    if report["references"]:
+        lines += [
+            "",
+            "| published | setting | figure | loramux (this run) | loramux / published |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for ref in report["references"]:
+            unit = METRIC_UNITS.get(ref["metric"], ref["metric"])
+            lines.append(
+                f"| {ref['system']} | {ref['setting']} | {ref['value']:g} {unit} "
+                f"| {ref['loramux']:.2f} {unit} | {ref['ratio']:.2f}x |"
+            )
+    for goal in report["goals"]:
+        lines += ["", _goal_text(goal)]
+    return lines

@@ -1,0 +1,197 @@
+"""``loramux bench``'s presets: one workload each, where it runs, and what it is judged by.
+
+``cpu-smoke`` runs SmolLM2 on a 2-core CPU (``bench.run_cpu_preset``). The others run on a
+CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``), each next to the
+published figure it is compared with and the goal it is judged by:
+
+* ``slora-s1`` / ``slora-s2``: S-LoRA's synthetic workloads (arrivals faster than any
+  system here serves them, lengths uniform in [8, 512], ranks {8} or {64, 32, 16, 8},
+  1,000 adapters of S-LoRA's power-law popularity, LoRA on q/k/v/o). S-LoRA reports
+  6.69 req/s on S2 with 1,000 adapters on an A100-80GB; scaled by memory bandwidth
+  (2.0 -> about 3.35 TB/s) parity on an H100 is about 11 req/s, and the goal is 12;
+* ``punica-distinct``: Punica's "distinct" case, batch 32, every request its own rank-16
+  adapter (all loaded before the clock starts, as in Punica), output tokens/s; Punica
+  reports 1,053 tok/s on Llama2-7B, the goal is to beat it.
+
+Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workload import TenantSpec, WorkloadSpec
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A published figure the preset's loramux figure is put next to."""
+
+    system: str
+    metric: str  # a key of measures.summarize's dict: "requests_per_s", "output_tokens_per_s"
+    value: float
+    setting: str  # the hardware and workload it was measured on
+
+
+@dataclass(frozen=True)
+class Goal:
+    """loramux's figure ``metric`` must reach ``value`` (``strict``: exceed it)."""
+
+    metric: str
+    value: float
+    strict: bool = False
+    why: str = ""
+
+    def met_by(self, measured: float) -> bool:
+        return measured > self.value if self.strict else measured >= self.value
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    workload: WorkloadSpec
+    device: str = "cpu"  # "cpu" or "cuda"
+    baseline_batch: int = 8  # PEFT's static batch size
+    # The GPU runner's baseline: it serves the first ``baseline_requests`` requests (None:
+    # all) and holds at most ``baseline_resident`` adapters (None: all) between batches.
+    baseline_requests: int | None = None
+    baseline_resident: int | None = None
+    preload_adapters: bool = False  # every adapter on the device before the clock starts
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+    engine: dict = field(default_factory=dict)  # EngineConfig overrides
+    references: tuple[Reference, ...] = ()
+    goals: tuple[Goal, ...] = ()
+
+
+# One H100 (80 GB): 13.5 GB of Llama-7B weights, 48 GiB shared by the KV cache (about 96k
+# tokens of context) and the resident adapters, the rest for activations, CUDA graphs and
+# the allocator. Host: 32 GiB of parsed adapters (about 500 of S2's mean rank 30, 67 MB
+# each at rank 32) on a 128 GiB machine. 4 loader threads make ~10 adapters/s (S2 at
+# 12 req/s needs ~4 new ones a second) and leave most of the 16 cores to the engine loop.
+# Decode steps of up to max_num_seqs sequences replay CUDA graphs.
+H100_ENGINE = {
+    "kv_cache_bytes": 48 << 30,
+    "adapter_host_bytes": 32 << 30,
+    "adapter_load_workers": 4,
+    "max_num_seqs": 128,
+    "max_num_batched_tokens": 4096,
+    "cuda_graph_max_batch": 128,
+}
+SLORA_REFERENCE = Reference(
+    system="S-LoRA",
+    metric="requests_per_s",
+    value=6.69,
+    setting="A100-80GB, Llama-7B, S2, 1,000 adapters",
+)
+SLORA_GOAL = Goal(
+    metric="requests_per_s",
+    value=12.0,
+    why="bandwidth-scaled parity with S-LoRA on an H100 is about 11 req/s",
+)
+PUNICA_REFERENCE = Reference(
+    system="Punica",
+    metric="output_tokens_per_s",
+    value=1053.0,
+    setting="Llama2-7B, distinct adapters, batch 32",
+)
+PUNICA_GOAL = Goal(metric="output_tokens_per_s", value=1053.0, strict=True, why="beat Punica")
+
+
+def _slora(name: str, ranks: tuple[int, ...], description: str, **judged) -> Preset:
+    return Preset(
+        name=name,
+        description=description,
+        workload=WorkloadSpec(
+            num_requests=2000,
+            rate=20.0,
+            num_adapters=1000,
+            popularity="power",
+            popularity_param=0.3,
+            ranks=ranks,
+            input_len=(8, 512),
+            output_len=(8, 512),
+        ),
+        device="cuda",
+        baseline_batch=32,
+        # PEFT serves 3 static batches: each runs to its longest output (~500 steps of
+        # ~0.1 s with 20-30 adapters in the batch), so the whole trace would take most of
+        # an hour; throughput at saturation is what is compared.
+        baseline_requests=96,
+        baseline_resident=64,
+        slo_ttft_s=6.0,
+        engine=H100_ENGINE,
+        **judged,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset
+    for preset in (
+        Preset(
+            name="cpu-smoke",
+            description="SmolLM2-135M on this CPU: 48 requests, Poisson arrivals at 2/s, "
+            "8 adapters (Zipf 1.0, ranks 8 and 16), two tenants of weights 2 and 1",
+            workload=WorkloadSpec(
+                num_requests=48,
+                rate=2.0,
+                cv=1.0,
+                num_adapters=8,
+                popularity="zipf",
+                popularity_param=1.0,
+                ranks=(8, 16),
+                input_len=(16, 96),
+                output_len=(8, 32),
+                base_fraction=0.125,
+                tenants=(
+                    TenantSpec("gold", priority=5, weight=2.0, share=1.0),
+                    TenantSpec("silver", priority=5, weight=1.0, share=1.0),
+                ),
+                seed=0,
+            ),
+            baseline_batch=8,
+            slo_ttft_s=2.0,
+            slo_itl_s=0.5,
+            engine={"kv_cache_bytes": 256 << 20, "max_num_seqs": 32},
+        ),
+        _slora(
+            "slora-s1",
+            (8,),
+            "S-LoRA S1 on Llama-7B shapes (random bf16 weights): saturating arrivals "
+            "(20/s), lengths uniform in [8, 512], rank 8 on q/k/v/o, 1,000 adapters "
+            "(power 0.3)",
+        ),
+        _slora(
+            "slora-s2",
+            (64, 32, 16, 8),
+            "S-LoRA S2 on Llama-7B shapes (random bf16 weights): saturating arrivals "
+            "(20/s), lengths uniform in [8, 512], ranks {64, 32, 16, 8} on q/k/v/o, 1,000 "
+            "adapters (power 0.3)",
+            references=(SLORA_REFERENCE,),
+            goals=(SLORA_GOAL,),
+        ),
+        Preset(
+            name="punica-distinct",
+            description="Punica's distinct case on Llama-7B shapes (random bf16 weights): "
+            "32 requests at once, each its own rank-16 adapter on q/k/v/o (loaded before "
+            "the clock starts), 128 prompt and 128 output tokens each, tokens/s",
+            workload=WorkloadSpec(
+                num_requests=32,
+                rate=1e6,
+                num_adapters=32,
+                popularity="distinct",
+                ranks=(16,),
+                input_len=(128, 128),
+                output_len=(128, 128),
+            ),
+            device="cuda",
+            baseline_batch=32,
+            baseline_resident=32,
+            preload_adapters=True,
+            engine=H100_ENGINE,
+            references=(PUNICA_REFERENCE,),
+            goals=(PUNICA_GOAL,),
+        ),
+    )
+}
