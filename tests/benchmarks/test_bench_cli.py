@@ -81,3 +81,35 @@ def test_throughput_against_adapters_sweep(tmp_path):
     assert all(p["figures"]["requests"]["ok"] == 6 for p in sweep["points"])
     plot = tmp_path / "bench_cpu-smoke_throughput_vs_adapters.png"
     assert plot.stat().st_size > 10_000
+
+
+def test_ttft_against_offered_load_sweep(tmp_path):
+    done = _loramux(
+        "bench",
+        "cpu-smoke",
+        "--requests",
+        "6",
+        "--no-baseline",
+        "--sweep",
+        "load",
+        "--sweep-values",
+        "1,4",
+        "--out",
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
+    sweep = report["sweeps"]["load"]
+    assert sweep["kind"] == "load" and sweep["values"] == [1.0, 4.0]
+    rate = report["workload"]["rate"]
+    assert [p["offered_rate"] for p in sweep["points"]] == [rate, 4 * rate]
+    for point in sweep["points"]:
+        figures = point["figures"]
+        assert point["num_adapters"] == report["workload"]["num_adapters"]
+        assert figures["requests"] == {"total": 6, "ok": 6, "failed": 0}
+        assert figures["ttft_s"]["p50"] > 0 and figures["ttft_s"]["p99"] >= figures["ttft_s"]["p50"]
+        assert "samples" not in figures
+    markdown = (tmp_path / "bench_cpu-smoke.md").read_text()
+    assert "## Sweep: load (loramux, engine driver)" in markdown
+    assert f"| {4 * rate:.2f} |" in markdown
+    assert (tmp_path / "bench_cpu-smoke_ttft_vs_load.png").stat().st_size > 10_000
