@@ -126,3 +126,31 @@ def test_unknown_load_format_is_refused(tmp_path, tokenizer_dir):
     model_dir = config_only_dir(tmp_path / "model", tokenizer_dir)
     with pytest.raises(ValueError, match="load_format"):
         load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"), load_format="npz")
+
+
+@pytest.mark.gpu
+def test_cuda_weights_are_made_on_the_device_in_bf16_and_match_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = ModelConfig.from_hf_dict(HF_CONFIG)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ours = random_model(config, dtype=torch.bfloat16, device="cuda", seed=5)
+    params = list(ours.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    assert {(p.device.type, p.dtype) for p in params} == {("cuda", torch.bfloat16)}
+    # nothing larger than the bf16 weights themselves was ever on the device (no fp32 copy)
+    assert torch.cuda.max_memory_allocated() - before <= param_bytes + (1 << 20)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            theirs = LlamaForCausalLM(LlamaConfig(**HF_CONFIG))
+    finally:
+        torch.set_default_dtype(previous)
+    fill_random_(theirs, seed=5)
+    actual = theirs.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, actual[name]), name
