@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -32,8 +33,20 @@ class RenderError(Exception):
 
 @dataclass
 class Rendered:
-    documents: list[dict]  # every non-empty YAML document, in template-path order
-    notes: str
+    texts: dict[str, str]  # template path (loramux/templates/...) -> rendered text
+
+    @property
+    def documents(self) -> list[dict]:
+        """Every non-empty YAML document, in template-path order (NOTES.txt aside)."""
+        documents = []
+        for path, text in sorted(self.texts.items()):
+            if not path.endswith("NOTES.txt"):
+                documents += [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        return documents
+
+    @property
+    def notes(self) -> str:
+        return next((text for path, text in self.texts.items() if path.endswith("NOTES.txt")), "")
 
 
 Renderer = Callable[[Path, dict], Rendered]
@@ -64,11 +77,9 @@ def as_helm_numbers(value: Any) -> Any:
     return value
 
 
-def _documents(texts: list[str]) -> list[dict]:
-    documents = []
-    for text in texts:
-        documents += [doc for doc in yaml.safe_load_all(text) if doc is not None]
-    return documents
+def _is_partial(path: str) -> bool:
+    """Helm renders no output for templates/_*: they hold only `define`s."""
+    return path.rsplit("/", 1)[-1].startswith("_")
 
 
 def render_with_subset(chart_dir: Path, overrides: dict) -> Rendered:
@@ -80,7 +91,10 @@ def render_with_subset(chart_dir: Path, overrides: dict) -> Rendered:
     names = []
     for path in sorted((chart_dir / "templates").iterdir()):
         name = f"{base_path}/{path.name}"
-        templates.add(name, path.read_text())
+        try:
+            templates.add(name, path.read_text())
+        except TemplateError as exc:
+            raise RenderError(f"{name}: {exc}") from exc
         names.append(name)
     data = {
         "Values": as_helm_numbers(values),
@@ -97,27 +111,22 @@ def render_with_subset(chart_dir: Path, overrides: dict) -> Rendered:
             "Version": chart["version"],
             "AppVersion": chart.get("appVersion", ""),
         },
-        "Template": {"BasePath": base_path},
     }
-    texts, notes = [], ""
+    texts = {}
     for name in names:
-        if name.rsplit("/", 1)[1].startswith("_"):
-            continue  # partials hold only `define`s
+        if _is_partial(name):
+            continue
         try:
-            text = templates.render(
+            texts[name] = templates.render(
                 name, {**data, "Template": {"BasePath": base_path, "Name": name}}
             )
         except TemplateError as exc:
             raise RenderError(f"{name}: {exc}") from exc
-        if name.endswith("NOTES.txt"):
-            notes = text
-        else:
-            texts.append(text)
-    return Rendered(_documents(texts), notes)
+    return Rendered(texts)
 
 
 def render_with_helm_binary(chart_dir: Path, overrides: dict) -> Rendered:
-    """``helm template`` (NOTES.txt is not part of its output)."""
+    """``helm template`` (which leaves NOTES.txt out)."""
     result = subprocess.run(
         ["helm", "template", RELEASE, str(chart_dir), "--namespace", NAMESPACE, "-f", "-"],
         input=json.dumps(overrides),
@@ -127,7 +136,14 @@ def render_with_helm_binary(chart_dir: Path, overrides: dict) -> Rendered:
     )
     if result.returncode != 0:
         raise RenderError(result.stderr)
-    return Rendered(_documents([result.stdout]), notes="")
+    texts: dict[str, str] = {}
+    # Each document comes as "---\n# Source: <template path>\n<document>".
+    for section in re.split(r"^---\n", result.stdout, flags=re.M):
+        header, _, body = section.partition("\n")
+        if header.startswith("# Source: "):
+            path = header.removeprefix("# Source: ")
+            texts[path] = texts[path] + "\n---\n" + body if path in texts else body
+    return Rendered(texts)
 
 
 def render_with_helm_sdk(chart_dir: Path, overrides: dict) -> Rendered:
@@ -136,12 +152,10 @@ def render_with_helm_sdk(chart_dir: Path, overrides: dict) -> Rendered:
 
     with helm_python.Chart.load(str(chart_dir)) as chart:
         try:
-            manifests = chart.render(overrides, name=RELEASE, namespace=NAMESPACE, is_install=True)
+            texts = chart.render(overrides, name=RELEASE, namespace=NAMESPACE, is_install=True)
         except helm_python.HelmError as exc:
             raise RenderError(str(exc)) from exc
-    notes = next((text for path, text in manifests.items() if path.endswith("NOTES.txt")), "")
-    texts = [text for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")]
-    return Rendered(_documents(texts), notes)
+    return Rendered({path: text for path, text in texts.items() if not _is_partial(path)})
 
 
 def _helm_sdk_installed() -> bool:
