@@ -27,6 +27,23 @@ RELEASE = "demo"
 NAMESPACE = "serving"
 
 
+# What an operator sets to install the chart (see README, "Running at scale"): the
+# tests render it with these values on top of values.yaml.
+INSTALL_VALUES = {
+    "secrets": {
+        "databaseUrl": "postgresql+psycopg://loramux:pw@postgres:5432/loramux",
+        "redisUrl": "redis://:pw@redis:6379/0",
+        "celeryBrokerUrl": "redis://:pw@redis:6379/1",
+        "engineSecret": "engine-secret",
+        "adminToken": "admin-token",
+        "s3AccessKeyId": "access-key",
+        "s3SecretAccessKey": "secret-key",
+    },
+    "store": {"bucket": "loramux", "endpointUrl": "http://minio:9000"},
+    "serviceMonitor": {"enabled": True},
+}
+
+
 class RenderError(Exception):
     """The chart does not render with these values (a `required` value is missing...)."""
 

@@ -39,6 +39,7 @@ class SecretRef:
 class Process:
     role: str  # one of ROLES
     where: str  # e.g. "compose service engine-2" or "chart StatefulSet demo-loramux-engine"
+    command: list[str]
     env: dict[str, Any]
     # Variables read from a Secret (the chart) or from deploy/.env (compose).
     from_secret: set[str] = field(default_factory=set)
@@ -115,6 +116,14 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
+def env_file_values() -> dict[str, str]:
+    """deploy/.env as a user makes it from the example: every blank secret filled in."""
+    return {
+        name: value or f"filled-{name.lower().replace('_', '-')}"
+        for name, value in read_env_file(ENV_EXAMPLE).items()
+    }
+
+
 def _service_env(service: dict) -> dict[str, Any]:
     environment = service.get("environment") or {}
     if isinstance(environment, list):
@@ -135,7 +144,7 @@ def compose_processes(raw: dict, variables: dict[str, str]) -> list[Process]:
         if role is None:
             continue
         raw_env = _service_env(service)
-        process = Process(role, f"compose service {name}", {})
+        process = Process(role, f"compose service {name}", service["command"], {})
         try:
             process.env = interpolate(raw_env, variables)
         except InterpolationError as exc:
@@ -221,7 +230,7 @@ def chart_processes(documents: list[dict]) -> list[Process]:
             if role is None:
                 continue
             where = f"chart {doc['kind']} {doc['metadata']['name']}"
-            process = Process(role, where, {})
+            process = Process(role, where, container["command"], {})
             _env_from(container.get("envFrom") or [], configmaps, secrets, process)
             for item in container.get("env") or []:
                 value = _env_value(item, configmaps, secrets, process)

@@ -3,6 +3,7 @@ process needs (checked against the settings model); broken copies of both are ca
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.chart import CHART_DIR, available_renderers, render_with_subset
+from tests.deploy.chart import CHART_DIR, INSTALL_VALUES, available_renderers, render_with_subset
 from tests.deploy.processes import (
     COMPOSE_FILE,
     DOCKERFILE,
@@ -18,32 +19,10 @@ from tests.deploy.processes import (
     chart_processes,
     compose_processes,
     compose_variables,
+    env_file_values,
     read_env_file,
 )
 from tests.deploy.settings_rules import configmap_problems, known_settings, problems
-
-# What an operator sets to install the chart (see README, "Running at scale").
-CHART_VALUES = {
-    "secrets": {
-        "databaseUrl": "postgresql+psycopg://loramux:pw@postgres:5432/loramux",
-        "redisUrl": "redis://:pw@redis:6379/0",
-        "celeryBrokerUrl": "redis://:pw@redis:6379/1",
-        "engineSecret": "engine-secret",
-        "adminToken": "admin-token",
-        "s3AccessKeyId": "access-key",
-        "s3SecretAccessKey": "secret-key",
-    },
-    "store": {"bucket": "loramux", "endpointUrl": "http://minio:9000"},
-    "serviceMonitor": {"enabled": True},
-}
-
-
-def env_file_values() -> dict[str, str]:
-    """deploy/.env as a user makes it from the example: every blank secret filled in."""
-    return {
-        name: value or f"filled-{name.lower().replace('_', '-')}"
-        for name, value in read_env_file(ENV_EXAMPLE).items()
-    }
 
 
 def compose_problems(text: str) -> list[str]:
@@ -81,7 +60,7 @@ def test_compose_passes_known_and_required_settings():
 
 @pytest.mark.parametrize("renderer", available_renderers().values(), ids=available_renderers())
 def test_chart_passes_known_and_required_settings(renderer):
-    assert chart_problems(CHART_DIR, CHART_VALUES, renderer) == []
+    assert chart_problems(CHART_DIR, INSTALL_VALUES, renderer) == []
 
 
 def test_chart_with_an_existing_secret_passes_required_settings():
@@ -123,7 +102,7 @@ def test_a_misspelled_setting_in_the_chart_is_reported(tmp_path):
     chart = broken_chart(
         tmp_path, "configmap.yaml", "LORAMUX_KV_CACHE_BYTES:", "LORAMUX_KV_CACHE_BYTE:"
     )
-    found = chart_problems(chart, CHART_VALUES)
+    found = chart_problems(chart, INSTALL_VALUES)
     assert any("LORAMUX_KV_CACHE_BYTE is not a setting" in line for line in found), found
 
 
@@ -134,7 +113,7 @@ def test_a_setting_missing_from_the_chart_is_reported(tmp_path):
         '"LORAMUX_REDIS_URL" "LORAMUX_ENGINE_SECRET"',
         '"LORAMUX_REDIS_URL"',
     )
-    found = chart_problems(chart, CHART_VALUES)
+    found = chart_problems(chart, INSTALL_VALUES)
     assert any("the engine needs LORAMUX_ENGINE_SECRET" in line for line in found), found
 
 
@@ -145,7 +124,7 @@ def test_a_secret_in_the_chart_configmap_is_reported(tmp_path):
         "  LORAMUX_DATA_DIR: /data\n",
         "  LORAMUX_DATA_DIR: /data\n  LORAMUX_ENGINE_SECRET: {{ .Values.secrets.engineSecret | quote }}\n",
     )
-    found = chart_problems(chart, CHART_VALUES)
+    found = chart_problems(chart, INSTALL_VALUES)
     assert any("holds the secret LORAMUX_ENGINE_SECRET" in line for line in found), found
 
 
@@ -153,7 +132,7 @@ def test_a_chart_reading_a_key_its_secret_lacks_is_reported(tmp_path):
     chart = broken_chart(
         tmp_path, "secret.yaml", "  LORAMUX_ADMIN_TOKEN:", "  LORAMUX_ADMIN_TOKENS:"
     )
-    found = chart_problems(chart, CHART_VALUES)
+    found = chart_problems(chart, INSTALL_VALUES)
     assert any("reads key LORAMUX_ADMIN_TOKEN that Secret" in line for line in found), found
 
 
@@ -197,3 +176,21 @@ def test_engines_on_another_model_than_the_platform_are_reported():
         )
     )
     assert any("LORAMUX_MODEL_ID differs between processes" in line for line in found), found
+
+
+# --- the commands the files run exist ----------------------------------------------------------
+
+
+def test_every_command_the_files_run_exists():
+    from loramux.platform.cli import build_parser
+
+    processes = compose_processes(yaml.safe_load(COMPOSE_FILE.read_text()), env_file_values())
+    processes += chart_processes(render_with_subset(CHART_DIR, INSTALL_VALUES).documents)
+    for process in processes:
+        if process.role in ("platform", "engine"):
+            try:
+                build_parser().parse_args(process.command[1:])  # `loramux <command>`
+            except SystemExit:
+                pytest.fail(f"{process.where}: `{' '.join(process.command)}` is not a command")
+        else:
+            assert importlib.util.find_spec(process.command[2]) is not None, process.where
