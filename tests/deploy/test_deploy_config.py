@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.chart import CHART_DIR, INSTALL_VALUES, available_renderers, render_with_subset
+from tests.deploy.chart import (
+    CHART_DIR,
+    INSTALL_VALUES,
+    available_renderers,
+    merge_values,
+    render_with_subset,
+)
 from tests.deploy.processes import (
     COMPOSE_FILE,
     DOCKERFILE,
@@ -61,6 +67,15 @@ def test_compose_passes_known_and_required_settings():
 @pytest.mark.parametrize("renderer", available_renderers().values(), ids=available_renderers())
 def test_chart_passes_known_and_required_settings(renderer):
     assert chart_problems(CHART_DIR, INSTALL_VALUES, renderer) == []
+
+
+def test_the_chart_can_set_every_setting():
+    # Optional values left unset in values.yaml are set here: then every field is passed.
+    values = merge_values(INSTALL_VALUES, {"engine": {"adapterDeviceBytes": 1 << 30}})
+    passed = set()
+    for process in chart_processes(render_with_subset(CHART_DIR, values).documents):
+        passed |= set(process.env)
+    assert sorted(known_settings() - passed) == [], "settings the chart cannot set"
 
 
 def test_chart_with_an_existing_secret_passes_required_settings():
