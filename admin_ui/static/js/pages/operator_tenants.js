@@ -4,7 +4,7 @@ import { api } from "../lib/api.js";
 import { $, fill, fillRows, h } from "../lib/dom.js";
 import { busy, clearErrors, showApiError } from "../lib/feedback.js";
 import { readNumbers, withoutNulls } from "../lib/forms.js";
-import { count, dateTime, plural, usd } from "../lib/format.js";
+import { compactCount, count, dateTime, plural, usd } from "../lib/format.js";
 import { startPage } from "../lib/shell.js";
 import { priorityBadge } from "../lib/tables.js";
 
@@ -22,8 +22,13 @@ const NUMBERS = [
   "output_price_per_mtok",
 ];
 
-function limit(value) {
-  return value === null ? h("span", { class: "sub" }, "Unlimited") : count(value);
+const UNLIMITED = () => h("span", { class: "sub" }, "Unlimited");
+
+function rateLimits(tenant) {
+  const parts = [];
+  if (tenant.requests_per_minute !== null) parts.push(`${count(tenant.requests_per_minute)} req`);
+  if (tenant.tokens_per_minute !== null) parts.push(`${compactCount(tenant.tokens_per_minute)} tok`);
+  return parts.length ? `${parts.join(" · ")} / min` : UNLIMITED();
 }
 
 function row(tenant) {
@@ -34,9 +39,8 @@ function row(tenant) {
     h("td", {}, h("a", { href }, tenant.name), h("span", { class: "sub mono" }, tenant.id)),
     h("td", { class: "num" }, priorityBadge(tenant.priority)),
     h("td", { class: "num" }, tenant.weight),
-    h("td", { class: "num" }, limit(tenant.requests_per_minute)),
-    h("td", { class: "num" }, limit(tenant.tokens_per_minute)),
-    h("td", { class: "num" }, tenant.monthly_budget_usd === null ? limit(null) : usd(tenant.monthly_budget_usd)),
+    h("td", { class: "num" }, rateLimits(tenant)),
+    h("td", { class: "num" }, tenant.monthly_budget_usd === null ? UNLIMITED() : usd(tenant.monthly_budget_usd)),
     h("td", { class: "num" }, `${usd(tenant.input_price_per_mtok)} · ${usd(tenant.output_price_per_mtok)}`),
     h("td", {}, dateTime(tenant.created_at)),
   );
@@ -49,7 +53,7 @@ async function load() {
     fillRows($("#tenants-table tbody"), tenants.map(row), "No tenants yet", "Create one to hand out API keys.");
   } catch (error) {
     fill($("#tenant-count"), "");
-    fill($("#tenants-table tbody"), h("tr", {}, h("td", { colspan: 8 }, h("div", { class: "notice danger", role: "alert" }, `Tenants could not be listed: ${error.message}`))));
+    fill($("#tenants-table tbody"), h("tr", {}, h("td", { colspan: 7 }, h("div", { class: "notice danger", role: "alert" }, `Tenants could not be listed: ${error.message}`))));
   }
 }
 

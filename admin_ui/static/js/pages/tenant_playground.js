@@ -57,13 +57,14 @@ function request() {
     : { path: "/v1/completions", body: { ...common, prompt }, text: (c) => c.text };
 }
 
-function showMetrics({ ttft, usage, finish, seconds }) {
+function showMetrics({ ttft, usage, chunks, finish, seconds }) {
   const parts = [];
   if (ttft !== null) parts.push(["First token", `${Math.round(ttft)} ms`]);
-  if (usage) {
-    parts.push(["Tokens", `${count(usage.prompt_tokens)} in · ${count(usage.completion_tokens)} out`]);
-    if (seconds > 0) parts.push(["Speed", `${(usage.completion_tokens / seconds).toFixed(1)} tok/s`]);
-  }
+  // The usage arrives at the end; until then (or when stopped) count the chunks seen.
+  const out = usage ? usage.completion_tokens : chunks;
+  if (usage) parts.push(["Tokens", `${count(usage.prompt_tokens)} in · ${count(out)} out`]);
+  else if (chunks) parts.push(["Tokens", `${count(out)} out`]);
+  if (out && seconds > 0) parts.push(["Speed", `${(out / seconds).toFixed(1)} tok/s`]);
   if (finish) parts.push(["Finish", finish]);
   fill($("#run-metrics"), parts.map(([label, value]) => h("span", {}, `${label} `, h("b", {}, value))));
 }
@@ -83,7 +84,7 @@ async function run(event) {
   if (!call) return;
   controller = new AbortController();
   const started = performance.now();
-  const state = { ttft: null, usage: null, finish: null, seconds: 0 };
+  const state = { ttft: null, usage: null, chunks: 0, finish: null, seconds: 0 };
   let text = "";
   fill(output, "");
   output.dataset.finished = "false";
@@ -98,6 +99,7 @@ async function run(event) {
         if (!choice) return;
         const delta = call.text(choice) || "";
         if (delta && state.ttft === null) state.ttft = performance.now() - started;
+        if (delta) state.chunks += 1;
         text += delta;
         output.textContent = text;
         if (choice.finish_reason) state.finish = choice.finish_reason;
