@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.platform.ui.conftest import session_token, sign_in, wait_loaded
+from tests.platform.ui.conftest import DESKTOP, session_token, sign_in, wait_loaded
 
 
 def test_bad_token_is_refused_next_to_the_field(page, ui_platform, shots):
@@ -50,15 +50,28 @@ def test_sign_out_clears_the_token_and_pages_follow_the_role(page, ui_platform, 
     page.wait_for_url(f"{ui_platform.url}/ui/tenant/adapters")
 
 
-def test_a_revoked_key_ends_the_session(page, ui_platform, shots):
+def test_a_key_revoked_in_the_operator_console_ends_the_tenant_session(
+    page, browser, ui_platform, shots
+):
     tenant = ui_platform.new_tenant()
     sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
     wait_loaded(page)
-    keys = httpx.get(
-        f"{ui_platform.url}/admin/tenants/{tenant.id}/api-keys", headers=ui_platform.admin
-    )
-    for key in keys.json():
-        httpx.delete(f"{ui_platform.url}/admin/api-keys/{key['id']}", headers=ui_platform.admin)
+
+    # The operator, in a browser of their own, revokes the key (a second click confirms).
+    operator = browser.new_context(viewport=DESKTOP).new_page()
+    try:
+        sign_in(operator, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+        operator.goto(f"{ui_platform.url}/ui/operator/tenants/{tenant.id}")
+        wait_loaded(operator)
+        row = operator.locator("#keys-table tbody tr", has_text=tenant.key[:12])
+        row.get_by_role("button", name="Revoke").click()
+        row.get_by_role("button", name="Confirm revoke").click()
+        row.get_by_text("Revoked").wait_for()
+        shots(operator, "operator-revoked-key")
+    finally:
+        operator.context.close()
+    me = httpx.get(f"{ui_platform.url}/v1/me", headers=tenant.headers)
+    assert me.status_code == 401
 
     page.click("nav >> text=Usage")
     page.wait_for_url("**/ui/signin?expired=*")

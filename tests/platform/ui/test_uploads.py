@@ -45,7 +45,9 @@ def _adapters(platform, tenant) -> list[dict]:
     return response.json()["data"]
 
 
-def test_dropped_archive_becomes_ready(page, ui_platform, adapter_dir, tmp_path, shots):
+def test_dropped_archive_becomes_ready_and_can_be_deleted(
+    page, ui_platform, adapter_dir, tmp_path, shots
+):
     tenant = ui_platform.new_tenant()
     archive = adapter_archive(adapter_dir, tmp_path / "recipes-v2.tar.gz")
     sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
@@ -65,6 +67,15 @@ def test_dropped_archive_becomes_ready(page, ui_platform, adapter_dir, tmp_path,
     [stored] = _adapters(ui_platform, tenant)
     assert (stored["name"], stored["status"], stored["rank"]) == ("recipes-v2", "ready", 8)
     assert stored["target_modules"] == ["q_proj", "v_proj"]
+
+    # Deleting it takes a second click to confirm.
+    row = page.locator("#adapters-table tr[data-adapter='recipes-v2']")
+    row.get_by_role("button", name="Delete").click()
+    assert _adapters(ui_platform, tenant) != []  # not on the first click
+    row.get_by_role("button", name="Confirm delete").click()
+    page.get_by_text("Adapter recipes-v2 deleted.").wait_for()
+    page.get_by_text("No adapters yet").wait_for()
+    assert _adapters(ui_platform, tenant) == []
 
 
 def test_broken_uploads_show_their_reason(page, ui_platform, adapter_dir, tmp_path, shots):
