@@ -90,6 +90,10 @@ PAGES = {
 }
 
 
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
 class UIAssets:
     """The package's templates and static files, read once per app."""
 
@@ -115,11 +119,10 @@ class UIAssets:
         return node if node.is_file() else None
 
     def version(self, path: str) -> str:
-        """A short digest of the file's content: URLs change when the file does."""
+        """A short digest of the file's content (remembered): page URLs carry it."""
         if path not in self._versions:
             node = self.static_file(path)
-            data = b"" if node is None else node.read_bytes()
-            self._versions[path] = hashlib.sha256(data).hexdigest()[:12]
+            self._versions[path] = digest(b"" if node is None else node.read_bytes())
         return self._versions[path]
 
     def static_url(self, path: str) -> str:
@@ -184,12 +187,12 @@ def static(request: Request, path: str) -> Response:
     node = assets.static_file(path)
     if node is None:
         raise APIError(404, f"No UI file {path!r}.", code="not_found")
-    etag = f'"{assets.version(path)}"'
+    data = node.read_bytes()
+    etag = f'"{digest(data)}"'  # of the bytes now: revalidation never keeps a stale file
     headers = {"ETag": etag, "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers=headers)
-    media_type = STATIC_TYPES[posixpath.splitext(path)[1]]
-    return Response(node.read_bytes(), media_type=media_type, headers=headers)
+    return Response(data, media_type=STATIC_TYPES[posixpath.splitext(path)[1]], headers=headers)
 
 
 @router.get("/ui/{role}/{name}")

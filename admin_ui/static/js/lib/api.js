@@ -25,7 +25,10 @@ export function clearSession() {
   sessionStorage.removeItem(IDENTITY_KEY);
 }
 
-/** An error the API answered (status, message and code from its error body), or a network failure (status 0). */
+/**
+ * An error the API answered (status, message and code from its error body), or a network
+ * failure (status 0).
+ */
 export class ApiError extends Error {
   constructor(status, message, code = null) {
     super(message);
@@ -89,7 +92,10 @@ export async function api(path, { method = "GET", body, query, token, raw = fals
     response = await fetch(url(path, query), init);
   } catch (err) {
     if (err.name === "AbortError") throw err;
-    throw new ApiError(0, `Could not reach the server (${err.message}). Check your connection and try again.`);
+    throw new ApiError(
+      0,
+      `Could not reach the server (${err.message}). Check your connection and try again.`,
+    );
   }
   if (!response.ok) {
     const error = await errorFrom(response);
@@ -127,7 +133,8 @@ export function uploadForm(path, form, { onProgress, onSent } = {}) {
         resolve({ status: xhr.status, body });
         return;
       }
-      const message = (body && body.error && body.error.message) || `${xhr.status} ${xhr.statusText}`;
+      const message =
+        (body && body.error && body.error.message) || `${xhr.status} ${xhr.statusText}`;
       const error = new ApiError(xhr.status, message, body && body.error ? body.error.code : null);
       endSessionOn401(error, undefined);
       reject(error);

@@ -49,7 +49,9 @@ function tooltip() {
   return {
     node: tip,
     show(x, y, lines) {
-      tip.replaceChildren(...lines.map((line, i) => (i ? h("div", {}, line) : h("strong", {}, line))));
+      tip.replaceChildren(
+        ...lines.map((line, i) => (i ? h("div", {}, line) : h("strong", {}, line))),
+      );
       tip.hidden = false;
       tip.style.left = `${x}px`;
       tip.style.top = `${y}px`;
@@ -101,7 +103,11 @@ function xLabels(group, labels, positions, plot) {
   labels.forEach((label, i) => {
     if ((labels.length - 1 - i) % every !== 0) return; // counted from the end: the latest shows
     group.append(
-      s("text", { x: positions[i], y: plot.top + plot.height + 18, "text-anchor": "middle" }, label),
+      s(
+        "text",
+        { x: positions[i], y: plot.top + plot.height + 18, "text-anchor": "middle" },
+        label,
+      ),
     );
   });
 }
@@ -128,7 +134,14 @@ function seriesColor(item, i) {
  * format(value) for tooltips, axisFormat(value) for the y axis, integer, title}.
  */
 export function barChart(box, spec) {
-  const { categories, series, format = String, axisFormat = format, integer = false, height = 240 } = spec;
+  const {
+    categories,
+    series,
+    format = String,
+    axisFormat = format,
+    integer = false,
+    height = 240,
+  } = spec;
   if (!categories.length) return emptyState(box, spec.emptyText || "No data in this period.");
   responsive(box, (width) => {
     const totals = categories.map((_, i) => series.reduce((sum, item) => sum + item.values[i], 0));
@@ -141,7 +154,14 @@ export function barChart(box, spec) {
     yAxis(axis, scale, plot, axisFormat);
     const centers = categories.map((_, i) => plot.left + band * i + band / 2);
     xLabels(axis, categories, centers, plot);
-    axis.append(s("line", { x1: plot.left, x2: plot.left + plot.width, y1: plot.top + plot.height, y2: plot.top + plot.height }));
+    axis.append(
+      s("line", {
+        x1: plot.left,
+        x2: plot.left + plot.width,
+        y1: plot.top + plot.height,
+        y2: plot.top + plot.height,
+      }),
+    );
     svg.append(axis);
     const tip = tooltip();
     categories.forEach((category, i) => {
@@ -155,14 +175,31 @@ export function barChart(box, spec) {
         group.append(
           s(
             "rect",
-            { class: "bar", x: centers[i] - barWidth / 2, y: base, width: barWidth, height: barHeight, rx: 2, fill: seriesColor(item, k) },
+            {
+              class: "bar",
+              x: centers[i] - barWidth / 2,
+              y: base,
+              width: barWidth,
+              height: barHeight,
+              rx: 2,
+              fill: seriesColor(item, k),
+            },
             s("title", {}, `${category} · ${item.name}: ${format(value)}`),
           ),
         );
       });
-      const hit = s("rect", { x: plot.left + band * i, y: plot.top, width: band, height: plot.height, fill: "transparent" });
+      const hit = s("rect", {
+        x: plot.left + band * i,
+        y: plot.top,
+        width: band,
+        height: plot.height,
+        fill: "transparent",
+      });
       hit.addEventListener("mouseenter", () =>
-        tip.show(centers[i], Math.max(plot.top, base), [category, ...series.map((item) => `${item.name}: ${format(item.values[i])}`)]),
+        tip.show(centers[i], Math.max(plot.top, base), [
+          category,
+          ...series.map((item) => `${item.name}: ${format(item.values[i])}`),
+        ]),
       );
       hit.addEventListener("mouseleave", () => tip.hide());
       group.append(hit);
@@ -175,7 +212,14 @@ export function barChart(box, spec) {
 
 /** Lines with points: same spec as barChart (values per category, per series). */
 export function lineChart(box, spec) {
-  const { categories, series, format = String, axisFormat = format, integer = false, height = 240 } = spec;
+  const {
+    categories,
+    series,
+    format = String,
+    axisFormat = format,
+    integer = false,
+    height = 240,
+  } = spec;
   if (!categories.length) return emptyState(box, spec.emptyText || "No data in this period.");
   responsive(box, (width) => {
     const peak = Math.max(...series.flatMap((item) => item.values));
@@ -183,12 +227,21 @@ export function lineChart(box, spec) {
     const ticks = tickValues(scale).map((v) => axisFormat(v, scale.step));
     const { svg, plot } = frame(width, height, ticks, spec.title);
     const step = categories.length > 1 ? plot.width / (categories.length - 1) : 0;
-    const xs = categories.map((_, i) => (categories.length > 1 ? plot.left + step * i : plot.left + plot.width / 2));
+    const xs = categories.map((_, i) =>
+      categories.length > 1 ? plot.left + step * i : plot.left + plot.width / 2,
+    );
     const y = (value) => plot.top + plot.height - (value / scale.max) * plot.height;
     const axis = s("g", { class: "axis" });
     yAxis(axis, scale, plot, axisFormat);
     xLabels(axis, categories, xs, plot);
-    axis.append(s("line", { x1: plot.left, x2: plot.left + plot.width, y1: plot.top + plot.height, y2: plot.top + plot.height }));
+    axis.append(
+      s("line", {
+        x1: plot.left,
+        x2: plot.left + plot.width,
+        y1: plot.top + plot.height,
+        y2: plot.top + plot.height,
+      }),
+    );
     svg.append(axis);
     const tip = tooltip();
     series.forEach((item, k) => {
@@ -196,20 +249,49 @@ export function lineChart(box, spec) {
       const points = item.values.map((value, i) => `${xs[i]},${y(value)}`).join(" ");
       if (spec.area) {
         const floor = plot.top + plot.height;
-        svg.append(s("polygon", { points: `${xs[0]},${floor} ${points} ${xs[xs.length - 1]},${floor}`, fill: color, "fill-opacity": 0.08 }));
+        svg.append(
+          s("polygon", {
+            points: `${xs[0]},${floor} ${points} ${xs[xs.length - 1]},${floor}`,
+            fill: color,
+            "fill-opacity": 0.08,
+          }),
+        );
       }
-      svg.append(s("polyline", { points, fill: "none", stroke: color, "stroke-width": 2, "stroke-linejoin": "round" }));
+      svg.append(
+        s("polyline", {
+          points,
+          fill: "none",
+          stroke: color,
+          "stroke-width": 2,
+          "stroke-linejoin": "round",
+        }),
+      );
       if (categories.length <= 60) {
         item.values.forEach((value, i) =>
-          svg.append(s("circle", { class: "dot", cx: xs[i], cy: y(value), r: 3, fill: color }, s("title", {}, `${categories[i]} · ${item.name}: ${format(value)}`))),
+          svg.append(
+            s(
+              "circle",
+              { class: "dot", cx: xs[i], cy: y(value), r: 3, fill: color },
+              s("title", {}, `${categories[i]} · ${item.name}: ${format(value)}`),
+            ),
+          ),
         );
       }
     });
     const band = categories.length > 1 ? step : plot.width;
     categories.forEach((category, i) => {
-      const hit = s("rect", { x: xs[i] - band / 2, y: plot.top, width: band, height: plot.height, fill: "transparent" });
+      const hit = s("rect", {
+        x: xs[i] - band / 2,
+        y: plot.top,
+        width: band,
+        height: plot.height,
+        fill: "transparent",
+      });
       hit.addEventListener("mouseenter", () =>
-        tip.show(xs[i], y(Math.max(...series.map((item) => item.values[i]))), [category, ...series.map((item) => `${item.name}: ${format(item.values[i])}`)]),
+        tip.show(xs[i], y(Math.max(...series.map((item) => item.values[i]))), [
+          category,
+          ...series.map((item) => `${item.name}: ${format(item.values[i])}`),
+        ]),
       );
       hit.addEventListener("mouseleave", () => tip.hide());
       svg.append(hit);
@@ -224,7 +306,14 @@ export function lineChart(box, spec) {
  * `notes[i]` appended to the row's tooltip (e.g. its cost).
  */
 export function hbarChart(box, spec) {
-  const { categories, series, format = String, axisFormat = format, integer = false, notes = [] } = spec;
+  const {
+    categories,
+    series,
+    format = String,
+    axisFormat = format,
+    integer = false,
+    notes = [],
+  } = spec;
   if (!categories.length) return emptyState(box, spec.emptyText || "No data in this period.");
   responsive(box, (width) => {
     const row = 30;
@@ -238,21 +327,50 @@ export function hbarChart(box, spec) {
     const axis = s("g", { class: "axis" });
     for (const value of tickValues(scale)) {
       axis.append(
-        s("line", { class: "grid-line", x1: x(value), x2: x(value), y1: plot.top, y2: plot.top + plot.height }),
-        s("text", { x: x(value), y: plot.top + plot.height + 18, "text-anchor": "middle" }, axisFormat(value, scale.step)),
+        s("line", {
+          class: "grid-line",
+          x1: x(value),
+          x2: x(value),
+          y1: plot.top,
+          y2: plot.top + plot.height,
+        }),
+        s(
+          "text",
+          { x: x(value), y: plot.top + plot.height + 18, "text-anchor": "middle" },
+          axisFormat(value, scale.step),
+        ),
       );
     }
     svg.append(axis);
     const tip = tooltip();
     categories.forEach((category, i) => {
       const top = plot.top + i * row + 6;
-      svg.append(s("text", { x: plot.left - 8, y: top + 13, "text-anchor": "end" }, labels[i], s("title", {}, category)));
+      svg.append(
+        s(
+          "text",
+          { x: plot.left - 8, y: top + 13, "text-anchor": "end" },
+          labels[i],
+          s("title", {}, category),
+        ),
+      );
       let start = plot.left;
       series.forEach((item, k) => {
         const w = (item.values[i] / scale.max) * plot.width;
         if (w <= 0) return;
         svg.append(
-          s("rect", { class: "bar", x: start, y: top, width: w, height: row - 12, rx: 2, fill: seriesColor(item, k) }, s("title", {}, `${category} · ${item.name}: ${format(item.values[i])}`)),
+          s(
+            "rect",
+            {
+              class: "bar",
+              x: start,
+              y: top,
+              width: w,
+              height: row - 12,
+              rx: 2,
+              fill: seriesColor(item, k),
+            },
+            s("title", {}, `${category} · ${item.name}: ${format(item.values[i])}`),
+          ),
         );
         start += w;
       });

@@ -1,6 +1,9 @@
 // Building DOM from data: text always goes in as text, never as HTML.
 
-/** h("td", {class: "num"}, "12") -> <td class="num">12</td>. Children may be nodes, strings or arrays. */
+/**
+ * h("td", {class: "num"}, "12") -> <td class="num">12</td>. Children may be nodes, strings
+ * or arrays.
+ */
 export function h(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(attrs || {})) {
@@ -39,17 +42,20 @@ export function fill(node, ...children) {
   return node;
 }
 
+function fullWidthRow(tbody, ...content) {
+  const columns = tbody.closest("table").querySelectorAll("thead th").length;
+  return h("tr", {}, h("td", { colspan: columns, class: "empty" }, ...content));
+}
+
 /** A table body's rows, or one full-width row saying it is empty. */
 export function fillRows(tbody, rows, emptyTitle, emptyText) {
-  if (rows.length) {
-    fill(tbody, rows);
-    return;
-  }
-  const columns = tbody.closest("table").querySelectorAll("thead th").length;
-  fill(
-    tbody,
-    h("tr", {}, h("td", { colspan: columns, class: "empty" }, h("strong", {}, emptyTitle), emptyText || "")),
-  );
+  if (rows.length) fill(tbody, rows);
+  else fill(tbody, fullWidthRow(tbody, h("strong", {}, emptyTitle), emptyText || ""));
+}
+
+/** One full-width row saying why the table could not be filled. */
+export function failRows(tbody, message) {
+  fill(tbody, fullWidthRow(tbody, h("div", { class: "notice danger", role: "alert" }, message)));
 }
 
 export function pageData(name) {

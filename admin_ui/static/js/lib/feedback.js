@@ -36,7 +36,8 @@ function fieldOf(form, name) {
 export function clearErrors(form) {
   for (const field of form.querySelectorAll(".field.invalid")) field.classList.remove("invalid");
   for (const message of form.querySelectorAll(".field-error")) message.textContent = "";
-  for (const input of form.querySelectorAll("[aria-invalid]")) input.removeAttribute("aria-invalid");
+  for (const input of form.querySelectorAll("[aria-invalid]"))
+    input.removeAttribute("aria-invalid");
 }
 
 export function setFieldError(form, name, message) {

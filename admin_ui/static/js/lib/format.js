@@ -21,14 +21,18 @@ export function usd(dollars) {
   if (dollars === null || dollars === undefined) return "–";
   const abs = Math.abs(dollars);
   const most = abs === 0 || abs >= 1 ? 2 : abs >= 0.01 ? 4 : 6;
-  return `$${dollars.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: most })}`;
+  const digits = { minimumFractionDigits: 2, maximumFractionDigits: most };
+  return `$${dollars.toLocaleString("en-US", digits)}`;
 }
 
 /** An axis tick in USD: as many decimals as the axis step needs, the same on every tick. */
 export function usdTick(value, step) {
   if (value === 0) return "$0";
   let decimals = 2;
-  while (decimals < 8 && Math.abs(Math.round(step * 10 ** decimals) - step * 10 ** decimals) > 1e-6) {
+  while (
+    decimals < 8 &&
+    Math.abs(Math.round(step * 10 ** decimals) - step * 10 ** decimals) > 1e-6
+  ) {
     decimals += 1;
   }
   return `$${value.toFixed(decimals)}`;
@@ -53,7 +57,9 @@ export function bytes(value) {
 
 export function ms(value) {
   if (value === null || value === undefined) return "–";
-  return value >= 1000 ? `${(value / 1000).toFixed(2)} s` : `${value.toFixed(value >= 100 ? 0 : 1)} ms`;
+  return value >= 1000
+    ? `${(value / 1000).toFixed(2)} s`
+    : `${value.toFixed(value >= 100 ? 0 : 1)} ms`;
 }
 
 export function dateTime(iso) {

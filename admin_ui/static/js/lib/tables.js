@@ -17,12 +17,20 @@ export function statusBadge(status) {
 
 export function priorityBadge(priority) {
   const kind = priority >= 7 ? "accent" : priority <= 2 ? "" : "info";
-  return h("span", { class: `badge plain ${kind}`, title: `Priority ${priority} of 9` }, String(priority));
+  return h(
+    "span",
+    { class: `badge plain ${kind}`, title: `Priority ${priority} of 9` },
+    String(priority),
+  );
 }
 
 /** The cells every adapter table shows, after its name cells. */
 export function adapterCells(adapter) {
-  const status = h("td", { class: adapter.failure_reason ? "wrap" : undefined }, statusBadge(adapter.status));
+  const status = h(
+    "td",
+    { class: adapter.failure_reason ? "wrap" : undefined },
+    statusBadge(adapter.status),
+  );
   if (adapter.failure_reason) status.append(h("span", { class: "sub" }, adapter.failure_reason));
   return [
     status,

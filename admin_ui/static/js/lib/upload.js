@@ -7,18 +7,29 @@ const ARCHIVE = /\.(tar\.gz|tgz|zip)$/i;
 
 /** Why these files cannot be an adapter upload, or null when they can be. */
 export function filesProblem(files) {
-  if (files.length === 0) return "Choose adapter_config.json and adapter_model.safetensors, or one archive.";
-  if (files.length === 1 && !ARCHIVE.test(files[0].name) && !files[0].name.endsWith(".json") && !files[0].name.endsWith(".safetensors")) {
-    return `${files[0].name} is not an adapter archive: send a .tar.gz or .zip, or the two adapter files.`;
+  if (files.length === 0)
+    return "Choose adapter_config.json and adapter_model.safetensors, or one archive.";
+  if (
+    files.length === 1 &&
+    !ARCHIVE.test(files[0].name) &&
+    !files[0].name.endsWith(".json") &&
+    !files[0].name.endsWith(".safetensors")
+  ) {
+    const name = files[0].name;
+    return `${name} is not an adapter archive: send a .tar.gz or .zip, or the two adapter files.`;
   }
-  if (files.length > 2) return `That is ${files.length} files: send the two adapter files, or one archive.`;
+  if (files.length > 2)
+    return `That is ${files.length} files: send the two adapter files, or one archive.`;
   return null;
 }
 
 /** A name to suggest for an archive: its file name without the extension. */
 export function suggestedName(files) {
   if (files.length !== 1 || !ARCHIVE.test(files[0].name)) return "";
-  return files[0].name.replace(ARCHIVE, "").replace(/[^A-Za-z0-9._-]/g, "-").slice(0, 64);
+  return files[0].name
+    .replace(ARCHIVE, "")
+    .replace(/[^A-Za-z0-9._-]/g, "-")
+    .slice(0, 64);
 }
 
 /** Wire the drop zone and the file input; onFiles(files) gets each new choice. */
@@ -32,7 +43,8 @@ export function wireFilePicker(onFiles) {
       zone.classList.add("dragging");
     });
   }
-  for (const type of ["dragleave", "dragend"]) zone.addEventListener(type, () => zone.classList.remove("dragging"));
+  for (const type of ["dragleave", "dragend"])
+    zone.addEventListener(type, () => zone.classList.remove("dragging"));
   zone.addEventListener("drop", (event) => {
     event.preventDefault();
     zone.classList.remove("dragging");
@@ -42,7 +54,12 @@ export function wireFilePicker(onFiles) {
 
 export function showChosen(files) {
   const list = $("#file-list");
-  fill(list, files.map((file) => h("li", {}, h("span", {}, file.name), h("span", { class: "hint" }, bytes(file.size)))));
+  fill(
+    list,
+    files.map((file) =>
+      h("li", {}, h("span", {}, file.name), h("span", { class: "hint" }, bytes(file.size))),
+    ),
+  );
   list.hidden = files.length === 0;
 }
 
@@ -82,7 +99,10 @@ export class UploadProgress {
   validating() {
     this.setBar(1);
     this.step("upload", "done");
-    this.step("validate", "active", [h("span", { class: "spinner" }), " Validating against the base model…"]);
+    this.step("validate", "active", [
+      h("span", { class: "spinner" }),
+      " Validating against the base model…",
+    ]);
   }
 
   ready(adapter) {
@@ -91,7 +111,11 @@ export class UploadProgress {
     this.step("upload", "done");
     this.step("validate", "done");
     const modules = adapter.target_modules ? adapter.target_modules.join(", ") : "";
-    this.step("ready", "done", `Ready: ${adapter.name} v${adapter.version} · rank ${adapter.rank} · ${modules}`);
+    this.step(
+      "ready",
+      "done",
+      `Ready: ${adapter.name} v${adapter.version} · rank ${adapter.rank} · ${modules}`,
+    );
   }
 
   failed(stage, reason) {

@@ -60,7 +60,9 @@ function drawAdapters(rows, tenantNames) {
   );
   const name = (row) => {
     const adapter = row.adapter ?? "base model";
-    return manyTenants ? `${tenantNames.get(row.tenant_id) ?? row.tenant_id} / ${adapter}` : adapter;
+    return manyTenants
+      ? `${tenantNames.get(row.tenant_id) ?? row.tenant_id} / ${adapter}`
+      : adapter;
   };
   hbarChart($("#chart-adapter"), {
     title: "Tokens per adapter",
@@ -69,7 +71,9 @@ function drawAdapters(rows, tenantNames) {
       { ...PROMPT, values: sorted.map((row) => row.prompt_tokens) },
       { ...COMPLETION, values: sorted.map((row) => row.completion_tokens) },
     ],
-    notes: sorted.map((row) => `Cost: ${microUsd(row.cost_micro_usd)} · ${count(row.requests)} requests`),
+    notes: sorted.map(
+      (row) => `Cost: ${microUsd(row.cost_micro_usd)} · ${count(row.requests)} requests`,
+    ),
     format: count,
     axisFormat: compactCount,
     integer: true,
@@ -79,7 +83,14 @@ function drawAdapters(rows, tenantNames) {
 
 function showError(error) {
   for (const id of ["#chart-tokens-day", "#chart-cost-day", "#chart-adapter"]) {
-    fill($(id), h("div", { class: "notice danger", role: "alert" }, `Usage could not be loaded: ${error.message}`));
+    fill(
+      $(id),
+      h(
+        "div",
+        { class: "notice danger", role: "alert" },
+        `Usage could not be loaded: ${error.message}`,
+      ),
+    );
   }
 }
 

@@ -1,7 +1,7 @@
 // Operator: every tenant's adapters, optionally one tenant's.
 
 import { api } from "../lib/api.js";
-import { $, fill, fillRows, h } from "../lib/dom.js";
+import { $, failRows, fill, fillRows, h } from "../lib/dom.js";
 import { plural } from "../lib/format.js";
 import { startPage } from "../lib/shell.js";
 import { adapterCells } from "../lib/tables.js";
@@ -25,10 +25,15 @@ async function load() {
     const list = await api("/admin/adapters", { query: { tenant_id: tenant } });
     const ready = list.data.filter((adapter) => adapter.status === "ready").length;
     fill($("#adapter-count"), `${plural(list.data.length, "adapter")}, ${ready} ready`);
-    fillRows($("#adapters-table tbody"), list.data.map(row), "No adapters", "Tenants upload adapters from their console.");
+    fillRows(
+      $("#adapters-table tbody"),
+      list.data.map(row),
+      "No adapters",
+      "Tenants upload adapters from their console.",
+    );
   } catch (error) {
     fill($("#adapter-count"), "");
-    fill($("#adapters-table tbody"), h("tr", {}, h("td", { colspan: 8 }, h("div", { class: "notice danger", role: "alert" }, `Adapters could not be listed: ${error.message}`))));
+    failRows($("#adapters-table tbody"), `Adapters could not be listed: ${error.message}`);
   }
 }
 

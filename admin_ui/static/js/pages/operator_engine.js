@@ -24,13 +24,21 @@ function showTier(box, tier, emptyText) {
     "div",
     { class: "row" },
     h("span", { class: "stat-value" }, count(tier.count)),
-    h("span", { class: "hint" }, `adapters · ${bytes(tier.bytes)} of ${bytes(tier.capacity_bytes)}`),
+    h(
+      "span",
+      { class: "hint" },
+      `adapters · ${bytes(tier.bytes)} of ${bytes(tier.capacity_bytes)}`,
+    ),
   );
   const share = tier.capacity_bytes ? Math.min(100, (100 * tier.bytes) / tier.capacity_bytes) : 0;
   const meter = h("div", { class: "meter", "aria-hidden": "true" }, h("div", {}));
   meter.firstChild.style.width = `${share}%`;
   const chips = tier.adapters.length
-    ? h("ul", { class: "tier-list" }, tier.adapters.map((a) => h("li", { class: "chip", title: a.engine_name }, adapterLabel(a))))
+    ? h(
+        "ul",
+        { class: "tier-list" },
+        tier.adapters.map((a) => h("li", { class: "chip", title: a.engine_name }, adapterLabel(a))),
+      )
     : h("p", { class: "hint" }, emptyText);
   fill(box, summary, meter, chips);
 }
@@ -43,17 +51,34 @@ function showLatency(prefix, latency) {
 }
 
 function showTenants(tenants) {
-  const byName = [...tenants].sort((a, b) => (a.tenant_name || a.tenant_id).localeCompare(b.tenant_name || b.tenant_id));
+  const byName = [...tenants].sort((a, b) =>
+    (a.tenant_name || a.tenant_id).localeCompare(b.tenant_name || b.tenant_id),
+  );
   const rows = byName.map((tenant) =>
     h(
       "tr",
       { dataset: { tenantId: tenant.tenant_id } },
-      h("td", {}, tenant.tenant_name ? h("a", { href: `/ui/operator/tenants/${encodeURIComponent(tenant.tenant_id)}` }, tenant.tenant_name) : h("code", {}, tenant.tenant_id)),
+      h(
+        "td",
+        {},
+        tenant.tenant_name
+          ? h(
+              "a",
+              { href: `/ui/operator/tenants/${encodeURIComponent(tenant.tenant_id)}` },
+              tenant.tenant_name,
+            )
+          : h("code", {}, tenant.tenant_id),
+      ),
       h("td", { class: "num" }, tenant.priority ?? "–"),
       h("td", { class: "num" }, tenant.weight ?? "–"),
     ),
   );
-  fillRows($("#engine-tenants tbody"), rows, "No tenants yet", "The engine hears each tenant's priority and weight when it is created or changed.");
+  fillRows(
+    $("#engine-tenants tbody"),
+    rows,
+    "No tenants yet",
+    "The engine hears each tenant's priority and weight when it is created or changed.",
+  );
 }
 
 function drawLoad() {
@@ -76,13 +101,24 @@ function show(snapshot) {
   const kv = snapshot.kv_cache;
   fill($("#kv"), `${(kv.usage * 100).toFixed(1)}%`);
   $("#kv-meter").style.width = `${Math.min(100, kv.usage * 100)}%`;
-  fill($("#kv-sub"), `${count(kv.blocks_used)} of ${count(kv.blocks_usable)} blocks (${count(kv.blocks_total)} in all, ${kv.block_size} tokens each)`);
+  fill(
+    $("#kv-sub"),
+    `${count(kv.blocks_used)} of ${count(kv.blocks_usable)} blocks ` +
+      `(${count(kv.blocks_total)} in all, ${kv.block_size} tokens each)`,
+  );
   fill($("#registered"), count(snapshot.adapters.length));
-  fill($("#registered-sub"), `${snapshot.device.count} on the device, ${snapshot.host.count} in RAM`);
+  fill(
+    $("#registered-sub"),
+    `${snapshot.device.count} on the device, ${snapshot.host.count} in RAM`,
+  );
   showLatency("ttft", snapshot.ttft);
   showLatency("itl", snapshot.itl);
   fill($("#latency-window"), `Over the last ${Math.round(snapshot.latency_window_s / 60)} minutes`);
-  showTier($("#device-tier"), snapshot.device, "No adapter is on the device: the next request for one loads it.");
+  showTier(
+    $("#device-tier"),
+    snapshot.device,
+    "No adapter is on the device: the next request for one loads it.",
+  );
   showTier($("#host-tier"), snapshot.host, "No adapter is held in RAM.");
   showTenants(snapshot.tenants);
   const time = new Date(snapshot.taken_at).toLocaleTimeString("en-GB");

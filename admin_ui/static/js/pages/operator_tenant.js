@@ -1,7 +1,7 @@
 // Operator: one tenant — scheduling, limits, prices, API keys and adapters.
 
 import { api } from "../lib/api.js";
-import { $, fill, fillRows, h, pageData } from "../lib/dom.js";
+import { $, failRows, fill, fillRows, h, pageData } from "../lib/dom.js";
 import { busy, clearErrors, confirmButton, showApiError, toast } from "../lib/feedback.js";
 import { readNumbers, setValue } from "../lib/forms.js";
 import { addDays, count, dateTime, microUsd, relative, utcDay } from "../lib/format.js";
@@ -14,7 +14,12 @@ const base = `/admin/tenants/${encodeURIComponent(tenantId)}`;
 function showTenant(tenant) {
   document.title = `${tenant.name} · loramux`;
   fill($("#tenant-name"), tenant.name);
-  fill($("#tenant-meta"), "Tenant ", h("code", {}, tenant.id), ` · created ${dateTime(tenant.created_at)}`);
+  fill(
+    $("#tenant-meta"),
+    "Tenant ",
+    h("code", {}, tenant.id),
+    ` · created ${dateTime(tenant.created_at)}`,
+  );
   setValue($("#priority"), tenant.priority);
   fill($("#priority-value"), String(tenant.priority));
   setValue($("#weight"), tenant.weight);
@@ -22,7 +27,11 @@ function showTenant(tenant) {
   for (const name of ["requests_per_minute", "tokens_per_minute", "monthly_budget_usd"]) {
     setValue($(`#${name}`), tenant[name]);
   }
-  for (const name of ["input_price_per_mtok", "cached_input_price_per_mtok", "output_price_per_mtok"]) {
+  for (const name of [
+    "input_price_per_mtok",
+    "cached_input_price_per_mtok",
+    "output_price_per_mtok",
+  ]) {
     setValue($(`#${name}`), tenant[name]);
   }
 }
@@ -61,7 +70,9 @@ function saver(form, button, read, describe) {
 
 function wireForms() {
   const scheduling = $("#scheduling-form");
-  $("#priority").addEventListener("input", (event) => fill($("#priority-value"), event.currentTarget.value));
+  $("#priority").addEventListener("input", (event) =>
+    fill($("#priority-value"), event.currentTarget.value),
+  );
   saver(
     scheduling,
     $("#save-scheduling"),
@@ -70,9 +81,8 @@ function wireForms() {
       return bad.length ? null : body;
     },
     (tenant) => {
-      const line = `Saved: ${tenant.name} now runs at priority ${tenant.priority}, weight ${tenant.weight}.`;
       fill($("#scheduling-status"), "Live on the engine.");
-      return line;
+      return `Saved: ${tenant.name} now runs at priority ${tenant.priority}, weight ${tenant.weight}.`;
     },
   );
   const limits = $("#limits-form");
@@ -80,7 +90,11 @@ function wireForms() {
     limits,
     $("#save-limits"),
     () => {
-      const { body, bad } = readNumbers(limits, ["requests_per_minute", "tokens_per_minute", "monthly_budget_usd"]);
+      const { body, bad } = readNumbers(limits, [
+        "requests_per_minute",
+        "tokens_per_minute",
+        "monthly_budget_usd",
+      ]);
       return bad.length ? null : { name: limits.elements.name.value.trim(), ...body };
     },
     (tenant) => `Saved limits and budget of ${tenant.name}.`,
@@ -90,7 +104,11 @@ function wireForms() {
     prices,
     $("#save-prices"),
     () => {
-      const names = ["input_price_per_mtok", "cached_input_price_per_mtok", "output_price_per_mtok"];
+      const names = [
+        "input_price_per_mtok",
+        "cached_input_price_per_mtok",
+        "output_price_per_mtok",
+      ];
       const { body, bad } = readNumbers(prices, names);
       if (bad.length) return null;
       // Empty prices keep the price in force (and an empty cached price follows input).
@@ -125,7 +143,13 @@ function keyRow(key) {
     h("td", {}, key.name || h("span", { class: "sub" }, "—")),
     h("td", {}, dateTime(key.created_at)),
     h("td", {}, relative(key.last_used_at)),
-    h("td", {}, revoked ? h("span", { class: "badge danger" }, "Revoked") : h("span", { class: "badge ok" }, "Active")),
+    h(
+      "td",
+      {},
+      revoked
+        ? h("span", { class: "badge danger" }, "Revoked")
+        : h("span", { class: "badge ok" }, "Active"),
+    ),
     action,
   );
 }
@@ -133,9 +157,14 @@ function keyRow(key) {
 async function loadKeys() {
   try {
     const keys = await api(`${base}/api-keys`);
-    fillRows($("#keys-table tbody"), keys.map(keyRow), "No keys yet", "Create one for the tenant to sign in and call the API.");
+    fillRows(
+      $("#keys-table tbody"),
+      keys.map(keyRow),
+      "No keys yet",
+      "Create one for the tenant to sign in and call the API.",
+    );
   } catch (error) {
-    fill($("#keys-table tbody"), h("tr", {}, h("td", { colspan: 6 }, h("div", { class: "notice danger" }, error.message))));
+    failRows($("#keys-table tbody"), `Keys could not be listed: ${error.message}`);
   }
 }
 
@@ -164,7 +193,10 @@ function wireKeys() {
     const name = form.elements.name.value.trim();
     await busy($("#create-key"), "Creating…", async () => {
       try {
-        const key = await api(`${base}/api-keys`, { method: "POST", body: name ? { name } : undefined });
+        const key = await api(`${base}/api-keys`, {
+          method: "POST",
+          body: name ? { name } : undefined,
+        });
         fill($("#new-key"), key.key);
         fill($("#copy-key"), "Copy");
         $("#new-key-box").hidden = false;
@@ -190,10 +222,16 @@ async function loadGlance() {
     });
     const totals = report.totals;
     fill($("#glance-requests"), count(totals.requests));
-    fill($("#glance-tokens"), `${count(totals.prompt_tokens)} prompt · ${count(totals.completion_tokens)} completion`);
+    fill(
+      $("#glance-tokens"),
+      `${count(totals.prompt_tokens)} prompt · ${count(totals.completion_tokens)} completion`,
+    );
     fill($("#glance-cost"), microUsd(totals.cost_micro_usd));
   } catch (error) {
-    fill($("#glance"), h("div", { class: "notice danger" }, `Usage could not be loaded: ${error.message}`));
+    fill(
+      $("#glance"),
+      h("div", { class: "notice danger" }, `Usage could not be loaded: ${error.message}`),
+    );
   }
 }
 
@@ -205,9 +243,14 @@ async function loadAdapters() {
     const rows = list.data.map((adapter) =>
       h("tr", {}, h("td", {}, h("strong", {}, adapter.name)), ...adapterCells(adapter)),
     );
-    fillRows($("#adapters-table tbody"), rows, "No adapters yet", "The tenant uploads them from its console.");
+    fillRows(
+      $("#adapters-table tbody"),
+      rows,
+      "No adapters yet",
+      "The tenant uploads them from its console.",
+    );
   } catch (error) {
-    fill($("#adapters-table tbody"), h("tr", {}, h("td", { colspan: 7 }, h("div", { class: "notice danger" }, error.message))));
+    failRows($("#adapters-table tbody"), `Adapters could not be listed: ${error.message}`);
   }
 }
 

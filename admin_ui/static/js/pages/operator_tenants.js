@@ -1,7 +1,7 @@
 // Operator: the tenant list and the form creating one.
 
 import { api } from "../lib/api.js";
-import { $, fill, fillRows, h } from "../lib/dom.js";
+import { $, failRows, fill, fillRows, h } from "../lib/dom.js";
 import { busy, clearErrors, showApiError } from "../lib/feedback.js";
 import { readNumbers, withoutNulls } from "../lib/forms.js";
 import { compactCount, count, dateTime, plural, usd } from "../lib/format.js";
@@ -27,7 +27,8 @@ const UNLIMITED = () => h("span", { class: "sub" }, "Unlimited");
 function rateLimits(tenant) {
   const parts = [];
   if (tenant.requests_per_minute !== null) parts.push(`${count(tenant.requests_per_minute)} req`);
-  if (tenant.tokens_per_minute !== null) parts.push(`${compactCount(tenant.tokens_per_minute)} tok`);
+  if (tenant.tokens_per_minute !== null)
+    parts.push(`${compactCount(tenant.tokens_per_minute)} tok`);
   return parts.length ? `${parts.join(" · ")} / min` : UNLIMITED();
 }
 
@@ -40,8 +41,16 @@ function row(tenant) {
     h("td", { class: "num" }, priorityBadge(tenant.priority)),
     h("td", { class: "num" }, tenant.weight),
     h("td", { class: "num" }, rateLimits(tenant)),
-    h("td", { class: "num" }, tenant.monthly_budget_usd === null ? UNLIMITED() : usd(tenant.monthly_budget_usd)),
-    h("td", { class: "num" }, `${usd(tenant.input_price_per_mtok)} · ${usd(tenant.output_price_per_mtok)}`),
+    h(
+      "td",
+      { class: "num" },
+      tenant.monthly_budget_usd === null ? UNLIMITED() : usd(tenant.monthly_budget_usd),
+    ),
+    h(
+      "td",
+      { class: "num" },
+      `${usd(tenant.input_price_per_mtok)} · ${usd(tenant.output_price_per_mtok)}`,
+    ),
     h("td", {}, dateTime(tenant.created_at)),
   );
 }
@@ -50,10 +59,15 @@ async function load() {
   try {
     const tenants = await api("/admin/tenants");
     fill($("#tenant-count"), plural(tenants.length, "tenant"));
-    fillRows($("#tenants-table tbody"), tenants.map(row), "No tenants yet", "Create one to hand out API keys.");
+    fillRows(
+      $("#tenants-table tbody"),
+      tenants.map(row),
+      "No tenants yet",
+      "Create one to hand out API keys.",
+    );
   } catch (error) {
     fill($("#tenant-count"), "");
-    fill($("#tenants-table tbody"), h("tr", {}, h("td", { colspan: 7 }, h("div", { class: "notice danger", role: "alert" }, `Tenants could not be listed: ${error.message}`))));
+    failRows($("#tenants-table tbody"), `Tenants could not be listed: ${error.message}`);
   }
 }
 

@@ -21,7 +21,12 @@ function period() {
 /** API query for the chosen period: `end` is inclusive on screen, exclusive in the API. */
 function query(extra = {}) {
   const { tenant, start, end } = period();
-  return { tenant_id: tenant || undefined, start, end: end ? addDays(end, 1) : undefined, ...extra };
+  return {
+    tenant_id: tenant || undefined,
+    start,
+    end: end ? addDays(end, 1) : undefined,
+    ...extra,
+  };
 }
 
 function checkPeriod() {
@@ -29,7 +34,8 @@ function checkPeriod() {
   const { start, end } = period();
   if (!start) setFieldError(periodForm, "start", "Choose the first day.");
   if (!end) setFieldError(periodForm, "end", "Choose the last day.");
-  if (start && end && start > end) setFieldError(periodForm, "end", "The last day is before the first.");
+  if (start && end && start > end)
+    setFieldError(periodForm, "end", "The last day is before the first.");
   return !periodForm.querySelector(".field.invalid");
 }
 

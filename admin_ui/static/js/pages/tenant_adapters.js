@@ -1,12 +1,18 @@
 // Tenant: upload adapters (picker or drag and drop) and manage them.
 
 import { ApiError, api, uploadForm } from "../lib/api.js";
-import { $, fill, fillRows, h } from "../lib/dom.js";
+import { $, failRows, fill, fillRows, h } from "../lib/dom.js";
 import { clearErrors, confirmButton, setFieldError, showApiError, toast } from "../lib/feedback.js";
 import { plural } from "../lib/format.js";
 import { startPage } from "../lib/shell.js";
 import { adapterCells } from "../lib/tables.js";
-import { UploadProgress, filesProblem, showChosen, suggestedName, wireFilePicker } from "../lib/upload.js";
+import {
+  UploadProgress,
+  filesProblem,
+  showChosen,
+  suggestedName,
+  wireFilePicker,
+} from "../lib/upload.js";
 
 const POLL_MS = 1000;
 const form = $("#upload-form");
@@ -58,13 +64,20 @@ async function loadList() {
     const ready = list.data.filter((adapter) => adapter.status === "ready").length;
     showExample(list.data);
     fill($("#adapter-count"), `${plural(list.data.length, "adapter")}, ${ready} ready to serve`);
-    fillRows($("#adapters-table tbody"), list.data.map(row), "No adapters yet", "Upload one above: it is validated and ready in seconds.");
+    fillRows(
+      $("#adapters-table tbody"),
+      list.data.map(row),
+      "No adapters yet",
+      "Upload one above: it is validated and ready in seconds.",
+    );
     // Queued validations finish on a worker: look again until none is pending.
-    if (list.data.some((adapter) => adapter.status === "validating" || adapter.status === "uploading")) {
+    if (
+      list.data.some((adapter) => adapter.status === "validating" || adapter.status === "uploading")
+    ) {
       listTimer = setTimeout(loadList, 2 * POLL_MS);
     }
   } catch (error) {
-    fill($("#adapters-table tbody"), h("tr", {}, h("td", { colspan: 8 }, h("div", { class: "notice danger", role: "alert" }, `Adapters could not be listed: ${error.message}`))));
+    failRows($("#adapters-table tbody"), `Adapters could not be listed: ${error.message}`);
   }
 }
 
@@ -98,7 +111,8 @@ async function upload(event) {
   progress.reset();
   const name = $("#adapter-name").value.trim();
   const problem = filesProblem(chosen);
-  if (!name) setFieldError(form, "adapter-name", "Give the adapter a name: requests call it by this name.");
+  if (!name)
+    setFieldError(form, "adapter-name", "Give the adapter a name: requests call it by this name.");
   if (problem) setFieldError(form, "files", problem);
   if (!name || problem) return;
   const body = new FormData();
@@ -119,7 +133,8 @@ async function upload(event) {
     sent = true;
     progress.validating();
     loadList();
-    const adapter = answer.status === "ready" || answer.status === "failed" ? answer : await untilDecided(name);
+    const adapter =
+      answer.status === "ready" || answer.status === "failed" ? answer : await untilDecided(name);
     if (adapter.status === "ready") {
       progress.ready(adapter);
       toast(`${adapter.name} is ready to serve.`);

@@ -23,10 +23,21 @@ async function loadModels() {
     const wanted = new URLSearchParams(window.location.search).get("adapter");
     fill(
       select,
-      adapters.length ? h("optgroup", { label: "Your adapters" }, adapters.map((m) => h("option", { value: m.id, selected: m.id === wanted }, m.id))) : null,
+      adapters.length
+        ? h(
+            "optgroup",
+            { label: "Your adapters" },
+            adapters.map((m) => h("option", { value: m.id, selected: m.id === wanted }, m.id)),
+          )
+        : null,
       base ? h("option", { value: base.id }, `Base model (${base.id})`) : null,
     );
-    if (!adapters.length) setFieldError(scope, "model", "No adapter is ready yet: upload one on the Adapters page, or try the base model.");
+    if (!adapters.length)
+      setFieldError(
+        scope,
+        "model",
+        "No adapter is ready yet: upload one on the Adapters page, or try the base model.",
+      );
   } catch (error) {
     fill(select, h("option", { value: "" }, "Unavailable"));
     setFieldError(scope, "model", `Models could not be listed: ${error.message}`);
@@ -53,7 +64,11 @@ function request() {
     stream_options: { include_usage: true },
   };
   return mode === "chat"
-    ? { path: "/v1/chat/completions", body: { ...common, messages: [{ role: "user", content: prompt }] }, text: (c) => c.delta.content }
+    ? {
+        path: "/v1/chat/completions",
+        body: { ...common, messages: [{ role: "user", content: prompt }] },
+        text: (c) => c.delta.content,
+      }
     : { path: "/v1/completions", body: { ...common, prompt }, text: (c) => c.text };
 }
 
@@ -66,7 +81,10 @@ function showMetrics({ ttft, usage, chunks, finish, seconds }) {
   else if (chunks) parts.push(["Tokens", `${count(out)} out`]);
   if (out && seconds > 0) parts.push(["Speed", `${(out / seconds).toFixed(1)} tok/s`]);
   if (finish) parts.push(["Finish", finish]);
-  fill($("#run-metrics"), parts.map(([label, value]) => h("span", {}, `${label} `, h("b", {}, value))));
+  fill(
+    $("#run-metrics"),
+    parts.map(([label, value]) => h("span", {}, `${label} `, h("b", {}, value))),
+  );
 }
 
 function setRunning(running) {
@@ -88,7 +106,10 @@ async function run(event) {
   let text = "";
   fill(output, "");
   output.dataset.finished = "false";
-  fill($("#run-metrics"), h("span", { class: "row" }, h("span", { class: "spinner" }), "Waiting for the first token…"));
+  fill(
+    $("#run-metrics"),
+    h("span", { class: "row" }, h("span", { class: "spinner" }), "Waiting for the first token…"),
+  );
   setRunning(true);
   try {
     await streamEvents(call.path, call.body, {
