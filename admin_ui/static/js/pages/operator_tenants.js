@@ -37,7 +37,12 @@ function row(tenant) {
   return h(
     "tr",
     { dataset: { tenantId: tenant.id } },
-    h("td", {}, h("a", { href }, tenant.name), h("span", { class: "sub mono" }, tenant.id)),
+    h(
+      "td",
+      {},
+      h("a", { href }, tenant.name),
+      h("span", { class: "sub mono", title: tenant.id }, `${tenant.id.slice(0, 8)}…`),
+    ),
     h("td", { class: "num" }, priorityBadge(tenant.priority)),
     h("td", { class: "num" }, tenant.weight),
     h("td", { class: "num" }, rateLimits(tenant)),
