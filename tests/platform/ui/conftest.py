@@ -144,12 +144,15 @@ def phone_page(browser) -> Iterator[object]:
     yield from _page_fixture(browser, PHONE)
 
 
-def sign_in(page, platform: Platform, token: str, home: str) -> None:
-    """Sign in through the form and wait for ``home`` (a /ui path)."""
+def sign_in(page, platform: Platform, token: str, home: str, shots: Shots) -> None:
+    """Sign in through the form and land on ``home`` (a /ui path), both pages shot."""
     page.goto(f"{platform.url}/ui/signin")
     page.fill("#token", token)
+    shots(page, "sign-in")
     page.click("#signin-submit")
     page.wait_for_url(f"{platform.url}{home}")
+    wait_loaded(page)
+    shots(page, home.removeprefix("/ui/"))
 
 
 def wait_loaded(page) -> None:

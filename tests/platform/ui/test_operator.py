@@ -45,7 +45,7 @@ def test_priority_reaches_the_engine_and_billing_csv_adds_up(
     assert _engine_scheduling(ui_platform, tenant.id)["priority"] == 2
 
     # Raise the priority (and the weight) on the tenant's page.
-    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
     page.click(f"#tenants-table tr[data-tenant-id='{tenant.id}'] a")
     page.wait_for_url(f"{ui_platform.url}/ui/operator/tenants/{tenant.id}")
     wait_loaded(page)
@@ -71,6 +71,7 @@ def test_priority_reaches_the_engine_and_billing_csv_adds_up(
     row = page.locator(f"#engine-tenants tr[data-tenant-id='{tenant.id}']")
     row.wait_for()
     assert row.locator("td").all_inner_texts()[1:] == ["8", "3"]
+    shots(page, "engine-holds-the-new-priority")
 
     # Usage charts and the billing export of this tenant for the last two weeks.
     today = datetime.now(UTC).date()
@@ -113,7 +114,7 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
     first, second = ui_platform.new_tenant(), ui_platform.new_tenant()
     upload_adapter(ui_platform, first, "alpha", adapter_dir)
     upload_adapter(ui_platform, second, "beta", adapter_dir)
-    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
 
     page.click("nav >> text=Engine")
     page.wait_for_url(f"{ui_platform.url}/ui/operator/engine")
@@ -148,7 +149,7 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
 def test_api_errors_show_next_to_their_fields(page, ui_platform, shots):
     taken = ui_platform.new_tenant()
     taken_name = _admin_get(ui_platform, f"/admin/tenants/{taken.id}")["name"]
-    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
     page.click("#new-tenant-toggle")
     page.fill("#name", "fresh-name")
     page.fill("#priority", "12")

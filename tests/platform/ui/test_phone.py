@@ -23,7 +23,7 @@ def test_every_page_fits_a_phone(phone_page, ui_platform, adapter_dir, shots):
     upload_adapter(ui_platform, tenant, "pocket", adapter_dir)
     complete(ui_platform, tenant, model="pocket", prompt="Hi", max_tokens=3, ignore_eos=True)
 
-    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
     assert page.locator("#sidebar-menu").is_hidden()  # folded behind the menu button
     page.click("#menu-toggle")
     assert page.get_attribute("#menu-toggle", "aria-expanded") == "true"
@@ -35,7 +35,7 @@ def test_every_page_fits_a_phone(phone_page, ui_platform, adapter_dir, shots):
 
     page.click("#menu-toggle")
     page.click("#sign-out")
-    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters", shots)
     for name in TENANT_PAGES:
         _visit(page, f"{ui_platform.url}/ui/tenant/{name}", shots, f"tenant-{name}")
     page.click("#menu-toggle")

@@ -13,7 +13,7 @@ QUESTION = "Name a colour of the sky."
 def test_chat_mode_and_stop(page, ui_platform, adapter_dir, shots):
     tenant = ui_platform.new_tenant()
     upload_adapter(ui_platform, tenant, "chatty", adapter_dir)
-    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters", shots)
     page.goto(f"{ui_platform.url}/ui/tenant/playground?adapter=chatty")
     page.wait_for_selector("#model option[value='chatty']", state="attached")
     assert page.input_value("#model") == "chatty"  # preselected from the link

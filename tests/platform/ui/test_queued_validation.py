@@ -61,7 +61,7 @@ def test_page_follows_a_queued_validation_to_its_verdict(
 ):
     good = make_adapter(tiny_model_dir, rank=4, targets=("q_proj", "v_proj"), seed=32)
     tenant = queued_platform.new_tenant()
-    sign_in(page, queued_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, queued_platform, tenant.key, "/ui/tenant/adapters", shots)
     wait_loaded(page)
 
     # No worker yet: the upload is accepted and waits in the queue, and the page says so.

@@ -26,41 +26,51 @@ def test_bad_token_is_refused_next_to_the_field(page, ui_platform, shots):
 
 def test_sign_out_clears_the_token_and_pages_follow_the_role(page, ui_platform, shots):
     tenant = ui_platform.new_tenant()
-    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
     assert session_token(page) == ui_platform.context.admin_token
     # An operator sent to a tenant page lands on the operator's home instead.
     page.goto(f"{ui_platform.url}/ui/tenant/playground")
     page.wait_for_url(f"{ui_platform.url}/ui/operator/tenants")
+    wait_loaded(page)
+    shots(page, "operator-home-instead-of-tenant-page")
 
     page.click("#sign-out")
     page.wait_for_url(f"{ui_platform.url}/ui/signin?signed_out=1")
     assert session_token(page) is None
     assert page.evaluate("sessionStorage.length") == 0
     assert "signed out" in page.text_content("#signin-notice")
+    shots(page, "signed-out")
     # Signed out, a console page sends the visitor to sign in, then back to it.
     page.goto(f"{ui_platform.url}/ui/operator/engine")
     page.wait_for_url("**/ui/signin?next=*")
+    shots(page, "sign-in-to-continue")
     page.fill("#token", ui_platform.context.admin_token)
     page.click("#signin-submit")
     page.wait_for_url(f"{ui_platform.url}/ui/operator/engine")
+    wait_loaded(page)
+    shots(page, "back-on-the-engine-page")
 
     page.click("#sign-out")
-    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters", shots)
     page.goto(f"{ui_platform.url}/ui/operator/tenants")  # not for tenants
     page.wait_for_url(f"{ui_platform.url}/ui/tenant/adapters")
+    wait_loaded(page)
+    shots(page, "tenant-home-instead-of-operator-page")
 
 
 def test_a_key_revoked_in_the_operator_console_ends_the_tenant_session(
     page, browser, ui_platform, shots
 ):
     tenant = ui_platform.new_tenant()
-    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters", shots)
     wait_loaded(page)
 
     # The operator, in a browser of their own, revokes the key (a second click confirms).
     operator = browser.new_context(viewport=DESKTOP).new_page()
     try:
-        sign_in(operator, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants")
+        sign_in(
+            operator, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots
+        )
         operator.goto(f"{ui_platform.url}/ui/operator/tenants/{tenant.id}")
         wait_loaded(operator)
         row = operator.locator("#keys-table tbody tr", has_text=tenant.key[:12])
@@ -80,9 +90,10 @@ def test_a_key_revoked_in_the_operator_console_ends_the_tenant_session(
     shots(page, "session-ended")
 
 
-def test_keyboard_alone_signs_in_and_navigates(page, ui_platform):
+def test_keyboard_alone_signs_in_and_navigates(page, ui_platform, shots):
     page.goto(f"{ui_platform.url}/ui/signin")
     assert page.evaluate("document.activeElement.id") == "token"  # focused on arrival
+    shots(page, "sign-in-focused")
     page.keyboard.type(ui_platform.context.admin_token)
     page.keyboard.press("Enter")
     page.wait_for_url(f"{ui_platform.url}/ui/operator/tenants")
@@ -100,5 +111,8 @@ def test_keyboard_alone_signs_in_and_navigates(page, ui_platform):
     assert reached[-1] == "Usage & billing", reached
     focus = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
     assert focus != "none"  # a visible focus ring
+    shots(page, "focus-on-usage-link")
     page.keyboard.press("Enter")
     page.wait_for_url(f"{ui_platform.url}/ui/operator/usage")
+    wait_loaded(page)
+    shots(page, "usage-by-keyboard")

@@ -50,7 +50,7 @@ def test_dropped_archive_becomes_ready_and_can_be_deleted(
 ):
     tenant = ui_platform.new_tenant()
     archive = adapter_archive(adapter_dir, tmp_path / "recipes-v2.tar.gz")
-    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters", shots)
     wait_loaded(page)
 
     drag_files(page, [archive], drop=False)
@@ -87,7 +87,7 @@ def test_broken_uploads_show_their_reason(page, ui_platform, adapter_dir, tmp_pa
     (broken / "adapter_config.json").write_text(json.dumps(config))
     notes = tmp_path / "notes.txt"
     notes.write_text("not an adapter")
-    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters")
+    sign_in(page, ui_platform, tenant.key, "/ui/tenant/adapters", shots)
     wait_loaded(page)
 
     # A file that cannot be an adapter is explained before anything is sent.
