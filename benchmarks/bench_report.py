@@ -20,6 +20,8 @@ from bench_presets import Preset
 from measures import RequestRecord, summarize
 from workload import WorkloadSpec
 
+CDF_POINTS = 2001  # latency samples kept per kind in the report (quantiles beyond that)
+
 
 def tenant_weights(spec: WorkloadSpec) -> dict[str, float]:
     return {t.name: t.weight for t in spec.tenants}
@@ -41,12 +43,24 @@ def figures(records: Sequence[RequestRecord], preset: Preset, spec: WorkloadSpec
         tenant_weights=tenant_weights(spec),
     )
     served = [r for r in records if r.ok]
-    summary["samples"] = {
+    samples = {
         "ttft_s": [r.ttft_s for r in served if r.ttft_s is not None],
         "itl_s": [gap for r in served for gap in r.itls_s],
         "e2e_s": [r.e2e_s for r in served if r.e2e_s is not None],
     }
+    summary["sample_counts"] = {key: len(values) for key, values in samples.items()}
+    summary["samples"] = {key: cdf_points(values) for key, values in samples.items()}
     return summary
+
+
+def cdf_points(values: Sequence[float], limit: int = CDF_POINTS) -> list[float]:
+    """``values`` sorted, or ``limit`` evenly spaced quantiles of them (min and max kept):
+    enough for a CDF plot, small enough for the JSON of a 2,000-request run."""
+    ordered = sorted(values)
+    if len(ordered) <= limit:
+        return ordered
+    last = len(ordered) - 1
+    return [ordered[round(k * last / (limit - 1))] for k in range(limit)]
 
 
 def ratios(loramux: dict, baseline: dict | None) -> dict:
