@@ -11,6 +11,11 @@ SERVE_HELP = (
 )
 
 
+ENGINE_HELP = (
+    "Start one engine process (one per accelerator) serving the internal engine API; it "
+    "registers in Redis so platforms with LORAMUX_ENGINE_MODE=remote route requests to it."
+)
+
 BENCH_HELP = (
     "Serve a preset workload with loramux and with transformers + PEFT in the same run and "
     "report both (latency percentiles, throughput, SLO attainment, tenant shares, plots)."
@@ -30,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir", help="data directory (default: LORAMUX_DATA_DIR or ./.loramux)"
     )
     serve.set_defaults(handler=_serve)
+    engine = commands.add_parser("engine", help=ENGINE_HELP, description=ENGINE_HELP)
+    engine.add_argument("--host", help="bind address (default: LORAMUX_ENGINE_HOST or 127.0.0.1)")
+    engine.add_argument("--port", type=int, help="port (default: LORAMUX_ENGINE_PORT or 8100)")
+    engine.set_defaults(handler=_engine)
     bench = commands.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
     bench.add_argument(
         "args", nargs=argparse.REMAINDER, help="a preset, e.g. cpu-smoke; -h lists all"
@@ -71,6 +80,32 @@ def _serve(args: argparse.Namespace) -> int:
     context = build_context(settings, log=lambda msg: print(msg, flush=True))
     print(_banner(context), flush=True)
     uvicorn.run(create_app(context), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loramux.platform.engines.server import build_engine_host, create_engine_app
+    from loramux.platform.settings import Settings
+
+    overrides = {
+        key: value
+        for key, value in {"engine_host": args.host, "engine_port": args.port}.items()
+        if value is not None
+    }
+    settings = Settings(**overrides)
+    if settings.engine_secret is None:
+        print(
+            "loramux engine needs LORAMUX_ENGINE_SECRET (the bearer token platforms use to "
+            "reach it); set the same value on the platform.",
+            file=sys.stderr,
+        )
+        return 2
+    host = build_engine_host(settings, log=lambda msg: print(msg, flush=True))
+    print(f"loramux engine {host.engine_id} serving {host.model_id} at {host.url}", flush=True)
+    app = create_engine_app(host)
+    uvicorn.run(app, host=settings.engine_host, port=settings.engine_port, log_level="info")
     return 0
 
 

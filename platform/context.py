@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.engine import AsyncEngine, Engine, EngineConfig
+from loramux.engine import Engine, EngineConfig
 from loramux.platform.admin_token import load_or_create_admin_token
 from loramux.platform.base_model import BaseModel, resolve_base_model
 from loramux.platform.db.migrate import upgrade
 from loramux.platform.db.session import create_engine_for, session_factory
+from loramux.platform.engines.client import EngineClient, LocalEngine
 from loramux.platform.limits import RateLimiter, build_rate_limiter
 from loramux.platform.services.adapter_upload import ValidationTarget
 from loramux.platform.settings import Settings
@@ -32,7 +33,9 @@ class PlatformContext:
     rate_limiter: RateLimiter  # per-tenant token buckets
     tasks: Celery  # background tasks: queued to a broker, or run in-process (eager)
     admin_token_created: bool = False
-    engine: AsyncEngine | None = None  # the in-process engine of the embedded default
+    # The engine(s): in this process (embedded default) or engine processes behind routing;
+    # None in processes that serve no requests (workers).
+    engine: EngineClient | None = None
 
     @property
     def tasks_queued(self) -> bool:
@@ -49,14 +52,15 @@ class PlatformContext:
         )
 
 
-def build_engine(settings: Settings, base_model: BaseModel) -> AsyncEngine:
+def engine_config(settings: Settings, base_model: BaseModel) -> EngineConfig:
+    """The engine this platform's settings describe (in-process or ``loramux engine``)."""
     disk_cache = {}
     if settings.adapter_disk_cache_bytes:
         disk_cache = {
             "adapter_disk_cache_dir": str(settings.data_dir / "adapter-cache"),
             "adapter_disk_cache_bytes": settings.adapter_disk_cache_bytes,
         }
-    config = EngineConfig(
+    return EngineConfig(
         model=str(base_model.path),
         kv_cache_bytes=settings.kv_cache_bytes,
         adapter_device_bytes=settings.adapter_device_bytes,
@@ -67,7 +71,18 @@ def build_engine(settings: Settings, base_model: BaseModel) -> AsyncEngine:
         cuda_graph_max_batch=settings.cuda_graph_max_batch,
         device=settings.device,
     )
-    return AsyncEngine(Engine(config))
+
+
+def build_engine_client(
+    settings: Settings, base_model: BaseModel, store: ObjectStore
+) -> EngineClient:
+    """The engine in this process, or, with ``engine_mode=remote``, the registered engine
+    processes behind routing."""
+    if settings.engine_mode == "remote":
+        from loramux.platform.engines.routed import build_routed_engines
+
+        return build_routed_engines(settings, base_model)
+    return LocalEngine(Engine(engine_config(settings, base_model)), store)
 
 
 def build_context(settings: Settings, *, log=print, with_engine: bool = True) -> PlatformContext:
@@ -76,14 +91,15 @@ def build_context(settings: Settings, *, log=print, with_engine: bool = True) ->
     token = load_or_create_admin_token(settings)
     database_url = settings.resolved_database_url
     upgrade(database_url)  # the schema is always at head before anything serves
+    store = build_store(settings)
     return PlatformContext(
         settings=settings,
         base_model=base_model,
         admin_token=token.value,
         admin_token_created=token.created,
         sessions=session_factory(create_engine_for(database_url)),
-        store=build_store(settings),
+        store=store,
         rate_limiter=build_rate_limiter(settings.redis_url),
         tasks=make_celery(settings),
-        engine=build_engine(settings, base_model) if with_engine else None,
+        engine=build_engine_client(settings, base_model, store) if with_engine else None,
     )

@@ -40,8 +40,9 @@ def _check_store(context: PlatformContext) -> None:
 def _check_engine(context: PlatformContext) -> None:
     if context.engine is None:
         raise _CheckFailed("no engine is attached to this platform")
-    if not context.engine.is_running:
-        raise _CheckFailed("the engine loop is not running")
+    reason = context.engine.not_ready_reason()
+    if reason is not None:
+        raise _CheckFailed(reason)
 
 
 class _CheckFailed(Exception):

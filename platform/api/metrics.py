@@ -96,6 +96,7 @@ router = APIRouter(tags=["health"])
 def metrics(context: ContextDep, platform_metrics: PlatformMetricsDep) -> Response:
     """Prometheus exposition (unauthenticated: keep it off public networks)."""
     parts = [generate_latest(platform_metrics.registry)]
-    if context.engine is not None:
-        parts.append(generate_latest(context.engine.engine.metrics.registry))
+    registry = None if context.engine is None else context.engine.metrics_registry()
+    if registry is not None:  # in-process engine (engine processes serve their own)
+        parts.append(generate_latest(registry))
     return Response(b"".join(parts), media_type=CONTENT_TYPE_LATEST)

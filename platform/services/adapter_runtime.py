@@ -12,14 +12,11 @@ or corrupt) fails the requests waiting for it, and the next request retries.
 from __future__ import annotations
 
 import asyncio
-from functools import partial
-from pathlib import Path
 
 from loramux.engine.engine import EngineError
-from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from loramux.engine.lora.source import CallableSource
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
+from loramux.platform.engines.stored_adapter import StoredAdapter
 
 REMOVAL_RETRY_S = 0.5  # how often a deleted adapter still in use is tried again
 
@@ -62,12 +59,13 @@ class AdapterRuntime:
                 return name
             if not version.weights_store_key or not version.config_store_key:
                 raise AdapterNotServable(f"adapter version {version.id} has no stored files")
-            source = CallableSource(
-                partial(self._fetch, version.config_store_key, version.weights_store_key),
-                description=f"version {version.id} (store object {version.weights_store_key})",
-                cache_key=version.sha256,
+            stored = StoredAdapter(
+                config_key=version.config_store_key,
+                weights_key=version.weights_store_key,
+                sha256=version.sha256,
+                description=f"version {version.id}",
             )
-            await engine.register_adapter(name, source)
+            await engine.register_stored_adapter(name, stored)
             self._loaded.add(name)
         return name
 
@@ -96,9 +94,3 @@ class AdapterRuntime:
             except EngineError as exc:
                 if "is not loaded" in str(exc):
                     return
-
-    def _fetch(self, config_key: str, weights_key: str, folder: Path) -> None:
-        """Runs on the engine's loader thread: the two files from the store, verified."""
-        store = self._context.store
-        store.read_to(config_key, folder / CONFIG_FILE)
-        store.read_to(weights_key, folder / WEIGHTS_FILE)

@@ -183,8 +183,8 @@ class InferenceService:
             raise APIError(503, "No engine is running in this process.", code="no_engine")
         self._context = context
         self._engine = context.engine
-        self._tokenizer = context.engine.engine.tokenizer
-        self._max_model_len = context.engine.engine.max_model_len
+        self._tokenizer = context.engine.tokenizer
+        self._max_model_len = context.engine.max_model_len
 
     # --- resolving the model ----------------------------------------------------------
     async def resolve(

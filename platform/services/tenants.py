@@ -21,11 +21,11 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.engine import AsyncEngine
 from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import DEFAULT_PRIORITY, DEFAULT_WEIGHT, ApiKey, Price, Tenant
 from loramux.platform.db.pricing import current_price
 from loramux.platform.db.types import utc_now
+from loramux.platform.engines.client import EngineClient
 
 MICRO_USD_PER_USD = 1_000_000
 
@@ -292,7 +292,7 @@ def delete_tenant(session: Session, tenant_id: str) -> None:
 # --- the engine ------------------------------------------------------------------------------
 
 
-async def push_scheduling(engine: AsyncEngine, tenant: Tenant) -> None:
+async def push_scheduling(engine: EngineClient, tenant: Tenant) -> None:
     """Tell the running engine the tenant's weight and priority (it knows tenants by id).
 
     The priority also moves the tenant's queued and running requests.
@@ -301,7 +301,7 @@ async def push_scheduling(engine: AsyncEngine, tenant: Tenant) -> None:
     await engine.set_tenant_priority(tenant.id, tenant.priority)
 
 
-async def push_all_scheduling(sessions: sessionmaker[Session], engine: AsyncEngine) -> int:
+async def push_all_scheduling(sessions: sessionmaker[Session], engine: EngineClient) -> int:
     """Tell a (re)started engine every live tenant's weight and priority; returns how many.
 
     The engine keeps these in memory only: without this a restart would run every tenant

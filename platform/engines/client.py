@@ -1,0 +1,94 @@
+"""The one interface the platform reaches engines through, and its in-process form.
+
+:class:`EngineClient` is what routes and services may call. :class:`LocalEngine` is the
+embedded default's: the engine in this process, on its own thread (``AsyncEngine``), its
+adapters read from this platform's store. ``loramux.platform.engines.remote`` has the
+other, engines in their own processes behind the same methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+
+from loramux.engine import AsyncEngine, Engine, SamplingParams
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.stats import EngineStats
+from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.store import ObjectStore
+
+
+class EngineClient(Protocol):
+    """What the platform may ask of its engine(s).
+
+    ``generate`` raises ``EngineError`` when a request is refused and ``AsyncEngineError``
+    (or a subclass) when the engine could not finish it; leaving its loop early aborts the
+    request on the engine. ``remove_adapter`` raises ``EngineError`` while requests use it.
+    """
+
+    @property
+    def tokenizer(self): ...  # the base model's tokenizer (prompt counting, chat templates)
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def not_ready_reason(self) -> str | None: ...  # None when requests can be served
+
+    def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> RequestOutput | None: ...
+
+    async def register_stored_adapter(self, name: str, adapter: StoredAdapter) -> None: ...
+
+    async def remove_adapter(self, name: str) -> None: ...
+
+    async def set_tenant_weight(self, tenant: str | None, weight: float) -> None: ...
+
+    async def set_tenant_priority(self, tenant: str | None, priority: int) -> int: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def adapter_residency(self) -> dict[str, str]: ...
+
+    def metrics_registry(self) -> CollectorRegistry | None: ...  # None: engines export their own
+
+
+class LocalEngine(AsyncEngine):
+    """The engine in the platform's process; adapters come from the platform's store."""
+
+    def __init__(self, engine: Engine, store: ObjectStore):
+        super().__init__(engine)
+        self._store = store
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def not_ready_reason(self) -> str | None:
+        return None if self.is_running else "the engine loop is not running"
+
+    async def register_stored_adapter(self, name: str, adapter: StoredAdapter) -> None:
+        await self.register_adapter(name, adapter.source(self._store))
+
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.engine.metrics.registry

@@ -1,0 +1,178 @@
+"""One ``loramux engine`` process, reached over its internal HTTP API (``server``).
+
+Errors map onto the in-process engine's: a refused request raises ``EngineError`` (with
+:class:`AdapterNotRegistered` when the engine does not know the adapter, e.g. after a
+restart); an engine that cannot be reached raises :class:`EngineUnreachable` before
+anything was sent, and one that goes away mid-request :class:`EngineLost` — both
+``AsyncEngineError``, which the API answers with 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import httpx
+
+from loramux.engine import SamplingParams
+from loramux.engine.async_engine import AsyncEngineError
+from loramux.engine.engine import EngineError
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.stats import EngineStats
+from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.engines.wire import output_from_json, params_to_json, stats_from_json
+
+# Connecting must be quick (a dead engine is skipped for another); a stream may wait long
+# between tokens on a busy engine.
+TIMEOUT = httpx.Timeout(10.0, connect=3.0, read=600.0)
+_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+_LOST = (httpx.TransportError,)
+
+
+class EngineUnavailable(AsyncEngineError):
+    """An engine process could not serve a call (base of the two below)."""
+
+
+class EngineUnreachable(EngineUnavailable):
+    """The engine did not accept the connection: nothing reached it, so a retry elsewhere
+    is safe."""
+
+
+class EngineLost(EngineUnavailable):
+    """The engine went away (or broke the stream) after the request reached it."""
+
+
+class AdapterNotRegistered(EngineError):
+    """The engine does not know the adapter (it restarted since it was registered)."""
+
+
+class RemoteEngine:
+    """Calls to one engine process; ``client`` is shared by all of them."""
+
+    def __init__(self, client: httpx.AsyncClient, engine_id: str, url: str, secret: str):
+        self.engine_id, self.url = engine_id, url.rstrip("/")
+        self._client = client
+        self._headers = {"Authorization": f"Bearer {secret}"}
+
+    def _url(self, path: str) -> str:
+        return f"{self.url}/v1/engine{path}"
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        try:
+            response = await self._client.request(
+                method, self._url(path), json=body, headers=self._headers, timeout=TIMEOUT
+            )
+        except _UNREACHABLE as exc:
+            raise EngineUnreachable(f"engine {self.engine_id} at {self.url}: {exc}") from exc
+        except _LOST as exc:
+            raise EngineLost(f"engine {self.engine_id} at {self.url}: {exc}") from exc
+        if response.status_code >= 500 or response.status_code == 401:
+            raise EngineUnavailable(f"engine {self.engine_id}: {_message(response)}")
+        return response
+
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        adapter: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine streams them; closing early drops the
+        connection, which aborts the request on the engine."""
+        body = {
+            "request_id": request_id,
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "params": params_to_json(params),
+            "adapter": adapter,
+            "priority": priority,
+            "tenant": tenant,
+        }
+        finished = False
+        try:
+            async with self._client.stream(
+                "POST", self._url("/generate"), json=body, headers=self._headers, timeout=TIMEOUT
+            ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    _raise_refusal(response, self.engine_id)
+                async for line in response.aiter_lines():
+                    if line:
+                        out = output_from_json(json.loads(line))
+                        finished = out.finished
+                        yield out
+        except _UNREACHABLE as exc:
+            raise EngineUnreachable(f"engine {self.engine_id} at {self.url}: {exc}") from exc
+        except _LOST as exc:
+            raise EngineLost(
+                f"engine {self.engine_id} stopped during request {request_id}: {exc}"
+            ) from exc
+        if not finished:
+            raise EngineLost(f"engine {self.engine_id} ended request {request_id} unfinished")
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("POST", f"/requests/{request_id}/abort")
+
+    async def register_adapter(self, name: str, adapter: StoredAdapter) -> None:
+        response = await self._call(
+            "PUT",
+            f"/adapters/{name}",
+            {
+                "config_key": adapter.config_key,
+                "weights_key": adapter.weights_key,
+                "sha256": adapter.sha256,
+                "description": adapter.description,
+            },
+        )
+        if response.status_code != 204:
+            raise EngineError(_message(response))
+
+    async def remove_adapter(self, name: str) -> bool:
+        """True if it was removed, False if the engine did not have it; EngineError while
+        requests use it."""
+        response = await self._call("DELETE", f"/adapters/{name}")
+        if response.status_code == 404:
+            return False
+        if response.status_code != 204:
+            raise EngineError(_message(response))
+        return True
+
+    async def set_tenant(
+        self, tenant: str, *, weight: float | None = None, priority: int | None = None
+    ) -> int:
+        response = await self._call(
+            "PUT", f"/tenants/{tenant}", {"weight": weight, "priority": priority}
+        )
+        if response.status_code != 200:
+            raise EngineError(_message(response))
+        return int(response.json()["reprioritized"])
+
+    async def stats(self) -> EngineStats:
+        return stats_from_json((await self._call("GET", "/stats")).json())
+
+    async def residency(self) -> dict[str, str]:
+        return dict((await self._call("GET", "/residency")).json())
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+def _raise_refusal(response: httpx.Response, engine_id: str) -> None:
+    error: Any = {}
+    with contextlib.suppress(ValueError):
+        error = response.json().get("error", {})
+    message = str(error.get("message") or f"HTTP {response.status_code}")
+    if response.status_code == 400:
+        if error.get("code") == "unknown_adapter":
+            raise AdapterNotRegistered(message)
+        raise EngineError(message)
+    raise EngineUnavailable(f"engine {engine_id}: {message}")

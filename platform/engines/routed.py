@@ -1,0 +1,399 @@
+"""The platform's engine client in production: requests routed to registered engines.
+
+:class:`RoutedEngines` has the in-process engine's methods (``client.EngineClient``) over
+every live ``loramux engine`` process serving this platform's base model. It reads the
+registry every half heartbeat and, per request, picks an engine by ``routing.choose``:
+adapter affinity within a bound on imbalance, from the registry's loads raised by the
+requests this platform has in flight.
+
+Engines learn what they need lazily, when a request is first routed to them: the
+adapter's store objects (``register_stored_adapter`` only records them) and every
+tenant's scheduling. Both are sent again after an engine restarts (a new boot id).
+
+Failures: an engine that refuses the connection is skipped at once (until its next
+heartbeat) and the request goes to another; one that dies mid-request fails only that
+request (``EngineLost``: the caller bills what was delivered); its record leaves the
+registry when it stops beating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from contextlib import aclosing
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from loramux.engine import SamplingParams
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.platform.engines.registry import EngineRecord, EngineRegistry
+from loramux.platform.engines.remote import (
+    AdapterNotRegistered,
+    EngineLost,
+    EngineUnavailable,
+    EngineUnreachable,
+    RemoteEngine,
+)
+from loramux.platform.engines.routing import COLD, Candidate, affinity, choose
+from loramux.platform.engines.stored_adapter import StoredAdapter
+
+logger = logging.getLogger(__name__)
+
+
+def build_routed_engines(settings, base_model) -> RoutedEngines:
+    """The client ``LORAMUX_ENGINE_MODE=remote`` describes (Redis registry, shared secret)."""
+    import redis.asyncio
+    from transformers import AutoTokenizer
+
+    from loramux.engine.model.config import ModelConfig
+
+    registry = EngineRegistry(
+        redis.asyncio.from_url(settings.redis_url), settings.engine_heartbeat_s
+    )
+    return RoutedEngines(
+        registry,
+        model_id=base_model.model_id,
+        tokenizer=AutoTokenizer.from_pretrained(base_model.path),
+        default_max_model_len=ModelConfig.from_pretrained(base_model.path).max_position_embeddings,
+        secret=settings.engine_secret.get_secret_value(),
+        load_factor=settings.routing_load_factor,
+    )
+
+
+class NoEngineAvailable(EngineUnavailable):
+    """No live engine serves the base model (none registered, or every one unreachable)."""
+
+
+class RoutedEngines:
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        *,
+        model_id: str,
+        tokenizer,
+        default_max_model_len: int,
+        secret: str,
+        load_factor: float,
+    ):
+        self._registry = registry
+        self._model_id = model_id
+        self._tokenizer = tokenizer
+        self._default_max_model_len = default_max_model_len
+        self._secret = secret
+        self._load_factor = load_factor
+        self._http: httpx.AsyncClient | None = None
+        self._records: list[EngineRecord] = []
+        self._refresher: asyncio.Task | None = None
+        self._inflight: Counter[str] = Counter()  # engine id -> this platform's requests there
+        self._down: dict[str, float] = {}  # engine id -> heartbeat_at when it failed a connect
+        self._boots: dict[str, str] = {}  # engine id -> boot id the two maps below are about
+        self._sent: dict[str, set[str]] = {}  # engine id -> adapters registered there
+        # engine id -> adapters routed there: affinity from the moment of routing, before
+        # the registration is even sent (so concurrent requests agree)
+        self._assigned: dict[str, set[str]] = {}
+        self._registering: dict[tuple[str, str], asyncio.Lock] = {}
+        self._tenants_synced: set[str] = set()  # engines holding every tenant's scheduling
+        self._adapters: dict[str, StoredAdapter] = {}  # adapter name -> its store objects
+        self._tenants: dict[str, dict] = {}  # tenant -> {"weight": w, "priority": p}
+        self.routed: Counter[tuple[str, str | None]] = Counter()  # (engine, adapter) -> count
+        # Requests with an adapter, by how they were routed: "affine" to an engine holding
+        # (or already sent) it, "cold" when no engine did, "spill" when the load bound sent
+        # it away from one that did.
+        self.decisions: Counter[str] = Counter()
+
+    # --- lifecycle and the registry ----------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        serving = [r.max_model_len for r in self._serving()]
+        return min(serving) if serving else self._default_max_model_len
+
+    async def start(self) -> None:
+        self._http = httpx.AsyncClient()
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def refresh(self) -> None:
+        """Read the registry now (the background task does it every half heartbeat)."""
+        self._records = await self._registry.live()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._registry.heartbeat_s / 2)
+            try:
+                await self.refresh()
+            except Exception:  # Redis blip: route from the last records meanwhile
+                logger.exception("reading the engine registry failed")
+
+    def engines(self) -> list[EngineRecord]:
+        """The live engines serving this platform's base model (from the last read)."""
+        return self._serving()
+
+    def _serving(self) -> list[EngineRecord]:
+        return [
+            r
+            for r in self._records
+            if r.model_id == self._model_id and self._down.get(r.engine_id, -1.0) < r.heartbeat_at
+        ]
+
+    def not_ready_reason(self) -> str | None:
+        if self._http is None:
+            return "the engine client is not started"
+        if not self._serving():
+            return f"no live engine serves {self._model_id} (none registered in Redis)"
+        return None
+
+    def metrics_registry(self) -> CollectorRegistry | None:
+        return None  # each engine process serves its own /metrics
+
+    def _remote(self, record: EngineRecord) -> RemoteEngine:
+        assert self._http is not None, "RoutedEngines.start() was not called"
+        return RemoteEngine(self._http, record.engine_id, record.url, self._secret)
+
+    # --- routing ----------------------------------------------------------------------
+    def _route(
+        self, adapter: str | None, request_id: str, excluded: set[str]
+    ) -> EngineRecord | None:
+        records = {r.engine_id: r for r in self._serving() if r.engine_id not in excluded}
+        candidates = [
+            Candidate(
+                engine_id=r.engine_id,
+                load=max(r.load, self._inflight[r.engine_id]),
+                holds_on_device=adapter is not None and adapter in r.device_adapters,
+                holds_in_host=adapter is not None and adapter in r.host_adapters,
+                sent_before=adapter is not None and adapter in self._assigned_to(r),
+            )
+            for r in records.values()
+        ]
+        chosen = choose(candidates, self._load_factor, adapter or request_id)
+        if chosen is None:
+            return None
+        if adapter is not None:
+            best = min(map(affinity, candidates))
+            if affinity(chosen) > best:
+                self.decisions["spill"] += 1
+            else:
+                self.decisions["cold" if best == COLD else "affine"] += 1
+            self._assigned_to(records[chosen.engine_id]).add(adapter)
+        return records[chosen.engine_id]
+
+    def _check_boot(self, record: EngineRecord) -> None:
+        if self._boots.get(record.engine_id) != record.boot_id:  # new engine, or restarted
+            self._boots[record.engine_id] = record.boot_id
+            self._sent[record.engine_id] = set()
+            self._assigned[record.engine_id] = set()
+            self._tenants_synced.discard(record.engine_id)
+
+    def _sent_to(self, record: EngineRecord) -> set[str]:
+        self._check_boot(record)
+        return self._sent[record.engine_id]
+
+    def _assigned_to(self, record: EngineRecord) -> set[str]:
+        self._check_boot(record)
+        return self._assigned[record.engine_id]
+
+    async def _prepare(self, record: EngineRecord, adapter: str | None) -> None:
+        """Send the engine what the request needs that it may not have yet."""
+        remote, sent = self._remote(record), self._sent_to(record)
+        if record.engine_id not in self._tenants_synced:
+            for tenant, scheduling in list(self._tenants.items()):
+                await remote.set_tenant(tenant, **scheduling)
+            self._tenants_synced.add(record.engine_id)
+        if adapter is None or adapter in sent:
+            return
+        lock = self._registering.setdefault((record.engine_id, adapter), asyncio.Lock())
+        async with lock:  # one registration per engine and adapter, however many requests
+            if adapter in sent:
+                return
+            stored = self._adapters.get(adapter)
+            if stored is None:
+                raise AdapterNotRegistered(f"unknown adapter {adapter!r}; register it first")
+            await remote.register_adapter(adapter, stored)
+            sent.add(adapter)
+
+    def _mark_down(self, record: EngineRecord) -> None:
+        # Skipped until it beats again (a newer heartbeat than the one we saw).
+        self._down[record.engine_id] = record.heartbeat_at
+
+    # --- requests ---------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One request on the engine ``routing`` picks; retried on another engine only when
+        the first could not be reached (nothing was sent), or after re-registering the
+        adapter with an engine that had forgotten it (it restarted)."""
+        if request_id is None:
+            raise ValueError("routed requests need a request_id")
+        excluded: set[str] = set()
+        reregistered = False
+        while True:
+            record = self._route(adapter, request_id, excluded)
+            if record is None:
+                raise NoEngineAvailable(
+                    f"no engine is available for {self._model_id}: "
+                    "none registered, or none reachable"
+                )
+            self._inflight[record.engine_id] += 1
+            try:
+                await self._prepare(record, adapter)
+                stream = self._remote(record).generate(
+                    prompt,
+                    params,
+                    request_id=request_id,
+                    adapter=adapter,
+                    priority=priority,
+                    tenant=tenant,
+                )
+                async with aclosing(stream):
+                    async for out in stream:
+                        self.routed[(record.engine_id, adapter)] += out.finished
+                        yield out
+                return
+            except EngineUnreachable:
+                logger.warning("engine %s unreachable; routing elsewhere", record.engine_id)
+                self._mark_down(record)
+                excluded.add(record.engine_id)
+            except EngineLost:  # this request fails; new ones avoid it until it beats again
+                self._mark_down(record)
+                raise
+            except AdapterNotRegistered:
+                if reregistered or adapter is None:
+                    raise
+                self._sent_to(record).discard(adapter)
+                reregistered = True
+            finally:
+                self._inflight[record.engine_id] -= 1
+
+    async def abort(self, request_id: str) -> None:
+        """Routed requests end when their caller stops reading (the connection closes)."""
+        return None
+
+    # --- adapters and tenants ----------------------------------------------------------
+    async def register_stored_adapter(self, name: str, adapter: StoredAdapter) -> None:
+        self._adapters[name] = adapter
+
+    async def remove_adapter(self, name: str) -> None:
+        """Unregister ``name`` from every engine it was sent to; EngineError while one
+        still runs requests on it (the caller retries)."""
+        for record in self._serving():
+            sent = self._sent_to(record)
+            if name in sent:
+                with contextlib.suppress(EngineUnavailable):  # gone: its memory is gone too
+                    await self._remote(record).remove_adapter(name)
+                sent.discard(name)
+        self._adapters.pop(name, None)
+
+    async def set_tenant_weight(self, tenant: str | None, weight: float) -> None:
+        await self._set_tenant(tenant, weight=weight)
+
+    async def set_tenant_priority(self, tenant: str | None, priority: int) -> int:
+        return await self._set_tenant(tenant, priority=priority)
+
+    async def _set_tenant(self, tenant: str | None, **scheduling) -> int:
+        if tenant is None:
+            return 0
+        self._tenants.setdefault(tenant, {}).update(scheduling)
+        changed = 0
+        for record in self._serving():
+            try:
+                changed += await self._remote(record).set_tenant(tenant, **scheduling)
+            except EngineUnavailable:  # it gets everything again when next used
+                self._tenants_synced.discard(record.engine_id)
+        return changed
+
+    # --- observability ----------------------------------------------------------------
+    async def adapter_residency(self) -> dict[str, str]:
+        """Each adapter's fastest tier on any engine."""
+        return _fastest(await self._gather(lambda remote: remote.residency()))
+
+    async def stats(self) -> EngineStats:
+        """All engines' snapshots as one: counts and bytes summed; latency percentiles
+        are the worst engine's (percentiles of a union are not derivable from parts)."""
+        parts = await self._gather(lambda remote: remote.stats())
+        if not parts:
+            raise NoEngineAvailable(f"no live engine serves {self._model_id}")
+        return _merge_stats(parts)
+
+    async def _gather(self, call) -> list:
+        results = []
+        for record in self._serving():
+            with contextlib.suppress(EngineUnavailable):
+                results.append(await call(self._remote(record)))
+        return results
+
+
+_TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
+
+
+def _fastest(residencies: list[dict[str, str]]) -> dict[str, str]:
+    """Per adapter, the fastest tier any engine holds it in."""
+    merged: dict[str, str] = {}
+    for residency in residencies:
+        for name, tier in residency.items():
+            if _TIER_ORDER.get(tier, 9) < _TIER_ORDER.get(merged.get(name, ""), 9):
+                merged[name] = tier
+    return merged
+
+
+def _merge_tier(tiers: list[TierStats]) -> TierStats:
+    return TierStats(
+        adapters=tuple(sorted({a for t in tiers for a in t.adapters})),
+        bytes=sum(t.bytes for t in tiers),
+        capacity_bytes=sum(t.capacity_bytes for t in tiers),
+    )
+
+
+def _worst(latencies: list[LatencySummary]) -> LatencySummary:
+    def worst(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    return LatencySummary(
+        samples=sum(s.samples for s in latencies),
+        p50=worst([s.p50 for s in latencies]),
+        p90=worst([s.p90 for s in latencies]),
+        p99=worst([s.p99 for s in latencies]),
+    )
+
+
+def _merge_stats(parts: list[EngineStats]) -> EngineStats:
+    return EngineStats(
+        running_requests=sum(p.running_requests for p in parts),
+        waiting_requests=sum(p.waiting_requests for p in parts),
+        kv_blocks_used=sum(p.kv_blocks_used for p in parts),
+        kv_blocks_usable=sum(p.kv_blocks_usable for p in parts),
+        kv_blocks_total=sum(p.kv_blocks_total for p in parts),
+        kv_block_size=parts[0].kv_block_size,
+        device=_merge_tier([p.device for p in parts]),
+        host=_merge_tier([p.host for p in parts]),
+        residency=_fastest([p.residency for p in parts]),
+        ttft=_worst([p.ttft for p in parts]),
+        itl=_worst([p.itl for p in parts]),
+        window_s=max(p.window_s for p in parts),
+        tenant_priorities={k: v for p in parts for k, v in p.tenant_priorities.items()},
+        tenant_weights={k: v for p in parts for k, v in p.tenant_weights.items()},
+    )

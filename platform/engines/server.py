@@ -1,0 +1,352 @@
+"""``loramux engine``: one engine in its own process, behind a small internal HTTP API.
+
+Unauthenticated: ``GET /healthz`` (the process serves), ``GET /readyz`` (the model is
+loaded, the loop runs and the engine is registered), ``GET /metrics`` (the engine's
+Prometheus registry). Everything under ``/v1/engine`` needs ``Authorization: Bearer
+<LORAMUX_ENGINE_SECRET>``:
+
+| route | what |
+|---|---|
+| ``GET /v1/engine/info`` | id, boot id, model, capacity, context cap |
+| ``POST /v1/engine/generate`` | one request; 200 streams one JSON ``RequestOutput`` per line (``wire``), 400 if refused; a dropped connection aborts it |
+| ``POST /v1/engine/requests/{id}/abort`` | abort a request |
+| ``PUT /v1/engine/adapters/{name}`` | register an adapter version by its store objects (idempotent) |
+| ``DELETE /v1/engine/adapters/{name}`` | unregister it; 409 while requests use it |
+| ``PUT /v1/engine/tenants/{tenant}`` | a tenant's fair-share weight and/or priority |
+| ``GET /v1/engine/residency``, ``GET /v1/engine/stats`` | where adapters are; the live snapshot |
+
+While it runs the process publishes its :class:`EngineRecord` to the registry every
+heartbeat (load, resident adapters) and withdraws it on a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from loramux.engine import AsyncEngine
+from loramux.engine.async_engine import AsyncEngineError
+from loramux.engine.engine import EngineError
+from loramux.platform.engines.registry import EngineRecord, EngineRegistry
+from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.engines.wire import output_to_json, params_from_json, stats_to_json
+from loramux.platform.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+
+class EngineHost:
+    """What one engine process holds: the engine, the store its adapters come from, and
+    its place in the registry."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        store: ObjectStore,
+        registry: EngineRegistry | None,
+        *,
+        engine_id: str,
+        url: str,
+        model_id: str,
+        secret: str,
+    ):
+        self.engine, self.store, self.registry = engine, store, registry
+        self.engine_id, self.url, self.model_id = engine_id, url, model_id
+        self.secret = secret
+        self.boot_id = uuid.uuid4().hex  # registrations made before a restart are gone
+        self.registered = False
+        self._adapters: dict[str, StoredAdapter] = {}
+        self._heartbeat: asyncio.Task | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.engine.config.max_num_seqs
+
+    async def start(self) -> None:
+        await self.engine.start()
+        if self.registry is not None:
+            await self.registry.publish(await self.record())
+            self._heartbeat = asyncio.create_task(self._beat())
+        self.registered = True
+
+    async def stop(self) -> None:
+        self.registered = False
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        if self.registry is not None:
+            with contextlib.suppress(Exception):  # Redis gone too: the record expires anyway
+                await self.registry.withdraw(self.engine_id)
+        await self.engine.stop()
+
+    async def record(self) -> EngineRecord:
+        stats = await self.engine.stats()
+        return EngineRecord(
+            engine_id=self.engine_id,
+            url=self.url,
+            model_id=self.model_id,
+            boot_id=self.boot_id,
+            capacity=self.capacity,
+            running=stats.running_requests,
+            waiting=stats.waiting_requests,
+            max_model_len=self.engine.engine.max_model_len,
+            device_adapters=stats.device.adapters,
+            host_adapters=stats.host.adapters,
+        )
+
+    async def _beat(self) -> None:
+        assert self.registry is not None
+        while True:
+            await asyncio.sleep(self.registry.heartbeat_s)
+            try:
+                await self.registry.publish(await self.record())
+            except Exception:  # keep beating: a Redis blip must not unregister us for good
+                logger.exception("engine %s: heartbeat failed", self.engine_id)
+
+    async def register(self, name: str, adapter: StoredAdapter) -> None:
+        known = self._adapters.get(name)
+        if known == adapter:
+            return
+        if known is not None:
+            raise EngineError(f"adapter {name!r} is already registered with other files")
+        await self.engine.register_adapter(name, adapter.source(self.store))
+        self._adapters[name] = adapter
+
+    async def unregister(self, name: str) -> None:
+        await self.engine.remove_adapter(name)  # EngineError while requests use it
+        self._adapters.pop(name, None)
+
+
+# --- request bodies -----------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateBody(_Body):
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt: str | list[int]
+    params: dict[str, Any]
+    adapter: str | None = None
+    priority: int = 0
+    tenant: str | None = None
+
+
+class AdapterBody(_Body):
+    config_key: str
+    weights_key: str
+    sha256: str
+    description: str
+
+
+class TenantBody(_Body):
+    weight: float | None = Field(default=None, gt=0)
+    priority: int | None = None
+
+
+# --- the app ------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "engine_error", "code": code}}, status_code=status
+    )
+
+
+def _host(request: Request) -> EngineHost:
+    return request.app.state.host
+
+
+HostDep = Annotated[EngineHost, Depends(_host)]
+
+
+def _require_secret(request: Request, host: HostDep) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token, host.secret):
+        raise _Unauthorized()
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+internal = APIRouter(prefix="/v1/engine", dependencies=[Depends(_require_secret)])
+
+
+@internal.get("/info")
+async def info(host: HostDep) -> dict:
+    return {
+        "engine_id": host.engine_id,
+        "boot_id": host.boot_id,
+        "model_id": host.model_id,
+        "capacity": host.capacity,
+        "max_model_len": host.engine.engine.max_model_len,
+    }
+
+
+@internal.post("/generate", response_model=None)
+async def generate(body: GenerateBody, host: HostDep) -> Response:
+    try:
+        params = params_from_json(body.params)
+    except (TypeError, ValueError) as exc:
+        return _error(400, f"bad sampling parameters: {exc}", "invalid_request")
+    stream = host.engine.generate(
+        body.prompt if isinstance(body.prompt, str) else list(body.prompt),
+        params,
+        adapter=body.adapter,
+        priority=body.priority,
+        tenant=body.tenant,
+        request_id=body.request_id,
+    )
+    try:  # the first output answers whether the engine took the request
+        first = await anext(stream)
+    except EngineError as exc:
+        await stream.aclose()
+        code = "unknown_adapter" if "unknown adapter" in str(exc) else "invalid_request"
+        return _error(400, str(exc), code)
+    except AsyncEngineError as exc:
+        await stream.aclose()
+        return _error(503, f"the engine could not run the request: {exc}", "engine_error")
+    return StreamingResponse(_lines(first, stream), media_type="application/x-ndjson")
+
+
+async def _lines(first, stream: AsyncIterator) -> AsyncIterator[str]:
+    # Closed early (the platform dropped the connection): closing the engine's stream
+    # aborts the request there.
+    try:
+        yield json.dumps(output_to_json(first)) + "\n"
+        if not first.finished:
+            async for out in stream:
+                yield json.dumps(output_to_json(out)) + "\n"
+    finally:
+        await stream.aclose()
+
+
+@internal.post("/requests/{request_id}/abort", status_code=204)
+async def abort(request_id: str, host: HostDep) -> None:
+    await host.engine.abort(request_id)
+
+
+@internal.put("/adapters/{name}", response_model=None)
+async def register_adapter(name: str, body: AdapterBody, host: HostDep) -> Response:
+    try:
+        await host.register(name, StoredAdapter(**body.model_dump()))
+    except EngineError as exc:
+        return _error(409, str(exc), "adapter_conflict")
+    return Response(status_code=204)
+
+
+@internal.delete("/adapters/{name}", response_model=None)
+async def remove_adapter(name: str, host: HostDep) -> Response:
+    try:
+        await host.unregister(name)
+    except EngineError as exc:
+        if "is not loaded" in str(exc):
+            return _error(404, str(exc), "unknown_adapter")
+        return _error(409, str(exc), "adapter_in_use")
+    return Response(status_code=204)
+
+
+@internal.put("/tenants/{tenant}")
+async def set_tenant(tenant: str, body: TenantBody, host: HostDep) -> dict:
+    reprioritized = 0
+    if body.weight is not None:
+        await host.engine.set_tenant_weight(tenant, body.weight)
+    if body.priority is not None:
+        reprioritized = await host.engine.set_tenant_priority(tenant, body.priority)
+    return {"reprioritized": reprioritized}
+
+
+@internal.get("/residency")
+async def residency(host: HostDep) -> dict[str, str]:
+    return {name: str(tier) for name, tier in (await host.engine.adapter_residency()).items()}
+
+
+@internal.get("/stats")
+async def stats(host: HostDep) -> dict:
+    return stats_to_json(await host.engine.stats())
+
+
+def build_engine_host(settings, *, log=print) -> EngineHost:
+    """The engine process ``settings`` describe: the base model (converted once if it is
+    a GGUF), the engine, the store, and the registry when Redis is configured."""
+    import socket
+
+    import redis.asyncio
+
+    from loramux.engine import Engine
+    from loramux.platform.base_model import resolve_base_model
+    from loramux.platform.context import engine_config
+    from loramux.platform.engines.registry import EngineRegistry
+    from loramux.platform.store import build_store
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    base_model = resolve_base_model(settings, log=log)
+    hostname = socket.gethostname()
+    registry = None
+    if settings.redis_url:
+        registry = EngineRegistry(
+            redis.asyncio.from_url(settings.redis_url), settings.engine_heartbeat_s
+        )
+    return EngineHost(
+        AsyncEngine(Engine(engine_config(settings, base_model))),
+        build_store(settings),
+        registry,
+        engine_id=settings.engine_id or f"{hostname}-{settings.engine_port}",
+        url=settings.engine_advertise_url or f"http://{hostname}:{settings.engine_port}",
+        model_id=base_model.model_id,
+        secret=settings.engine_secret.get_secret_value(),
+    )
+
+
+def create_engine_app(host: EngineHost) -> FastAPI:
+    """The engine process's app over ``host`` (started and stopped with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await host.start()
+        try:
+            yield
+        finally:
+            await host.stop()
+
+    app = FastAPI(lifespan=lifespan, title="loramux engine", version="0.1.0")
+    app.state.host = host
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauthorized(_: Request, __: _Unauthorized) -> JSONResponse:
+        return _error(401, "missing or wrong engine secret (LORAMUX_ENGINE_SECRET)", "unauthorized")
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = host.registered and host.engine.is_running
+        return JSONResponse(
+            {"status": "ready" if ready else "unavailable"}, status_code=200 if ready else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        registry = host.engine.engine.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(internal)
+    return app

@@ -1,0 +1,64 @@
+"""The engine processes' wire format: engine values as JSON and back, losslessly.
+
+Requests carry ``SamplingParams``; a generate stream is one JSON line per
+``RequestOutput``; ``EngineStats`` answers the stats call. Decoding rebuilds the engine's
+own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
+TypeError naming it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from loramux.engine import SamplingParams
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampler import TokenLogprobs
+from loramux.engine.sequence import RequestMetrics
+from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+
+_TUPLE_PARAMS = ("stop", "stop_token_ids")
+
+
+def params_to_json(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)
+
+
+def params_from_json(data: dict[str, Any]) -> SamplingParams:
+    fields = {key: tuple(value) if key in _TUPLE_PARAMS else value for key, value in data.items()}
+    return SamplingParams(**fields)
+
+
+def output_to_json(out: RequestOutput) -> dict[str, Any]:
+    return dataclasses.asdict(out)
+
+
+def output_from_json(data: dict[str, Any]) -> RequestOutput:
+    fields = dict(data)
+    fields["logprobs"] = [
+        TokenLogprobs(item["token_id"], item["logprob"], [tuple(t) for t in item["top"]])
+        for item in data.get("logprobs", [])
+    ]
+    metrics = data.get("metrics")
+    fields["metrics"] = None if metrics is None else RequestMetrics(**metrics)
+    return RequestOutput(**fields)
+
+
+def stats_to_json(stats: EngineStats) -> dict[str, Any]:
+    data = dataclasses.asdict(stats)
+    # JSON object keys are strings: the default tenant (None) travels in a pair list.
+    data["tenant_priorities"] = list(stats.tenant_priorities.items())
+    data["tenant_weights"] = list(stats.tenant_weights.items())
+    return data
+
+
+def stats_from_json(data: dict[str, Any]) -> EngineStats:
+    fields = dict(data)
+    for tier in ("device", "host"):
+        tier_data = data[tier]
+        fields[tier] = TierStats(**{**tier_data, "adapters": tuple(tier_data["adapters"])})
+    for latency in ("ttft", "itl"):
+        fields[latency] = LatencySummary(**data[latency])
+    fields["tenant_priorities"] = {tenant: value for tenant, value in data["tenant_priorities"]}
+    fields["tenant_weights"] = {tenant: value for tenant, value in data["tenant_weights"]}
+    return EngineStats(**fields)

@@ -1,0 +1,213 @@
+"""``loramux engine``'s internal API, driven through ``RemoteEngine`` over real HTTP.
+
+One engine process's app (tiny model, adapters fetched from a local object store) runs
+under uvicorn in a thread; the client is the platform's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from loramux.engine.engine import EngineError
+from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from loramux.platform.engines.remote import (
+    AdapterNotRegistered,
+    EngineUnavailable,
+    EngineUnreachable,
+    RemoteEngine,
+)
+from loramux.platform.engines.server import EngineHost, create_engine_app
+from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.store.local import LocalObjectStore
+from tests.engine.hf_reference import greedy_tokens
+from tests.fixtures.browser import ServerThread, free_port
+
+SECRET = "engine-secret-for-tests"
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def store_adapter(store: LocalObjectStore, folder, name: str) -> StoredAdapter:
+    config = store.put_file(folder / CONFIG_FILE)
+    weights = store.put_file(folder / WEIGHTS_FILE)
+    return StoredAdapter(config.key, weights.key, weights.sha256, f"version {name}")
+
+
+@dataclass
+class RunningEngine:
+    host: EngineHost
+    url: str
+    adapters: dict[str, tuple[StoredAdapter, object]]  # name -> (stored, its folder)
+
+
+@pytest.fixture(scope="module")
+def running_engine(tiny_model_dir, make_adapter, tmp_path_factory) -> Iterator[RunningEngine]:
+    store = LocalObjectStore(tmp_path_factory.mktemp("engine-store"))
+    folders = {
+        "r4": make_adapter(tiny_model_dir, rank=4, targets=("q_proj", "v_proj"), seed=11),
+        "r8": make_adapter(tiny_model_dir, rank=8, targets=("o_proj", "down_proj"), seed=12),
+    }
+    adapters = {name: (store_adapter(store, f, name), f) for name, f in folders.items()}
+    engine = Engine(
+        EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=16 << 20, dtype="float32")
+    )
+    host = EngineHost(
+        AsyncEngine(engine),
+        store,
+        None,
+        engine_id="engine-a",
+        url="",
+        model_id="tiny",
+        secret=SECRET,
+    )
+    server = ServerThread(create_engine_app(host))
+    host.url = server.url
+    with server:
+        yield RunningEngine(host, server.url, adapters)
+
+
+def _run(coro_fn):
+    """Run ``coro_fn(remote)`` with a fresh client (each test its own event loop)."""
+
+    async def main(url: str):
+        async with httpx.AsyncClient() as client:
+            return await coro_fn(RemoteEngine(client, "engine-a", url, SECRET))
+
+    return main
+
+
+async def _collect(stream) -> list:
+    return [out async for out in stream]
+
+
+def test_generate_streams_the_engines_tokens(running_engine, tiny_model_dir):
+    async def go(remote: RemoteEngine):
+        return await _collect(remote.generate("Hello there", GREEDY, request_id="g1"))
+
+    outs = asyncio.run(_run(go)(running_engine.url))
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert [t for o in outs for t in o.delta_token_ids] == outs[-1].token_ids
+    prompt_ids = running_engine.host.engine.engine.tokenizer("Hello there")["input_ids"]
+    assert outs[-1].token_ids == greedy_tokens(tiny_model_dir, None, prompt_ids, 6)
+    assert outs[-1].metrics is not None and outs[-1].metrics.completion_tokens == 6
+
+
+def test_adapters_are_registered_by_store_objects_and_served(running_engine, tiny_model_dir):
+    stored, folder = running_engine.adapters["r4"]
+
+    async def go(remote: RemoteEngine):
+        await remote.register_adapter("v-r4", stored)
+        await remote.register_adapter("v-r4", stored)  # idempotent
+        other, _ = running_engine.adapters["r8"]
+        with pytest.raises(EngineError, match="other files"):
+            await remote.register_adapter("v-r4", other)
+        outs = await _collect(remote.generate("Hi", GREEDY, request_id="g2", adapter="v-r4"))
+        residency = await remote.residency()
+        return outs[-1], residency
+
+    final, residency = asyncio.run(_run(go)(running_engine.url))
+    prompt_ids = running_engine.host.engine.engine.tokenizer("Hi")["input_ids"]
+    assert final.token_ids == greedy_tokens(tiny_model_dir, folder, prompt_ids, 6)
+    assert residency["v-r4"] == "device"
+
+
+def test_refusals_name_the_problem(running_engine):
+    async def go(remote: RemoteEngine):
+        with pytest.raises(AdapterNotRegistered, match="unknown adapter"):
+            await _collect(remote.generate("Hi", GREEDY, request_id="g3", adapter="nope"))
+        with pytest.raises(EngineError, match="prompt token ids"):
+            await _collect(remote.generate([10**9], GREEDY, request_id="g4"))
+
+    asyncio.run(_run(go)(running_engine.url))
+    bad = httpx.post(
+        f"{running_engine.url}/v1/engine/generate",
+        json={"request_id": "g5", "prompt": "x", "params": {"temperature": -1}},
+        headers={"Authorization": f"Bearer {SECRET}"},
+    )
+    assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+
+
+def test_the_internal_api_needs_the_secret(running_engine):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = httpx.get(f"{running_engine.url}/v1/engine/info", headers=headers)
+        assert refused.status_code == 401
+        assert "LORAMUX_ENGINE_SECRET" in refused.json()["error"]["message"]
+    assert httpx.get(f"{running_engine.url}/healthz").status_code == 200
+    assert httpx.get(f"{running_engine.url}/readyz").json() == {"status": "ready"}
+    metrics = httpx.get(f"{running_engine.url}/metrics")
+    assert "loramux_generated_tokens_total" in metrics.text
+
+
+def test_a_dropped_connection_aborts_the_request_on_the_engine(running_engine):
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    engine = running_engine.host.engine.engine
+
+    async def go(remote: RemoteEngine):
+        stream = remote.generate("Tell me a long story", long, request_id="drop1")
+        first = await anext(stream)
+        await stream.aclose()  # the platform's caller went away
+        return first
+
+    first = asyncio.run(_run(go)(running_engine.url))
+    assert not first.finished
+    deadline = time.monotonic() + 20
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests(), "the engine kept running a dropped request"
+    aborted = engine.metrics.registry.get_sample_value("loramux_generated_tokens_total")
+    assert aborted < 400  # it stopped long before its 400 tokens
+
+
+def test_an_adapter_in_use_is_not_removed(running_engine):
+    stored, _ = running_engine.adapters["r8"]
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+    async def go(remote: RemoteEngine):
+        await remote.register_adapter("v-r8", stored)
+        stream = remote.generate("Busy", long, request_id="busy1", adapter="v-r8")
+        await anext(stream)
+        with pytest.raises(EngineError, match="is in use by 1 request"):
+            await remote.remove_adapter("v-r8")
+        await stream.aclose()
+        for _ in range(100):  # the abort lands on the engine thread shortly
+            try:
+                return await remote.remove_adapter("v-r8")
+            except EngineError:
+                await asyncio.sleep(0.05)
+        return None
+
+    assert asyncio.run(_run(go)(running_engine.url)) is True
+
+    async def again(remote: RemoteEngine):
+        return await remote.remove_adapter("v-r8")
+
+    assert asyncio.run(_run(again)(running_engine.url)) is False
+
+
+def test_tenant_scheduling_and_stats(running_engine):
+    async def go(remote: RemoteEngine):
+        await remote.set_tenant("acme", weight=3.0, priority=7)
+        return await remote.stats()
+
+    stats = asyncio.run(_run(go)(running_engine.url))
+    assert stats.tenant_weights["acme"] == 3.0
+    assert stats.tenant_priorities["acme"] == 7
+    assert stats.kv_blocks_total > 0
+
+
+def test_an_engine_that_is_not_there_is_unreachable():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+
+    async def go(remote: RemoteEngine):
+        with pytest.raises(EngineUnreachable):
+            await _collect(remote.generate("Hi", GREEDY, request_id="u1"))
+        with pytest.raises(EngineUnavailable):
+            await remote.stats()
+
+    asyncio.run(_run(go)(url))

@@ -1,0 +1,256 @@
+"""The platform's routed engine client over two engine apps registered in a real Redis.
+
+The registry (heartbeats, expiry, withdrawal) and ``RoutedEngines`` (affinity, spread,
+skipping an unreachable engine, re-registering with an engine that forgot an adapter,
+lazy tenant scheduling, merged stats). Killing an engine process mid-request is
+``tests/platform/e2e/test_engine_topology.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import httpx
+import pytest
+import redis.asyncio
+
+from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from loramux.engine.model.config import ModelConfig
+from loramux.platform.engines.registry import EngineRecord, EngineRegistry
+from loramux.platform.engines.remote import RemoteEngine
+from loramux.platform.engines.routed import NoEngineAvailable, RoutedEngines
+from loramux.platform.engines.server import EngineHost, create_engine_app
+from loramux.platform.store.local import LocalObjectStore
+from tests.fixtures.browser import ServerThread, free_port
+from tests.platform.engines.test_engine_server import SECRET, store_adapter
+
+HEARTBEAT_S = 1.0  # TTL 3 s: a busy test machine must not expire a live engine
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Cluster:
+    namespace: str
+    hosts: dict[str, EngineHost]
+    adapters: dict  # name -> StoredAdapter
+    redis_url: str
+    model_dir: object
+
+    def registry(self) -> EngineRegistry:
+        client = redis.asyncio.from_url(self.redis_url)
+        return EngineRegistry(client, HEARTBEAT_S, namespace=self.namespace)
+
+    def client(self) -> RoutedEngines:
+        from transformers import AutoTokenizer
+
+        return RoutedEngines(
+            self.registry(),
+            model_id="tiny",
+            tokenizer=AutoTokenizer.from_pretrained(self.model_dir),
+            default_max_model_len=ModelConfig.from_pretrained(
+                self.model_dir
+            ).max_position_embeddings,
+            secret=SECRET,
+            load_factor=1.25,
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, make_adapter, redis_url, tmp_path_factory) -> Iterator[Cluster]:
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    store = LocalObjectStore(tmp_path_factory.mktemp("routed-store"))
+    adapters = {
+        f"v{i}": store_adapter(
+            store, make_adapter(tiny_model_dir, rank=4, targets=("q_proj",), seed=100 + i), f"v{i}"
+        )
+        for i in range(12)
+    }
+    hosts, servers = {}, []
+    for engine_id in ("engine-a", "engine-b"):
+        engine = Engine(
+            EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=16 << 20, dtype="float32")
+        )
+        registry = EngineRegistry(
+            redis.asyncio.from_url(redis_url), HEARTBEAT_S, namespace=namespace
+        )
+        host = EngineHost(
+            AsyncEngine(engine),
+            store,
+            registry,
+            engine_id=engine_id,
+            url="",
+            model_id="tiny",
+            secret=SECRET,
+        )
+        server = ServerThread(create_engine_app(host))
+        host.url = server.url
+        hosts[engine_id] = host
+        servers.append(server)
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.enter_context(server)
+        yield Cluster(namespace, hosts, adapters, redis_url, tiny_model_dir)
+
+
+async def _serve(client: RoutedEngines, adapter: str | None, request_id: str):
+    return [
+        out
+        async for out in client.generate(
+            "Hello", GREEDY, adapter=adapter, request_id=request_id, tenant="acme"
+        )
+    ][-1]
+
+
+def test_the_registry_lists_live_engines_and_forgets_silent_ones(cluster):
+    async def go():
+        registry = cluster.registry()
+        live = {r.engine_id: r for r in await registry.live()}
+        assert set(live) == {"engine-a", "engine-b"}
+        assert live["engine-a"].url == cluster.hosts["engine-a"].url
+        assert live["engine-a"].capacity == 64 and live["engine-a"].max_model_len > 0
+        ghost = replace(live["engine-a"], engine_id="ghost", url="http://127.0.0.1:9")
+        await registry.publish(ghost)  # one heartbeat, then silence
+        assert "ghost" in {r.engine_id for r in await registry.live()}
+        await asyncio.sleep(registry.ttl_s + 0.3)
+        assert {r.engine_id for r in await registry.live()} == {"engine-a", "engine-b"}
+        await registry.withdraw("engine-b")  # as a clean shutdown does...
+        assert {r.engine_id for r in await registry.live()} == {"engine-a"}
+        await asyncio.sleep(HEARTBEAT_S * 1.5)  # ...the running one is back at its next beat
+        assert {r.engine_id for r in await registry.live()} == {"engine-a", "engine-b"}
+
+    asyncio.run(go())
+
+
+def test_requests_stick_to_their_adapters_engine_and_adapters_spread(cluster):
+    async def go():
+        client = cluster.client()
+        await client.start()
+        try:
+            for name, stored in cluster.adapters.items():
+                await client.register_stored_adapter(name, stored)
+            for round_ in range(3):
+                for name in cluster.adapters:
+                    final = await _serve(client, name, f"{name}-{round_}")
+                    assert final.finish_reason == "length"
+                    await asyncio.sleep(0)
+            return Counter(client.routed), await client.stats()
+        finally:
+            await client.stop()
+
+    routed, stats = asyncio.run(go())
+    engines_of = {name: {e for (e, a) in routed if a == name} for name in cluster.adapters}
+    assert all(len(engines) == 1 for engines in engines_of.values()), engines_of
+    assert sum(routed.values()) == 36
+    per_engine = Counter(next(iter(e)) for e in engines_of.values())
+    assert set(per_engine) == {"engine-a", "engine-b"}, per_engine
+    assert min(per_engine.values()) >= 3, per_engine
+    # Each engine holds exactly the adapters routed to it.
+    for engine_id, host in cluster.hosts.items():
+        held = set(asyncio.run(host_residency(host)))
+        assert held == {n for n, e in engines_of.items() if e == {engine_id}}
+    assert stats.kv_blocks_total == sum(
+        asyncio.run(host_stats(h)).kv_blocks_total for h in cluster.hosts.values()
+    )
+
+
+async def host_residency(host: EngineHost) -> dict:
+    return await host.engine.adapter_residency()
+
+
+async def host_stats(host: EngineHost):
+    return await host.engine.stats()
+
+
+def test_an_unreachable_engine_is_skipped_at_once(cluster):
+    """A registered engine that refuses connections (a crashed process whose record has
+    not expired yet) costs one connect attempt; the request runs elsewhere."""
+
+    async def go():
+        registry = cluster.registry()
+        client = cluster.client()
+        await client.start()
+        try:
+            live = await registry.live()
+            dead = EngineRecord(
+                **{
+                    **live[0].__dict__,
+                    "engine_id": "dead",
+                    "url": f"http://127.0.0.1:{free_port()}",
+                    "running": 0,
+                    "waiting": 0,
+                }
+            )
+            await registry.publish(dead)
+            await client.refresh()
+            assert "dead" in {r.engine_id for r in client.engines()}
+            await client.register_stored_adapter("v0", cluster.adapters["v0"])
+            first = await _serve(client, None, "unreach-1")
+            second = await _serve(client, None, "unreach-2")
+            engines = {e for (e, _) in client.routed}
+            return first, second, engines, {r.engine_id for r in client.engines()}
+        finally:
+            await registry.withdraw("dead")
+            await client.stop()
+
+    first, second, engines, listed = asyncio.run(go())
+    assert first.finish_reason == second.finish_reason == "length"
+    assert "dead" not in engines
+    assert "dead" not in listed  # skipped until it beats again
+
+
+def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
+    async def go():
+        client = cluster.client()
+        await client.start()
+        try:
+            await client.register_stored_adapter("v5", cluster.adapters["v5"])
+            await _serve(client, "v5", "forget-1")
+            (engine_id,) = {e for (e, a) in client.routed if a == "v5"}
+            host = cluster.hosts[engine_id]
+            async with httpx.AsyncClient() as http:
+                await RemoteEngine(http, engine_id, host.url, SECRET).remove_adapter("v5")
+            final = await _serve(client, "v5", "forget-2")  # re-registered, then served
+            return final, engine_id, Counter(client.routed)
+        finally:
+            await client.stop()
+
+    final, engine_id, routed = asyncio.run(go())
+    assert final.finish_reason == "length"
+    assert routed[(engine_id, "v5")] == 2
+
+
+def test_tenant_scheduling_reaches_engines_before_their_first_request(cluster):
+    async def go():
+        client = cluster.client()
+        await client.start()
+        try:
+            await client.set_tenant_priority("gold", 8)
+            await client.set_tenant_weight("gold", 4.0)
+            await _serve(client, None, "tenant-1")
+            return await client.stats()
+        finally:
+            await client.stop()
+
+    stats = asyncio.run(go())
+    assert stats.tenant_priorities.get("gold") == 8
+    assert stats.tenant_weights.get("gold") == 4.0
+
+
+def test_no_engine_means_a_clear_error(redis_url, tiny_model_dir):
+    async def go():
+        empty = Cluster(f"empty-{uuid.uuid4().hex[:6]}", {}, {}, redis_url, tiny_model_dir)
+        client = empty.client()
+        await client.start()
+        try:
+            assert "no live engine serves tiny" in client.not_ready_reason()
+            with pytest.raises(NoEngineAvailable, match="no engine is available for tiny"):
+                await _serve(client, None, "none-1")
+        finally:
+            await client.stop()
+
+    asyncio.run(go())

@@ -1,0 +1,80 @@
+"""The engine processes' wire format gives back the engine's own values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loramux.engine import SamplingParams
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampler import TokenLogprobs
+from loramux.engine.sequence import RequestMetrics
+from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.platform.engines import wire
+
+
+def _through_json(data):
+    return json.loads(json.dumps(data))
+
+
+def test_sampling_params_round_trip():
+    params = SamplingParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_k=5,
+        top_p=0.9,
+        seed=2**63,
+        logprobs=3,
+        stop=("\n", "END"),
+        stop_token_ids=(2, 7),
+        ignore_eos=True,
+        min_tokens=2,
+    )
+    assert wire.params_from_json(_through_json(wire.params_to_json(params))) == params
+
+
+def test_bad_sampling_params_are_refused_by_name():
+    with pytest.raises(ValueError, match="temperature"):
+        wire.params_from_json({"temperature": -1})
+    with pytest.raises(TypeError):
+        wire.params_from_json({"no_such_knob": 1})
+
+
+def test_request_output_round_trip():
+    out = RequestOutput(
+        request_id="r1",
+        prompt_token_ids=[1, 2],
+        token_ids=[5, 6],
+        text="hi!",
+        delta_token_ids=[6],
+        delta_text="!",
+        finished=True,
+        finish_reason="stop",
+        stop_reason="!",
+        logprobs=[TokenLogprobs(6, -0.25, [(6, -0.25), (9, -1.5)])],
+        adapter="a1",
+        metrics=RequestMetrics(arrival_time=1.0, completion_tokens=2, inter_token_times=[0.1]),
+    )
+    assert wire.output_from_json(_through_json(wire.output_to_json(out))) == out
+
+
+def test_engine_stats_round_trip_with_the_default_tenant():
+    latency = LatencySummary(samples=3, p50=0.1, p90=0.2, p99=None)
+    stats = EngineStats(
+        running_requests=1,
+        waiting_requests=2,
+        kv_blocks_used=3,
+        kv_blocks_usable=10,
+        kv_blocks_total=12,
+        kv_block_size=16,
+        device=TierStats(adapters=("a",), bytes=100, capacity_bytes=1000),
+        host=TierStats(adapters=("a", "b"), bytes=200, capacity_bytes=2000),
+        residency={"a": "device", "b": "host"},
+        ttft=latency,
+        itl=latency,
+        window_s=300.0,
+        tenant_priorities={None: 0, "t1": 5},
+        tenant_weights={None: 1.0, "t1": 2.0},
+    )
+    assert wire.stats_from_json(_through_json(wire.stats_to_json(stats))) == stats
