@@ -61,7 +61,8 @@ def test_cpu_smoke_over_http(tmp_path):
     assert "loramux (http)" in (tmp_path / "bench_cpu-smoke.md").read_text()
 
 
-def test_throughput_against_adapters_sweep(tmp_path):
+def _sweep(tmp_path: Path, kind: str, values: str) -> dict:
+    """cpu-smoke with 6 requests, loramux only, swept over ``values``; the report."""
     done = _loramux(
         "bench",
         "cpu-smoke",
@@ -69,14 +70,18 @@ def test_throughput_against_adapters_sweep(tmp_path):
         "6",
         "--no-baseline",
         "--sweep",
-        "adapters",
+        kind,
         "--sweep-values",
-        "1,4",
+        values,
         "--out",
         str(tmp_path),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    sweep = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())["sweeps"]["adapters"]
+    return json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
+
+
+def test_throughput_against_adapters_sweep(tmp_path):
+    sweep = _sweep(tmp_path, "adapters", "1,4")["sweeps"]["adapters"]
     assert [p["num_adapters"] for p in sweep["points"]] == [1, 4]
     assert all(p["figures"]["requests"]["ok"] == 6 for p in sweep["points"])
     plot = tmp_path / "bench_cpu-smoke_throughput_vs_adapters.png"
@@ -84,21 +89,7 @@ def test_throughput_against_adapters_sweep(tmp_path):
 
 
 def test_ttft_against_offered_load_sweep(tmp_path):
-    done = _loramux(
-        "bench",
-        "cpu-smoke",
-        "--requests",
-        "6",
-        "--no-baseline",
-        "--sweep",
-        "load",
-        "--sweep-values",
-        "1,4",
-        "--out",
-        str(tmp_path),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
+    report = _sweep(tmp_path, "load", "1,4")
     sweep = report["sweeps"]["load"]
     assert sweep["kind"] == "load" and sweep["values"] == [1.0, 4.0]
     rate = report["workload"]["rate"]
