@@ -15,6 +15,7 @@ from fastapi import APIRouter, Body, Depends, Query
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from loramux.engine.async_engine import AsyncEngineError
 from loramux.engine.stats import EngineStats
 from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
 from loramux.platform.api.errors import APIError
@@ -128,11 +129,14 @@ def _engine_labels(
 
 @router.get("/engine")
 async def engine_snapshot(session: SessionDep, context: ContextDep) -> EngineSnapshotOut:
-    """The in-process engine now: requests, KV cache, adapters per tier, recent latency and
-    the tenants' scheduling as the engine holds it."""
+    """The engine now (every live engine, merged, in remote mode): requests, KV cache,
+    adapters per tier, recent latency and the tenants' scheduling as the engine holds it."""
     if context.engine is None:
         raise APIError(503, "No engine runs in this platform process.", code="engine_unavailable")
-    stats = await context.engine.stats()
+    try:
+        stats = await context.engine.stats()
+    except AsyncEngineError as exc:  # e.g. remote mode with no live engine
+        raise APIError(503, f"The engine cannot report: {exc}", code="engine_unavailable") from exc
     taken_at = utc_now()
     labels, names = await run_in_threadpool(_engine_labels, session, stats)
     return EngineSnapshotOut.from_stats(stats, taken_at=taken_at, labels=labels, tenant_names=names)

@@ -206,7 +206,7 @@ async def generate(body: GenerateBody, host: HostDep) -> Response:
     except (TypeError, ValueError) as exc:
         return _error(400, f"bad sampling parameters: {exc}", "invalid_request")
     stream = host.engine.generate(
-        body.prompt if isinstance(body.prompt, str) else list(body.prompt),
+        body.prompt,
         params,
         adapter=body.adapter,
         priority=body.priority,

@@ -100,3 +100,26 @@ def test_a_platform_without_an_engine_says_so(tmp_path, tiny_model_dir):
         )
     error = assert_openai_error(response, 503)
     assert error["code"] == "engine_unavailable"
+
+
+def test_remote_mode_with_no_live_engine_says_so(tmp_path, tiny_model_dir, redis_url):
+    """Engine processes register in Redis; with none there, the snapshot and readiness say
+    so (503 naming the cause) instead of failing."""
+    empty_redis = redis_url.rsplit("/", 1)[0] + "/7"  # no engine registers in this database
+    settings = Settings(
+        data_dir=tmp_path,
+        model=str(tiny_model_dir),
+        redis_url=empty_redis,
+        engine_mode="remote",
+        engine_secret="remote-secret",
+    )
+    context = build_context(settings, log=lambda _: None)
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    with TestClient(create_app(context)) as client:
+        snapshot = client.get("/admin/engine", headers=admin)
+        ready = client.get("/readyz")
+    error = assert_openai_error(snapshot, 503)
+    assert error["code"] == "engine_unavailable"
+    assert "no live engine serves" in error["message"]
+    assert ready.status_code == 503
+    assert "no live engine serves" in ready.json()["checks"]["engine"]["error"]

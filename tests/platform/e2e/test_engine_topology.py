@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,8 +21,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from loramux.platform.db.models import Adapter, AdapterVersion
 from loramux.platform.settings import Settings
+from tests.fixtures.polling import eventually
 from tests.platform.e2e.conftest import Platform, Tenant, start_platform
 from tests.platform.e2e.engine_processes import EngineProcess, engine_processes
 from tests.platform.tasks.worker_process import running_worker
@@ -51,14 +53,10 @@ class Topology:
 
 @pytest.fixture
 def topology(tmp_path, tiny_model_dir, postgres_database_url, redis_url, s3_endpoint, s3_bucket):
+    store = s3_endpoint.store_settings(s3_bucket)
     shared = {  # what the platform, the engines and the worker all need
         "LORAMUX_MODEL": str(tiny_model_dir),
-        "LORAMUX_STORE_BACKEND": "s3",
-        "LORAMUX_S3_ENDPOINT_URL": s3_endpoint.endpoint_url,
-        "LORAMUX_S3_BUCKET": s3_bucket,
-        "LORAMUX_S3_ACCESS_KEY_ID": s3_endpoint.access_key_id,
-        "LORAMUX_S3_SECRET_ACCESS_KEY": s3_endpoint.secret_access_key,
-        "LORAMUX_S3_REGION": s3_endpoint.region,
+        **{f"LORAMUX_{name.upper()}": value for name, value in store.items()},
         "LORAMUX_REDIS_URL": _redis_db(redis_url, 5),  # limits and the engine registry
     }
     engine_env = {
@@ -81,12 +79,7 @@ def topology(tmp_path, tiny_model_dir, postgres_database_url, redis_url, s3_endp
         database_url=postgres_database_url,
         redis_url=shared["LORAMUX_REDIS_URL"],
         celery_broker_url=broker,
-        store_backend="s3",
-        s3_endpoint_url=s3_endpoint.endpoint_url,
-        s3_bucket=s3_bucket,
-        s3_access_key_id=s3_endpoint.access_key_id,
-        s3_secret_access_key=s3_endpoint.secret_access_key,
-        s3_region=s3_endpoint.region,
+        **store,
         engine_mode="remote",
         engine_secret=SECRET,
         engine_heartbeat_s=HEARTBEAT_S,
@@ -96,18 +89,8 @@ def topology(tmp_path, tiny_model_dir, postgres_database_url, redis_url, s3_endp
         running_worker({**os.environ, **worker_env}, tmp_path / "worker.log"),
         start_platform(settings) as platform,
     ):
-        _wait_for(lambda: len(platform.context.engine.engines()) == 2, "both engines routed")
+        eventually(lambda: len(platform.context.engine.engines()) == 2, "both engines routed")
         yield Topology(platform, engines)
-
-
-def _wait_for(check, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _upload_all(topology: Topology, adapter_dirs: list[Path]) -> None:
@@ -131,7 +114,7 @@ def _upload_all(topology: Topology, adapter_dirs: list[Path]) -> None:
         assert "failed" not in statuses.values(), statuses
         return len(statuses) == NUM_ADAPTERS and set(statuses.values()) == {"ready"}
 
-    _wait_for(all_ready, "the worker to validate every upload", timeout_s=180)
+    eventually(all_ready, "the worker to validate every upload", timeout_s=180)
 
 
 def _complete(platform: Platform, tenant: Tenant, model: str) -> dict:
@@ -261,7 +244,7 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
     # --- new requests go to the survivor at once, for the dead engine's adapters too -------
     for name in topology.adapters[:10]:
         assert _complete(platform, topology.tenant, name)["usage"]["completion_tokens"] == 4
-    _wait_for(lambda: len(client.engines()) == 1, "the dead engine to leave the registry")
+    eventually(lambda: len(client.engines()) == 1, "the dead engine to leave the registry")
     assert [r.engine_id for r in client.engines()] == [survivor.engine_id]
 
     # --- billing: every delivered token once, failed streams included ----------------------
@@ -277,10 +260,6 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
 
 def _engine_names(platform: Platform) -> dict[str, str]:
     """Tenant adapter name -> the version id the engines know it by."""
-    from sqlalchemy import select
-
-    from loramux.platform.db.models import Adapter, AdapterVersion
-
     with platform.context.sessions() as session:
         rows = session.execute(
             select(Adapter.name, AdapterVersion.id).join(AdapterVersion.adapter)

@@ -45,12 +45,7 @@ def platform(
         model=str(smollm2_dir),
         database_url=postgres_database_url,
         redis_url=redis_url,
-        store_backend="s3",
-        s3_endpoint_url=s3_endpoint.endpoint_url,
-        s3_bucket=s3_bucket,
-        s3_access_key_id=s3_endpoint.access_key_id,
-        s3_secret_access_key=s3_endpoint.secret_access_key,
-        s3_region=s3_endpoint.region,
+        **s3_endpoint.store_settings(s3_bucket),
         kv_cache_bytes=64 << 20,
     )
     with start_platform(settings) as running:

@@ -75,12 +75,7 @@ def platform(
         model=str(tiny_model_dir),
         database_url=postgres_database_url,
         redis_url=redis_url,
-        store_backend="s3",
-        s3_endpoint_url=endpoint.endpoint_url,
-        s3_bucket=bucket,
-        s3_access_key_id=endpoint.access_key_id,
-        s3_secret_access_key=endpoint.secret_access_key,
-        s3_region=endpoint.region,
+        **endpoint.store_settings(bucket),
         kv_cache_bytes=KV_CACHE_BYTES,
     )
     with start_platform(settings) as running:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import tarfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,18 +57,6 @@ def complete(platform: Platform, tenant: Tenant, **body) -> dict:
     )
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def eventually(check, what: str, timeout_s: float = 60.0):
-    """Poll ``check()`` until it returns something truthy (returned); fail after a generous
-    ``timeout_s`` naming ``what`` (a bound on waiting, not a claim about speed)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def adapter_archive(adapter: Path, out: Path) -> Path:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.platform.ui.conftest import eventually, sign_in, upload_adapter
+from tests.fixtures.polling import eventually
+from tests.platform.ui.conftest import sign_in, upload_adapter
 
 QUESTION = "Name a colour of the sky."
 

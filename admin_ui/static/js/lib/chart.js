@@ -129,6 +129,25 @@ function seriesColor(item, i) {
   return item.color || COLORS[i % COLORS.length];
 }
 
+/** The x axis's line along the bottom of the plot. */
+function baseline(axis, plot) {
+  const bottom = plot.top + plot.height;
+  axis.append(s("line", { x1: plot.left, x2: plot.left + plot.width, y1: bottom, y2: bottom }));
+}
+
+/** A category's tooltip: its name, then each series' value. */
+function categoryLines(category, series, i, format) {
+  return [category, ...series.map((item) => `${item.name}: ${format(item.values[i])}`)];
+}
+
+/** A transparent rectangle over one category that shows `lines` at `[x, y]` while hovered. */
+function hoverBand(tip, rect, [x, y], lines) {
+  const hit = s("rect", { ...rect, fill: "transparent" });
+  hit.addEventListener("mouseenter", () => tip.show(x, y, lines));
+  hit.addEventListener("mouseleave", () => tip.hide());
+  return hit;
+}
+
 /**
  * Vertical bars, stacked: {categories: [...labels], series: [{name, values, color}],
  * format(value) for tooltips, axisFormat(value) for the y axis, integer, title}.
@@ -154,14 +173,7 @@ export function barChart(box, spec) {
     yAxis(axis, scale, plot, axisFormat);
     const centers = categories.map((_, i) => plot.left + band * i + band / 2);
     xLabels(axis, categories, centers, plot);
-    axis.append(
-      s("line", {
-        x1: plot.left,
-        x2: plot.left + plot.width,
-        y1: plot.top + plot.height,
-        y2: plot.top + plot.height,
-      }),
-    );
+    baseline(axis, plot);
     svg.append(axis);
     const tip = tooltip();
     categories.forEach((category, i) => {
@@ -188,21 +200,14 @@ export function barChart(box, spec) {
           ),
         );
       });
-      const hit = s("rect", {
-        x: plot.left + band * i,
-        y: plot.top,
-        width: band,
-        height: plot.height,
-        fill: "transparent",
-      });
-      hit.addEventListener("mouseenter", () =>
-        tip.show(centers[i], Math.max(plot.top, base), [
-          category,
-          ...series.map((item) => `${item.name}: ${format(item.values[i])}`),
-        ]),
+      group.append(
+        hoverBand(
+          tip,
+          { x: plot.left + band * i, y: plot.top, width: band, height: plot.height },
+          [centers[i], Math.max(plot.top, base)],
+          categoryLines(category, series, i, format),
+        ),
       );
-      hit.addEventListener("mouseleave", () => tip.hide());
-      group.append(hit);
       svg.append(group);
     });
     box.replaceChildren(legend(series), svg, tip.node);
@@ -234,14 +239,7 @@ export function lineChart(box, spec) {
     const axis = s("g", { class: "axis" });
     yAxis(axis, scale, plot, axisFormat);
     xLabels(axis, categories, xs, plot);
-    axis.append(
-      s("line", {
-        x1: plot.left,
-        x2: plot.left + plot.width,
-        y1: plot.top + plot.height,
-        y2: plot.top + plot.height,
-      }),
-    );
+    baseline(axis, plot);
     svg.append(axis);
     const tip = tooltip();
     series.forEach((item, k) => {
@@ -280,21 +278,14 @@ export function lineChart(box, spec) {
     });
     const band = categories.length > 1 ? step : plot.width;
     categories.forEach((category, i) => {
-      const hit = s("rect", {
-        x: xs[i] - band / 2,
-        y: plot.top,
-        width: band,
-        height: plot.height,
-        fill: "transparent",
-      });
-      hit.addEventListener("mouseenter", () =>
-        tip.show(xs[i], y(Math.max(...series.map((item) => item.values[i]))), [
-          category,
-          ...series.map((item) => `${item.name}: ${format(item.values[i])}`),
-        ]),
+      svg.append(
+        hoverBand(
+          tip,
+          { x: xs[i] - band / 2, y: plot.top, width: band, height: plot.height },
+          [xs[i], y(Math.max(...series.map((item) => item.values[i])))],
+          categoryLines(category, series, i, format),
+        ),
       );
-      hit.addEventListener("mouseleave", () => tip.hide());
-      svg.append(hit);
     });
     box.replaceChildren(legend(series), svg, tip.node);
     paintSwatches(box, series);
@@ -374,12 +365,16 @@ export function hbarChart(box, spec) {
         );
         start += w;
       });
-      const lines = [category, ...series.map((item) => `${item.name}: ${format(item.values[i])}`)];
+      const lines = categoryLines(category, series, i, format);
       if (notes[i]) lines.push(notes[i]);
-      const hit = s("rect", { x: 0, y: top - 6, width, height: row, fill: "transparent" });
-      hit.addEventListener("mouseenter", () => tip.show(Math.min(start, width - 90), top, lines));
-      hit.addEventListener("mouseleave", () => tip.hide());
-      svg.append(hit);
+      svg.append(
+        hoverBand(
+          tip,
+          { x: 0, y: top - 6, width, height: row },
+          [Math.min(start, width - 90), top],
+          lines,
+        ),
+      );
     });
     box.replaceChildren(legend(series), svg, tip.node);
     paintSwatches(box, series);
