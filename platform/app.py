@@ -25,6 +25,7 @@ from loramux.platform.api.body_limit import (
     BodyLimitMiddleware,
 )
 from loramux.platform.api.errors import install_error_handlers
+from loramux.platform.api.input_guard import InputGuardMiddleware
 from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
@@ -64,7 +65,9 @@ def create_app(
     app.state.adapter_runtime = AdapterRuntime(context)
     app.state.platform_metrics = PlatformMetrics()
     install_error_handlers(app)
-    # The last added is the outermost: metrics see every request, the 413s included.
+    # The last added is the outermost: metrics see every request, the 413s included; the
+    # input guard reads JSON bodies through the body limit's counting receive.
+    app.add_middleware(InputGuardMiddleware)
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=max_body_bytes,
