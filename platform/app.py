@@ -22,6 +22,7 @@ from loramux.platform.api import (
 from loramux.platform.api.body_limit import (
     DEFAULT_MAX_BODY_BYTES,
     UPLOAD_ROUTE,
+    BodyDeadline,
     BodyLimitMiddleware,
 )
 from loramux.platform.api.errors import install_error_handlers
@@ -72,6 +73,9 @@ def create_app(
         BodyLimitMiddleware,
         max_body_bytes=max_body_bytes,
         route_limits={UPLOAD_ROUTE: context.settings.max_upload_bytes},
+        deadline=BodyDeadline(
+            context.settings.request_body_timeout_s, context.settings.request_body_min_bytes_per_s
+        ),
     )
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.platform_metrics)
     app.include_router(health.router)

@@ -79,8 +79,17 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)
     context = build_context(settings, log=lambda msg: print(msg, flush=True))
     print(_banner(context), flush=True)
-    uvicorn.run(create_app(context), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(create_app(context), **serve_options(settings))
     return 0
+
+
+def serve_options(settings) -> dict:
+    """uvicorn's options for ``loramux serve``: where to bind, and a request-head limit above
+    the platform's own URL and header caps, so those are answered 414/431 (JSON) rather than
+    dropped by uvicorn (see ``loramux.platform.api.input_guard``)."""
+    from loramux.platform.api.input_guard import UVICORN_LIMITS
+
+    return {"host": settings.host, "port": settings.port, "log_level": "info", **UVICORN_LIMITS}
 
 
 def _engine(args: argparse.Namespace) -> int:

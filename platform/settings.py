@@ -153,6 +153,20 @@ class Settings(BaseSettings):
         default=64, gt=0, description="Largest LoRA rank an uploaded adapter may have."
     )
 
+    # --- slow clients ------------------------------------------------------------
+    request_body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a request body may take to arrive, plus one second per "
+        "request_body_min_bytes_per_s bytes received; a slower body is cut off with 408.",
+    )
+    request_body_min_bytes_per_s: int = Field(
+        default=16 * 1024,
+        gt=0,
+        description="The slowest steady rate (bytes per second) a request body may arrive "
+        "at without being cut off, once request_body_timeout_s is spent.",
+    )
+
     # --- operator access ---------------------------------------------------------
     admin_token: SecretStr | None = Field(
         default=None,

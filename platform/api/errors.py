@@ -16,9 +16,12 @@ _ERROR_TYPES = {
     402: "insufficient_quota",
     403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
     422: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
 }
 
