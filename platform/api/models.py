@@ -54,6 +54,8 @@ def list_models(context: ContextDep, session: SessionDep, caller: AdminOrTenant)
     cards = [ModelCard(id=base, root=base)]
     if caller is not None:
         for view in adapters.ready_adapters(session, caller):
+            if view.adapter.name == base:
+                continue  # named before such names were refused: requests reach the base
             created = int(view.version.created_at.timestamp()) if view.version else 0
             cards.append(
                 ModelCard(

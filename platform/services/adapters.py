@@ -32,13 +32,22 @@ class AdapterView:
 # --- names and look-ups ----------------------------------------------------------------------
 
 
-def check_adapter_name(name: str) -> str:
+def check_adapter_name(name: str, *, base_model_id: str | None = None) -> str:
+    """``name`` if a tenant may call an adapter so: 422 for a malformed name, 409 for the
+    base model's own (requests naming it reach the base model, so the adapter never would)."""
     if not NAME_PATTERN.fullmatch(name):
         raise APIError(
             422,
             f"Invalid adapter name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit.",
             code="invalid_adapter_name",
+        )
+    if name == base_model_id:
+        raise APIError(
+            409,
+            f"The adapter name {name!r} is the base model's name: requests for it would reach "
+            "the base model, never the adapter. Choose another name.",
+            code="adapter_name_conflict",
         )
     return name
 
