@@ -3,10 +3,15 @@
 ``GET /healthz`` answers as long as the process serves HTTP (liveness: restart me if not).
 ``GET /readyz`` also checks what serving needs — the database, the adapter store and the
 engine — and answers 503 naming the failed checks (readiness: send me no traffic yet).
+
+Both answer anyone, so a failed check says which part failed and a generic reason only:
+an exception's text can name endpoints, buckets, object keys, hosts or a database URL.
+The details go to the platform's log, for operators.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from fastapi import APIRouter
@@ -17,6 +22,7 @@ from loramux.platform.api.deps import ContextDep
 from loramux.platform.context import PlatformContext
 
 router = APIRouter(tags=["health"])
+logger = logging.getLogger(__name__)
 
 # A well-formed key no upload can have (the digest of nothing is not all zeros): asking the
 # store whether it exists is a cheap round trip that must answer False, not raise.
@@ -46,13 +52,21 @@ def _check_engine(context: PlatformContext) -> None:
 
 
 class _CheckFailed(Exception):
-    """A readiness check's expected failure; its message is the reason reported."""
+    """A readiness check's expected failure; its message (our own words, naming nothing
+    private) is the reason reported."""
 
 
 _CHECKS: dict[str, Callable[[PlatformContext], None]] = {
     "database": _check_database,
     "store": _check_store,
     "engine": _check_engine,
+}
+
+# What an unexpected failure of each check is reported as.
+_GENERIC_REASONS = {
+    "database": "the database did not answer",
+    "store": "the adapter store did not answer",
+    "engine": "the engine did not answer",
 }
 
 
@@ -65,7 +79,9 @@ def readyz(context: ContextDep) -> JSONResponse:
         except _CheckFailed as exc:
             checks[name] = {"status": "failed", "error": str(exc)}
         except Exception as exc:  # any failure means not ready: report it, don't crash
-            checks[name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            logger.warning("readiness check %r failed: %s: %s", name, type(exc).__name__, exc)
+            reason = f"{_GENERIC_REASONS[name]} (details in the platform's log)"
+            checks[name] = {"status": "failed", "error": reason}
         else:
             checks[name] = {"status": "ok"}
     ready = all(check["status"] == "ok" for check in checks.values())
