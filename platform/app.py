@@ -28,6 +28,7 @@ from loramux.platform.api.body_limit import (
 from loramux.platform.api.errors import install_error_handlers
 from loramux.platform.api.input_guard import InputGuardMiddleware
 from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
+from loramux.platform.api.openapi_errors import install_error_docs
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
 from loramux.platform.services.adapter_upload import discard_interrupted_uploads
@@ -87,4 +88,5 @@ def create_app(
     app.include_router(adapters.router)
     app.include_router(identity.router)
     app.include_router(ui.router)
+    install_error_docs(app)  # after every router: /openapi.json declares each one's errors
     return app

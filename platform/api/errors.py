@@ -7,6 +7,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # HTTP status -> OpenAI's error `type`.
@@ -24,6 +25,18 @@ _ERROR_TYPES = {
     431: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong and what to do about it.")
+    type: str = Field(description="OpenAI's error type, e.g. `invalid_request_error`.")
+    code: str | None = Field(description="A stable machine-readable code, e.g. `model_not_found`.")
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response (the OpenAPI document declares it per status)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
