@@ -4,10 +4,17 @@ Cheap checks come first and nothing is unpickled, ever: a pickle file in the fol
 refused unopened. The safetensors header (an 8-byte little-endian length, then JSON) is
 parsed here, bounded, before any tensor is read; every tensor must be a float LoRA A/B
 weight of a module the base model has, in one of its layers, with the base model's
-shapes and a rank within the limit. Only then is the engine's own loader run over the
-folder: it reads the values (refusing NaN and infinities) and makes the full semantic
-check, so an adapter accepted here is one the engine will load. Digests are not computed
-here: the object store hashes the files as it stores them.
+shapes and a rank within the limit. ``adapter_config.json`` goes through the engine's own
+strict parse (``AdapterConfig``), so the two can never disagree about what it says. Only
+then is the engine's loader run over the folder: it reads the values (refusing NaN and
+infinities) and makes the full semantic check, so an adapter accepted here is one the
+engine will load.
+
+The platform does not know which dtype an engine serves in (a remote engine may run on
+any device), so the loader runs in float16, the strictest: an adapter is accepted only if
+its A, B, scales and scale·B all stay finite within fp16's ±65504 (bf16 and fp32 reach
+further). Every refusal is an ``UploadRejected`` whose message is for the uploader.
+Digests are not computed here: the object store hashes the files as it stores them.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import torch
 
 from loramux.engine.lora.adapter import (
     CONFIG_FILE,
+    MAX_CONFIG_BYTES,
     WEIGHTS_FILE,
+    AdapterConfig,
     AdapterError,
     load_adapter,
     parse_lora_tensor_name,
@@ -32,7 +41,9 @@ from loramux.platform.ingest.archive import PICKLE_SUFFIXES
 from loramux.platform.ingest.errors import UploadRejected
 
 MAX_HEADER_BYTES = 8 << 20  # a 70B model's all-module adapter header is ~200 KB
-MAX_CONFIG_BYTES = 1 << 20
+# The dtype with the smallest range an engine may serve in: what is finite there is
+# finite in bfloat16 and float32 too.
+STRICTEST_SERVING_DTYPE = torch.float16
 
 # safetensors dtype code -> (name reported in AdapterInfo, bytes per element)
 FLOAT_DTYPES = {
@@ -127,7 +138,7 @@ def read_safetensors_header(
         raw = handle.read(header_bytes)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also 5,000-digit integers
         raise UploadRejected(f"{WEIGHTS_FILE} header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise UploadRejected(f"{WEIGHTS_FILE} header is not a JSON object")
@@ -226,29 +237,25 @@ def _model_name(reference: str) -> str:
     return reference.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def _check_config(config: dict, *, base_model_id: str | None, max_rank: int) -> None:
-    trained_on = config.get("base_model_name_or_path")
-    if trained_on is not None and not isinstance(trained_on, str):
-        raise UploadRejected(f"{CONFIG_FILE}: base_model_name_or_path must be a string")
+def _check_config(config: AdapterConfig, *, base_model_id: str | None, max_rank: int) -> None:
+    """What the platform adds to the engine's parse: the base model and the rank limit."""
+    trained_on = config.base_model_name_or_path
     if trained_on and base_model_id and _model_name(trained_on) != _model_name(base_model_id):
         raise UploadRejected(
             f"{CONFIG_FILE}: the adapter was trained for base model {trained_on!r}, but "
             f"this server runs {base_model_id!r}"
         )
-    targets = config.get("target_modules")
-    if isinstance(targets, list):  # a string is a regex or "all-linear": tensors decide
+    targets = config.target_modules  # the parse let through only a str or a list of str
+    if isinstance(targets, tuple):  # a string is a regex or "all-linear": tensors decide
         for target in targets:
-            short = str(target).rsplit(".", 1)[-1]
+            short = target.rsplit(".", 1)[-1]
             if short not in LORA_TARGETS:
                 raise UploadRejected(
                     f"{CONFIG_FILE}: target module {target!r} is not known (known: "
                     f"{', '.join(LORA_TARGETS)})"
                 )
-    rank_pattern = config.get("rank_pattern") or {}
-    if not isinstance(rank_pattern, dict):
-        raise UploadRejected(f"{CONFIG_FILE}: rank_pattern must be a JSON object")
-    for where, rank in (("r", config.get("r")), *rank_pattern.items()):
-        if isinstance(rank, int) and rank > max_rank:
+    for where, rank in (("r", config.r), *config.rank_pattern.values()):
+        if rank is not None and rank > max_rank:
             raise UploadRejected(
                 f"{CONFIG_FILE}: rank {rank} ({where}) is above the maximum rank of {max_rank}"
             )
@@ -300,8 +307,7 @@ def validate_adapter_dir(
     entries = read_safetensors_header(weights_path)
     rank, modules, dtype = _check_tensors(entries, model_config, max_rank)
     try:
-        # In the file's own dtype: a check, so no reason to make an fp32 copy of the weights.
-        load_adapter(adapter_dir, model_config, max_rank=max_rank, dtype=getattr(torch, dtype))
+        load_adapter(adapter_dir, model_config, max_rank=max_rank, dtype=STRICTEST_SERVING_DTYPE)
     except AdapterError as exc:
         raise UploadRejected(str(exc)) from exc
     return AdapterInfo(

@@ -7,10 +7,13 @@
   the next request for it retries the load and succeeds once the source is back.
 * A registered adapter larger than the device can ever hold is refused at its request,
   not left waiting forever.
+* An adapter whose config the loader refuses (``lora_alpha: 1e308``) fails only its own
+  requests; the others get the tokens they would have had.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -152,3 +155,33 @@ def test_the_disk_cache_serves_a_reloaded_adapter_without_fetching(
     [second] = engine.generate([PROMPT], PARAMS, adapters=["cached"])
     assert fetches == [1]
     assert second.token_ids == first.token_ids
+
+
+def test_an_adapter_with_an_absurd_alpha_fails_only_its_requests(
+    tiny_model_dir, make_adapter, adapter_copy
+):
+    """lora_alpha 1e308 once made every step raise, failing every tenant's requests
+    (issue 14); the loader now refuses it, and only its requests end, with the reason."""
+    good = make_adapter(tiny_model_dir, rank=4, seed=11)
+    hostile = adapter_copy(make_adapter(tiny_model_dir, rank=4, seed=16))
+    config = json.loads((hostile / "adapter_config.json").read_text())
+    (hostile / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e308}))
+    reference = build_engine(tiny_model_dir, {"good": good})
+    [expected_good, expected_base] = reference.generate(
+        [PROMPT, PROMPT], PARAMS, adapters=["good", None]
+    )
+
+    engine = build_engine(tiny_model_dir, {"good": good})
+    source, _ = _copying_source(hostile)
+    engine.register_adapter("hostile", source)
+    engine.add_request("hostile-1", PROMPT, PARAMS, adapter="hostile")
+    engine.add_request("good", PROMPT, PARAMS, adapter="good")
+    engine.add_request("base", PROMPT, PARAMS)
+    ids = ("hostile-1", "good", "base")
+    outputs = _run(engine, lambda outs: all(_finished(outs, r) for r in ids))
+    failed = _finished(outputs, "hostile-1")
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "lora_alpha must be a number above 0 and at most 1000000" in failed.error
+    assert _finished(outputs, "good").token_ids == expected_good.token_ids
+    assert _finished(outputs, "base").token_ids == expected_base.token_ids
+    assert engine.adapter_residency()["hostile"] == "failed"

@@ -346,3 +346,17 @@ def test_pickle_is_never_unpickled(client, auth, good_adapter, tmp_path):
     ]
     assert_openai_error(_upload(client, auth, "pk", files), 422)
     assert not marker.exists()
+
+
+def test_absurd_lora_alpha_is_422_and_leaves_nothing(
+    client, context, auth, good_adapter, private_tmp
+):
+    """lora_alpha 1e308 was once stored as ready, then failed every tenant's requests."""
+    config = json.loads((good_adapter / CONFIG).read_text())
+    files = [
+        ("files", (CONFIG, json.dumps({**config, "lora_alpha": 1e308}).encode())),
+        ("files", (WEIGHTS, (good_adapter / WEIGHTS).read_bytes())),
+    ]
+    error = assert_openai_error(_upload(client, auth, "overflow", files), 422)
+    assert "lora_alpha must be a number above 0 and at most 1000000" in error["message"], error
+    _assert_left_nothing(context, private_tmp)

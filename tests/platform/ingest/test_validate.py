@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loramux.platform.ingest import AdapterInfo, UploadRejected, validate_adapter_dir
+from tests.engine.hostile_configs import HOSTILE_CONFIGS
 from tests.platform.ingest.builders import malicious_pickle
 from tests.platform.ingest.conftest import GOOD_RANK, GOOD_TARGETS
 
@@ -241,4 +242,42 @@ def test_unsupported_peft_type(good_adapter, adapter_copy, model_config):
     adapter = adapter_copy(good_adapter)
     rewrite_config(adapter, peft_type="IA3")
     with pytest.raises(UploadRejected, match="peft_type 'IA3' is not supported"):
+        validate(adapter, model_config)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_CONFIGS))
+def test_hostile_config_is_rejected_naming_the_field(
+    good_adapter, adapter_copy, model_config, case
+):
+    """Each once passed as ready or escaped as another exception (an HTTP 500)."""
+    write, match = HOSTILE_CONFIGS[case]
+    adapter = adapter_copy(good_adapter)
+    (adapter / CONFIG).write_bytes(write(json.loads((adapter / CONFIG).read_text())))
+    with pytest.raises(UploadRejected, match=match):
+        validate(adapter, model_config)
+
+
+def test_weights_header_with_a_5000_digit_number(good_adapter, adapter_copy, model_config):
+    adapter = adapter_copy(good_adapter)
+    header = b'{"x": {"dtype": "F32", "shape": [' + b"7" * 5000 + b'], "data_offsets": [0, 0]}}'
+    (adapter / WEIGHTS).write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(UploadRejected, match="header is not valid JSON"):
+        validate(adapter, model_config)
+
+
+def test_weights_that_overflow_fp16_once_scaled(good_adapter, adapter_copy, model_config):
+    """The platform cannot know an engine's dtype, so fp16's range decides, even for an
+    fp32 adapter an fp32 engine would serve (tests/engine/test_adapter_config.py)."""
+    adapter = adapter_copy(good_adapter)
+    rewrite_config(adapter, lora_alpha=2 * GOOD_RANK)  # scale 2
+    v_b = Q_A.replace("q_proj.lora_A", "v_proj.lora_B")
+
+    def enlarge(tensors):
+        tensors[v_b][0, 0] = 40_000.0  # fits fp16 (65504), twice that does not
+        return tensors
+
+    rewrite_tensors(adapter, enlarge)
+    with pytest.raises(
+        UploadRejected, match=r"layers\.0\.v_proj: lora_B times its scale .* beyond float16's"
+    ):
         validate(adapter, model_config)
