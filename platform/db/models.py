@@ -21,6 +21,7 @@ from enum import StrEnum
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Date,
     Float,
@@ -32,6 +33,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     text,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, relationship
 
@@ -251,9 +253,14 @@ class AdapterVersion(Base):
 class UsageRecord(Base):
     """What one request used and cost: exactly one row per request id (the idempotency key).
 
-    Written once a request produced tokens (``loramux.platform.db.usage.record_usage``).
-    ``cached_prompt_tokens`` is the part of ``prompt_tokens`` served from the prefix cache.
-    The adapter columns are ``None`` for requests to the base model.
+    Written once a request delivered tokens (``loramux.platform.db.usage``). While a
+    streamed request runs, the usage journal checkpoints it as a *provisional* row
+    (``final`` false: what it delivered so far, priced as of that write); the request's end
+    makes it final with its real numbers, and a final row never changes again. A
+    provisional row left behind by a crash is its request's usage as last checkpointed,
+    counted and billed like any other. ``created_at`` is the moment of the row's latest
+    write. ``cached_prompt_tokens`` is the part of ``prompt_tokens`` served from the prefix
+    cache. The adapter columns are ``None`` for requests to the base model.
     """
 
     __tablename__ = "usage_records"
@@ -286,6 +293,7 @@ class UsageRecord(Base):
     cost_micro_usd: Mapped[int] = mapped_column(BigInteger)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utc_now, index=True)
+    final: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class UsageDaily(Base):

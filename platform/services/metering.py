@@ -1,4 +1,4 @@
-"""Metering: one priced usage record per request that produced tokens.
+"""Metering: one priced usage record per request that delivered tokens.
 
 The serving path builds a ``UsageEvent`` when a request ends (finished, stopped, or dropped
 by the client) and hands it to ``Meter.record``::
@@ -7,25 +7,35 @@ by the client) and hands it to ``Meter.record``::
     record = meter.record(UsageEvent(request_id=..., tenant_id=..., model=..., ...))
     usage = usage_for_response(record) if record else None
 
+While a request streams, ``loramux.platform.services.usage_journal`` hands its running
+tallies to ``Meter.checkpoint`` every ``usage_journal_interval_s`` (1 s by default): each
+becomes a *provisional* row (``UsageRecord.final`` false) with the tokens delivered so far,
+which ``record`` later makes final. **A crash (SIGKILL, power loss) therefore loses at most
+the tokens a request delivered since its last checkpoint: one interval's worth plus the
+time a checkpoint write takes**; what was checkpointed stays, billed like any record.
+
 Rules:
 
-* **Idempotent on the request id.** The first write wins; recording the same ``request_id``
-  again (a retry, a duplicate delivery, two workers racing) writes nothing and returns
-  ``None``. ``Meter.stored(request_id)`` reads back what was recorded.
+* **Idempotent on the request id.** The first final write wins; recording the same
+  ``request_id`` again (a retry, a duplicate delivery, two workers racing) writes nothing
+  and returns ``None``. A checkpoint never changes a final row. ``Meter.stored(request_id)``
+  reads back what was recorded.
 * **Only requests that produced tokens are recorded**: an event with
   ``completion_tokens == 0`` (rejected, aborted before its first token) is skipped and
   returns ``None``; its prompt is not billed.
 * **A dropped stream bills only what was delivered**: the caller passes, as
   ``completion_tokens``, the tokens actually sent to the client, not those generated.
-* **Cost** is computed once, here, from the tenant's price in force at the event's moment
-  (``created_at``, default now) with ``loramux.platform.db.pricing.cost_micro_usd``; a tenant
-  without a price at that moment is charged 0. The stored cost never changes afterwards.
+* **Cost** is computed here, at each write, from the tenant's price in force at the
+  event's moment (``created_at``, default now) with
+  ``loramux.platform.db.pricing.cost_micro_usd``; a tenant without a price at that moment
+  is charged 0. A row's cost always follows its tokens; a final row's never changes.
 * ``usage_for_response`` gives the client exactly the numbers of the record, so the sum of
   what the API returned over a period equals the billing export's totals for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,7 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loramux.platform.db.models import UsageRecord
 from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
-from loramux.platform.db.usage import record_usage
+from loramux.platform.db.usage import checkpoint_usage, record_usage
 
 REQUEST_ID_MAX_LENGTH = 128  # UsageRecord.request_id is String(128)
 
@@ -105,6 +115,23 @@ def _stored(session: Session, request_id: str) -> UsageRecord | None:
     ).one_or_none()
 
 
+def _priced_record(session: Session, event: UsageEvent, moment: datetime) -> UsageRecord:
+    return UsageRecord(
+        request_id=event.request_id,
+        tenant_id=event.tenant_id,
+        adapter_id=event.adapter_id,
+        adapter_version_id=event.adapter_version_id,
+        model=event.model,
+        prompt_tokens=event.prompt_tokens,
+        cached_prompt_tokens=event.cached_prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        latency_ms=event.latency_ms,
+        cost_micro_usd=price_event(session, event, moment),
+        finish_reason=event.finish_reason,
+        created_at=moment,
+    )
+
+
 class Meter:
     """Writes usage records, each in its own short transaction on ``sessions``.
 
@@ -122,24 +149,28 @@ class Meter:
         """
         if not event.billable:
             return None
-        moment = event.created_at or utc_now()
         with self._sessions.begin() as session:
-            record = UsageRecord(
-                request_id=event.request_id,
-                tenant_id=event.tenant_id,
-                adapter_id=event.adapter_id,
-                adapter_version_id=event.adapter_version_id,
-                model=event.model,
-                prompt_tokens=event.prompt_tokens,
-                cached_prompt_tokens=event.cached_prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                latency_ms=event.latency_ms,
-                cost_micro_usd=price_event(session, event, moment),
-                finish_reason=event.finish_reason,
-                created_at=moment,
-            )
-            # Every column is set here (defaults included), so the inserted record is the row.
+            record = _priced_record(session, event, event.created_at or utc_now())
+            # Every column is set here (defaults included), so the written record is the row.
             return record if record_usage(session, record) else None
+
+    def checkpoint(self, events: Sequence[UsageEvent]) -> int:
+        """Store running requests' usage so far as provisional rows, in one short
+        transaction; how many rows were written.
+
+        Events that are not billable are skipped, and so are requests whose final record
+        exists (the request ended while this checkpoint was on its way). Each event's
+        request id must appear once.
+        """
+        billable = [event for event in events if event.billable]
+        if not billable:
+            return 0
+        with self._sessions.begin() as session:
+            moment = utc_now()
+            records = [
+                _priced_record(session, event, event.created_at or moment) for event in billable
+            ]
+            return checkpoint_usage(session, records)
 
     def stored(self, request_id: str) -> UsageRecord | None:
         """The record written for ``request_id``, if any."""

@@ -5,6 +5,10 @@ the moment they are written (``Meter.record`` takes ``utc_now()`` just before it
 transaction), so a record of a closed day can only still appear if its commit was delayed by
 more than the grace, or if it is a backfill with an explicit ``created_at``. Either case is
 repaired by rolling that day up again (``rollup_day``, or the task with ``day`` set).
+Provisional records (a running request's checkpoints, ``UsageRecord.final`` false) follow
+the same rule: each checkpoint and the final write restamp the row, so a running request's
+row moves to the new day within a checkpoint interval of midnight, long before the old day
+closes; they are summed like any record (a crashed request's last checkpoint is its usage).
 
 * ``rollup_day(session, day)`` replaces the day's rows with fresh sums, grouped by
   (tenant, adapter, model): idempotent, in the caller's transaction.

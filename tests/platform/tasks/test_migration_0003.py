@@ -6,7 +6,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from loramux.platform.db.migrate import current, downgrade, upgrade
+from loramux.platform.db.migrate import current, downgrade, head, upgrade
 from loramux.platform.db.models import Base
 from loramux.platform.db.session import create_engine_for
 
@@ -34,7 +34,7 @@ def _inspect(url: str) -> tuple[set[str], list, dict[str, list[str]], dict[str, 
 def test_0003_adds_and_drops_usage_daily(postgres_database_url):
     url = postgres_database_url
     upgrade(url)  # from an empty database to head
-    assert current(url) == "0003"
+    assert current(url) == head()
     tables, differences, indexes, ondelete = _inspect(url)
     assert tables == set(Base.metadata.tables)
     assert differences == []
@@ -50,7 +50,7 @@ def test_0003_adds_and_drops_usage_daily(postgres_database_url):
     assert tables == set(Base.metadata.tables) - {"usage_daily"}
 
     upgrade(url)
-    assert current(url) == "0003"
+    assert current(url) == head()
     assert _inspect(url)[1] == []
 
     downgrade(url, "base")

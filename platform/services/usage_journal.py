@@ -1,0 +1,108 @@
+"""The usage journal: what running requests delivered, checkpointed while they run.
+
+Usage used to be written only when a request ended, so a crash (SIGKILL, OOM, power loss)
+lost the billing of every token a long stream had already delivered. The journal keeps a
+live view of each running request (a callable that builds its ``UsageEvent`` from its
+tally: prompt tokens and the completion tokens *delivered* so far) and, from one
+background task, every ``interval_s`` writes those that delivered more since their last
+checkpoint as provisional usage rows, all in one short transaction
+(``Meter.checkpoint``). The request's own end still writes its final record
+(``Meter.record``), which takes over the provisional row.
+
+The bound: a crash loses at most the tokens a request delivered since its last checkpoint,
+that is over the last ``interval_s`` plus the time one checkpoint write takes. A request
+that delivered nothing yet (non-streaming requests deliver only with their response) has
+no row, as before. Snapshots are taken on the event loop that mutates the tallies, so
+they are consistent; the database write runs in a worker thread, and no session outlives
+it. A failing write (database down) is logged and retried at the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+
+from loramux.platform.services.metering import Meter, UsageEvent
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Entry:
+    snapshot: Callable[[], UsageEvent]  # the request's usage as delivered so far
+    written: int = 0  # completion tokens of its last stored checkpoint
+
+
+class UsageJournal:
+    """Running requests' usage, checkpointed every ``interval_s`` by :meth:`start`'s task.
+
+    ``open`` / ``close`` are called on the event loop the journal runs on.
+    """
+
+    def __init__(self, meter: Meter, *, interval_s: float = DEFAULT_INTERVAL_S):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self._meter = meter
+        self.interval_s = interval_s
+        self._open: dict[str, _Entry] = {}
+        self._task: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        """How many requests are open."""
+        return len(self._open)
+
+    def open(self, request_id: str, snapshot: Callable[[], UsageEvent]) -> None:
+        """Journal the request ``request_id`` until :meth:`close`."""
+        self._open[request_id] = _Entry(snapshot)
+
+    def close(self, request_id: str) -> None:
+        """Stop journaling the request (its final record is written by its end)."""
+        self._open.pop(request_id, None)
+
+    async def start(self) -> None:
+        """Checkpoint every ``interval_s`` from a background task, until :meth:`stop`."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="usage-journal")
+
+    async def stop(self) -> None:
+        """Stop the task after one last checkpoint of whatever is still open."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with anyio.CancelScope(shield=True):
+            await self.checkpoint()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.checkpoint()
+
+    async def checkpoint(self) -> int:
+        """Write every open request that delivered more since its last checkpoint; how
+        many rows were written (0 on a failed write, which the next tick retries)."""
+        due: list[tuple[_Entry, UsageEvent]] = []
+        for entry in list(self._open.values()):
+            event = entry.snapshot()
+            if event.completion_tokens > entry.written:
+                due.append((entry, event))
+        if not due:
+            return 0
+        try:
+            written = await anyio.to_thread.run_sync(
+                self._meter.checkpoint, [event for _, event in due]
+            )
+        except Exception:
+            logger.exception("usage checkpoint of %d running request(s) failed", len(due))
+            return 0
+        for entry, event in due:
+            entry.written = event.completion_tokens
+        return written
