@@ -25,6 +25,15 @@ as no bucket at all. The Redis backend therefore sets the key's expiry to that t
 the key when an operation leaves it full) so idle tenants cost no memory; the memory backend
 drops full buckets the same way, sweeping now and then.
 
+Holds
+-----
+The same store keeps *holds*: amounts set aside under a key until released, each under
+its own id, for what a limit must count while it is in use rather than after (a monthly
+budget's running requests: :class:`TenantBudget`). ``hold`` adds one and returns the key's
+total held, this one included, in one atomic step; ``release`` drops one. Every hold
+lapses ``ttl_s`` after it was taken, so the holds of a process that died without
+releasing them free themselves.
+
 Backends
 --------
 :class:`MemoryRateLimiter` keeps buckets in a dict under a lock (one process: the embedded
@@ -35,6 +44,8 @@ Redis shares the buckets and no replica's clock skew matters.
 :class:`TenantLimits` applies a tenant's requests/minute and tokens/minute limits to one request
 with no partial debit: when one bucket passes and the other does not, the one that passed is
 refunded. Its :class:`LimitDecision` carries what an HTTP 429 needs (``Retry-After``, a message).
+:class:`TenantBudget` holds each running request's maximum cost against the tenant's monthly
+budget, so parallel requests cannot all pass one check and overshoot together.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import enum
 import math
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,8 +175,38 @@ class RateLimiter(ABC):
         _check_amount(amount)
         return self._give(key, amount, capacity, refill_per_second, now)
 
+    def hold(
+        self, key: str, hold_id: str, amount: float, *, ttl_s: float, now: float | None = None
+    ) -> float:
+        """Set ``amount`` aside under ``key`` as ``hold_id`` (replacing a hold of that id)
+        until released or ``ttl_s`` from now; the key's total held, this one included."""
+        _check_amount(amount)
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"ttl_s must be a positive finite number, got {ttl_s!r}")
+        return self._hold(key, hold_id, amount, ttl_s, now)
+
+    def release(self, key: str, hold_id: str, *, now: float | None = None) -> float:
+        """Drop the hold ``hold_id`` under ``key`` (gone already: nothing); the total left."""
+        return self._hold(key, hold_id, None, None, now)
+
+    def held(self, key: str, *, now: float | None = None) -> float:
+        """The total of the live holds under ``key``."""
+        return self._hold(key, None, None, None, now)
+
     def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds a connection
         """Release what the limiter holds (connections). A no-op by default."""
+
+    @abstractmethod
+    def _hold(
+        self,
+        key: str,
+        hold_id: str | None,
+        amount: float | None,
+        ttl_s: float | None,
+        now: float | None,
+    ) -> float:
+        """Atomically: drop lapsed holds; with an ``amount``, set hold ``hold_id``; with
+        only a ``hold_id``, drop it. -> the total of the holds left under ``key``."""
 
     @abstractmethod
     def _take(
@@ -208,6 +250,7 @@ class MemoryRateLimiter(RateLimiter):
         self._sweep_every = sweep_every
         self._writes = 0
         self._buckets: dict[str, _Bucket] = {}
+        self._holds: dict[str, dict[str, tuple[float, float]]] = {}  # key -> id -> (amount, until)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -253,6 +296,31 @@ class MemoryRateLimiter(RateLimiter):
             level = min(capacity, self._level(key, capacity, rate, t) + amount)
             self._store(key, level, capacity, rate, t)
             return level
+
+    def _hold(
+        self,
+        key: str,
+        hold_id: str | None,
+        amount: float | None,
+        ttl_s: float | None,
+        now: float | None,
+    ) -> float:
+        with self._lock:
+            t = self._clock() if now is None else now
+            holds = {
+                i: (a, until) for i, (a, until) in self._holds.get(key, {}).items() if until > t
+            }
+            if hold_id is not None:
+                if amount is None:
+                    holds.pop(hold_id, None)
+                else:
+                    assert ttl_s is not None
+                    holds[hold_id] = (amount, t + ttl_s)
+            if holds:
+                self._holds[key] = holds
+            else:
+                self._holds.pop(key, None)
+            return sum(a for a, _ in holds.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,6 +378,47 @@ return {allowed, string.format('%.17g', level)}
 """
 
 
+# Holds: KEYS[1] is a hash {hold id: "amount until"} (until: server seconds).
+# ARGV: hold id ('' = none), amount ('' = release the hold), ttl seconds, now ('' = Redis TIME).
+# Drops lapsed holds, applies the change, keeps the key until its last hold lapses, and
+# returns the total held as a string.
+_HOLDS_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local now
+if ARGV[4] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  now = tonumber(ARGV[4])
+end
+local total = 0
+local last = 0
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local amount, expires = string.match(entries[i + 1], '^(%S+) (%S+)$')
+  amount, expires = tonumber(amount), tonumber(expires)
+  if expires <= now or (entries[i] == ARGV[1] and ARGV[1] ~= '') then
+    redis.call('HDEL', KEYS[1], entries[i])
+  else
+    total = total + amount
+    last = math.max(last, expires)
+  end
+end
+if ARGV[1] ~= '' and ARGV[2] ~= '' then
+  local amount = tonumber(ARGV[2])
+  local expires = now + tonumber(ARGV[3])
+  redis.call('HSET', KEYS[1], ARGV[1],
+             string.format('%.17g', amount) .. ' ' .. string.format('%.17g', expires))
+  total = total + amount
+  last = math.max(last, expires)
+end
+if last > 0 then
+  redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil((last - now) * 1000)))
+end
+return string.format('%.17g', total)
+"""
+
+
 class RedisRateLimiter(RateLimiter):
     """Buckets in Redis, each operation one atomic Lua script timed by the server's clock.
 
@@ -325,6 +434,7 @@ class RedisRateLimiter(RateLimiter):
         self._prefix = prefix
         self._owns_client = owns_client
         self._script = client.register_script(_BUCKET_LUA)
+        self._holds_script = client.register_script(_HOLDS_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "loramux:rl:") -> RedisRateLimiter:
@@ -356,6 +466,22 @@ class RedisRateLimiter(RateLimiter):
         self, key: str, amount: float, capacity: float, rate: float, now: float | None
     ) -> float:
         return self._run("give", key, amount, capacity, rate, now)[1]
+
+    def _hold(
+        self,
+        key: str,
+        hold_id: str | None,
+        amount: float | None,
+        ttl_s: float | None,
+        now: float | None,
+    ) -> float:
+        args = [
+            hold_id or "",
+            "" if amount is None else repr(float(amount)),
+            "" if ttl_s is None else repr(float(ttl_s)),
+            "" if now is None else repr(float(now)),
+        ]
+        return float(self._holds_script(keys=[self.key(key)], args=args))
 
 
 def build_rate_limiter(redis_url: str | None) -> RateLimiter:
@@ -491,3 +617,86 @@ def _impossible(spec: _BucketSpec, amount: float) -> LimitDecision:
 def _denied(spec: _BucketSpec, retry_after: float) -> LimitDecision:
     reason = f"rate limit of {_describe(spec)} exceeded; retry in {retry_after:.3f} s"
     return LimitDecision(allowed=False, retry_after=retry_after, reason=reason, limit=spec.kind)
+
+
+# --------------------------------------------------------------------------------------------
+# A tenant's monthly budget
+# --------------------------------------------------------------------------------------------
+
+BUDGET_HOLD_TTL_S = 900.0
+"""A budget hold lapses after this long even if never released (its process died). A request
+running longer is then covered by its journaled usage only (it is in ``spent``), so at most
+its undelivered rest goes unheld."""
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetHold:
+    """One running request's maximum cost, held against its tenant's budget until released."""
+
+    tenant_id: str
+    hold_id: str
+    amount: int  # micro-dollars
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    """Outcome of :meth:`TenantBudget.try_hold`."""
+
+    allowed: bool
+    spent: int  # micro-dollars this month, as read after the hold was taken
+    held: int  # micro-dollars held by the tenant's other running requests
+    hold: BudgetHold | None = None  # when allowed: release it when the request ends
+
+
+class TenantBudget:
+    """A monthly budget that counts what running requests may still cost.
+
+    A request passes iff ``spent + held + its maximum cost <= budget`` (and ``spent <
+    budget``), where ``held`` is the sum of the maximum costs of the tenant's other running
+    requests, on every replica sharing the store. The request's own maximum is held until
+    :meth:`release`. ``spent`` includes what running requests have already journaled, so a
+    request's delivered part is counted twice while it runs: the check errs on the side of
+    refusing, never of overshooting.
+
+    Race-free without a lock: the hold is taken first and ``spent`` read after it. A request
+    that ends writes its usage before it releases its hold, so a concurrent check sees it in
+    ``held`` (released after our hold) or in ``spent`` (released before, hence written before
+    our read); and of two concurrent holds, the later one sees the earlier.
+    """
+
+    def __init__(self, limiter: RateLimiter, *, ttl_s: float = BUDGET_HOLD_TTL_S) -> None:
+        self._limiter = limiter
+        self._ttl_s = ttl_s
+
+    @staticmethod
+    def key(tenant_id: str) -> str:
+        """The store key of a tenant's budget holds."""
+        return f"tenant:{tenant_id}:budget"
+
+    def held(self, tenant_id: str) -> int:
+        """Micro-dollars held by the tenant's running requests now."""
+        return round(self._limiter.held(self.key(tenant_id)))
+
+    def try_hold(
+        self, tenant_id: str, amount: int, *, budget: int, spent: Callable[[], int]
+    ) -> BudgetDecision:
+        """Hold ``amount`` if the budget has room for it; ``spent()`` reads this month's cost."""
+        if amount < 0:
+            raise ValueError(f"amount must be >= 0, got {amount}")
+        hold_id = uuid.uuid4().hex
+        total = round(self._limiter.hold(self.key(tenant_id), hold_id, amount, ttl_s=self._ttl_s))
+        spent_now = spent()
+        others = max(0, total - amount)
+        if spent_now >= budget or spent_now + others + amount > budget:
+            self._limiter.release(self.key(tenant_id), hold_id)
+            return BudgetDecision(allowed=False, spent=spent_now, held=others)
+        return BudgetDecision(
+            allowed=True,
+            spent=spent_now,
+            held=others,
+            hold=BudgetHold(tenant_id=tenant_id, hold_id=hold_id, amount=amount),
+        )
+
+    def release(self, hold: BudgetHold) -> None:
+        """The request ended (its usage is written): its hold goes."""
+        self._limiter.release(self.key(hold.tenant_id), hold.hold_id)

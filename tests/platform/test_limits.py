@@ -18,6 +18,7 @@ from loramux.platform.limits import (
     MemoryRateLimiter,
     RateLimiter,
     RedisRateLimiter,
+    TenantBudget,
     TenantLimits,
     build_rate_limiter,
 )
@@ -426,3 +427,53 @@ def test_retry_after_header_rounds_up():
     assert LimitDecision(False, 2.0, "x").retry_after_header == "2"
     assert LimitDecision(False, 2.001, "x").retry_after_header == "3"
     assert LimitDecision(True, 0.0).retry_after_header is None
+
+
+# --------------------------------------------------------------------------------------------
+# Holds and the monthly budget, both backends
+# --------------------------------------------------------------------------------------------
+
+
+def test_holds_add_up_release_and_lapse(limiter):
+    assert limiter.hold("h", "a", 10, ttl_s=60, now=T0) == 10
+    assert limiter.hold("h", "b", 5, ttl_s=30, now=T0) == 15
+    assert limiter.hold("h", "a", 12, ttl_s=60, now=T0) == 17  # the same id replaces
+    assert limiter.held("other", now=T0) == 0
+    assert limiter.release("h", "a", now=T0 + 1) == 5
+    assert limiter.release("h", "a", now=T0 + 1) == 5  # twice: nothing more
+    assert limiter.held("h", now=T0 + 29) == 5
+    assert limiter.held("h", now=T0 + 30) == 0  # lapsed: a dead process's holds free themselves
+    with pytest.raises(ValueError):
+        limiter.hold("h", "c", 1, ttl_s=0)
+
+
+def test_budget_counts_spent_held_and_the_request(limiter):
+    budget = TenantBudget(limiter)
+    first = budget.try_hold("t", 60, budget=100, spent=lambda: 30)
+    assert first.allowed and (first.spent, first.held) == (30, 0)
+    refused = budget.try_hold("t", 11, budget=100, spent=lambda: 30)  # 30 + 60 + 11 > 100
+    assert not refused.allowed and refused.held == 60
+    assert budget.held("t") == 60  # the refused one holds nothing
+    assert budget.try_hold("t", 10, budget=100, spent=lambda: 30).allowed  # exactly 100
+    assert not budget.try_hold("t", 0, budget=100, spent=lambda: 100).allowed  # spent it all
+    budget.release(first.hold)
+    assert budget.held("t") == 10
+
+
+def test_parallel_budget_holds_never_overshoot(make_limiter):
+    """Eight threads (each its own limiter on the shared store) hold 10 each of a budget of
+    45 with nothing spent: exactly four pass."""
+    budgets = [TenantBudget(make_limiter()) for _ in range(8)]
+    barrier = threading.Barrier(8)
+    passed = []
+
+    def request(i: int) -> None:
+        barrier.wait()
+        passed.append(budgets[i].try_hold("hot", 10, budget=45, spent=lambda: 0).allowed)
+
+    workers = [threading.Thread(target=request, args=(i,)) for i in range(8)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=20)
+    assert passed.count(True) == 4
