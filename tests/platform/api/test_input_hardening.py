@@ -1,4 +1,4 @@
-"""Hostile strings are clean 4xx answers on PostgreSQL: lone surrogates and NUL characters in
+"""Hostile strings are clean 4xx answers (PostgreSQL, and SQLite below): lone surrogates and NUL
 JSON bodies, paths, query strings and upload forms; honest text (emoji, binary uploads) works."""
 
 from __future__ import annotations
@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from fastapi.testclient import TestClient
 
+from loramux.platform.app import create_app
+from loramux.platform.context import build_context
+from loramux.platform.settings import Settings
 from tests.platform.api.conftest import assert_openai_error
 
 LONE_SURROGATE = "\ud800"
@@ -160,3 +164,21 @@ def test_bad_upload_form_text_is_refused(client, auth, name, filename):
     )
     assert 400 <= response.status_code < 500, response.text
     assert_openai_error(response, response.status_code)
+
+
+# --- the embedded default --------------------------------------------------------------------
+
+
+def test_sqlite_refuses_the_same(tmp_path, tiny_model_dir):
+    settings = Settings(data_dir=tmp_path, model=str(tiny_model_dir), admin_token=None)
+    context = build_context(settings, log=lambda _: None, with_engine=False)
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    try:
+        with TestClient(create_app(context)) as client:
+            body = {"name": f"a{NUL}b"}
+            _assert_refused(_post_json(client, "/admin/tenants", body, admin), "name")
+            assert_openai_error(client.get("/admin/tenants/a%00b", headers=admin), 404)
+            query = client.get("/admin/adapters?tenant_id=a%00b", headers=admin)
+            _assert_refused(query, "query")
+    finally:
+        context.sessions.kw["bind"].dispose()
