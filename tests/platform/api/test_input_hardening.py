@@ -1,5 +1,6 @@
-"""Hostile strings are clean 4xx answers (PostgreSQL, and SQLite below): lone surrogates and NUL
-JSON bodies, paths, query strings and upload forms; honest text (emoji, binary uploads) works."""
+"""Hostile strings are clean 4xx answers, on PostgreSQL (and SQLite, last test): lone surrogates
+and NUL characters in JSON bodies, paths, query strings and upload forms; honest text (emoji,
+binary uploads) works."""
 
 from __future__ import annotations
 
