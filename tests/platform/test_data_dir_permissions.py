@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from loramux.platform.admin_token import load_or_create_admin_token
 from loramux.platform.context import build_context
 from loramux.platform.data_dir import make_data_dir_private
 from loramux.platform.settings import Settings
@@ -100,3 +101,11 @@ def test_the_umask_makes_later_files_owner_only(tmp_path):
     later = tmp_path / "data" / "written-later"
     later.write_text("x")
     assert _mode(later) == 0o600
+
+
+def test_the_admin_token_creates_a_missing_data_dir_private(tmp_path):
+    data_dir = tmp_path / "data"
+    token = load_or_create_admin_token(Settings(data_dir=data_dir, admin_token=None))
+    assert token.created
+    assert _mode(data_dir) == 0o700
+    assert _mode(data_dir / "admin_token") == 0o600
