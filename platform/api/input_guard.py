@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qsl
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loramux.platform.api.body_limit import DEFAULT_MAX_BODY_BYTES
@@ -105,12 +106,12 @@ def _is_json(scope: Scope) -> bool:
     return True
 
 
-def _head_problem(scope: Scope):
+def _head_problem(scope: Scope) -> Response | None:
     """The error response for an over-long target or header block, or a bad path/query."""
-    target_bytes = len(scope.get("raw_path") or scope["path"].encode()) + len(
-        scope.get("query_string", b"")
-    )
-    if target_bytes + 1 > MAX_URL_BYTES:
+    query_bytes = len(scope.get("query_string", b""))
+    path_bytes = len(scope.get("raw_path") or scope["path"].encode())
+    target_bytes = path_bytes + (1 + query_bytes if query_bytes else 0)  # with the "?"
+    if target_bytes > MAX_URL_BYTES:
         return error_response(
             414,
             f"Request URL too long ({target_bytes} bytes; the limit is {MAX_URL_BYTES}): send "
@@ -202,7 +203,7 @@ async def _read_json_body(receive: Receive) -> _ReadBody:
             return _ReadBody([{"type": "http.request", "body": body, "more_body": False}], body)
 
 
-def _body_problem(body: bytes):
+def _body_problem(body: bytes) -> Response | None:
     if not body:
         return None
     try:
