@@ -51,6 +51,7 @@ ID_LENGTH = 32
 NAME_LENGTH = 200
 SHA256_HEX_LENGTH = 64
 STORE_KEY_LENGTH = 1024
+LEASE_OWNER_LENGTH = 200
 
 DEFAULT_PRIORITY = 5
 MIN_PRIORITY = 0
@@ -214,6 +215,12 @@ class AdapterVersion(Base):
     ``adapter_config.json`` in the adapter store; ``sha256`` / ``config_sha256`` are their
     digests. ``rank``, ``target_modules`` and ``size_bytes`` are filled in by validation.
     ``status`` holds an ``AdapterStatus`` value; a failed version carries ``failure_reason``.
+
+    An unfinished version (uploading, validating) is held by a live owner: ``lease_owner``
+    names it (the platform replica whose request works on it, the task queue, or the worker
+    validating it) and it renews ``lease_expires_at`` while it works; a version whose lease
+    ran out is swept (``loramux.platform.services.upload_cleanup``). Both are ``None`` once
+    the version is ready or failed.
     """
 
     __tablename__ = "adapter_versions"
@@ -227,6 +234,8 @@ class AdapterVersion(Base):
         CheckConstraint("version >= 1", name="version_positive"),
         CheckConstraint("rank IS NULL OR rank > 0", name="rank_positive"),
         CheckConstraint("size_bytes IS NULL OR size_bytes >= 0", name="size_non_negative"),
+        # The sweep looks for the few unfinished versions among many finished ones.
+        Index("ix_adapter_versions_status", "status"),
     )
 
     id: Mapped[str] = _id_column()
@@ -244,6 +253,8 @@ class AdapterVersion(Base):
     target_modules: Mapped[list[str] | None] = mapped_column(JSON)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     base_model: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    lease_owner: Mapped[str | None] = mapped_column(String(LEASE_OWNER_LENGTH))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
     created_at: Mapped[datetime] = _created_at_column()
     updated_at: Mapped[datetime] = _updated_at_column()
 
