@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,8 +32,12 @@ from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.api.openapi_errors import install_error_docs
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
-from loramux.platform.services.adapter_upload import discard_interrupted_uploads
 from loramux.platform.services.tenants import push_all_scheduling
+from loramux.platform.services.upload_cleanup import (
+    sweep_abandoned_uploads,
+    sweep_periodically,
+)
+from loramux.platform.services.upload_workspace import UploadWorkspace
 
 
 def create_app(
@@ -43,17 +48,27 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        # Uploads cut off by a crash or restart must not linger as "validating" forever.
-        await run_in_threadpool(discard_interrupted_uploads, context.sessions, context.store)
+        # Uploads cut off by a crash or restart leave nothing behind: this replica's scratch
+        # folder is emptied, the versions it held are removed now, and any version whose
+        # owner died is swept now and every few seconds while the app runs.
+        await run_in_threadpool(uploads.clear)
+        await run_in_threadpool(
+            sweep_abandoned_uploads,
+            context.sessions,
+            context.store,
+            restarted_owner=uploads.owner,
+        )
         # The in-process engine's step thread lives exactly as long as the app.
         if context.engine is not None:
             await context.engine.start()
+        sweeper = asyncio.create_task(sweep_periodically(context.sessions, context.store))
         try:
             if context.engine is not None:
                 # The engine holds tenant shares in memory only: restore the stored ones.
                 await push_all_scheduling(context.sessions, context.engine)
             yield
         finally:
+            sweeper.cancel()
             if context.engine is not None:
                 await context.engine.stop()
 
@@ -64,6 +79,8 @@ def create_app(
         version="0.1.0",
     )
     app.state.context = context
+    uploads = UploadWorkspace.in_data_dir(context.settings.data_dir)
+    app.state.upload_workspace = uploads
     app.state.adapter_runtime = AdapterRuntime(context)
     app.state.platform_metrics = PlatformMetrics()
     install_error_handlers(app)

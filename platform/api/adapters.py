@@ -3,7 +3,8 @@
 Routes translate between HTTP and ``loramux.platform.services.adapters`` /
 ``adapter_upload``. The body-limit middleware caps an upload's body at
 ``settings.max_upload_bytes`` (413 as soon as it passes the cap). Received files go to a
-private temporary folder that is removed when the request ends, whatever happened.
+private folder under ``<data dir>/tmp/uploads`` (``UploadWorkspace``) that is removed when
+the request ends, whatever happened, and at the next start should the process be killed.
 
 An upload answers 201 with status ``ready`` when it was validated in the request (tasks
 in-process, the embedded default), or 202 with status ``validating`` when validation was
@@ -13,7 +14,6 @@ queued to a worker: poll ``GET /v1/adapters/{name}`` until ``ready`` or ``failed
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Annotated
 
@@ -35,6 +35,8 @@ from loramux.platform.db.models import Adapter
 from loramux.platform.ingest.archive import ADAPTER_FILES, PICKLE_SUFFIXES
 from loramux.platform.services import adapters as service
 from loramux.platform.services.adapter_upload import ReceivedUpload, upload_adapter
+from loramux.platform.services.upload_leases import QUEUED_LEASE
+from loramux.platform.services.upload_workspace import UploadWorkspace
 from loramux.platform.tasks.celery_app import VALIDATE_ADAPTER
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
@@ -145,7 +147,13 @@ def _validation_queue(context: PlatformContext):
         return None
 
     def enqueue(version_id: str, target) -> None:
-        context.tasks.send_task(VALIDATE_ADAPTER, args=[version_id, target.to_json()])
+        # A task no worker starts while the queue holds the version is dropped: by then the
+        # sweep fails the version (upload_cleanup), and a late start would find it failed.
+        context.tasks.send_task(
+            VALIDATE_ADAPTER,
+            args=[version_id, target.to_json()],
+            expires=QUEUED_LEASE.total_seconds(),
+        )
 
     return enqueue
 
@@ -157,7 +165,8 @@ def _validation_queue(context: PlatformContext):
     responses={202: {"model": AdapterOut, "description": "Accepted; validation queued."}},
 )
 async def upload(request: Request, tenant: CurrentTenant, context: ContextDep) -> AdapterOut:
-    folder = Path(tempfile.mkdtemp(prefix="loramux-upload-"))
+    workspace: UploadWorkspace = request.app.state.upload_workspace
+    folder = await run_in_threadpool(workspace.new_folder)
     try:
         name, received = await _receive_upload(request, folder)
         view = await run_in_threadpool(
@@ -168,6 +177,7 @@ async def upload(request: Request, tenant: CurrentTenant, context: ContextDep) -
             tenant.id,
             name,
             received,
+            owner=workspace.owner,
             enqueue=_validation_queue(context),
         )
     finally:

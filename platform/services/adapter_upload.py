@@ -2,38 +2,55 @@
 
 ``upload_adapter`` runs in the request (through the thread pool):
 
-1. the HTTP layer has written the received files to a private temporary folder;
-2. a new ``AdapterVersion`` is recorded as *uploading* (committed) and an archive, if one
-   was sent, is unpacked with its path, link and size checks;
+1. the HTTP layer has written the received files to the upload's private folder (under
+   ``<data dir>/tmp/uploads``, ``loramux.platform.services.upload_workspace``);
+2. a new ``AdapterVersion`` is recorded as *uploading* (committed), held under the request's
+   lease (``upload_leases``), and an archive, if one was sent, is unpacked with its path,
+   link and size checks;
 3. then, depending on where tasks run:
 
    * **inline** (no Celery broker, the embedded default): the folder is validated against
      the base model, and only an adapter that passes is put into the object store and
      marked *ready*. A refused upload answers 422 and leaves nothing: its version row (and
-     the adapter row, if this upload created it) is deleted, nothing was stored.
+     the adapter row, if no other version has it) is deleted, nothing was stored.
    * **queued** (a broker is configured): the two files are put into the object store, the
-     version is marked *validating* with their keys, and ``loramux.validate_adapter`` is
-     queued; the request answers at once. A worker runs ``validate_stored_version``: it reads
+     version is marked *validating* with their keys and handed to the queue's lease, and
+     ``loramux.validate_adapter`` is queued (expiring with that lease); the request answers
+     at once. A worker runs ``validate_stored_version``: it takes the version over, reads
      the files back (verified against their digests), validates them and marks the version
      *ready*, or *failed* with the reason, deleting the files no other version shares. The
      failed row stays, so the tenant can read why.
+
+A version names its files before they are put, so a crash at any point leaves no object
+that no version names; ``upload_cleanup`` removes what a dead owner left.
+
+Parallel uploads of one name each become a version, numbered in the order they were
+recorded (1, 2, 3…): recording one takes the database's write lock on SQLite and the
+adapter's row lock on PostgreSQL, and a race to create a new adapter is retried. Only if the
+database stays busy past :data:`BEGIN_ATTEMPTS` tries does an upload answer 409
+``adapter_upload_conflict`` (nothing kept; try again). A store outage answers 503
+``store_unavailable`` and a broker outage 503 ``task_queue_unavailable``, keeping nothing.
 
 Every function here is blocking. Functions that write commit before returning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import json
+import logging
+import random
 import tempfile
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
@@ -47,19 +64,47 @@ from loramux.platform.ingest import (
     unpack_adapter_archive,
     validate_adapter_dir,
 )
-from loramux.platform.services.adapters import (
-    AdapterView,
-    check_adapter_name,
-    latest_version,
+from loramux.platform.services.adapters import AdapterView, check_adapter_name
+from loramux.platform.services.upload_cleanup import (
+    delete_unshared,
+    drop_files_of_failed,
+    named_keys,
+    remove_version,
 )
-from loramux.platform.store import ChecksumMismatch, ObjectNotFound, ObjectStore, StoredObject
+from loramux.platform.services.upload_leases import (
+    QUEUE_OWNER,
+    QUEUED_LEASE,
+    REQUEST_LEASE,
+    WORKER_LEASE,
+    LeaseKeeper,
+    LeaseLost,
+    is_contention,
+    lease_until,
+    lock_for_writing,
+    queued_or_validating_by_worker,
+    release,
+    update_if_held,
+    worker_owner,
+    write_if_held,
+)
+from loramux.platform.store import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    ObjectStore,
+    StoredObject,
+    StoreError,
+    key_for,
+)
+
+logger = logging.getLogger(__name__)
 
 REJECTED_PREFIX = "Adapter rejected: "
 
 
 @dataclass(frozen=True)
 class ReceivedUpload:
-    """What arrived over HTTP: the adapter's two files in ``folder``, or one ``archive``."""
+    """What arrived over HTTP: the adapter's two files in ``folder``, or one ``archive``
+    (then ``folder`` is the upload's private folder, where the archive is unpacked)."""
 
     folder: Path
     archive: Path | None = None
@@ -119,6 +164,25 @@ EnqueueValidation = Callable[[str, ValidationTarget], None]
 
 # --- the request's part ----------------------------------------------------------------------
 
+BEGIN_ATTEMPTS = 6  # tries to record a new version against other writers
+BEGIN_BACKOFF_S = 0.02  # first pause between tries; doubled each time, with jitter
+
+STORE_UNAVAILABLE = (
+    "The adapter store is unavailable, so the upload was not kept. Try again shortly."
+)
+QUEUE_UNAVAILABLE = (
+    "The adapter could not be queued for validation (task broker unreachable); "
+    "nothing was kept. Try again shortly."
+)
+LEASE_LOST = (
+    "The upload could not record its progress in time and was cancelled; nothing was kept. "
+    "Try again."
+)
+
+
+class _QueueUnavailable(Exception):
+    """Sending the validation task failed."""
+
 
 def upload_adapter(
     sessions: sessionmaker[Session],
@@ -128,60 +192,77 @@ def upload_adapter(
     name: str,
     received: ReceivedUpload,
     *,
+    owner: str,
     enqueue: EnqueueValidation | None = None,
 ) -> AdapterView:
     """Record the upload as the next version of ``name`` and validate or queue it.
 
-    Uses its own session: the upload's states are committed one by one, whatever the
-    request's session does. Raises ``APIError`` 422 with the reason when the upload is
-    refused in the request, 503 when the validation task cannot be queued.
+    ``owner`` is the lease owner of this platform replica's requests
+    (``UploadWorkspace.owner``). Uses its own sessions: the upload's states are committed
+    one by one, whatever the request's session does. Raises ``APIError``: 422 with the
+    reason when the upload is refused in the request, 409 when the database stays too busy
+    to record it, 503 when the store or the task broker is unavailable; nothing is kept.
     """
     check_adapter_name(name)
-    with sessions() as session:
-        adapter, version, created = _begin(session, tenant_id, name, target.base_model_id)
-        stored: list[StoredObject] = []
-        try:
-            with tempfile.TemporaryDirectory(prefix="loramux-unpack-") as work:
-                adapter_dir = _adapter_dir(received, Path(work), target.max_bytes)
-                version.status = AdapterStatus.VALIDATING.value
-                session.commit()
-                info = target.validate(adapter_dir) if enqueue is None else None
-                stored = _store_files(session, store, adapter_dir, target.max_bytes)
-            _record_files(version, config=stored[0], weights=stored[1])
-            if info is not None:
-                _mark_ready(version, info)
-            session.commit()
-        except UploadRejected as exc:
-            _discard(session, store, adapter, version, stored, adapter_created=created)
-            raise APIError(422, f"{REJECTED_PREFIX}{exc}", code="invalid_adapter") from exc
-        except BaseException:
-            _discard(session, store, adapter, version, stored, adapter_created=created)
-            raise
-        if enqueue is not None:
-            try:
-                enqueue(version.id, target)
-            except Exception as exc:
-                _discard(session, store, adapter, version, stored, adapter_created=created)
-                raise APIError(
-                    503,
-                    "The adapter could not be queued for validation (task broker unreachable); "
-                    "nothing was kept. Try again shortly.",
-                    code="task_queue_unavailable",
-                ) from exc
-        return AdapterView(adapter, version)
+    version_id = _begin(sessions, tenant_id, name, target.base_model_id, owner)
+    put: list[str] = []  # objects this upload put into the store
+    try:
+        with LeaseKeeper(sessions, version_id, owner, REQUEST_LEASE):
+            _check_and_store(sessions, store, target, version_id, owner, received, put, enqueue)
+            if enqueue is not None:
+                _hand_to_queue(sessions, enqueue, version_id, target, owner)
+    except UploadRejected as exc:
+        _give_up(sessions, store, version_id, owner, put)
+        raise APIError(422, f"{REJECTED_PREFIX}{exc}", code="invalid_adapter") from exc
+    except StoreError as exc:
+        _give_up(sessions, store, version_id, owner, put)
+        logger.warning("upload of adapter %r: the object store failed: %s", name, exc)
+        raise APIError(503, STORE_UNAVAILABLE, code="store_unavailable") from exc
+    except _QueueUnavailable as exc:
+        _give_up(sessions, store, version_id, owner, put)
+        raise APIError(503, QUEUE_UNAVAILABLE, code="task_queue_unavailable") from exc
+    except LeaseLost as exc:  # swept: the sweep removes it, with what it put
+        raise APIError(503, LEASE_LOST, code="upload_interrupted") from exc
+    except BaseException:
+        _give_up(sessions, store, version_id, owner, put)
+        raise
+    return _view(sessions, version_id)
 
 
 def _begin(
-    session: Session, tenant_id: str, name: str, base_model_id: str
-) -> tuple[Adapter, AdapterVersion, bool]:
-    """A new *uploading* version of the tenant's adapter ``name`` (created if new), committed."""
+    sessions: sessionmaker[Session], tenant_id: str, name: str, base_model_id: str, owner: str
+) -> str:
+    """A new *uploading* version of the tenant's adapter ``name`` (created if new), held by
+    ``owner``, committed; its id. Retries races with other writers, then answers 409."""
+    for attempt in range(BEGIN_ATTEMPTS):
+        try:
+            with sessions.begin() as session:
+                return _insert_next_version(session, tenant_id, name, base_model_id, owner)
+        except SQLAlchemyError as exc:
+            if not is_contention(exc):
+                raise
+            logger.info(
+                "upload of adapter %r: try %d met another writer: %s", name, attempt + 1, exc
+            )
+            conflict = exc
+            time.sleep(random.uniform(0.5, 1.0) * BEGIN_BACKOFF_S * 2**attempt)
+    raise APIError(
+        409,
+        f"Too many uploads of adapter {name!r} at once; nothing was kept. Try again.",
+        code="adapter_upload_conflict",
+    ) from conflict
+
+
+def _insert_next_version(
+    session: Session, tenant_id: str, name: str, base_model_id: str, owner: str
+) -> str:
+    lock_for_writing(session)
     adapter = session.scalar(
         select(Adapter)
         .where(Adapter.tenant_id == tenant_id, Adapter.name == name, Adapter.deleted_at.is_(None))
         .with_for_update()
     )
-    created = adapter is None
-    if adapter is None:
+    if adapter is None:  # PostgreSQL: a parallel first upload may win this insert; retried
         adapter = Adapter(tenant_id=tenant_id, name=name)
         session.add(adapter)
         session.flush()
@@ -193,87 +274,148 @@ def _begin(
         version=(last or 0) + 1,
         status=AdapterStatus.UPLOADING.value,
         base_model=base_model_id,
+        lease_owner=owner,
+        lease_expires_at=lease_until(REQUEST_LEASE),
     )
     session.add(version)
-    try:
-        session.commit()
-    except IntegrityError as exc:
-        session.rollback()
-        raise APIError(
-            409,
-            f"Another upload of adapter {name!r} is in progress; try again.",
-            code="adapter_upload_conflict",
-        ) from exc
-    return adapter, version, created
+    session.flush()
+    return version.id
 
 
-def _adapter_dir(received: ReceivedUpload, work: Path, max_bytes: int) -> Path:
+def _check_and_store(
+    sessions: sessionmaker[Session],
+    store: ObjectStore,
+    target: ValidationTarget,
+    version_id: str,
+    owner: str,
+    received: ReceivedUpload,
+    put: list[str],
+    enqueue: EnqueueValidation | None,
+) -> None:
+    """Unpack, validate (inline), name the files on the version, then put them."""
+    adapter_dir = _adapter_dir(received, target.max_bytes)
+    write_if_held(sessions, version_id, owner, status=AdapterStatus.VALIDATING.value)
+    info = target.validate(adapter_dir) if enqueue is None else None
+    files = _digests(adapter_dir, target.max_bytes)
+    # Named before they exist: a crash after any put leaves no object that no version names.
+    write_if_held(sessions, version_id, owner, **_file_columns(files))
+    for file_name, expected in files.items():
+        stored = store.put_file(adapter_dir / file_name, max_bytes=target.max_bytes)
+        put.append(stored.key)
+        if stored.key != expected.key:
+            raise RuntimeError(f"{file_name} changed while it was being stored")
+    if info is not None:
+        write_if_held(sessions, version_id, owner, **release(**_ready_columns(info)))
+
+
+def _adapter_dir(received: ReceivedUpload, max_bytes: int) -> Path:
     if received.archive is None:
         return received.folder
-    return unpack_adapter_archive(received.archive, work / "adapter", max_total_bytes=max_bytes)
-
-
-def _store_files(
-    session: Session, store: ObjectStore, adapter_dir: Path, max_bytes: int
-) -> list[StoredObject]:
-    """Put config and weights into the store; on failure remove what this call put."""
-    stored: list[StoredObject] = []
-    try:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            path = adapter_dir / name
-            if not path.is_file() or path.is_symlink():
-                raise UploadRejected(f"{name} is missing from the upload")
-            stored.append(store.put_file(path, max_bytes=max_bytes))
-    except BaseException:
-        _delete_unshared(session, store, (obj.key for obj in stored))
-        raise
-    return stored
-
-
-def _record_files(version: AdapterVersion, *, config: StoredObject, weights: StoredObject) -> None:
-    version.config_store_key, version.config_sha256 = config.key, config.sha256
-    version.weights_store_key, version.sha256 = weights.key, weights.sha256
-
-
-def _mark_ready(version: AdapterVersion, info: AdapterInfo) -> None:
-    version.status = AdapterStatus.READY.value
-    version.rank = info.rank
-    version.target_modules = list(info.target_modules)
-    version.size_bytes = info.size_bytes
-
-
-def _key_in_use(session: Session, key: str) -> bool:
-    """Whether a version refers to ``key`` (identical content is stored once and shared)."""
-    uses = select(func.count()).where(
-        (AdapterVersion.weights_store_key == key) | (AdapterVersion.config_store_key == key)
+    return unpack_adapter_archive(
+        received.archive, received.folder / "adapter", max_total_bytes=max_bytes
     )
-    return session.scalar(uses.select_from(AdapterVersion)) > 0
 
 
-def _delete_unshared(session: Session, store: ObjectStore, keys: Iterable[str]) -> None:
-    for key in keys:
-        if not _key_in_use(session, key):
-            store.delete(key)
+def _digests(adapter_dir: Path, max_bytes: int) -> dict[str, StoredObject]:
+    """What the store will name the two files, from their bytes (without storing them)."""
+    digests = {}
+    for file_name in (CONFIG_FILE, WEIGHTS_FILE):
+        path = adapter_dir / file_name
+        if not path.is_file() or path.is_symlink():
+            raise UploadRejected(f"{file_name} is missing from the upload")
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise UploadRejected(f"{file_name} is larger than the limit of {max_bytes} bytes")
+        with path.open("rb") as handle:
+            sha256 = hashlib.file_digest(handle, "sha256").hexdigest()
+        digests[file_name] = StoredObject(key=key_for(sha256), sha256=sha256, size=size)
+    return digests
 
 
-def _discard(
-    session: Session,
-    store: ObjectStore,
-    adapter: Adapter,
-    version: AdapterVersion,
-    stored: list[StoredObject],
-    *,
-    adapter_created: bool,
+def _file_columns(files: dict[str, StoredObject]) -> dict[str, str]:
+    config, weights = files[CONFIG_FILE], files[WEIGHTS_FILE]
+    return {
+        "config_store_key": config.key,
+        "config_sha256": config.sha256,
+        "weights_store_key": weights.key,
+        "sha256": weights.sha256,
+    }
+
+
+def _ready_columns(info: AdapterInfo) -> dict[str, Any]:
+    return {
+        "status": AdapterStatus.READY.value,
+        "rank": info.rank,
+        "target_modules": list(info.target_modules),
+        "size_bytes": info.size_bytes,
+    }
+
+
+def _hand_to_queue(
+    sessions: sessionmaker[Session],
+    enqueue: EnqueueValidation,
+    version_id: str,
+    target: ValidationTarget,
+    owner: str,
 ) -> None:
-    """Remove a refused upload: its version, its adapter if this upload made it, its files."""
-    session.rollback()  # whatever was pending; the committed rows are deleted below
-    session.delete(version)
-    session.flush()
-    session.expire(adapter, ["versions"])
-    if adapter_created and latest_version(session, adapter) is None:
-        session.delete(adapter)
-    session.commit()
-    _delete_unshared(session, store, (obj.key for obj in stored))
+    """Give the version to the queue's lease, then send the task (a worker may start it at
+    once, and takes over only from the queue); take it back if the task cannot be sent."""
+    queued = lease_until(QUEUED_LEASE)
+    write_if_held(sessions, version_id, owner, lease_owner=QUEUE_OWNER, lease_expires_at=queued)
+    try:
+        enqueue(version_id, target)
+    except Exception as exc:
+        back = lease_until(REQUEST_LEASE)
+        write_if_held(sessions, version_id, QUEUE_OWNER, lease_owner=owner, lease_expires_at=back)
+        raise _QueueUnavailable(str(exc)) from exc
+
+
+def _give_up(
+    sessions: sessionmaker[Session], store: ObjectStore, version_id: str, owner: str, put: list[str]
+) -> None:
+    """Remove a refused or failed upload: the objects it put that no other version shares,
+    then its version row and its adapter if no version is left.
+
+    When the store cannot delete them now, the row stays (still naming them) with its lease
+    ended, so the next sweep finishes the job once the store answers. Never raises: what is
+    left then is the sweep's once the lease runs out."""
+    try:
+        with sessions() as session:
+            version = session.get(AdapterVersion, version_id)
+            named_only = [k for k in named_keys(version) if k not in put] if version else []
+            delete_unshared(session, store, put, besides=[version_id])
+            # Never put by this upload, so almost surely absent: not worth keeping the row.
+            with contextlib.suppress(StoreError):
+                delete_unshared(session, store, named_only, besides=[version_id])
+    except StoreError:
+        logger.warning(
+            "upload %s: the store could not delete its files; the sweep will", version_id
+        )
+        _end_lease_now(sessions, version_id, owner)
+        return
+    except Exception:
+        logger.exception("upload %s: could not clean up; the sweep will", version_id)
+        return
+    try:
+        remove_version(sessions, version_id, owner)
+    except Exception:
+        logger.exception("upload %s: could not remove its rows; the sweep will", version_id)
+
+
+def _end_lease_now(sessions: sessionmaker[Session], version_id: str, owner: str) -> None:
+    try:
+        with sessions.begin() as session:
+            update_if_held(session, version_id, owner, lease_expires_at=utc_now())
+    except Exception:
+        logger.exception("upload %s: could not end its lease; it runs out by itself", version_id)
+
+
+def _view(sessions: sessionmaker[Session], version_id: str) -> AdapterView:
+    with sessions() as session:
+        version = session.get(AdapterVersion, version_id)
+        if version is None:  # swept between its last write and here
+            raise APIError(503, LEASE_LOST, code="upload_interrupted")
+        return AdapterView(session.get(Adapter, version.adapter_id), version)
 
 
 # --- the worker's part -----------------------------------------------------------------------
@@ -282,82 +424,74 @@ def _discard(
 def validate_stored_version(
     sessions: sessionmaker[Session], store: ObjectStore, version_id: str, target: ValidationTarget
 ) -> str:
-    """Validate a *validating* version's files from the store; returns its status after.
+    """Validate a queued version's files from the store; returns its status after.
 
-    Idempotent: a version no longer validating (done already, or removed) is left as it
-    is. The store's errors other than missing or corrupt files propagate, so the task is
-    retried rather than the upload failed for an outage.
+    The worker takes the version over from the queue (or from an earlier worker whose task
+    was redelivered) and holds it under its own lease while it works. Idempotent: a version
+    no longer validating (done already, failed by the sweep, or removed) is left as it is.
+    The store's errors other than missing or corrupt files propagate, so the task is retried
+    rather than the upload failed for an outage.
     """
-    with sessions() as session:
+    owner = worker_owner()
+    keys = _take_over(sessions, version_id, owner)
+    if keys is None:
+        return _status(sessions, version_id)
+    with LeaseKeeper(sessions, version_id, owner, WORKER_LEASE):
+        info, reason = _check_stored(store, keys, target)
+    done = _ready_columns(info) if info is not None else _failed_columns(reason)
+    try:
+        write_if_held(sessions, version_id, owner, **release(**done))
+    except LeaseLost:  # swept while it worked: the sweep's verdict stands
+        return _status(sessions, version_id)
+    if info is None:  # a failed version keeps no files (the sweep retries if this fails)
+        drop_files_of_failed(sessions, store, version_id)
+    return done["status"]
+
+
+def _take_over(
+    sessions: sessionmaker[Session], version_id: str, owner: str
+) -> dict[str, str | None] | None:
+    """Hold the validating version as ``owner``; its files' keys, or ``None`` if it is not
+    there to validate (finished, swept, or still in its request)."""
+    with sessions.begin() as session:
+        taken = session.execute(
+            update(AdapterVersion)
+            .where(
+                AdapterVersion.id == version_id,
+                AdapterVersion.status == AdapterStatus.VALIDATING.value,
+                queued_or_validating_by_worker(AdapterVersion.lease_owner),
+            )
+            .values(lease_owner=owner, lease_expires_at=lease_until(WORKER_LEASE))
+            .execution_options(synchronize_session=False)
+        )
+        if taken.rowcount != 1:
+            return None
         version = session.get(AdapterVersion, version_id)
-        if version is None or version.status != AdapterStatus.VALIDATING.value:
-            return "gone" if version is None else version.status
-        keys = {CONFIG_FILE: version.config_store_key, WEIGHTS_FILE: version.weights_store_key}
-    info: AdapterInfo | None = None
-    reason: str | None = None
+        return {CONFIG_FILE: version.config_store_key, WEIGHTS_FILE: version.weights_store_key}
+
+
+def _check_stored(
+    store: ObjectStore, keys: dict[str, str | None], target: ValidationTarget
+) -> tuple[AdapterInfo | None, str | None]:
+    """(what validation found, None) or (None, why it was refused)."""
     with tempfile.TemporaryDirectory(prefix="loramux-validate-") as work:
         try:
             for file_name, key in keys.items():
                 if key is None:
                     raise UploadRejected(f"{file_name} was never stored")
                 store.read_to(key, Path(work) / file_name)
-            info = target.validate(Path(work))
+            return target.validate(Path(work)), None
         except (UploadRejected, ObjectNotFound, ChecksumMismatch) as exc:
-            reason = f"{REJECTED_PREFIX}{exc}"
-    with sessions.begin() as session:
-        version = session.get(AdapterVersion, version_id, with_for_update=True)
-        if version is None or version.status != AdapterStatus.VALIDATING.value:
-            return "gone" if version is None else version.status
-        if info is not None:
-            _mark_ready(version, info)
-        else:
-            version.status = AdapterStatus.FAILED.value
-            version.failure_reason = reason
-            version.config_store_key = version.weights_store_key = None
-        status = version.status
-    if info is None:
-        with sessions() as session:
-            _delete_unshared(session, store, (key for key in keys.values() if key is not None))
-    return status
+            return None, f"{REJECTED_PREFIX}{exc}"
 
 
-# --- start-up clean-up -----------------------------------------------------------------------
-
-# An upload still uploading/validating after this long was cut off by a crash or restart
-# (a live one finishes in seconds to minutes; a queued one waits for a worker at most this).
-INTERRUPTED_UPLOAD_AGE = timedelta(hours=1)
+def _failed_columns(reason: str | None) -> dict[str, Any]:
+    return {"status": AdapterStatus.FAILED.value, "failure_reason": reason}
 
 
-def discard_interrupted_uploads(
-    sessions: sessionmaker[Session],
-    store: ObjectStore,
-    *,
-    older_than: timedelta = INTERRUPTED_UPLOAD_AGE,
-) -> int:
-    """Remove versions stuck in uploading/validating, adapters left with no version, and
-    the files only they referred to. Returns how many versions were removed."""
-    unfinished = (AdapterStatus.UPLOADING.value, AdapterStatus.VALIDATING.value)
-    with sessions.begin() as session:
-        stale = session.scalars(
-            select(AdapterVersion).where(
-                AdapterVersion.status.in_(unfinished),
-                AdapterVersion.updated_at < utc_now() - older_than,
-            )
-        ).all()
-        keys = {
-            key
-            for version in stale
-            for key in (version.config_store_key, version.weights_store_key)
-            if key is not None
-        }
-        adapters = {version.adapter for version in stale}
-        for version in stale:
-            session.delete(version)
-        session.flush()
-        for adapter in adapters:
-            session.expire(adapter, ["versions"])
-            if latest_version(session, adapter) is None:
-                session.delete(adapter)
+def _status(sessions: sessionmaker[Session], version_id: str) -> str:
     with sessions() as session:
-        _delete_unshared(session, store, keys)
-    return len(stale)
+        status = session.scalar(
+            select(AdapterVersion.status).where(AdapterVersion.id == version_id)
+        )
+    return "gone" if status is None else status

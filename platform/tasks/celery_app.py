@@ -13,6 +13,12 @@ twice or misses a day still covers each day exactly once, whatever day it runs o
 * ``loramux.validate_adapter(version_id, target)``: validate a queued upload's stored files
   against ``target`` (a ``ValidationTarget`` as JSON: the platform's base model and limits)
   and mark the version ready or failed; see ``loramux.platform.services.adapter_upload``.
+  The platform sends it with an expiry equal to the queue's lease on the version (one hour):
+  a task no worker starts by then is dropped, and the platform's sweep fails the version. A
+  worker takes the version over under a lease of its own, renewed while it works; if the
+  worker dies, the task is redelivered (at once for a killed prefork child) and the next
+  worker takes over, or, once that lease runs out, the sweep fails the version
+  (``loramux.platform.services.upload_cleanup``).
 
 * ``loramux.export_daily_billing(day=None)``: export, grouped by
   ``billing_export_group_by``, every closed day not exported yet (``export_closed_days``),

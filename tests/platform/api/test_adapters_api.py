@@ -8,9 +8,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select
 
+from loramux.platform.app import create_app
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion
 from tests.fixtures.models import build_tiny_model
 from tests.platform.api.conftest import assert_openai_error
@@ -41,8 +43,9 @@ def other_adapter(make_adapter, tiny_model_dir) -> Path:
 
 @pytest.fixture(autouse=True)
 def private_tmp(tmp_path, monkeypatch) -> Path:
-    """Temporary files of the app (and Starlette's spools) go here, so tests can see leftovers."""
-    folder = tmp_path / "tmp"
+    """Temporary files of the app (and Starlette's spools) go here, so tests can see leftovers.
+    (Not ``tmp_path / "tmp"``: that is the data directory's own, holding ``tmp/uploads``.)"""
+    folder = tmp_path / "system-tmp"
     folder.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     return folder
@@ -360,3 +363,50 @@ def test_absurd_lora_alpha_is_422_and_leaves_nothing(
     error = assert_openai_error(_upload(client, auth, "overflow", files), 422)
     assert "lora_alpha must be a number above 0 and at most 1000000" in error["message"], error
     _assert_left_nothing(context, private_tmp)
+
+
+# --- failures that leave nothing behind ------------------------------------------------------
+
+
+def _scratch(context) -> Path:
+    """Where uploads in progress keep their files: the data directory's tmp/uploads."""
+    return context.settings.data_dir / "tmp" / "uploads"
+
+
+def test_an_unwritable_local_store_answers_503_and_leaves_nothing(
+    client, context, auth, good_adapter, private_tmp
+):
+    Path(context.store.root).write_text("a file where the store's directory should be")
+    error = assert_openai_error(_upload(client, auth, "unstored", _files(good_adapter)), 503)
+    assert error["code"] == "store_unavailable", error
+    assert "try again" in error["message"].lower(), error
+    assert str(context.store.root) not in error["message"], error
+    assert _rows(context) == ([], [])
+    assert list(_scratch(context).iterdir()) == []
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_uploads_work_in_the_data_directory_and_clean_up(
+    client, context, auth, good_adapter, nan_adapter, private_tmp
+):
+    assert _upload(client, auth, "kept", _files(good_adapter)).status_code == 201
+    assert_openai_error(_upload(client, auth, "refused", _files(nan_adapter)), 422)
+    assert _scratch(context).is_dir()  # made by the uploads, and emptied by each
+    assert list(_scratch(context).iterdir()) == []
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_the_scratch_folder_is_emptied_at_start_and_nothing_else(context):
+    data_dir = context.settings.data_dir
+    leftover = _scratch(context) / "upload-killed" / "adapter"
+    leftover.mkdir(parents=True)
+    (leftover / WEIGHTS).write_bytes(b"half an upload")
+    (_scratch(context) / "stray-file").write_text("x")
+    others = [data_dir / "tmp" / "not-uploads" / "file", data_dir / "notes.txt"]
+    for path in others:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("keep me")
+
+    with TestClient(create_app(context)):
+        assert list(_scratch(context).iterdir()) == []
+        assert all(path.read_text() == "keep me" for path in others)
