@@ -47,11 +47,12 @@ def running(command: list[str], env: dict[str, str], log: Path) -> Iterator[subp
                 process.wait(timeout=15)
 
 
-def running_worker(env: dict[str, str], log: Path):
-    """A solo worker on the default queue, for the block."""
+def running_worker(env: dict[str, str], log: Path, *, pool: str = "solo"):
+    """A worker on the default queue, for the block: ``solo`` runs tasks in the worker
+    process itself; ``prefork`` in one child process the worker replaces if it dies."""
     command = celery_command(
         "worker",
-        "--pool=solo",
+        f"--pool={pool}",
         "--concurrency=1",
         "-Q",
         "celery",
