@@ -176,7 +176,7 @@ def sweep_abandoned_uploads(
     result = SweepResult()
     for candidate in _abandoned(sessions, now, restarted_owner):
         if answered_tenant(candidate.owner):
-            result += _fail_queued(sessions, store, candidate, now)
+            result += _fail_queued(sessions, store, candidate)
         else:
             result += _remove_abandoned(sessions, store, candidate)
     result += _delete_files_of_failed(sessions, store)
@@ -242,7 +242,7 @@ def _remove_abandoned(
 
 
 def _fail_queued(
-    sessions: sessionmaker[Session], store: ObjectStore, candidate: _Candidate, now: datetime
+    sessions: sessionmaker[Session], store: ObjectStore, candidate: _Candidate
 ) -> SweepResult:
     with sessions.begin() as session:
         failed = session.execute(
