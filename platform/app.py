@@ -32,12 +32,15 @@ from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.api.openapi_errors import install_error_docs
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
+from loramux.platform.services.metering import Meter
+from loramux.platform.services.running import RunningRequests
 from loramux.platform.services.tenants import push_all_scheduling
 from loramux.platform.services.upload_cleanup import (
     sweep_abandoned_uploads,
     sweep_periodically,
 )
 from loramux.platform.services.upload_workspace import UploadWorkspace
+from loramux.platform.services.usage_journal import UsageJournal
 
 
 def create_app(
@@ -66,9 +69,11 @@ def create_app(
             if context.engine is not None:
                 # The engine holds tenant shares in memory only: restore the stored ones.
                 await push_all_scheduling(context.sessions, context.engine)
+            await journal.start()  # running requests' usage survives a crash
             yield
         finally:
             sweeper.cancel()
+            await journal.stop()
             if context.engine is not None:
                 await context.engine.stop()
 
@@ -81,6 +86,11 @@ def create_app(
     app.state.context = context
     uploads = UploadWorkspace.in_data_dir(context.settings.data_dir)
     app.state.upload_workspace = uploads
+    journal = UsageJournal(
+        Meter(context.sessions), interval_s=context.settings.usage_journal_interval_s
+    )
+    app.state.usage_journal = journal
+    app.state.running_requests = RunningRequests()  # what a shutdown stops past its grace
     app.state.adapter_runtime = AdapterRuntime(context)
     app.state.platform_metrics = PlatformMetrics()
     install_error_handlers(app)

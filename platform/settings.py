@@ -167,6 +167,21 @@ class Settings(BaseSettings):
         "at without being cut off, once request_body_timeout_s is spent.",
     )
 
+    # --- ending requests: shutdown and crashes -----------------------------------
+    shutdown_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM, `loramux serve` and `loramux engine` stop accepting and let "
+        "running requests finish for up to this many seconds, then end the rest (each "
+        "billed for the tokens it delivered) and exit.",
+    )
+    usage_journal_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Seconds between checkpoints of running requests' delivered usage; a "
+        "crash loses at most this long's worth of a request's tokens (plus one write).",
+    )
+
     # --- operator access ---------------------------------------------------------
     admin_token: SecretStr | None = Field(
         default=None,

@@ -5,18 +5,29 @@ The routes resolve the model and hand a job to
 :class:`~loramux.platform.services.inference.InferenceService`; this module only shapes
 the engine's deltas into OpenAI's JSON (a response, or server-sent chunks ending in
 ``data: [DONE]``).
+
+A client that goes away ends its request at once, streamed or not: a stream is cancelled
+by Starlette when the disconnect arrives; a non-streamed request races its run against
+the ASGI ``http.disconnect`` and, when the client wins, the run is closed (which aborts
+the engine work, in process or over HTTP to an engine process) and nothing is billed,
+since no response reached the client.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive
 
 from loramux.engine.async_engine import AsyncEngineError
 from loramux.engine.engine import EngineError
@@ -42,8 +53,16 @@ from loramux.platform.services.inference import (
 router = APIRouter(tags=["inference"])
 
 
-def get_inference(context: ContextDep) -> InferenceService:
-    return InferenceService(context)
+CLIENT_CLOSED_REQUEST = 499  # what the log and metrics show for a client that left early
+
+
+def get_inference(context: ContextDep, request: Request) -> InferenceService:
+    state = request.app.state
+    return InferenceService(
+        context,
+        journal=getattr(state, "usage_journal", None),
+        running=getattr(state, "running_requests", None),
+    )
 
 
 InferenceDep = Annotated[InferenceService, Depends(get_inference)]
@@ -187,20 +206,64 @@ def _engine_error(exc: Exception) -> APIError:
 
 
 async def _respond(
-    service: InferenceService, job: Job, render: _Render, *, stream: bool, include_usage: bool
-):
+    request: Request,
+    service: InferenceService,
+    job: Job,
+    render: _Render,
+    *,
+    stream: bool,
+    include_usage: bool,
+) -> Any:
     if stream:
+        # A client gone before the stream starts never runs it: the background settles.
         return StreamingResponse(
-            _stream(service, job, render, include_usage), media_type="text/event-stream"
+            _stream(service, job, render, include_usage),
+            media_type="text/event-stream",
+            background=BackgroundTask(job.holds.settle, 0),
         )
-    tally = Tally(job)
+    tally = Tally(job, streamed=False)
+    try:
+        served = await _unless_disconnected(request.receive, _collect(service, job, tally))
+    finally:
+        if not job.holds.settled:  # the run never started
+            await run_in_threadpool(job.holds.settle, 0)
+    if not served:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return render.response(tally)
+
+
+async def _collect(service: InferenceService, job: Job, tally: Tally) -> None:
     try:
         async with aclosing(service.run(job, tally)) as run:
             async for index, out in run:
                 tally.deliver(index, out)
     except (EngineError, AsyncEngineError, EngineRequestFailed) as exc:
         raise _engine_error(exc) from exc
-    return render.response(tally)
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> bool:
+    """Run ``work`` unless the client goes away first: True when it ran to its end (its
+    exception is raised), False when the client left and ``work`` was cancelled."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():  # the client left (or this task is being cancelled)
+            work_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work_task  # the run's own clean-up: abort, billing
+    if work_task.cancelled():
+        return False
+    work_task.result()  # the run's error, if any
+    return True
 
 
 async def _stream(
@@ -223,6 +286,7 @@ async def _stream(
 
 
 async def _complete(
+    request: Request,
     service: InferenceService,
     session: Session,
     tenant: Tenant,
@@ -241,7 +305,7 @@ async def _complete(
     )
     render = _CompletionRender(service, job, body.logprobs)
     return await _respond(
-        service, job, render, stream=body.stream, include_usage=body.include_usage
+        request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )
 
 
@@ -267,6 +331,7 @@ def _sampling(body, **extra: Any) -> dict[str, Any]:
 
 @router.post("/v1/completions")
 async def create_completion(
+    request: Request,
     body: CompletionRequest,
     tenant: CurrentTenant,
     session: SessionDep,
@@ -275,11 +340,12 @@ async def create_completion(
 ):
     """A text completion from the base model or one of the caller's adapters (``model``)."""
     target = await service.resolve(session, tenant, body.model, runtime)
-    return await _complete(service, session, tenant, target, body)
+    return await _complete(request, service, session, tenant, target, body)
 
 
 @router.post("/v1/adapters/{name}/completions")
 async def create_adapter_completion(
+    request: Request,
     name: str,
     body: AdapterCompletionRequest,
     tenant: CurrentTenant,
@@ -289,11 +355,12 @@ async def create_adapter_completion(
 ):
     """A text completion from the caller's adapter ``name``."""
     target = await service.adapter_target(session, tenant, name, runtime)
-    return await _complete(service, session, tenant, target, body)
+    return await _complete(request, service, session, tenant, target, body)
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(
+    request: Request,
     body: ChatCompletionRequest,
     tenant: CurrentTenant,
     session: SessionDep,
@@ -317,5 +384,5 @@ async def create_chat_completion(
     )
     render = _ChatRender(service, job, top_logprobs)
     return await _respond(
-        service, job, render, stream=body.stream, include_usage=body.include_usage
+        request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )

@@ -2,16 +2,35 @@
 
 One HTTP request becomes a :class:`Job`: the target (base model or one of the tenant's
 adapter versions, loaded into the engine), the prompt, and one ``SamplingParams`` per
-choice (``n`` independent engine requests). Before anything runs, the tenant's monthly
-budget (402) and rate limits (429) are checked; the limits reserve
-``n * (prompt tokens + max_tokens)`` tokens and the unused part is refunded at the end.
+choice (``n`` independent engine requests).
+
+``max_tokens``: a given value must fit the context with the prompt (400
+``context_length_exceeded`` otherwise, as OpenAI answers). Without one (chat; the
+completions API defaults to 16) a request gets what the context leaves, but never more
+than the tenant's limits can ever grant: at most what fits its tokens/minute bucket
+(``n * (prompt + max_tokens) <= tokens_per_minute``) and, with a monthly budget, what the
+budget's room affords at the tenant's prices; generation then stops there with finish
+reason ``length`` instead of the request being refused for good.
+
+Before anything runs, the job takes what it may use: its maximum cost (``n * (prompt +
+max_tokens)`` tokens at the tenant's prices) is held against the monthly budget
+(:class:`~loramux.platform.limits.TenantBudget`; 402 when ``spent + held by running
+requests + this maximum`` passes the budget), and ``n * (prompt tokens + max_tokens)``
+tokens are reserved from the rate limits (429). Both are settled when the run ends: the
+unused tokens are refunded and the budget hold released, after the usage is written.
 
 :meth:`InferenceService.run` streams ``(choice index, RequestOutput delta)`` pairs of all the
 choices as they come. The caller marks each delta *delivered* once the client has it
-(:meth:`Tally.deliver`); when the run ends for whatever reason (finished, failed, client
-gone) exactly one usage record is written for the HTTP request, whose id is the
-response id, with the prompt tokens of every choice and only the delivered completion
-tokens. The ``usage`` object the client gets carries the record's own numbers.
+(:meth:`Tally.deliver`; a non-streamed response delivers everything at once, and only if
+the run reached its end, so the response is sent); when the run ends for whatever reason
+(finished, failed, client gone, stopped by a shutdown) exactly one usage record is written
+for the HTTP request, whose id is the response id, with the prompt tokens of every choice
+and only the delivered completion tokens, and none if nothing was delivered. While it
+runs, the usage journal checkpoints what it delivered (a crash loses at most one
+checkpoint interval of tokens). The ``usage`` object the client gets carries the record's
+own numbers. A shutdown past its grace period stops running jobs
+(:class:`~loramux.platform.services.running.RunningRequests`): their choices end with
+finish reason ``abort`` and the client gets what was generated.
 """
 
 from __future__ import annotations
@@ -19,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,18 +55,22 @@ from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import FinishReason
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
-from loramux.platform.db.models import Tenant
+from loramux.platform.db.models import Price, Tenant
+from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
-from loramux.platform.limits import TenantLimits
+from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
 from loramux.platform.services.rollups import month_spend
+from loramux.platform.services.running import RunningRequests
 from loramux.platform.services.tenants import micro_usd_to_usd
+from loramux.platform.services.usage_journal import UsageJournal
 
 logger = logging.getLogger(__name__)
 
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
+_STOP = object()  # the run was stopped (shutdown): end it now
 _NO_USAGE = {  # a request that delivered no token is not recorded, hence not billed
     "prompt_tokens": 0,
     "completion_tokens": 0,
@@ -67,10 +91,61 @@ class Caller:
     priority: int
     requests_per_minute: int | None
     tokens_per_minute: int | None
+    monthly_budget_micro_usd: int | None = None
 
     @classmethod
     def of(cls, tenant: Tenant) -> Caller:
-        return cls(tenant.id, tenant.priority, tenant.requests_per_minute, tenant.tokens_per_minute)
+        return cls(
+            tenant.id,
+            tenant.priority,
+            tenant.requests_per_minute,
+            tenant.tokens_per_minute,
+            tenant.monthly_budget_micro_usd,
+        )
+
+
+class Holds:
+    """What a job takes from the tenant's limits until it ends: tokens reserved from the
+    tokens/minute bucket and its maximum cost held against the monthly budget.
+
+    ``settle`` gives back what was not used, once: a job that never ran (its client left
+    before the stream started) is settled by whoever notices, and a second call is a no-op.
+    """
+
+    def __init__(
+        self,
+        limits: TenantLimits,
+        budget: TenantBudget,
+        caller: Caller,
+        reserved_tokens: int,
+        budget_hold: BudgetHold | None,
+    ):
+        self._limits, self._budget, self._caller = limits, budget, caller
+        self.reserved_tokens = reserved_tokens
+        self.budget_hold = budget_hold
+        self._settled = False
+        self._lock = threading.Lock()
+
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
+    def settle(self, used_tokens: int) -> None:
+        """Refund the reserved tokens beyond ``used_tokens`` and release the budget hold
+        (call it after the usage is written: the budget then counts it as spent)."""
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+        try:
+            if self.budget_hold is not None:
+                self._budget.release(self.budget_hold)
+        finally:
+            self._limits.refund_tokens(
+                self._caller.tenant_id,
+                tokens_per_minute=self._caller.tokens_per_minute,
+                tokens=max(0, self.reserved_tokens - used_tokens),
+            )
 
 
 @dataclass(frozen=True)
@@ -94,7 +169,12 @@ class Job:
     prompt: str | list[int]
     prompt_tokens: int  # the prompt's length as the engine will tokenize it
     params: tuple[SamplingParams, ...]  # one per choice
-    reserved_tokens: int  # debited from the tokens/minute bucket
+    holds: Holds  # tokens/minute reserved and budget held, settled when the run ends
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Debited from the tokens/minute bucket."""
+        return self.holds.reserved_tokens
 
 
 @dataclass
@@ -110,14 +190,22 @@ class Choice:
 
 
 class Tally:
-    """Per-choice accounting of what reached the client."""
+    """Per-choice accounting of what reached the client.
 
-    def __init__(self, job: Job):
+    A streamed tally counts each delta delivered as the client gets it. A non-streamed one
+    (``streamed=False``) collects the deltas for the response and counts them delivered
+    only once the run has reached its end (``ended``): a response cut short (client gone,
+    engine failure) delivers nothing.
+    """
+
+    def __init__(self, job: Job, *, streamed: bool = True):
         self.choices = [Choice(prompt_tokens=job.prompt_tokens) for _ in job.params]
+        self.streamed = streamed
+        self.ended = False  # set by the run once it reached its end (the response follows)
         self.usage: dict[str, Any] | None = None  # set once the run has ended and was metered
 
     def deliver(self, index: int, out: RequestOutput) -> None:
-        """``out``'s delta reached the client (or, non-streaming, will in the response)."""
+        """``out``'s delta reached the client (or, non-streamed, is in the response)."""
         choice = self.choices[index]
         choice.text += out.delta_text
         choice.token_ids.extend(out.delta_token_ids)
@@ -138,7 +226,13 @@ class Tally:
 
     @property
     def completion_tokens(self) -> int:
+        """Tokens handed over so far (non-streamed: collected for the response)."""
         return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def delivered_completion_tokens(self) -> int:
+        """Tokens the client has (or gets with the response): what is billed."""
+        return self.completion_tokens if self.streamed or self.ended else 0
 
 
 def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
@@ -149,6 +243,29 @@ def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def stopped_output(job: Job, index: int) -> RequestOutput:
+    """The last output of a choice stopped before its end: nothing new, reason ``abort``."""
+    return RequestOutput(
+        request_id=f"{job.request_id}-{index}",
+        prompt_token_ids=[],
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+    )
+
+
+class _Merge:
+    """One run's choices as one queue of ``(index, output)``; ``stop`` ends it early."""
+
+    def __init__(self, choices: int):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(range(choices))
+
+    def stop(self) -> None:
+        self.queue.put_nowait((-1, _STOP))
 
 
 class EngineRequestFailed(RuntimeError):
@@ -176,15 +293,28 @@ def tenant_facing_error(model: str, engine_error: str | None) -> str:
 
 
 class InferenceService:
-    """Turns requests into jobs and runs them on the context's engine."""
+    """Turns requests into jobs and runs them on the context's engine.
 
-    def __init__(self, context: PlatformContext):
+    ``journal`` checkpoints running requests' usage; ``running`` lets a shutdown stop them.
+    Both belong to the app (they outlive a request); without them runs are neither
+    journaled nor stoppable.
+    """
+
+    def __init__(
+        self,
+        context: PlatformContext,
+        *,
+        journal: UsageJournal | None = None,
+        running: RunningRequests | None = None,
+    ):
         if context.engine is None:
             raise APIError(503, "No engine is running in this process.", code="no_engine")
         self._context = context
         self._engine = context.engine
         self._tokenizer = context.engine.tokenizer
         self._max_model_len = context.engine.max_model_len
+        self._journal = journal
+        self._running = running
 
     # --- resolving the model ----------------------------------------------------------
     async def resolve(
@@ -240,6 +370,20 @@ class InferenceService:
         """Chat without max_tokens: as much as the context leaves."""
         return max(1, self._max_model_len - prompt_tokens)
 
+    def check_fits_context(self, prompt_tokens: int, max_tokens: Any) -> None:
+        """400 when a given ``max_tokens`` can never fit the context with the prompt."""
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return  # SamplingParams names what is wrong with it
+        if prompt_tokens + max_tokens > self._max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self._max_model_len} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
+                f"in the prompt, {max_tokens} in the completion). Please reduce the length "
+                "of the prompt or of max_tokens.",
+                code="context_length_exceeded",
+            )
+
     async def prepare(
         self,
         session: Session,
@@ -290,13 +434,32 @@ class InferenceService:
         if prompt is None:
             raise TypeError("prepare needs a prompt or messages")
         prompt_tokens = self.count_prompt(prompt)
-        if sampling.get("max_tokens") is None:
-            sampling["max_tokens"] = default_max_tokens or self.default_max_tokens(prompt_tokens)
-        params = build_params(sampling, n)
         caller = Caller.of(tenant)
         check_budget(session, tenant)
+        price = None
+        if caller.monthly_budget_micro_usd is not None:
+            price = current_price(session, tenant.id, utc_now())
+        given = sampling.get("max_tokens")
+        if given is None:
+            max_tokens = min(
+                default_max_tokens or self.default_max_tokens(prompt_tokens),
+                self.default_max_tokens(prompt_tokens),
+            )
+            max_tokens = self._within_limits(session, caller, price, n, prompt_tokens, max_tokens)
+            sampling = {**sampling, "max_tokens": max_tokens}
+        else:
+            self.check_fits_context(prompt_tokens, given)
+        params = build_params(sampling, n)
+        budget_hold = self._hold_budget(caller, price, n, prompt_tokens, params)
         reserved = n * (prompt_tokens + params[0].max_tokens)
-        self._reserve(caller, reserved)
+        limits = TenantLimits(self._context.rate_limiter)
+        holds = Holds(limits, self._budget(), caller, reserved, budget_hold)
+        try:
+            self._reserve(caller, reserved)
+        except APIError:
+            holds.reserved_tokens = 0  # nothing was debited
+            holds.settle(0)
+            raise
         return Job(
             request_id=request_id,
             created=int(time.time()),
@@ -305,8 +468,11 @@ class InferenceService:
             prompt=prompt,
             prompt_tokens=prompt_tokens,
             params=params,
-            reserved_tokens=reserved,
+            holds=holds,
         )
+
+    def _budget(self) -> TenantBudget:
+        return TenantBudget(self._context.rate_limiter)
 
     def _reserve(self, caller: Caller, tokens: int) -> None:
         decision = TenantLimits(self._context.rate_limiter).check_request(
@@ -324,19 +490,91 @@ class InferenceService:
                 headers={"Retry-After": header} if header else None,
             )
 
+    def _within_limits(
+        self,
+        session: Session,
+        caller: Caller,
+        price: Price | None,
+        n: int,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> int:
+        """A default ``max_tokens`` lowered to what the tenant's limits can ever grant: the
+        tokens/minute bucket's capacity and the budget's room (when either allows at least
+        one token; otherwise the request is refused as it would be anyway)."""
+        if caller.tokens_per_minute is not None:
+            fits = caller.tokens_per_minute // n - prompt_tokens
+            if fits >= 1:
+                max_tokens = min(max_tokens, fits)
+        budget = caller.monthly_budget_micro_usd
+        if budget is not None and price is not None:
+            spent = month_spend(session, caller.tenant_id, now=utc_now())
+            room = budget - spent - self._budget().held(caller.tenant_id)
+            affordable = _affordable_tokens(price, n, prompt_tokens, room, max_tokens)
+            if affordable >= 1:
+                max_tokens = affordable
+        return max_tokens
+
+    def _hold_budget(
+        self,
+        caller: Caller,
+        price: Price | None,
+        n: int,
+        prompt_tokens: int,
+        params: tuple[SamplingParams, ...],
+    ) -> BudgetHold | None:
+        """Hold the job's maximum cost against the monthly budget; 402 if it has no room."""
+        budget = caller.monthly_budget_micro_usd
+        if budget is None:
+            return None
+        most = 0
+        if price is not None:
+            most = cost_micro_usd(price, n * prompt_tokens, 0, n * params[0].max_tokens)
+
+        def spent() -> int:  # read after the hold, in a transaction of its own (not a snapshot)
+            with self._context.sessions() as fresh:
+                return month_spend(fresh, caller.tenant_id, now=utc_now())
+
+        decision = self._budget().try_hold(caller.tenant_id, most, budget=budget, spent=spent)
+        if not decision.allowed:
+            raise APIError(
+                402,
+                f"Monthly budget: this request may cost up to ${micro_usd_to_usd(most):.6f} "
+                f"(its prompt and max_tokens at your prices); this month's usage costs "
+                f"${micro_usd_to_usd(decision.spent):.6f} and running requests hold "
+                f"${micro_usd_to_usd(decision.held):.6f} of a ${micro_usd_to_usd(budget):.6f} "
+                "budget. Lower max_tokens, wait for running requests, or ask your operator "
+                "to raise the budget.",
+                code="budget_exceeded",
+            )
+        return decision.hold
+
     # --- running ----------------------------------------------------------------------
     async def run(self, job: Job, tally: Tally) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's deltas as they come; the usage record is written when this ends.
 
         Raises ``EngineError`` (a refused request), ``AsyncEngineError`` from the engine, or
         ``EngineRequestFailed`` when the engine ended it unserved (its adapter failed).
-        Closing the iterator early aborts the choices still running.
+        Closing the iterator early aborts the choices still running. A shutdown's
+        ``stop_all`` ends it early: each unfinished choice then ends with an empty output
+        whose finish reason is ``abort``.
         """
         started = time.monotonic()
+        merge = _Merge(len(job.params))
+        handle = self._running.add(merge.stop) if self._running is not None else None
+        if self._journal is not None:
+            self._journal.open(
+                job.request_id, lambda: self._usage_event(job, tally, time.monotonic() - started)
+            )
         try:
-            async for item in self._merged(job):
+            async for item in self._merged(job, merge):
                 yield item
+            tally.ended = True
         finally:
+            if handle is not None:
+                self._running.discard(handle)
+            if self._journal is not None:
+                self._journal.close(job.request_id)
             with anyio.CancelScope(shield=True):  # even when the client's task is cancelled
                 await run_in_threadpool(self._finish, job, tally, time.monotonic() - started)
 
@@ -357,27 +595,18 @@ class InferenceService:
         finally:
             await stream.aclose()
 
-    async def _merged(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(job.params) == 1:
-            stream = self._generate(job, 0)
-            try:
-                async for out in stream:
-                    yield 0, out
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()
-            return
-
-        queue: asyncio.Queue = asyncio.Queue()
+    async def _merged(self, job: Job, merge: _Merge) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The choices' outputs as they come, each choice read by its own task into the
+        merge queue (so a stop can cut in whatever the engine is doing)."""
 
         async def pump(index: int) -> None:
             stream = self._generate(job, index)
             try:
                 async for out in stream:
-                    queue.put_nowait((index, out))
-                queue.put_nowait((index, _DONE))
+                    merge.queue.put_nowait((index, out))
+                merge.queue.put_nowait((index, _DONE))
             except Exception as exc:
-                queue.put_nowait((index, exc))
+                merge.queue.put_nowait((index, exc))
             finally:
                 await stream.aclose()
 
@@ -385,42 +614,53 @@ class InferenceService:
         try:
             remaining = len(tasks)
             while remaining:
-                index, item = await queue.get()
+                index, item = await merge.queue.get()
+                if item is _STOP:
+                    for stopped in sorted(merge.unfinished):
+                        yield stopped, stopped_output(job, stopped)
+                    return
                 if item is _DONE:
                     remaining -= 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if item.finished:
+                        merge.unfinished.discard(index)
                     yield index, item
         finally:
             for task in tasks:
-                task.cancel()
+                task.cancel()  # closing each choice's stream aborts it on the engine
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _finish(self, job: Job, tally: Tally, elapsed_s: float) -> None:
-        """Write the request's one usage record and refund the unused token reservation."""
-        finish = tally.choices[0].finish_reason or "abort"
-        event = UsageEvent(
+    def _usage_event(
+        self, job: Job, tally: Tally, elapsed_s: float, finish: str | None = None
+    ) -> UsageEvent:
+        """The request's usage as delivered so far (what the journal and the end record)."""
+        return UsageEvent(
             request_id=job.request_id,
             tenant_id=job.caller.tenant_id,
             model=job.target.model,
             prompt_tokens=tally.prompt_tokens,
             cached_prompt_tokens=tally.cached_prompt_tokens,
-            completion_tokens=tally.completion_tokens,
+            completion_tokens=tally.delivered_completion_tokens,
             adapter_id=job.target.adapter_id,
             adapter_version_id=job.target.adapter_version_id,
             latency_ms=int(elapsed_s * 1000),
             finish_reason=finish,
         )
-        record = Meter(self._context.sessions).record(event)
-        tally.usage = usage_for_response(record) if record is not None else _NO_USAGE
-        used = tally.prompt_tokens + tally.completion_tokens
-        TenantLimits(self._context.rate_limiter).refund_tokens(
-            job.caller.tenant_id,
-            tokens_per_minute=job.caller.tokens_per_minute,
-            tokens=max(0, job.reserved_tokens - used),
-        )
+
+    def _finish(self, job: Job, tally: Tally, elapsed_s: float) -> None:
+        """Write the request's one usage record, then settle its holds (refund the unused
+        tokens, release the budget hold)."""
+        finish = tally.choices[0].finish_reason or FinishReason.ABORT
+        try:
+            record = Meter(self._context.sessions).record(
+                self._usage_event(job, tally, elapsed_s, str(finish))
+            )
+            tally.usage = usage_for_response(record) if record is not None else _NO_USAGE
+        finally:
+            job.holds.settle(tally.prompt_tokens + tally.completion_tokens)
 
     # --- OpenAI shapes of logprobs ----------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -486,3 +726,24 @@ def check_budget(session: Session, tenant: Tenant) -> None:
             f"${micro_usd_to_usd(budget):.6f} budget. Ask your operator to raise it.",
             code="budget_exceeded",
         )
+
+
+def _affordable_tokens(price: Price, n: int, prompt_tokens: int, room: int, most: int) -> int:
+    """The largest ``max_tokens <= most`` whose maximum cost (``n`` choices of the prompt
+    and ``max_tokens`` at ``price``) fits in ``room`` micro-dollars; 0 when none does."""
+
+    def cost(max_tokens: int) -> int:
+        return cost_micro_usd(price, n * prompt_tokens, 0, n * max_tokens)
+
+    if cost(most) <= room:
+        return most
+    if cost(1) > room:
+        return 0
+    low, high = 1, most  # cost(low) fits, cost(high) does not: the answer is in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if cost(middle) <= room:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -5,9 +5,11 @@ budget and metering."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -19,6 +21,7 @@ from loramux.platform.app import create_app
 from loramux.platform.db.models import AdapterStatus, Tenant
 from tests.fixtures.browser import ServerThread
 from tests.platform.db.factories import add_adapter, add_adapter_version
+from tests.platform.raw_http import request_then_leave
 
 PROMPT = "The quick brown fox"
 
@@ -221,11 +224,13 @@ def test_rate_limit_and_budget(make_client, base):
         limited.completions.create(model=base, prompt=PROMPT, max_tokens=2)
     assert int(info.value.response.headers["retry-after"]) >= 1
 
-    # A budget of one micro-dollar: the first request spends more, the second is refused.
-    broke, _ = make_client(monthly_budget_usd=0.000001, output_price_per_mtok=100.0)
-    broke.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    # A budget of 300 µ$ at 100 µ$ per output token: a request of 2 tokens may cost 200, so
+    # the first passes and spends 200; the second could reach 400: refused.
+    broke, _ = make_client(monthly_budget_usd=0.0003, output_price_per_mtok=100.0)
+    exact = {"max_tokens": 2, "extra_body": {"ignore_eos": True}}
+    assert broke.completions.create(model=base, prompt=PROMPT, **exact).usage.completion_tokens == 2
     with pytest.raises(openai.APIStatusError) as refused:
-        broke.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+        broke.completions.create(model=base, prompt=PROMPT, **exact)
     assert refused.value.status_code == 402
     assert "budget" in refused.value.message.lower()
 
@@ -390,3 +395,80 @@ def test_min_tokens_and_ignore_eos_extensions_give_exact_lengths(make_client, ba
         client.completions.create(
             model=base, prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 9}
         )
+
+
+def _usage_totals(server, context, tenant_id: str) -> dict:
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    report = httpx.get(f"{server.url}/admin/usage", params={"tenant_id": tenant_id}, headers=admin)
+    assert report.status_code == 200, report.text
+    return report.json()["totals"]
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_aborted_and_not_billed(
+    make_client, server, context, base
+):
+    client, tenant_id = make_client(output_price_per_mtok=1.0)
+    engine = context.engine.engine
+    body = {"model": base, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    with request_then_leave(server.url, "/v1/completions", client.api_key, body):
+        deadline = time.monotonic() + 20
+        while not engine.has_unfinished_requests():  # it runs: now the client goes away
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.005)
+
+    deadline = time.monotonic() + 20
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine kept running the abandoned request"
+        time.sleep(0.05)
+    generated = engine.metrics.registry.get_sample_value("loramux_generated_tokens_total")
+    assert generated < 480  # aborted long before its 480 tokens
+    time.sleep(0.5)  # the run's end (and its billing) follows the abort at once
+    assert _usage_totals(server, context, tenant_id)["requests"] == 0  # nothing delivered
+
+
+def test_max_tokens_must_fit_the_context_and_defaults_fit_the_limits(make_client, context, base):
+    client, _ = make_client()
+    context_len = context.engine.max_model_len
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=base, prompt=PROMPT, max_tokens=context_len)
+    assert info.value.code == "context_length_exceeded"
+    assert f"maximum context length is {context_len}" in info.value.message
+
+    # Chat without max_tokens defaults to the rest of the context; a tokens/minute limit of
+    # 64 could never reserve that, so the request gets what fits in the bucket and stops.
+    messages = [{"role": "user", "content": "Hi"}]
+    limited, _ = make_client(tokens_per_minute=64)
+    chat = limited.chat.completions.create(
+        model=base, messages=messages, extra_body={"ignore_eos": True}
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 64
+
+    # With a monthly budget the default stops at what the budget affords: 5,000 µ$ at
+    # 100 µ$ per output token (input free) is 50 tokens.
+    budgeted, _ = make_client(monthly_budget_usd=0.005, output_price_per_mtok=100.0)
+    chat = budgeted.chat.completions.create(
+        model=base, messages=messages, extra_body={"ignore_eos": True}
+    )
+    assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == ("length", 50)
+
+
+def test_parallel_requests_cannot_overshoot_the_budget(make_client, server, context, base):
+    # Each request may cost 20 tokens × 100 µ$ = 2,000 µ$; a 5,000 µ$ budget holds two.
+    client, tenant_id = make_client(monthly_budget_usd=0.005, output_price_per_mtok=100.0)
+    barrier = threading.Barrier(4)
+
+    def request(_: int) -> int:
+        barrier.wait(timeout=30)
+        try:
+            client.completions.create(
+                model=base, prompt=PROMPT, max_tokens=20, extra_body={"ignore_eos": True}
+            )
+        except openai.APIStatusError as refused:
+            return refused.status_code
+        return 200
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        statuses = sorted(pool.map(request, range(4)))
+    assert statuses == [200, 200, 402, 402]
+    assert _usage_totals(server, context, tenant_id)["cost_micro_usd"] == 4_000

@@ -21,13 +21,18 @@ import redis.asyncio
 
 from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from loramux.engine.model.config import ModelConfig
+from loramux.platform.app import create_app
+from loramux.platform.context import build_context
 from loramux.platform.engines.registry import EngineRecord, EngineRegistry
 from loramux.platform.engines.remote import RemoteEngine
 from loramux.platform.engines.routed import NoEngineAvailable, RoutedEngines
 from loramux.platform.engines.server import EngineHost, create_engine_app
+from loramux.platform.settings import Settings
 from loramux.platform.store.local import LocalObjectStore
 from tests.fixtures.browser import ServerThread, free_port
+from tests.fixtures.polling import eventually
 from tests.platform.engines.test_engine_server import SECRET, store_adapter
+from tests.platform.raw_http import request_then_leave
 
 HEARTBEAT_S = 1.0  # TTL 3 s: a busy test machine must not expire a live engine
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -254,3 +259,45 @@ def test_no_engine_means_a_clear_error(redis_url, tiny_model_dir):
             await client.stop()
 
     asyncio.run(go())
+
+
+def _engines_busy(cluster: Cluster) -> bool:
+    return any(h.engine.engine.has_unfinished_requests() for h in cluster.hosts.values())
+
+
+def _generated(cluster: Cluster) -> float:
+    return sum(
+        h.engine.engine.metrics.registry.get_sample_value("loramux_generated_tokens_total")
+        for h in cluster.hosts.values()
+    )
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it_on_the_engine(cluster, tmp_path):
+    """The platform in remote mode: the client's disconnect closes the run, which closes
+    the HTTP stream to the engine process, which aborts the request there."""
+    settings = Settings(data_dir=tmp_path, model=str(cluster.model_dir), admin_token=None)
+    context = build_context(settings, log=lambda _: None, with_engine=False)
+    context.engine = cluster.client()
+    before = _generated(cluster)
+    try:
+        with ServerThread(create_app(context)) as server:
+            admin = {"Authorization": f"Bearer {context.admin_token}"}
+            tenant = httpx.post(f"{server.url}/admin/tenants", json={"name": "a"}, headers=admin)
+            tenant_id = tenant.json()["id"]
+            key = httpx.post(f"{server.url}/admin/tenants/{tenant_id}/api-keys", headers=admin)
+            body = {
+                "model": context.base_model.model_id,
+                "prompt": "Tell me a long story",
+                "max_tokens": 400,
+                "ignore_eos": True,
+            }
+            with request_then_leave(server.url, "/v1/completions", key.json()["key"], body):
+                eventually(lambda: _engines_busy(cluster), "the request to run", interval_s=0.005)
+            eventually(lambda: not _engines_busy(cluster), "the engine to abort it", 20)
+            assert _generated(cluster) - before < 400  # stopped long before its 400 tokens
+            usage = httpx.get(
+                f"{server.url}/admin/usage", params={"tenant_id": tenant_id}, headers=admin
+            )
+            assert usage.json()["totals"]["requests"] == 0  # no response, no bill
+    finally:
+        context.sessions.kw["bind"].dispose()
