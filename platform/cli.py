@@ -65,10 +65,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from loramux.platform.app import create_app
     from loramux.platform.context import build_context
+    from loramux.platform.serving import serve
     from loramux.platform.settings import Settings
 
     overrides = {
@@ -79,7 +78,14 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)
     context = build_context(settings, log=lambda msg: print(msg, flush=True))
     print(_banner(context), flush=True)
-    uvicorn.run(create_app(context), **serve_options(settings))
+    app = create_app(context)
+    # On SIGTERM: running requests get shutdown_timeout_s to finish, then are stopped.
+    serve(
+        app,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        stop_requests=app.state.running_requests.stop_all,
+        **serve_options(settings),
+    )
     return 0
 
 
@@ -93,9 +99,8 @@ def serve_options(settings) -> dict:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from loramux.platform.engines.server import build_engine_host, create_engine_app
+    from loramux.platform.serving import serve
     from loramux.platform.settings import Settings
 
     overrides = {
@@ -114,7 +119,16 @@ def _engine(args: argparse.Namespace) -> int:
     host = build_engine_host(settings, log=lambda msg: print(msg, flush=True))
     print(f"loramux engine {host.engine_id} serving {host.model_id} at {host.url}", flush=True)
     app = create_engine_app(host)
-    uvicorn.run(app, host=settings.engine_host, port=settings.engine_port, log_level="info")
+    # On SIGTERM: leave the registry, let requests finish for shutdown_timeout_s, abort the rest.
+    serve(
+        app,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        stop_requests=host.stop_requests,
+        on_shutdown=host.withdraw,
+        host=settings.engine_host,
+        port=settings.engine_port,
+        log_level="info",
+    )
     return 0
 
 

@@ -16,7 +16,11 @@ Prometheus registry). Everything under ``/v1/engine`` needs ``Authorization: Bea
 | ``GET /v1/engine/residency``, ``GET /v1/engine/stats`` | where adapters are; the live snapshot |
 
 While it runs the process publishes its :class:`EngineRecord` to the registry every
-heartbeat (load, resident adapters) and withdraws it on a clean shutdown.
+heartbeat (load, resident adapters). On SIGTERM it withdraws at once (platforms route new
+requests elsewhere), lets its running requests finish for up to ``shutdown_timeout_s``,
+then aborts the rest (:meth:`EngineHost.stop_requests`: each stream ends with an output
+whose finish reason is ``abort``, so the platform bills what was delivered) and exits
+(``loramux.platform.serving``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class EngineHost:
         self.registered = False
         self._adapters: dict[str, StoredAdapter] = {}
         self._heartbeat: asyncio.Task | None = None
+        self.streaming: set[str] = set()  # ids of the requests whose output is being streamed
+        self._aborting: set[asyncio.Task] = set()
 
     @property
     def capacity(self) -> int:
@@ -81,16 +87,30 @@ class EngineHost:
             self._heartbeat = asyncio.create_task(self._beat())
         self.registered = True
 
-    async def stop(self) -> None:
+    async def withdraw(self) -> None:
+        """Leave the registry (no new requests are routed here); idempotent."""
         self.registered = False
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
-        if self.registry is not None:
-            with contextlib.suppress(Exception):  # Redis gone too: the record expires anyway
-                await self.registry.withdraw(self.engine_id)
+                await heartbeat
+            if self.registry is not None:
+                with contextlib.suppress(Exception):  # Redis gone too: the record expires
+                    await self.registry.withdraw(self.engine_id)
+
+    async def stop(self) -> None:
+        await self.withdraw()
         await self.engine.stop()
+
+    def stop_requests(self) -> int:
+        """Abort every request being streamed (a shutdown's grace is over); how many.
+        Each stream ends with its abort output, so the platform sees how it ended."""
+        for request_id in list(self.streaming):
+            task = asyncio.ensure_future(self.engine.abort(request_id))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+        return len(self.streaming)
 
     async def record(self) -> EngineRecord:
         stats = await self.engine.stats()
@@ -222,10 +242,16 @@ async def generate(body: GenerateBody, host: HostDep) -> Response:
     except AsyncEngineError as exc:
         await stream.aclose()
         return _error(503, f"the engine could not run the request: {exc}", "engine_error")
-    return StreamingResponse(_lines(first, stream), media_type="application/x-ndjson")
+    if not first.finished:
+        host.streaming.add(body.request_id)
+    return StreamingResponse(
+        _lines(host, body.request_id, first, stream), media_type="application/x-ndjson"
+    )
 
 
-async def _lines(first, stream: AsyncIterator) -> AsyncIterator[str]:
+async def _lines(
+    host: EngineHost, request_id: str, first, stream: AsyncIterator
+) -> AsyncIterator[str]:
     # Closed early (the platform dropped the connection): closing the engine's stream
     # aborts the request there.
     try:
@@ -234,6 +260,7 @@ async def _lines(first, stream: AsyncIterator) -> AsyncIterator[str]:
             async for out in stream:
                 yield json.dumps(output_to_json(out)) + "\n"
     finally:
+        host.streaming.discard(request_id)
         await stream.aclose()
 
 

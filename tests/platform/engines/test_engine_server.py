@@ -7,12 +7,14 @@ under uvicorn in a thread; the client is the platform's.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
+import uvicorn
 
 from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from loramux.engine.engine import EngineError
@@ -25,9 +27,11 @@ from loramux.platform.engines.remote import (
 )
 from loramux.platform.engines.server import EngineHost, create_engine_app
 from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.serving import BACKSTOP_S, DrainingServer
 from loramux.platform.store.local import LocalObjectStore
 from tests.engine.hf_reference import greedy_tokens
 from tests.fixtures.browser import ServerThread, free_port
+from tests.fixtures.polling import eventually
 
 SECRET = "engine-secret-for-tests"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -211,3 +215,49 @@ def test_an_engine_that_is_not_there_is_unreachable():
             await remote.stats()
 
     asyncio.run(_run(go)(url))
+
+
+def test_a_shutdown_aborts_what_still_runs_after_its_grace(tiny_model_dir, tmp_path):
+    """What SIGTERM does to ``loramux engine``: requests run on for the grace period, then
+    each is aborted so its stream ends with an ``abort`` output, and the server exits."""
+    engine = Engine(
+        EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=16 << 20, dtype="float32")
+    )
+    host = EngineHost(
+        AsyncEngine(engine),
+        LocalObjectStore(tmp_path),
+        None,
+        engine_id="engine-d",
+        url="",
+        model_id="tiny",
+        secret=SECRET,
+    )
+    port, grace_s = free_port(), 0.3
+    config = uvicorn.Config(
+        create_engine_app(host),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=grace_s + BACKSTOP_S,
+    )
+    server = DrainingServer(
+        config, grace_s=grace_s, stop_requests=host.stop_requests, on_shutdown=host.withdraw
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    eventually(lambda: server.started, "the engine server to start", 30, 0.05)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def go(remote: RemoteEngine):
+        stream = remote.generate("Tell me a long story", long, request_id="drain1")
+        outs = [await anext(stream)]
+        server.should_exit = True  # what the SIGTERM handler sets
+        outs += [out async for out in stream]
+        return outs
+
+    outs = asyncio.run(_run(go)(f"http://127.0.0.1:{port}"))
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert len(outs[-1].token_ids) < 400
+    assert not host.registered  # it left the registry when the shutdown began
+    thread.join(timeout=grace_s + BACKSTOP_S + 10)
+    assert not thread.is_alive(), "the engine server did not exit"
