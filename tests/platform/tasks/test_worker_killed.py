@@ -72,6 +72,18 @@ def adapter_dir(make_adapter, tiny_model_dir) -> Path:
     return make_adapter(tiny_model_dir, rank=4, targets=("q_proj",), seed=9)
 
 
+def _worker_env(context: PlatformContext, database_url: str, tmp_path: Path) -> dict[str, str]:
+    """The worker's environment; its temp dir is the test's (a killed worker leaves its
+    validation folder there, in the system temp dir)."""
+    (tmp_path / "worker-tmp").mkdir(exist_ok=True)
+    env = worker_env(
+        broker_url=context.settings.celery_broker_url,
+        database_url=database_url,
+        data_dir=context.settings.data_dir,
+    )
+    return {**env, "TMPDIR": str(tmp_path / "worker-tmp")}
+
+
 def _queue_upload(client: TestClient, context: PlatformContext, adapter_dir: Path) -> str:
     """Upload with no worker running yet; the version's id (validating, the queue's)."""
     admin = {"Authorization": f"Bearer {context.admin_token}"}
@@ -135,11 +147,7 @@ def _restore(pipe: Path, content: bytes) -> None:
 def test_a_killed_prefork_child_is_replaced_and_the_task_finishes(
     context, adapter_dir, database_url, tmp_path
 ):
-    env = worker_env(
-        broker_url=context.settings.celery_broker_url,
-        database_url=database_url,
-        data_dir=context.settings.data_dir,
-    )
+    env = _worker_env(context, database_url, tmp_path)
     log = tmp_path / "worker.log"
     with TestClient(create_app(context)) as client:
         version_id = _queue_upload(client, context, adapter_dir)
@@ -177,11 +185,7 @@ def test_a_killed_prefork_child_is_replaced_and_the_task_finishes(
 def test_a_killed_worker_leaves_the_version_to_the_sweep(
     context, adapter_dir, database_url, tmp_path
 ):
-    env = worker_env(
-        broker_url=context.settings.celery_broker_url,
-        database_url=database_url,
-        data_dir=context.settings.data_dir,
-    )
+    env = _worker_env(context, database_url, tmp_path)
     log = tmp_path / "worker.log"
     with TestClient(create_app(context)) as client:
         version_id = _queue_upload(client, context, adapter_dir)
