@@ -21,6 +21,7 @@ once, so the system reclaims them even after a kill) before the route copies the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -71,11 +72,13 @@ def _instance_id(data_dir: Path) -> str:
         pass
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{INSTANCE_ID_FILE}.{os.getpid()}")
-    tmp.write_text(uuid.uuid4().hex + "\n")
+    # Private, like the data directory's other files.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(uuid.uuid4().hex + "\n")
     try:
-        os.link(tmp, path)  # only the first writer's id is kept, should two race
-    except FileExistsError:
-        pass
+        with contextlib.suppress(FileExistsError):  # should two race, the first id is kept
+            os.link(tmp, path)
     finally:
         tmp.unlink()
     return path.read_text().strip()
