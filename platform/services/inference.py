@@ -573,10 +573,25 @@ class InferenceService:
         finally:
             if handle is not None:
                 self._running.discard(handle)
-            if self._journal is not None:
-                self._journal.close(job.request_id)
+            await self._end(job, tally, time.monotonic() - started)
+
+    async def _end(self, job: Job, tally: Tally, elapsed_s: float) -> None:
+        """Write the final record. Cancelled once more while it is written (uvicorn's
+        shutdown backstop, then the event loop's own end), the request stays in the journal,
+        whose last checkpoint at shutdown then records it in case the write is cut short."""
+        try:
             with anyio.CancelScope(shield=True):  # even when the client's task is cancelled
-                await run_in_threadpool(self._finish, job, tally, time.monotonic() - started)
+                await run_in_threadpool(self._finish, job, tally, elapsed_s)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._close_journal(job)
+            raise
+        self._close_journal(job)
+
+    def _close_journal(self, job: Job) -> None:
+        if self._journal is not None:
+            self._journal.close(job.request_id)
 
     async def _generate(self, job: Job, index: int) -> AsyncIterator[RequestOutput]:
         stream = self._engine.generate(
