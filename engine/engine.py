@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.isolation import IsolatedStep, run_isolated
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
 from loramux.engine.lora.device_arena import DeviceArena
@@ -48,7 +49,7 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.runner import ModelRunner, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler, SchedulerLimits
+from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
@@ -375,12 +376,10 @@ class Engine:
         """Run one iteration; returns an output for every request that got tokens, and
         for every request ended by an adapter that failed to load."""
         failures = self._fail_waiting(self.tiers.poll(), "could not be loaded")
-        never = self.tiers.prepare(
-            seq.adapter_id
-            for seq in self.scheduler.waiting_in_order()
-            if seq.adapter_id is not None
-        )
+        waiting = self.scheduler.waiting_in_order()
+        never = self.tiers.prepare(seq.adapter_id for seq in waiting if seq.adapter_id is not None)
         failures += self._fail_waiting(never, "cannot be served")
+        self._hold_room_for_adapter(waiting)
         self._give_kv_room()
         plan = self.scheduler.schedule()
         self.tiers.pin_running(
@@ -400,9 +399,9 @@ class Engine:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
-        sampled = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, sampled, time.monotonic())
-        outputs = failures
+        step = run_isolated(self.runner.execute, plan)
+        outputs = failures + self._fail_in_step(step)
+        updates = self.scheduler.update(plan, step.sampled, time.monotonic())
         for seq, text in updates:
             self._observe_token(seq)
             outputs.append(self._output(seq, text, seq.output_token_ids[-1:]))
@@ -413,6 +412,21 @@ class Engine:
             seq.adapter_id for seq in self.scheduler.running if seq.adapter_id is not None
         )
         self._update_gauges()
+        return outputs
+
+    def _fail_in_step(self, step: IsolatedStep) -> list[RequestOutput]:
+        """End the requests found to make the step fail; the others' tokens stand."""
+        if not step.failed:
+            return []
+        self.metrics.step_failures.inc()
+        self.metrics.step_reruns.inc(step.reruns)
+        self.metrics.requests_failed_in_step.inc(len(step.failed))
+        outputs = []
+        for request_id, reason in step.failed.items():
+            seq = self._requests.pop(request_id)
+            what = "the base model" if seq.lora is None else f"adapter {seq.lora.name!r}"
+            self.scheduler.fail(seq, f"{what} failed in the engine step: {reason}")
+            outputs.append(self._output(seq, "", []))
         return outputs
 
     def _fail_waiting(self, errors: dict[int, str], what: str) -> list[RequestOutput]:
@@ -429,6 +443,26 @@ class Engine:
             del self._requests[seq.request_id]
             outputs.append(self._output(seq, "", []))
         return outputs
+
+    def _hold_room_for_adapter(self, waiting: list[Sequence]) -> None:
+        """Hold the KV blocks where the first adapter that found no device room must go,
+        and tell the scheduler, which preempts their holders if it waits too long."""
+        blocked = self.tiers.blocked_for_room
+        limit = None if blocked is None else self.lora_pool.kv_limit_needed(blocked[1])
+        first = None
+        if limit is not None:
+            first = next((s for s in waiting if s.adapter_id == blocked[0]), None)
+        if first is None:
+            self.kv.release_hold()
+            self.scheduler.adapter_room = None
+        else:
+            previous = self.scheduler.adapter_room
+            since = self.scheduler.step_count + 1  # schedule() counts the coming step
+            if previous is not None and previous.adapter_id == blocked[0]:
+                since = previous.since_step
+            self.kv.hold_from(limit)
+            self.scheduler.adapter_room = AdapterRoom(blocked[0], limit, first.priority, since)
+        self.metrics.kv_blocks_held.set(self.kv.num_held_blocks)
 
     def _give_kv_room(self) -> None:
         """Let KV take rows back from idle adapters when the next step's blocks are short:

@@ -43,6 +43,14 @@ never goes below ``min_limit``, the blocks one request of the maximum length nee
 admitted request can always run to completion alone. Accounting (``num_free_blocks``,
 ``usage``, admission) is relative to the limit; ``num_blocks`` stays the physical count.
 
+*Holding blocks for an adapter.* An adapter that does not fit needs the blocks at the top
+of KV's range, and in-use blocks sit anywhere once the prefix cache recycles blocks. So
+:meth:`KVCacheManager.hold_from` marks blocks ``[hold, limit)`` as wanted by the adapter
+pool: they are no longer handed out, and each one its request releases is *held* (neither
+free nor evictable) instead of going back to a pool, until the range is free and the pool
+takes it, or :meth:`KVCacheManager.release_hold` gives it back. Held blocks count as
+neither free nor used.
+
 *Salt = adapter id + tenant.* KV depends on the weights that produced it, so a prompt run
 under adapter A must not reuse KV computed under adapter B; and one tenant must not be able
 to detect (through timing) what another tenant has recently sent. The caller therefore passes
@@ -197,6 +205,11 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up, counted when a request is admitted
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
 
+        # Blocks [hold, limit) are wanted by the adapter pool (None: no hold); the ones with
+        # ref 0 wait in _held, out of both pools (see the module docstring).
+        self._hold: int | None = None
+        self._held: set[int] = set()
+
     # -- accounting -------------------------------------------------------------------------
 
     @property
@@ -212,7 +225,17 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one request."""
-        return self._limit - self.num_free_blocks
+        return self._limit - self.num_free_blocks - len(self._held)
+
+    @property
+    def hold(self) -> int | None:
+        """Where the adapter pool's hold starts (blocks ``[hold, limit)``), or None."""
+        return self._hold
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks in the hold that no request uses any more (waiting for the pool)."""
+        return len(self._held)
 
     def usage(self) -> float:
         """Share of the blocks KV may use now (below the limit) that requests hold."""
@@ -414,7 +437,10 @@ class KVCacheManager:
         for bid in reversed(table):
             self._ref_count[bid] -= 1
             if self._ref_count[bid] == 0:
-                if self._hash[bid] is not None:
+                if self._hold is not None and bid >= self._hold:
+                    self._unregister(bid)  # the pool will overwrite it
+                    self._held.add(bid)
+                elif self._hash[bid] is not None:
                     self._evictable[bid] = None  # appended = most recently used
                 else:
                     heapq.heappush(self._free, bid)
@@ -439,6 +465,32 @@ class KVCacheManager:
             low -= 1
         return low
 
+    def hold_from(self, hold: int) -> None:
+        """Stop handing out blocks ``[hold, limit)`` and keep each as it is released, for the
+        adapter pool to take (see the module docstring). Cached blocks there leave the prefix
+        cache. ``hold`` is raised to ``min_limit`` if below it; at or above the limit, or the
+        same hold as now, it changes nothing."""
+        hold = max(hold, self.min_limit)
+        if hold >= self._limit or hold == self._hold:
+            return
+        self.release_hold()
+        self._hold = hold
+        kept = [bid for bid in self._free if bid < hold]
+        self._held.update(bid for bid in self._free if bid >= hold)
+        self._free = kept
+        heapq.heapify(self._free)
+        for bid in [bid for bid in self._evictable if bid >= hold]:
+            del self._evictable[bid]
+            self._unregister(bid)
+            self._held.add(bid)
+
+    def release_hold(self) -> None:
+        """Give the held blocks back to the free pool and hand out the whole range again."""
+        for bid in self._held:
+            heapq.heappush(self._free, bid)
+        self._held.clear()
+        self._hold = None
+
     def try_lower_limit(self, new_limit: int) -> bool:
         """Hand blocks ``[new_limit, limit)`` over (to the adapter pool); False if impossible.
 
@@ -457,10 +509,13 @@ class KVCacheManager:
             if bid in self._evictable:
                 del self._evictable[bid]
                 self._unregister(bid)
+            self._held.discard(bid)
         if taken:
             self._free = [bid for bid in self._free if bid < new_limit]
             heapq.heapify(self._free)
         self._limit = new_limit
+        if self._hold is not None and self._hold >= new_limit:
+            self.release_hold()  # the pool has what it held for (held is empty now)
         return True
 
     def raise_limit(self, new_limit: int) -> None:
@@ -469,7 +524,10 @@ class KVCacheManager:
         if not self._limit <= new_limit <= self.num_blocks:
             raise ValueError(f"new limit {new_limit} must be in [{self._limit}, {self.num_blocks}]")
         for bid in range(self._limit, new_limit):
-            heapq.heappush(self._free, bid)
+            if self._hold is not None and bid >= self._hold:
+                self._held.add(bid)
+            else:
+                heapq.heappush(self._free, bid)
         self._limit = new_limit
 
     # -- debugging --------------------------------------------------------------------------
@@ -493,11 +551,20 @@ class KVCacheManager:
             assert refs[bid] == 0, f"block {bid} above the limit is in use"
             assert bid not in free and bid not in evictable, f"block {bid} above limit pooled"
             assert self._hash[bid] is None, f"block {bid} above the limit is registered"
+        held = self._held
+        assert all(self._hold is not None and self._hold <= bid < self._limit for bid in held), (
+            "a held block outside the hold"
+        )
         for bid in range(self._limit):
             if refs[bid] == 0:
-                assert (bid in free) != (bid in evictable), f"block {bid} lost"
+                places = (bid in free) + (bid in evictable) + (bid in held)
+                assert places == 1, f"block {bid} lost or in two places"
+                if self._hold is not None and bid >= self._hold:
+                    assert bid in held, f"released block {bid} in the hold not held"
             else:
-                assert bid not in free and bid not in evictable, f"used block {bid} in a pool"
+                assert bid not in free and bid not in evictable and bid not in held, (
+                    f"used block {bid} in a pool"
+                )
             if bid in free:
                 assert self._hash[bid] is None, f"free block {bid} still registered"
             if bid in evictable:

@@ -33,6 +33,11 @@ class EngineMetrics:
         self.waiting_requests = Gauge("loramux_waiting_requests", "Requests waiting.", registry=r)
         self.kv_blocks_used = Gauge("loramux_kv_blocks_used", "KV blocks in use.", registry=r)
         self.kv_blocks_total = Gauge("loramux_kv_blocks_total", "KV blocks in all.", registry=r)
+        self.kv_blocks_held = Gauge(
+            "loramux_kv_blocks_held",
+            "Released KV blocks held back for a waiting adapter's device rows.",
+            registry=r,
+        )
         self.prefix_cache_queries = Counter(
             "loramux_prefix_cache_query_tokens", "Prompt tokens looked up.", registry=r
         )
@@ -71,3 +76,18 @@ class EngineMetrics:
         )
         self.preemptions = Counter("loramux_preemptions", "Sequences preempted.", registry=r)
         self.generated_tokens = Counter("loramux_generated_tokens", "Tokens generated.", registry=r)
+        self.step_failures = Counter(
+            "loramux_step_failures",
+            "Engine steps in which some request failed (the others went on).",
+            registry=r,
+        )
+        self.step_reruns = Counter(
+            "loramux_step_reruns",
+            "Partial re-runs of failed steps while finding which requests caused them.",
+            registry=r,
+        )
+        self.requests_failed_in_step = Counter(
+            "loramux_requests_failed_in_step",
+            "Requests failed alone because they made an engine step fail.",
+            registry=r,
+        )

@@ -4,6 +4,14 @@ It holds the model, the KV cache tensors (the device arena's, shared with the ad
 pool), the adapter pool and the sampler; it makes no decisions. The batch is laid out in
 the scheduler's order (grouped by adapter), each sequence contributing the tokens
 ``[num_computed, num_computed + n)``.
+
+Non-finite values (an adapter whose weights overflow, a corrupted row) are caught per
+request: every token's final hidden state is checked, and a step in which any is NaN or
+infinite raises :class:`NonFiniteOutput` naming the requests whose tokens they were, after
+the others were sampled. Each token attends to itself, so a non-finite key or value it
+wrote to the KV cache shows in its own output: a request whose tokens all came out finite
+wrote a sound cache. Checking needs no extra device sync: the sampler syncs anyway, and
+the non-finite rows' logits are zeroed first so that sampling them cannot fail.
 """
 
 from __future__ import annotations
@@ -16,6 +24,18 @@ from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from loramux.engine.scheduler import SchedulerOutput
 from loramux.engine.static_decode import DecodeStep, StaticDecode
 from loramux.kernels.paged_attention import plan_attention
+
+
+class NonFiniteOutput(RuntimeError):
+    """The step computed NaN or infinite values for some requests' tokens."""
+
+    def __init__(self, request_ids: list[str], sampled: dict):
+        super().__init__(
+            f"the model computed non-finite values (NaN or infinity) for {len(request_ids)} "
+            "request(s)"
+        )
+        self.request_ids = request_ids
+        self.sampled = sampled  # request id -> (token, logprobs) of every other sampler
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -53,8 +73,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Run one step; returns request id -> (sampled token, logprobs) for samplers."""
+        """Run one step; returns request id -> (sampled token, logprobs) for samplers.
+
+        Raises ``NonFiniteOutput`` when some requests' tokens came out non-finite.
+        """
         input_ids: list[int] = []
+        token_spans: list[tuple[int, int, str]] = []  # (first, end, request id) per sequence
         tables, context_lens, query_lens = [], [], []
         spans: list[tuple[int, int, int | None]] = []
         sample_index: list[int] = []
@@ -66,6 +90,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             first = len(input_ids)
             input_ids.extend(seq.all_token_ids[start:end])
+            token_spans.append((first, len(input_ids), seq.request_id))
             tables.append(self._block_table(seq.request_id))
             context_lens.append(end)
             query_lens.append(item.num_tokens)
@@ -92,16 +117,24 @@ class ModelRunner:
             hidden = self.static_decode.run(step)
         else:
             hidden = self._forward(input_ids, tables, context_lens, query_lens, spans)
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_index, **long)])
-        result = self.sampler.sample(logits, rows, suppress_token_ids=suppress)
-        return {
-            seq.request_id: (token, logprobs)
-            for seq, token, logprobs in zip(
-                sampling, result.token_ids, result.logprobs, strict=True
-            )
-        }
+        finite = torch.isfinite(hidden).all(dim=-1)  # [tokens]
+        sampled = {}
+        if rows:
+            index = torch.tensor(sample_index, **long)
+            logits = self.model.compute_logits(hidden[index])
+            # A non-finite row is failed below; zeroed, it samples harmlessly meanwhile.
+            logits = torch.where(finite[index, None], logits, 0.0)
+            result = self.sampler.sample(logits, rows, suppress_token_ids=suppress)
+            sampled = {
+                seq.request_id: (token, logprobs)
+                for seq, token, logprobs in zip(
+                    sampling, result.token_ids, result.logprobs, strict=True
+                )
+            }
+        if not bool(finite.all()):
+            bad = [rid for first, end, rid in token_spans if not bool(finite[first:end].all())]
+            raise NonFiniteOutput(bad, {k: v for k, v in sampled.items() if k not in bad})
+        return sampled
 
     def _is_static(self, query_lens: list[int]) -> bool:
         """Whether the step is decode-only and small enough for the static path."""

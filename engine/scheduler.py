@@ -31,7 +31,19 @@ Policy, in order:
    adapter's turn comes within a bounded number of steps.
 5. **Cold adapters**: a waiting sequence whose adapter is not on the device
    (``adapter_ready`` says so; the engine loads it in the background) is skipped
-   without holding up the sequences behind it.
+   without holding up the sequences behind it. When such an adapter is in host RAM but
+   finds no device room because KV blocks are in use where its rows must go, the engine
+   holds those blocks for it (``KVCacheManager.hold_from``) and sets ``adapter_room``:
+   once it has waited ``adapter_wait_steps`` steps, the running sequences still holding
+   blocks there (of its priority or lower, lowest and latest first) are preempted, so a
+   cold adapter gets its rows within a bounded number of steps however long the running
+   requests are.
+6. **Per-tenant KV share**: within a priority class, a tenant is entitled to the share
+   of KV blocks and sequence slots its weight gives it among the tenants with requests
+   (``weight / sum of their weights``). A waiting sequence of a tenant that stays within
+   its share once admitted may preempt running sequences of tenants above theirs (the
+   most over-share tenant's latest first), so no tenant can hold all KV memory against
+   the others; when nobody else is waiting, a tenant may use everything.
 """
 
 from __future__ import annotations
@@ -64,6 +76,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class AdapterRoom:
+    """A cold adapter waiting for device rows that KV blocks ``[kv_limit, ...)`` stand in."""
+
+    adapter_id: int
+    kv_limit: int  # the blocks at and above it must be released for the adapter's rows
+    priority: int  # of its first waiting request: holders of higher priority are spared
+    since_step: int  # the step it started waiting (the starvation bound counts from it)
 
 
 @dataclass
@@ -116,6 +138,7 @@ class Scheduler:
         self.kv = kv
         self.adapter_ready = adapter_ready  # adapter id -> on the device now
         self.fair = FairShare()
+        self.adapter_room: AdapterRoom | None = None  # set by the engine before each step
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.step_count = 0
@@ -151,6 +174,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         adapters: set[int] = set()
+        self._make_adapter_room(preempted)
 
         # 1. Running sequences, most important first; the least important are preempted
         #    when blocks run short.
@@ -176,10 +200,19 @@ class Scheduler:
         self.waiting.sort(key=self._waiting_order)
         starving = self._starving_sequence()
         admitted: list[Sequence] = []
+        # The first sequence that finds no room stops admission for its priority class's
+        # tenant (arrival order within a tenant) and for lower classes; other tenants of
+        # its class may still be admitted by their share (policy 6).
+        stopped_class: int | None = None
+        stopped_tenants: set[str | None] = set()
         for seq in list(self.waiting):
             if budget <= 0:
                 break
+            if stopped_class is not None and seq.priority != stopped_class:
+                break
             if seq in preempted or (starving is not None and seq is not starving):
+                continue
+            if seq.tenant in stopped_tenants:
                 continue
             if seq.adapter_id is not None and not self.adapter_ready(seq.adapter_id):
                 continue
@@ -187,9 +220,11 @@ class Scheduler:
                 if seq.adapter_blocked_since is None:
                     seq.adapter_blocked_since = self.step_count
                 continue
-            room = self._make_room(seq, budget, len(admitted), preempted, scheduled)
+            room = self._make_room(seq, budget, admitted, preempted, scheduled)
             if room is None:
-                break
+                stopped_class = seq.priority
+                stopped_tenants.add(seq.tenant)
+                continue
             n, prefix = room, seq.cached_prefix
             self.kv.allocate(seq.request_id, seq.num_computed_tokens + n, prefix)
             if seq.metrics.first_scheduled_time is None:
@@ -238,11 +273,59 @@ class Scheduler:
         waited = self.step_count - oldest.adapter_blocked_since
         return oldest if waited >= self.limits.adapter_wait_steps else None
 
+    def _make_adapter_room(self, preempted: list[Sequence]) -> None:
+        """Preempt what holds a long-waiting cold adapter's blocks (policy 5)."""
+        room = self.adapter_room
+        if room is None or self.step_count - room.since_step < self.limits.adapter_wait_steps:
+            return
+        holders = [
+            seq
+            for seq in self.running
+            if seq.priority <= room.priority
+            and any(bid >= room.kv_limit for bid in self.kv.block_table(seq.request_id))
+        ]
+        for seq in sorted(holders, key=lambda s: (s.priority, -s.metrics.arrival_time)):
+            self._preempt(seq, preempted)
+
+    def _share_victim(
+        self, seq: Sequence, admitted: list[Sequence], *, blocks_short: bool
+    ) -> Sequence | None:
+        """A running sequence ``seq`` may preempt by the per-tenant share (policy 6), or None.
+
+        ``seq``'s tenant must stay within its share of what is short (KV blocks, or else
+        sequence slots) once admitted; the victim is the latest of the tenant most above its
+        share, among the running sequences of ``seq``'s priority and other tenants.
+        """
+        holders = [*self.running, *admitted]  # admitted this step hold blocks and slots too
+        active = {s.tenant for s in (*self.waiting, *holders)}
+        weights = {t: self.fair.weights.get(t, 1.0) for t in active}
+        capacity = self.kv.limit if blocks_short else self.limits.max_num_seqs
+        share = {t: capacity * w / sum(weights.values()) for t, w in weights.items()}
+        held = dict.fromkeys(active, 0)
+        for s in holders:
+            held[s.tenant] += len(self.kv.block_table(s.request_id)) if blocks_short else 1
+        needed = -(-seq.num_tokens // self.kv.block_size) if blocks_short else 1
+        if held[seq.tenant] + needed > share[seq.tenant]:
+            return None
+        candidates = [
+            s
+            for s in self.running
+            if s.priority == seq.priority
+            and s.tenant != seq.tenant
+            and held[s.tenant] > share[s.tenant]
+        ]
+        if not candidates:
+            return None
+        return max(
+            candidates,
+            key=lambda s: (held[s.tenant] / share[s.tenant], s.metrics.arrival_time),
+        )
+
     def _make_room(
         self,
         seq: Sequence,
         budget: int,
-        num_admitted: int,
+        admitted: list[Sequence],
         preempted: list[Sequence],
         scheduled: list[ScheduledSequence],
     ) -> int | None:
@@ -255,15 +338,18 @@ class Scheduler:
             n = self._chunk(seq, budget)
             total = seq.num_computed_tokens + n
             fits_blocks = self.kv.can_allocate(seq.request_id, total, seq.cached_prefix)
-            fits_slots = len(self.running) + num_admitted < self.limits.max_num_seqs
+            fits_slots = len(self.running) + len(admitted) < self.limits.max_num_seqs
             if fits_blocks and fits_slots:
                 return n
             victims = [s for s in self.running if s.priority < seq.priority]
-            if not victims:
+            if victims:
+                victim = min(victims, key=lambda s: (s.priority, -s.metrics.arrival_time))
+            else:
+                victim = self._share_victim(seq, admitted, blocks_short=not fits_blocks)
+            if victim is None:
                 seq.cached_prefix = None  # the handle goes stale; look up afresh next step
                 seq.num_computed_tokens = 0
                 return None
-            victim = min(victims, key=lambda s: (s.priority, -s.metrics.arrival_time))
             budget += sum(item.num_tokens for item in scheduled if item.seq is victim)
             scheduled[:] = [item for item in scheduled if item.seq is not victim]
             self._preempt(victim, preempted)

@@ -239,6 +239,27 @@ class LoRAPool(LoRAWeightSource):
         self._last_use[adapter_id] = self._step
         return resident
 
+    def kv_limit_needed(self, num_rows: int) -> int | None:
+        """The KV limit at or below which an adapter of ``num_rows`` rows would fit, with
+        idle adapters evicted and compacted; None when KV is not what stands in the way
+        (it fits already, or pinned adapters, the cap or KV's floor leave no room).
+
+        The pool grows its region right below the lowest pinned adapter (or from the top),
+        so that is where the rows must come from. Used to hold KV blocks for an adapter
+        that waits (``KVCacheManager.hold_from``).
+        """
+        pinned = sorted((self._resident[a] for a in self._pins), key=lambda r: r.row_start)
+        low = pinned[0].row_start if pinned else self._layout.total_rows
+        if any(end - start >= num_rows for start, end in self._free_runs(low, pinned)):
+            return None  # a free run among the pinned ones: no KV needed
+        first = low - num_rows
+        if first < self._cap_row:
+            return None
+        limit = self._layout.kv_limit_for(first)
+        if limit < self._kv.min_limit or limit >= self._kv.limit:
+            return None
+        return limit
+
     def unload(self, adapter_id: int) -> None:
         """Free the adapter's rows and give the memory below the lowest occupied row to KV."""
         self._require(adapter_id)

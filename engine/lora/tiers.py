@@ -17,6 +17,10 @@ used from the engine thread only (the loader thread hands results back through a
 * ``pin_running(running)`` after scheduling: the adapters of running requests are pinned
   (never evicted or moved), every other one is evictable.
 
+``prepare`` also records the first adapter in queue order that is in host RAM but found no
+room on the device (``blocked_for_room``: its id and rows): the engine holds KV blocks for
+it so that it gets room within a bounded number of steps, however busy KV is.
+
 Nothing here waits on storage: the only copies on the engine thread are host → device.
 """
 
@@ -67,6 +71,9 @@ class AdapterTiers:
         self._by_id: dict[int, RegisteredAdapter] = {}
         self._prepared: set[int] = set()  # held on the device for this step's admissions
         self._pinned: set[int] = set()  # used by running requests
+        # The first adapter of the last prepare() that was in RAM but found no device room:
+        # (adapter id, rows it needs), or None.
+        self.blocked_for_room: tuple[int, int] | None = None
         pool.on_evict = self._device_evicted
 
     # --- registry ------------------------------------------------------------------------
@@ -186,6 +193,7 @@ class AdapterTiers:
         """
         never: dict[int, str] = {}
         full = False
+        self.blocked_for_room = None
         for adapter_id in dict.fromkeys(adapter_ids_in_queue_order):
             if adapter_id not in self._by_id:
                 continue
@@ -211,6 +219,7 @@ class AdapterTiers:
                     self.host.unpin(adapter_id)
                 if resident is None:
                     full = True  # no room without evicting pinned ones: later ones wait too
+                    self.blocked_for_room = (adapter_id, weights.rank)
                     continue
             self.pool.pin(adapter_id)
             self._prepared.add(adapter_id)

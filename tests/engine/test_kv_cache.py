@@ -663,3 +663,61 @@ def test_limit_moves_keep_invariants_randomized():
             assert mgr.num_free_blocks + mgr.num_used_blocks == mgr.limit
             assert all(bid < mgr.limit for rid in live for bid in mgr.block_table(rid))
     assert lowered > 20 and refused > 20, (lowered, refused)
+
+
+def test_hold_keeps_released_blocks_for_the_pool_until_it_takes_them():
+    mgr = KVCacheManager(num_blocks=8, block_size=4, min_limit=2)
+    toks = list(range(13))
+    run_request(mgr, "cached", toks)  # blocks 0..3, three of them registered
+    mgr.allocate("low", 4)  # block 4
+    mgr.allocate("high", 12)  # blocks 5, 6, 7
+    mgr.free("cached")  # 0..2 evictable, 3 free
+    mgr.hold_from(3)  # the pool wants blocks 3..7
+    assert (mgr.hold, mgr.num_held_blocks) == (3, 1)  # block 3 was free
+    assert (mgr.num_free_blocks, mgr.num_used_blocks) == (3, 4)  # held: neither
+    assert not mgr.try_lower_limit(3)  # 4..7 are still in use
+    mgr.free("high")
+    assert mgr.num_held_blocks == 4 and mgr.num_free_blocks == 3
+    # Nothing in the hold is handed out: evictable blocks below it are reclaimed instead.
+    mgr.allocate("next", 12)
+    assert sorted(mgr.block_table("next")) == [0, 1, 2]
+    assert mgr.find_cached_prefix(toks, SALT).num_tokens == 0
+    mgr.free("next")
+    mgr.free("low")
+    assert mgr.num_held_blocks == 5
+    mgr.check_invariants()
+    assert mgr.try_lower_limit(3)
+    assert mgr.hold is None and mgr.num_held_blocks == 0  # the pool has them
+    mgr.check_invariants()
+
+
+def test_hold_takes_cached_blocks_out_of_the_prefix_cache_and_release_gives_all_back():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    toks = list(range(9))  # blocks 0..2, two registered
+    run_request(mgr, "a", toks)
+    mgr.allocate("b", 4 * 4)  # blocks 3..6
+    mgr.free("a")
+    mgr.hold_from(1)  # cached block 1 and the free 2 and 7 are held
+    assert mgr.find_cached_prefix(toks, SALT).num_tokens == 4  # block 0 still cached
+    assert mgr.num_held_blocks == 3
+    mgr.hold_from(1)  # the same hold again: nothing changes
+    assert mgr.num_held_blocks == 3
+    mgr.release_hold()
+    assert (mgr.hold, mgr.num_held_blocks, mgr.num_free_blocks) == (None, 0, 4)
+    mgr.check_invariants()
+    mgr.hold_from(0)  # raised to min_limit (1); at or above the limit it is no hold at all
+    assert mgr.hold == 1
+    mgr.hold_from(8)
+    assert mgr.hold == 1  # unchanged: a hold at the limit asks for nothing
+    mgr.raise_limit(8)
+    mgr.check_invariants()
+
+
+def test_raise_limit_under_a_hold_holds_the_returned_blocks():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    assert mgr.try_lower_limit(4)
+    mgr.allocate("a", 4 * 4)  # 0..3
+    mgr.hold_from(2)  # a larger adapter wants 2..3 too, behind the one above the limit
+    mgr.raise_limit(6)  # that one went: 4, 5 come back, into the hold
+    assert mgr.num_held_blocks == 2 and mgr.num_free_blocks == 0
+    mgr.check_invariants()
