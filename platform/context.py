@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loramux.engine import Engine, EngineConfig
 from loramux.platform.admin_token import load_or_create_admin_token
 from loramux.platform.base_model import BaseModel, resolve_base_model
+from loramux.platform.data_dir import make_data_dir_private
 from loramux.platform.db.migrate import upgrade
 from loramux.platform.db.session import create_engine_for, session_factory
 from loramux.platform.engines.client import EngineClient, LocalEngine
@@ -86,7 +87,7 @@ def build_engine_client(
 
 
 def build_context(settings: Settings, *, log=print, with_engine: bool = True) -> PlatformContext:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_data_dir_private(settings.data_dir, log=log)
     base_model = resolve_base_model(settings, log=log)
     token = load_or_create_admin_token(settings)
     database_url = settings.resolved_database_url

@@ -201,7 +201,8 @@ def _engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineError):
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, EngineRequestFailed):
-        return APIError(503, f"The request could not be served: {exc}", code="adapter_unavailable")
+        status = 500 if exc.code == "adapter_failed" else 503
+        return APIError(status, f"The request could not be served: {exc}", code=exc.code)
     return APIError(503, f"The engine could not finish the request: {exc}", code="engine_error")
 
 

@@ -10,7 +10,8 @@ so :func:`install_error_docs` rewrites the document once it is built, route by r
 - a route with parameters or a body can answer 422 (this API's shape replaces FastAPI's);
 - a route with a body can answer 408 (too slow) and 413 (too large);
 - inference routes (tag ``inference``) can answer 400, 402 (budget), 404 (model),
-  429 (rate limit) and 503 (engine);
+  429 (rate limit), 500 (the request's adapter failed while it ran, alone) and 503
+  (engine);
 - a few routes have statuses only their services know (``ROUTE_STATUSES``).
 
 Derived from the dependency graph, a new route is documented without anyone remembering to.
@@ -39,11 +40,12 @@ DESCRIPTIONS = {
     413: "The request body is too large.",
     422: "Invalid parameters or body; the message names the field.",
     429: "Rate limit exceeded; retry after the Retry-After header's seconds.",
+    500: "The request's adapter failed while it ran (code adapter_failed); only it stopped.",
     503: "A backend this request needs (the engine, the task queue) cannot serve now.",
 }
 
 TAG_STATUSES: dict[str, frozenset[int]] = {
-    "inference": frozenset({400, 402, 404, 429, 503}),
+    "inference": frozenset({400, 402, 404, 429, 500, 503}),
 }
 """Statuses every route of a tag (one router) can answer."""
 

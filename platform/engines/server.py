@@ -319,10 +319,11 @@ def build_engine_host(settings, *, log=print) -> EngineHost:
     from loramux.engine import Engine
     from loramux.platform.base_model import resolve_base_model
     from loramux.platform.context import engine_config
+    from loramux.platform.data_dir import make_data_dir_private
     from loramux.platform.engines.registry import EngineRegistry
     from loramux.platform.store import build_store
 
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_data_dir_private(settings.data_dir, log=log)
     base_model = resolve_base_model(settings, log=log)
     hostname = socket.gethostname()
     registry = None

@@ -203,7 +203,7 @@ def upload_adapter(
     reason when the upload is refused in the request, 409 when the database stays too busy
     to record it, 503 when the store or the task broker is unavailable; nothing is kept.
     """
-    check_adapter_name(name)
+    check_adapter_name(name, base_model_id=target.base_model_id)
     version_id = _begin(sessions, tenant_id, name, target.base_model_id, owner)
     put: list[str] = []  # objects this upload put into the store
     try:
