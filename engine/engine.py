@@ -516,6 +516,8 @@ class Engine:
             window_s=self.latencies.window_s,
             tenant_priorities=dict(self._tenant_priorities),
             tenant_weights=dict(self.scheduler.fair.weights),
+            kv_blocks_held=self.kv.num_held_blocks,
+            preemptions=self.scheduler.num_preemptions,
         )
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:

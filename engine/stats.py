@@ -102,6 +102,9 @@ class EngineStats:
     window_s: float  # how far back the latency samples go
     tenant_priorities: dict[str | None, int]  # as last set by set_tenant_priority
     tenant_weights: dict[str | None, float]  # the fair-share weights the scheduler uses
+    # Released KV blocks held back for a cold adapter's device rows (see kv_cache.hold_from).
+    kv_blocks_held: int = 0
+    preemptions: int = 0  # running requests sent back to the queue since the engine started
 
     @property
     def tenant_ids(self) -> list[str]:

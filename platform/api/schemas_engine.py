@@ -44,6 +44,12 @@ class KVCacheOut(BaseModel):
     blocks_total: int
     block_size: int = Field(description="Tokens per block.")
     usage: float = Field(description="blocks_used / blocks_usable, 0-1.")
+    blocks_held: int = Field(
+        0, description="Released blocks held back for a waiting adapter's device memory."
+    )
+    preemptions: int = Field(
+        0, description="Running requests preempted (recomputed later) since the engine started."
+    )
 
 
 class EngineAdapterOut(BaseModel):
@@ -109,6 +115,8 @@ class EngineSnapshotOut(BaseModel):
                 blocks_total=stats.kv_blocks_total,
                 block_size=stats.kv_block_size,
                 usage=stats.kv_blocks_used / stats.kv_blocks_usable,
+                blocks_held=stats.kv_blocks_held,
+                preemptions=stats.preemptions,
             ),
             device=_tier(stats.device, adapters),
             host=_tier(stats.host, adapters),

@@ -388,6 +388,8 @@ def _merge_stats(parts: list[EngineStats]) -> EngineStats:
         kv_blocks_usable=sum(p.kv_blocks_usable for p in parts),
         kv_blocks_total=sum(p.kv_blocks_total for p in parts),
         kv_block_size=parts[0].kv_block_size,
+        kv_blocks_held=sum(p.kv_blocks_held for p in parts),
+        preemptions=sum(p.preemptions for p in parts),
         device=_merge_tier([p.device for p in parts]),
         host=_merge_tier([p.host for p in parts]),
         residency=_fastest([p.residency for p in parts]),

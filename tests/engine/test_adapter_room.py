@@ -45,7 +45,9 @@ def flooded_engine(model_dir, adapter_dir) -> Engine:
     return engine
 
 
-def steps_to_first_token(engine: Engine, request_ids: set[str], limit: int) -> dict[str, int]:
+def steps_to_first_token(
+    engine: Engine, request_ids: set[str], limit: int, watch=lambda: None
+) -> dict[str, int]:
     first: dict[str, int] = {}
     for step in range(1, limit + 1):
         for out in engine.step():
@@ -53,6 +55,7 @@ def steps_to_first_token(engine: Engine, request_ids: set[str], limit: int) -> d
                 first.setdefault(out.request_id, step)
         engine.kv.check_invariants()
         engine.lora_pool.check_invariants()
+        watch()
         if first.keys() == request_ids:
             break
     return first
@@ -69,12 +72,18 @@ def test_a_cold_adapter_gets_device_rows_within_a_bounded_number_of_steps(
     assert any(block >= needed for block in busy)
 
     engine.add_request("b", list(range(2000, 2020)), SHORT, adapter="cold", tenant="B")
-    first = steps_to_first_token(engine, {"b"}, limit=60)
+    preempted = engine.stats().preemptions
+    held = []  # what the engine shows while the adapter waits: the blocks held for it
+    first = steps_to_first_token(
+        engine, {"b"}, limit=60, watch=lambda: held.append(engine.stats().kv_blocks_held)
+    )
     # The hold keeps the released top blocks; after WAIT_STEPS their holders are preempted;
     # then a step to copy the adapter in and one to prefill.
     assert first.get("b", 61) <= WAIT_STEPS + 3, first
     assert engine.adapter_residency()["cold"] == "device"
     assert engine.kv.hold is None and engine.kv.num_held_blocks == 0  # released once loaded
+    assert max(held) > 0 and held[-1] == 0
+    assert engine.stats().preemptions > preempted
     # The flood goes on (preempted requests recompute; none failed).
     assert sum(engine.kv.has(f"a{i}") for i in range(24)) > 0
     for i in range(24):

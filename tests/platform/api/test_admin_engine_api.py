@@ -28,6 +28,7 @@ def test_idle_engine(client, admin, context):
     assert body["running_requests"] == body["waiting_requests"] == 0
     kv = body["kv_cache"]
     assert kv["blocks_used"] == 0 and kv["usage"] == 0
+    assert kv["blocks_held"] == 0 and kv["preemptions"] == 0
     assert kv["blocks_total"] == kv["blocks_usable"] > 0
     assert body["device"] == {
         "count": 0,

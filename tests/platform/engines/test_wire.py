@@ -76,5 +76,7 @@ def test_engine_stats_round_trip_with_the_default_tenant():
         window_s=300.0,
         tenant_priorities={None: 0, "t1": 5},
         tenant_weights={None: 1.0, "t1": 2.0},
+        kv_blocks_held=4,
+        preemptions=7,
     )
     assert wire.stats_from_json(_through_json(wire.stats_to_json(stats))) == stats

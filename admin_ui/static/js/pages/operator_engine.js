@@ -104,7 +104,9 @@ function show(snapshot) {
   fill(
     $("#kv-sub"),
     `${count(kv.blocks_used)} of ${count(kv.blocks_usable)} blocks ` +
-      `(${count(kv.blocks_total)} in all, ${kv.block_size} tokens each)`,
+      `(${count(kv.blocks_total)} in all, ${kv.block_size} tokens each)` +
+      (kv.blocks_held ? `, ${count(kv.blocks_held)} held for a waiting adapter` : "") +
+      `; ${count(kv.preemptions)} preemptions`,
   );
   fill($("#registered"), count(snapshot.adapters.length));
   fill(
