@@ -46,11 +46,27 @@ with no partial debit: when one bucket passes and the other does not, the one th
 refunded. Its :class:`LimitDecision` carries what an HTTP 429 needs (``Retry-After``, a message).
 :class:`TenantBudget` holds each running request's maximum cost against the tenant's monthly
 budget, so parallel requests cannot all pass one check and overshoot together.
+
+Outages
+-------
+Only Redis can be out of reach. Its operations then raise :class:`LimitsUnavailable`
+(never a ``redis`` error), and the policy the limits were built with decides. Fail-closed
+(``fail_open=False``) lets it propagate: the platform refuses the request (503
+``limits_unavailable``). Fail-open lets the request through with its rate limits
+unchecked (``LimitDecision.enforced`` is False) and checks its budget against what the
+database says was spent, without a hold: requests running at once during the outage
+do not see each other, so together they may pass the budget by at most their maximum
+costs. Either way the outage is logged. A hold release that cannot reach Redis is kept
+and sent again before the limiter's next operation that reaches it, so a request that
+ended during an outage does not keep its hold once Redis is back (the hold's lapse after
+``ttl_s`` is the backstop, e.g. for a process that dies first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import math
 import threading
 import time
@@ -66,6 +82,16 @@ RETRY_AFTER_RESOLUTION_S = 0.001
 
 _EPSILON = 1e-9
 """Slack on "level >= amount" so float rounding of a refill never refuses a whole token."""
+
+MAX_PENDING_RELEASES = 10_000
+"""Hold releases kept through a Redis outage (beyond that the oldest are dropped: they
+lapse after their TTL anyway)."""
+
+logger = logging.getLogger(__name__)
+
+
+class LimitsUnavailable(RuntimeError):
+    """The limits' store (Redis) could not be reached; what the operation did is unknown."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,6 +125,7 @@ class LimitDecision:
     reason: str | None = None  # a message for the client when denied
     limit: LimitKind | None = None  # the limit that denied it
     impossible: bool = False  # denied whatever the wait (needs more than the limit's capacity)
+    enforced: bool = True  # False: allowed unchecked (store unreachable, fail-open): no debit
 
     @property
     def retry_after_header(self) -> str | None:
@@ -423,8 +450,10 @@ class RedisRateLimiter(RateLimiter):
     """Buckets in Redis, each operation one atomic Lua script timed by the server's clock.
 
     Every replica pointing at the same Redis (and ``prefix``) shares the buckets. The script is
-    sent by SHA (``EVALSHA``) and loaded on ``NOSCRIPT``, e.g. after a Redis restart. Redis
-    errors (``redis.RedisError``) propagate: whether to fail open or closed is the caller's call.
+    sent by SHA (``EVALSHA``) and loaded on ``NOSCRIPT``, e.g. after a Redis restart. When
+    Redis cannot be reached an operation raises :class:`LimitsUnavailable` (counted in
+    ``failures``): whether to fail open or closed is the caller's call. A release that
+    failed so is sent again before the next operation.
     """
 
     def __init__(
@@ -435,6 +464,10 @@ class RedisRateLimiter(RateLimiter):
         self._owns_client = owns_client
         self._script = client.register_script(_BUCKET_LUA)
         self._holds_script = client.register_script(_HOLDS_LUA)
+        self.failures = 0  # operations that could not reach Redis, since this limiter was made
+        # (Redis key, hold id) of releases an outage stopped, oldest first
+        self._pending_releases: dict[tuple[str, str], None] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "loramux:rl:") -> RedisRateLimiter:
@@ -449,12 +482,46 @@ class RedisRateLimiter(RateLimiter):
         if self._owns_client:
             self._client.close()
 
+    @property
+    def pending_releases(self) -> int:
+        """Hold releases an outage stopped, not sent yet."""
+        return len(self._pending_releases)
+
+    def _call(self, script, redis_key: str, args: list[str]):
+        """Run ``script`` on ``redis_key`` (pending releases first); LimitsUnavailable when
+        Redis cannot be reached (a Lua or usage error is a bug: it propagates as it is)."""
+        try:
+            self._send_pending_releases()
+            return script(keys=[redis_key], args=args)
+        except _UNREACHABLE as exc:
+            with self._lock:
+                self.failures += 1
+            raise LimitsUnavailable(f"Redis is unreachable: {exc}") from exc
+
+    def _keep_release(self, redis_key: str, hold_id: str) -> None:
+        with self._lock:
+            self._pending_releases[(redis_key, hold_id)] = None
+            while len(self._pending_releases) > MAX_PENDING_RELEASES:
+                del self._pending_releases[next(iter(self._pending_releases))]
+
+    def _send_pending_releases(self) -> None:
+        """Send the releases an outage stopped, oldest first; a Redis error propagates
+        (what is left stays pending). Releasing twice is harmless: hold ids are unique."""
+        while self._pending_releases:
+            with self._lock:
+                if not self._pending_releases:
+                    return
+                redis_key, hold_id = next(iter(self._pending_releases))
+            self._holds_script(keys=[redis_key], args=[hold_id, "", "", ""])
+            with self._lock:
+                self._pending_releases.pop((redis_key, hold_id), None)
+
     def _run(
         self, mode: str, key: str, amount: float, capacity: float, rate: float, now: float | None
     ) -> tuple[bool, float]:
         args = [repr(float(capacity)), repr(float(rate)), repr(float(amount))]
         args += ["" if now is None else repr(float(now)), mode]
-        allowed, level = self._script(keys=[self.key(key)], args=args)
+        allowed, level = self._call(self._script, self.key(key), args)
         return bool(int(allowed)), float(level)
 
     def _take(
@@ -481,7 +548,17 @@ class RedisRateLimiter(RateLimiter):
             "" if ttl_s is None else repr(float(ttl_s)),
             "" if now is None else repr(float(now)),
         ]
-        return float(self._holds_script(keys=[self.key(key)], args=args))
+        try:
+            return float(self._call(self._holds_script, self.key(key), args))
+        except LimitsUnavailable:
+            if hold_id is not None and amount is None:  # a release: sent once Redis answers
+                self._keep_release(self.key(key), hold_id)
+            raise
+
+
+# Redis errors that mean "not reachable now" (down, restarting, loading its data, failed
+# over to a read-only replica), as opposed to a bug in a script or a call.
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
 
 
 def build_rate_limiter(redis_url: str | None) -> RateLimiter:
@@ -513,11 +590,14 @@ class TenantLimits:
     ``check_request`` debits one request and ``tokens_needed`` tokens (reserve the most the
     request can use: prompt + ``max_tokens``; give back the unused part with
     :meth:`refund_tokens`), both or neither. A limit of None is unlimited; a limit of 0 denies
-    everything.
+    everything. When the store is unreachable ``check_request`` raises
+    :class:`LimitsUnavailable`, or with ``fail_open`` allows the request unchecked
+    (``enforced=False``: nothing debited, so nothing to refund).
     """
 
-    def __init__(self, limiter: RateLimiter) -> None:
+    def __init__(self, limiter: RateLimiter, *, fail_open: bool = False) -> None:
         self._limiter = limiter
+        self._fail_open = fail_open
 
     @staticmethod
     def bucket_key(tenant_id: str, kind: LimitKind) -> str:
@@ -560,7 +640,23 @@ class TenantLimits:
         for spec, amount in wanted:  # reject what can never pass before touching any bucket
             if spec.capacity <= 0 or amount > spec.capacity:
                 return _impossible(spec, amount)
+        try:
+            return self._take_all(wanted, now)
+        except LimitsUnavailable as exc:
+            if not self._fail_open:
+                raise
+            logger.warning(
+                "limits store unreachable (%s): a request of tenant %s passes its rate "
+                "limits unchecked (fail-open)",
+                exc,
+                tenant_id,
+            )
+            return LimitDecision(allowed=True, retry_after=0.0, enforced=False)
 
+    def _take_all(
+        self, wanted: list[tuple[_BucketSpec, float]], now: float | None
+    ) -> LimitDecision:
+        """Debit every bucket, or (one denies) refund those taken and say why."""
         taken: list[tuple[_BucketSpec, float]] = []
         for spec, amount in wanted:
             result = self._limiter.try_acquire(
@@ -664,9 +760,12 @@ class TenantBudget:
     our read); and of two concurrent holds, the later one sees the earlier.
     """
 
-    def __init__(self, limiter: RateLimiter, *, ttl_s: float = BUDGET_HOLD_TTL_S) -> None:
+    def __init__(
+        self, limiter: RateLimiter, *, ttl_s: float = BUDGET_HOLD_TTL_S, fail_open: bool = False
+    ) -> None:
         self._limiter = limiter
         self._ttl_s = ttl_s
+        self._fail_open = fail_open
 
     @staticmethod
     def key(tenant_id: str) -> str:
@@ -674,19 +773,39 @@ class TenantBudget:
         return f"tenant:{tenant_id}:budget"
 
     def held(self, tenant_id: str) -> int:
-        """Micro-dollars held by the tenant's running requests now."""
-        return round(self._limiter.held(self.key(tenant_id)))
+        """Micro-dollars held by the tenant's running requests now (fail-open, with the
+        store unreachable: 0)."""
+        try:
+            return round(self._limiter.held(self.key(tenant_id)))
+        except LimitsUnavailable:
+            if not self._fail_open:
+                raise
+            return 0
 
     def try_hold(
         self, tenant_id: str, amount: int, *, budget: int, spent: Callable[[], int]
     ) -> BudgetDecision:
-        """Hold ``amount`` if the budget has room for it; ``spent()`` reads this month's cost."""
+        """Hold ``amount`` if the budget has room for it; ``spent()`` reads this month's cost.
+
+        With the store unreachable: :class:`LimitsUnavailable`, or with ``fail_open`` the
+        budget checked against ``spent()`` alone, and no hold.
+        """
         if amount < 0:
             raise ValueError(f"amount must be >= 0, got {amount}")
         hold_id = uuid.uuid4().hex
-        total = round(self._limiter.hold(self.key(tenant_id), hold_id, amount, ttl_s=self._ttl_s))
-        spent_now = spent()
-        others = max(0, total - amount)
+        try:
+            total = self._limiter.hold(self.key(tenant_id), hold_id, amount, ttl_s=self._ttl_s)
+        except LimitsUnavailable as exc:
+            if not self._fail_open:
+                raise
+            return self._without_hold(tenant_id, amount, budget, spent(), exc)
+        try:
+            spent_now = spent()
+        except BaseException:  # the database failed: the hold must not outlive the refusal
+            with contextlib.suppress(LimitsUnavailable):
+                self._limiter.release(self.key(tenant_id), hold_id)
+            raise
+        others = max(0, round(total) - amount)
         if spent_now >= budget or spent_now + others + amount > budget:
             self._limiter.release(self.key(tenant_id), hold_id)
             return BudgetDecision(allowed=False, spent=spent_now, held=others)
@@ -698,5 +817,21 @@ class TenantBudget:
         )
 
     def release(self, hold: BudgetHold) -> None:
-        """The request ended (its usage is written): its hold goes."""
+        """The request ended (its usage is written): its hold goes. With the store
+        unreachable: :class:`LimitsUnavailable` (the release is sent again later)."""
         self._limiter.release(self.key(hold.tenant_id), hold.hold_id)
+
+    @staticmethod
+    def _without_hold(
+        tenant_id: str, amount: int, budget: int, spent_now: int, exc: LimitsUnavailable
+    ) -> BudgetDecision:
+        """Fail-open: the budget against this month's spend alone (no other request's
+        hold is known, and this one holds nothing)."""
+        logger.warning(
+            "limits store unreachable (%s): a request of tenant %s is checked against its "
+            "budget without holds (fail-open)",
+            exc,
+            tenant_id,
+        )
+        allowed = spent_now < budget and spent_now + amount <= budget
+        return BudgetDecision(allowed=allowed, spent=spent_now, held=0)
