@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis URL for limits and the engine registry. Unset: in memory."
     )
+    limits_fail_open: bool = Field(
+        default=True,
+        description="While Redis is unreachable, serve tenants that have rate limits or a "
+        "budget without the rate limits and without budget holds (the budget is still "
+        "checked against the database), logging each such request; false: refuse them "
+        "with 503 `limits_unavailable`. Tenants without limits are served either way.",
+    )
     celery_broker_url: str | None = Field(
         default=None, description="Celery broker URL. Unset: tasks run in-process."
     )

@@ -18,6 +18,10 @@ max_tokens)`` tokens at the tenant's prices) is held against the monthly budget
 requests + this maximum`` passes the budget), and ``n * (prompt tokens + max_tokens)``
 tokens are reserved from the rate limits (429). Both are settled when the run ends: the
 unused tokens are refunded and the budget hold released, after the usage is written.
+With Redis (the limits' store) unreachable, ``limits_fail_open`` decides: the request
+runs without rate limits and budget holds (its budget checked against the database
+alone), or is refused with 503 ``limits_unavailable``; settling then fails quietly (the
+hold's release is sent again once Redis answers).
 
 :meth:`InferenceService.run` streams ``(choice index, RequestOutput delta)`` pairs of all the
 choices as they come. The caller marks each delta *delivered* once the client has it
@@ -41,7 +45,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +62,7 @@ from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Price, Tenant
 from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
-from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
+from loramux.platform.limits import BudgetHold, LimitsUnavailable, TenantBudget, TenantLimits
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
@@ -110,6 +114,9 @@ class Holds:
 
     ``settle`` gives back what was not used, once: a job that never ran (its client left
     before the stream started) is settled by whoever notices, and a second call is a no-op.
+    Settling never raises for an unreachable store: what could not be given back is logged
+    (a refund is lost, the tokens come back as the bucket refills; a release is sent again
+    by the limiter).
     """
 
     def __init__(
@@ -133,18 +140,33 @@ class Holds:
     def settle(self, used_tokens: int) -> None:
         """Refund the reserved tokens beyond ``used_tokens`` and release the budget hold
         (call it after the usage is written: the budget then counts it as spent)."""
+        if self._claim():
+            self._give_back(used_tokens)
+
+    def _claim(self) -> bool:
         with self._lock:
             if self._settled:
-                return
+                return False
             self._settled = True
+            return True
+
+    def _give_back(self, used_tokens: int) -> None:
         try:
             if self.budget_hold is not None:
                 self._budget.release(self.budget_hold)
-        finally:
+        except LimitsUnavailable as exc:
+            logger.warning(
+                "budget hold of tenant %s not released now: %s", self._caller.tenant_id, exc
+            )
+        try:
             self._limits.refund_tokens(
                 self._caller.tenant_id,
                 tokens_per_minute=self._caller.tokens_per_minute,
                 tokens=max(0, self.reserved_tokens - used_tokens),
+            )
+        except LimitsUnavailable as exc:
+            logger.warning(
+                "unused tokens of tenant %s not refunded: %s", self._caller.tenant_id, exc
             )
 
 
@@ -481,10 +503,10 @@ class InferenceService:
         params = build_params(sampling, n)
         budget_hold = self._hold_budget(caller, price, n, prompt_tokens, params)
         reserved = n * (prompt_tokens + params[0].max_tokens)
-        limits = TenantLimits(self._context.rate_limiter)
-        holds = Holds(limits, self._budget(), caller, reserved, budget_hold)
+        holds = Holds(self._limits(), self._budget(), caller, reserved, budget_hold)
         try:
-            self._reserve(caller, reserved)
+            if not self._reserve(caller, reserved):
+                holds.reserved_tokens = 0  # passed unchecked: nothing to refund
         except APIError:
             holds.reserved_tokens = 0  # nothing was debited
             holds.settle(0)
@@ -501,15 +523,23 @@ class InferenceService:
         )
 
     def _budget(self) -> TenantBudget:
-        return TenantBudget(self._context.rate_limiter)
+        fail_open = self._context.settings.limits_fail_open
+        return TenantBudget(self._context.rate_limiter, fail_open=fail_open)
 
-    def _reserve(self, caller: Caller, tokens: int) -> None:
-        decision = TenantLimits(self._context.rate_limiter).check_request(
-            caller.tenant_id,
-            requests_per_minute=caller.requests_per_minute,
-            tokens_per_minute=caller.tokens_per_minute,
-            tokens_needed=tokens,
-        )
+    def _limits(self) -> TenantLimits:
+        fail_open = self._context.settings.limits_fail_open
+        return TenantLimits(self._context.rate_limiter, fail_open=fail_open)
+
+    def _reserve(self, caller: Caller, tokens: int) -> bool:
+        """Debit the rate limits (429 when they refuse); False when they were not checked
+        (their store is unreachable and the platform fails open)."""
+        with limits_reachable():
+            decision = self._limits().check_request(
+                caller.tenant_id,
+                requests_per_minute=caller.requests_per_minute,
+                tokens_per_minute=caller.tokens_per_minute,
+                tokens_needed=tokens,
+            )
         if not decision.allowed:
             header = decision.retry_after_header
             raise APIError(
@@ -518,6 +548,7 @@ class InferenceService:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": header} if header else None,
             )
+        return decision.enforced
 
     def _within_limits(
         self,
@@ -538,7 +569,8 @@ class InferenceService:
         budget = caller.monthly_budget_micro_usd
         if budget is not None and price is not None:
             spent = month_spend(session, caller.tenant_id, now=utc_now())
-            room = budget - spent - self._budget().held(caller.tenant_id)
+            with limits_reachable():
+                room = budget - spent - self._budget().held(caller.tenant_id)
             affordable = _affordable_tokens(price, n, prompt_tokens, room, max_tokens)
             if affordable >= 1:
                 max_tokens = affordable
@@ -564,7 +596,8 @@ class InferenceService:
             with self._context.sessions() as fresh:
                 return month_spend(fresh, caller.tenant_id, now=utc_now())
 
-        decision = self._budget().try_hold(caller.tenant_id, most, budget=budget, spent=spent)
+        with limits_reachable():
+            decision = self._budget().try_hold(caller.tenant_id, most, budget=budget, spent=spent)
         if not decision.allowed:
             raise APIError(
                 402,
@@ -739,6 +772,26 @@ class InferenceService:
             alternatives = [item(t, lp) for t, lp in entry.top[:top_n]]
             content.append({**item(entry.token_id, entry.logprob), "top_logprobs": alternatives})
         return {"content": content}
+
+
+LIMITS_UNAVAILABLE_RETRY_AFTER_S = 5
+
+
+@contextlib.contextmanager
+def limits_reachable() -> Iterator[None]:
+    """Fail-closed: an unreachable limits store (Redis) refuses the request with 503."""
+    try:
+        yield
+    except LimitsUnavailable as exc:
+        logger.warning("limits store unreachable, request refused (fail-closed): %s", exc)
+        raise APIError(
+            503,
+            "This tenant's rate limits and budget cannot be checked right now (their store "
+            "is unreachable), so its requests are refused until it is back; try again in a "
+            "few seconds.",
+            code="limits_unavailable",
+            headers={"Retry-After": str(LIMITS_UNAVAILABLE_RETRY_AFTER_S)},
+        ) from exc
 
 
 def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]:
