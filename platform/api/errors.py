@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loramux.platform.services.metering import database_unavailable
+
+logger = logging.getLogger(__name__)
+
+DATABASE_UNAVAILABLE_RETRY_AFTER_S = 5
 
 # HTTP status -> OpenAI's error `type`.
 _ERROR_TYPES = {
@@ -74,6 +83,25 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(exc.status_code, message, None, getattr(exc, "headers", None))
+
+    async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+        # The database is down or restarting: a 503 the client may retry, not a 500. Any
+        # other database error is a bug and stays one (re-raised: a 500 and a traceback).
+        if not database_unavailable(exc):
+            raise exc
+        logger.warning(
+            "database unavailable during %s %s: %s", request.method, request.url.path, exc
+        )
+        return error_response(
+            503,
+            "The database is unavailable right now (restarting or unreachable); try again "
+            "in a few seconds.",
+            "database_unavailable",
+            {"Retry-After": str(DATABASE_UNAVAILABLE_RETRY_AFTER_S)},
+        )
+
+    app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(PoolTimeoutError, _database_error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

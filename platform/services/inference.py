@@ -21,7 +21,9 @@ unused tokens are refunded and the budget hold released, after the usage is writ
 With Redis (the limits' store) unreachable, ``limits_fail_open`` decides: the request
 runs without rate limits and budget holds (its budget checked against the database
 alone), or is refused with 503 ``limits_unavailable``; settling then fails quietly (the
-hold's release is sent again once Redis answers).
+hold's release is sent again once Redis answers). A final record the database cannot take
+(down or restarting) does not fail the request: the usage journal writes it once the
+database is back, and the holds are settled then; the response carries no ``usage``.
 
 :meth:`InferenceService.run` streams ``(choice index, RequestOutput delta)`` pairs of all the
 choices as they come. The caller marks each delta *delivered* once the client has it
@@ -41,11 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +68,12 @@ from loramux.platform.db.types import utc_now
 from loramux.platform.limits import BudgetHold, LimitsUnavailable, TenantBudget, TenantLimits
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
-from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
+from loramux.platform.services.metering import (
+    Meter,
+    UsageEvent,
+    database_unavailable,
+    usage_for_response,
+)
 from loramux.platform.services.rollups import month_spend
 from loramux.platform.services.running import RunningRequests
 from loramux.platform.services.tenants import micro_usd_to_usd
@@ -114,9 +122,10 @@ class Holds:
 
     ``settle`` gives back what was not used, once: a job that never ran (its client left
     before the stream started) is settled by whoever notices, and a second call is a no-op.
-    Settling never raises for an unreachable store: what could not be given back is logged
-    (a refund is lost, the tokens come back as the bucket refills; a release is sent again
-    by the limiter).
+    ``settle_later`` claims the settling for whoever writes the usage later (the database
+    was down): calls of ``settle`` are then no-ops. Settling never raises for an
+    unreachable store: what could not be given back is logged (a refund is lost, the
+    tokens come back as the bucket refills; a release is sent again by the limiter).
     """
 
     def __init__(
@@ -142,6 +151,13 @@ class Holds:
         (call it after the usage is written: the budget then counts it as spent)."""
         if self._claim():
             self._give_back(used_tokens)
+
+    def settle_later(self, used_tokens: int) -> Callable[[], None]:
+        """Claim the settling now; the returned callable settles (call it once the usage
+        is written)."""
+        if not self._claim():
+            return lambda: None
+        return lambda: self._give_back(used_tokens)
 
     def _claim(self) -> bool:
         with self._lock:
@@ -500,6 +516,11 @@ class InferenceService:
             sampling = {**sampling, "max_tokens": max_tokens}
         else:
             self.check_fits_context(prompt_tokens, given)
+        # The request's session has done its reads: end its transaction before anything is
+        # held, so no connection stays checked out across the generation and no commit is
+        # left for the request's end (a database restart meanwhile would fail a request
+        # whose tokens were generated, and its usage would be billed anyway).
+        session.commit()
         params = build_params(sampling, n)
         budget_hold = self._hold_budget(caller, price, n, prompt_tokens, params)
         reserved = n * (prompt_tokens + params[0].max_tokens)
@@ -729,15 +750,28 @@ class InferenceService:
 
     def _finish(self, job: Job, tally: Tally, elapsed_s: float) -> None:
         """Write the request's one usage record, then settle its holds (refund the unused
-        tokens, release the budget hold)."""
+        tokens, release the budget hold). With the database down, the journal writes it
+        once the database is back, then settles; ``tally.usage`` stays None."""
         finish = tally.choices[0].finish_reason or FinishReason.ABORT
+        event = self._usage_event(job, tally, elapsed_s, str(finish))
+        used = tally.prompt_tokens + tally.completion_tokens
         try:
-            record = Meter(self._context.sessions).record(
-                self._usage_event(job, tally, elapsed_s, str(finish))
-            )
-            tally.usage = usage_for_response(record) if record is not None else _NO_USAGE
-        finally:
-            job.holds.settle(tally.prompt_tokens + tally.completion_tokens)
+            record = Meter(self._context.sessions).record(event)
+        except Exception as exc:
+            if self._journal is None or not database_unavailable(exc):
+                job.holds.settle(used)
+                raise
+            # The client has (or is about to get) its tokens: the request does not fail.
+            # The record keeps its moment (its day and price); the hold counts it meanwhile.
+            logger.warning("usage of %s waits for the database: %s", job.request_id, exc)
+            event = dataclasses.replace(event, created_at=utc_now())
+            self._journal.write_later(event, job.holds.settle_later(used))
+            return
+        except BaseException:
+            job.holds.settle(used)
+            raise
+        tally.usage = usage_for_response(record) if record is not None else _NO_USAGE
+        job.holds.settle(used)
 
     # --- OpenAI shapes of logprobs ----------------------------------------------------
     def token_text(self, token_id: int) -> str:

@@ -31,6 +31,9 @@ Rules:
   is charged 0. A row's cost always follows its tokens; a final row's never changes.
 * ``usage_for_response`` gives the client exactly the numbers of the record, so the sum of
   what the API returned over a period equals the billing export's totals for it.
+* **A write the database refuses because it is down** raises an error for which
+  ``database_unavailable`` is true; the serving path then keeps the event and writes it
+  once the database is back (``UsageJournal.write_later``), still exactly once.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -48,6 +52,17 @@ from loramux.platform.db.types import utc_now
 from loramux.platform.db.usage import checkpoint_usage, record_usage
 
 REQUEST_ID_MAX_LENGTH = 128  # UsageRecord.request_id is String(128)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached now (down, restarting, the
+    connection dropped, the pool exhausted), as opposed to a bug in a statement: the same
+    write may pass once it is back."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        return exc.connection_invalidated or isinstance(
+            exc, (sa_exc.OperationalError, sa_exc.InterfaceError)
+        )
+    return isinstance(exc, sa_exc.TimeoutError)  # no pooled connection came free in time
 
 
 @dataclass(frozen=True, kw_only=True)
