@@ -3,7 +3,8 @@
 Only the requests whose adapters are not resident fail (503 ``adapter_unavailable``, or an
 SSE error event when streamed), nothing is billed for them, resident adapters and the base
 model keep serving the same greedy tokens, and once the store is back the next request for
-a failed adapter loads it again: no platform restart.
+a failed adapter loads it again: no platform restart. An adapter evicted from the device
+but still in host RAM is resident too: it comes back to the device without the store.
 
 The store is a private moto server (the session-wide one is shared with other tests); moto
 keeps its objects in process, so the server started again on the same port has them all.
@@ -35,6 +36,7 @@ PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 KV_CACHE_BYTES = 32 << 20
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+RANK = 8
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 REQUEST_TIMEOUT_S = 30  # a request that stalls on the dead store fails the test, not hangs it
 
@@ -60,23 +62,58 @@ def bucket(store_server) -> Iterator[str]:
 @pytest.fixture
 def adapters(make_adapter, tiny_model_dir) -> dict[str, Path]:
     return {
-        name: make_adapter(tiny_model_dir, rank=8, targets=TARGETS, seed=seed, std=0.1)
+        name: make_adapter(tiny_model_dir, rank=RANK, targets=TARGETS, seed=seed, std=0.1)
         for seed, name in enumerate(("resident", "cold", "cold-streamed"), start=11)
     }
+
+
+@pytest.fixture
+def reference(tiny_model_dir, adapters) -> Engine:
+    """The engine itself on the same weights and adapter files: what serving must give."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=KV_CACHE_BYTES))
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    return engine
+
+
+def _settings(
+    tmp_path, tiny_model_dir, postgres_database_url, redis_url, server, bucket, **extra
+) -> Settings:
+    return Settings(
+        data_dir=tmp_path,
+        model=str(tiny_model_dir),
+        database_url=postgres_database_url,
+        redis_url=redis_url,
+        **server.endpoint.store_settings(bucket),
+        kv_cache_bytes=KV_CACHE_BYTES,
+        **extra,
+    )
 
 
 @pytest.fixture
 def platform(
     tmp_path, tiny_model_dir, postgres_database_url, redis_url, store_server, bucket
 ) -> Iterator[Platform]:
-    endpoint = store_server.endpoint
-    settings = Settings(
-        data_dir=tmp_path,
-        model=str(tiny_model_dir),
-        database_url=postgres_database_url,
-        redis_url=redis_url,
-        **endpoint.store_settings(bucket),
-        kv_cache_bytes=KV_CACHE_BYTES,
+    settings = _settings(
+        tmp_path, tiny_model_dir, postgres_database_url, redis_url, store_server, bucket
+    )
+    with start_platform(settings) as running:
+        yield running
+
+
+@pytest.fixture
+def one_adapter_platform(
+    tmp_path, tiny_model_dir, postgres_database_url, redis_url, store_server, bucket, reference
+) -> Iterator[Platform]:
+    """Device room for one rank-8 adapter: loading a second moves the first to host RAM."""
+    settings = _settings(
+        tmp_path,
+        tiny_model_dir,
+        postgres_database_url,
+        redis_url,
+        store_server,
+        bucket,
+        adapter_device_bytes=RANK * reference.arena.bytes_per_row,
     )
     with start_platform(settings) as running:
         yield running
@@ -168,6 +205,15 @@ def usage_totals(platform: Platform, tenant: Tenant) -> dict:
     return response.json()["totals"]
 
 
+def expected_outputs(reference: Engine, models, base: str) -> dict:
+    """Each model's greedy output on the reference engine (the base model: no adapter)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    return {
+        model: reference.generate([PROMPT], params, adapters=[None if model == base else model])[0]
+        for model in models
+    }
+
+
 def store_answers(server: RestartableMotoServer) -> bool:
     """Whether the S3 endpoint answers at all (one try, no retries)."""
     endpoint = server.endpoint
@@ -191,23 +237,14 @@ def store_answers(server: RestartableMotoServer) -> bool:
 
 
 def test_store_outage_fails_only_cold_adapters_and_serving_recovers(
-    platform, store_server, bucket, adapters, tiny_model_dir
+    platform, store_server, bucket, adapters, reference
 ):
     assert isinstance(platform.context.store, S3ObjectStore)
     assert platform.context.store.endpoint_url == store_server.endpoint.endpoint_url
     tenant = platform.new_tenant(input_price_per_mtok=1.0, output_price_per_mtok=4.0)
     names = {name: upload(platform, tenant, name, path) for name, path in adapters.items()}
     base = platform.base_model
-
-    # The reference: the engine itself on the same weights and adapter files.
-    reference = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=KV_CACHE_BYTES))
-    for name, path in adapters.items():
-        reference.add_adapter(name, path)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    expected = {
-        model: reference.generate([PROMPT], params, adapters=[None if model == base else model])[0]
-        for model in (base, *adapters)
-    }
+    expected = expected_outputs(reference, (base, *adapters), base)
     # every adapter changes the output: a request served without its adapter cannot pass
     assert len({out.text for out in expected.values()}) == len(expected), expected
 
@@ -283,4 +320,35 @@ def test_store_outage_fails_only_cold_adapters_and_serving_recovers(
     assert totals["completion_tokens"] == sum(
         len(expected[m].token_ids)
         for m in ("resident", "resident", base, "cold", "cold-streamed", "resident")
+    )
+
+
+def test_an_adapter_in_host_ram_serves_through_a_store_outage(
+    one_adapter_platform, store_server, adapters, reference
+):
+    platform = one_adapter_platform
+    tenant = platform.new_tenant(input_price_per_mtok=1.0, output_price_per_mtok=4.0)
+    names = {name: upload(platform, tenant, name, adapters[name]) for name in ("cold", "resident")}
+    expected = expected_outputs(reference, names, platform.base_model)
+
+    # "cold" is loaded, then moved to host RAM to make room for "resident".
+    served(complete(platform, tenant, "cold"), expected["cold"])
+    served(complete(platform, tenant, "resident"), expected["resident"])
+    assert residency(platform) == {names["cold"]: "host", names["resident"]: "device"}
+
+    store_server.stop()
+    assert not store_answers(store_server)
+    # Both come back to the device from host RAM, in turn: the store is never needed.
+    served(complete(platform, tenant, "cold"), expected["cold"])
+    assert residency(platform) == {names["cold"]: "device", names["resident"]: "host"}
+    events = stream(platform, tenant, "resident")
+    assert events[-1] == "[DONE]"
+    assert not [e for e in events if isinstance(e, dict) and "error" in e], events
+    assert streamed_text(events) == expected["resident"].text
+    served(complete(platform, tenant, "cold"), expected["cold"])
+
+    totals = usage_totals(platform, tenant)
+    assert totals["requests"] == 5
+    assert totals["completion_tokens"] == sum(
+        len(expected[m].token_ids) for m in ("cold", "resident", "cold", "resident", "cold")
     )
