@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from loramux.platform.services.metering import Meter, UsageEvent
+from loramux.platform.services.metering import Meter, UsageEvent, database_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -139,20 +139,27 @@ class UsageJournal:
             try:
                 self._meter.record(item.event)  # None: written already by a try that got through
             except Exception as exc:
-                logger.warning(
-                    "final usage of %d finished request(s) still waits for the database: %s",
-                    len(waiting) - written,
-                    exc,
-                )
-                break
-            with self._unwritten_lock:
-                self._unwritten.pop(item.event.request_id, None)
-            written += 1
-            try:
-                item.then()
-            except Exception:  # the record is written: a failed follow-up must not undo that
-                logger.exception("after writing the usage of %s", item.event.request_id)
+                if database_unavailable(exc):  # still down: the rest wait with it
+                    logger.warning(
+                        "final usage of %d finished request(s) still waits for the database: %s",
+                        len(waiting) - written,
+                        exc,
+                    )
+                    break
+                # A record the database refuses for good must not hold up the others.
+                logger.exception("final usage of %s cannot be written", item.event.request_id)
+            else:
+                written += 1
+            self._done(item)
         return written
+
+    def _done(self, item: _Unwritten) -> None:
+        with self._unwritten_lock:
+            self._unwritten.pop(item.event.request_id, None)
+        try:
+            item.then()
+        except Exception:  # the record is settled: a failed follow-up must not undo that
+            logger.exception("after the final usage of %s", item.event.request_id)
 
     async def checkpoint(self) -> int:
         """Write every open request that delivered more since its last checkpoint; how

@@ -64,6 +64,20 @@ def test_waiting_records_are_written_once_the_database_is_back(make_session):
     assert asyncio.run(journal.write_unwritten()) == 0
 
 
+def test_a_record_refused_for_good_does_not_hold_up_the_others(make_session):
+    tenant_id = _tenant(make_session)
+    meter = FlakyMeter(make_session)
+    meter.up = True
+    journal = UsageJournal(meter)
+    settled: list[str] = []
+    bad = _event("no-such-tenant", "req-bad", 7)  # its tenant does not exist: never written
+    journal.write_later(bad, lambda: settled.append("req-bad"))
+    journal.write_later(_event(tenant_id, "req-good", 7), lambda: settled.append("req-good"))
+    assert asyncio.run(journal.write_unwritten()) == 1
+    assert (journal.unwritten, settled) == (0, ["req-bad", "req-good"])
+    assert [row.request_id for row in _rows(make_session)] == ["req-good"]
+
+
 def test_stopping_tries_the_waiting_records_once_more(make_session):
     tenant_id = _tenant(make_session)
     meter = FlakyMeter(make_session)
