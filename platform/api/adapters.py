@@ -53,10 +53,17 @@ _UPLOAD_DOC = {
                     "type": "object",
                     "required": ["name", "files"],
                     "properties": {
-                        "name": {"type": "string"},
+                        "name": {
+                            "type": "string",
+                            "pattern": f"^{service.NAME_PATTERN.pattern}$",
+                            "description": "1-64 letters, digits, '.', '_' or '-', starting "
+                            "with a letter or digit",
+                        },
                         "files": {
                             "type": "array",
                             "items": {"type": "string", "format": "binary"},
+                            "minItems": 1,
+                            "maxItems": MAX_FORM_PARTS,
                             "description": "adapter_config.json and "
                             "adapter_model.safetensors, or one .tar.gz / .zip holding them",
                         },

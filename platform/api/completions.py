@@ -329,8 +329,17 @@ def _sampling(body, **extra: Any) -> dict[str, Any]:
 
 # --- routes ------------------------------------------------------------------------------------
 
+# /openapi.json: the answer is JSON, or with ``stream: true`` server-sent events.
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion; with `stream: true`, server-sent events: one "
+        "`data: {chunk}` per delta, then `data: [DONE]`.",
+        "content": {"text/event-stream": {}},
+    }
+}
 
-@router.post("/v1/completions")
+
+@router.post("/v1/completions", responses=_RESPONSES)
 async def create_completion(
     request: Request,
     body: CompletionRequest,
@@ -344,7 +353,7 @@ async def create_completion(
     return await _complete(request, service, session, tenant, target, body)
 
 
-@router.post("/v1/adapters/{name}/completions")
+@router.post("/v1/adapters/{name}/completions", responses=_RESPONSES)
 async def create_adapter_completion(
     request: Request,
     name: str,
@@ -359,7 +368,7 @@ async def create_adapter_completion(
     return await _complete(request, service, session, tenant, target, body)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=_RESPONSES)
 async def create_chat_completion(
     request: Request,
     body: ChatCompletionRequest,

@@ -7,7 +7,9 @@ An ASGI middleware in front of every route:
 - a NUL character in the path is a 404 (no resource is named with one);
 - a NUL character or a lone surrogate in a query parameter is a 422 naming the parameter;
 - the same in a JSON body's strings or keys is a 422 naming the field
-  (``messages.0.content``).
+  (``messages.0.content``);
+- a JSON body that is not UTF-8 text, or nested deeper than the JSON parser goes, is a 422
+  (FastAPI would answer an undocumented 400 "There was an error parsing the body").
 
 Why one check here rather than a string type in every schema: PostgreSQL refuses NUL in
 text (psycopg raises, which was a 500), and UTF-8 cannot encode a lone surrogate (half of a
@@ -208,7 +210,15 @@ def _body_problem(body: bytes) -> Response | None:
         return None
     try:
         document = json.loads(body)
-    except (ValueError, RecursionError):
+    except UnicodeDecodeError:
+        # FastAPI would answer these two with a bare 400 ("There was an error parsing the
+        # body"), which no route documents; they are bad input like any other: a 422.
+        return error_response(
+            422, "body: is not UTF-8 text, which a JSON body must be.", "invalid_characters"
+        )
+    except RecursionError:
+        return error_response(422, "body: JSON nested too deeply.", "invalid_parameters")
+    except ValueError:
         return None  # not JSON: the route answers that itself (422)
     for where, problem in _json_problems(document):
         return error_response(422, f"{where}: {problem}.", "invalid_characters")

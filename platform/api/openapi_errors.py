@@ -31,7 +31,8 @@ from loramux.platform.api.deps import bearer_token
 from loramux.platform.api.errors import ErrorBody
 
 DESCRIPTIONS = {
-    400: "The request cannot be served as sent (a sampling parameter, the messages).",
+    400: "The request cannot be served as sent (a sampling parameter, the messages, a "
+    "malformed upload form).",
     401: "Missing, invalid or revoked bearer token.",
     402: "The tenant's monthly budget is spent.",
     404: "No such resource, or not the caller's.",
@@ -52,7 +53,9 @@ TAG_STATUSES: dict[str, frozenset[int]] = {
 ROUTE_STATUSES: dict[tuple[str, str], frozenset[int]] = {
     ("POST", "/admin/tenants"): frozenset({409}),  # name taken
     ("PATCH", "/admin/tenants/{tenant_id}"): frozenset({409}),  # name taken
-    ("POST", "/v1/adapters"): frozenset({409, 503}),  # name conflict; task queue down
+    # a malformed form (too many parts, a file part without a file name); name conflict;
+    # task queue down
+    ("POST", "/v1/adapters"): frozenset({400, 409, 503}),
     ("GET", "/admin/adapters"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/usage"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/engine"): frozenset({503}),  # no engine can report

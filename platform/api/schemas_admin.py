@@ -19,6 +19,7 @@ from pydantic import (
     StringConstraints,
     field_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from loramux.platform.api.schemas_adapters import AdapterOut
 from loramux.platform.db.models import (
@@ -112,6 +113,11 @@ class TenantCreate(_Request):
         )
 
 
+def _not_sent() -> Any:
+    """A field's default when the request leaves it out, kept out of the JSON schema."""
+    return Field(None, json_schema_extra=lambda schema: schema.pop("default", None))
+
+
 _NOT_NULLABLE = (
     "name",
     "priority",
@@ -132,15 +138,17 @@ class TenantUpdate(_Request):
     the budget (unlimited); a price field starts a new price list, effective now, and an
     input price given without a cached-input price sets both."""
 
-    name: Name | None = None
-    priority: Priority | None = None
-    weight: Weight | None = None
+    # ``null`` is refused (``_not_null``) for all but the limits and the budget, so
+    # /openapi.json offers neither it nor the default ``None`` (a field not sent) for them.
+    name: Name | SkipJsonSchema[None] = _not_sent()
+    priority: Priority | SkipJsonSchema[None] = _not_sent()
+    weight: Weight | SkipJsonSchema[None] = _not_sent()
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None
     monthly_budget_usd: Usd | None = None
-    input_price_per_mtok: Usd | None = None
-    cached_input_price_per_mtok: Usd | None = None
-    output_price_per_mtok: Usd | None = None
+    input_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
+    cached_input_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
+    output_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
 
     @field_validator(*_NOT_NULLABLE)
     @classmethod

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible inference routes, apart from the engine's types.
 
-Only JSON *types* are checked here (a wrong type is a 422); ranges are checked once, by
+Only JSON *types* are checked here (a wrong type is a 422: strict models, so ``true`` is not
+a ``top_p`` nor ``"5"`` an ``n``); ranges are checked once, by
 ``loramux.engine.SamplingParams``, whose message becomes a 400. Unknown fields are ignored,
 as OpenAI's own clients send fields a server may not know (``user``, ``metadata``...).
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions
@@ -17,13 +18,15 @@ MAX_N = 16  # choices per request
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """What completions and chat share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -61,7 +64,7 @@ class CompletionRequest(AdapterCompletionRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
