@@ -31,24 +31,18 @@ from starlette.types import Receive
 
 from loramux.engine.async_engine import AsyncEngineError
 from loramux.engine.engine import EngineError
-from loramux.engine.outputs import RequestOutput
 from loramux.platform.api.deps import AdapterRuntimeDep, ContextDep, CurrentTenant, SessionDep
 from loramux.platform.api.errors import APIError
+from loramux.platform.api.openai_render import ChatRender, CompletionRender, Render
 from loramux.platform.api.schemas_openai import (
     AdapterCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
 )
 from loramux.platform.db.models import Tenant
-from loramux.platform.services.inference import (
-    EngineRequestFailed,
-    InferenceService,
-    Job,
-    Tally,
-    Target,
-    delta_logprobs,
-    new_request_id,
-)
+from loramux.platform.services.engine_failures import EngineRequestFailed
+from loramux.platform.services.inference import InferenceService
+from loramux.platform.services.inference_job import Job, Tally, Target, new_request_id
 
 router = APIRouter(tags=["inference"])
 
@@ -66,127 +60,6 @@ def get_inference(context: ContextDep, request: Request) -> InferenceService:
 
 
 InferenceDep = Annotated[InferenceService, Depends(get_inference)]
-
-
-# --- OpenAI shapes ---------------------------------------------------------------------------
-
-
-class _Render:
-    """How one API kind renders choices; subclasses fill in the differences."""
-
-    object_name = ""
-    chunk_name = ""
-
-    def __init__(self, service: InferenceService, job: Job):
-        self.service = service
-        self.job = job
-
-    def _envelope(self, name: str, choices: list[dict]) -> dict[str, Any]:
-        return {
-            "id": self.job.request_id,
-            "object": name,
-            "created": self.job.created,
-            "model": self.job.target.model,
-            "choices": choices,
-        }
-
-    def response(self, tally: Tally) -> dict[str, Any]:
-        choices = [self.choice(i, tally) for i in range(len(tally.choices))]
-        return {**self._envelope(self.object_name, choices), "usage": tally.usage}
-
-    def chunk(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
-        return self._envelope(self.chunk_name, [self.delta(index, out, tally)])
-
-    def usage_chunk(self, tally: Tally) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_name, []), "usage": tally.usage}
-
-    def opening(self) -> list[dict[str, Any]]:
-        return []
-
-    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionRender(_Render):
-    object_name = chunk_name = "text_completion"
-
-    def __init__(self, service: InferenceService, job: Job, logprobs: int | None):
-        super().__init__(service, job)
-        self.logprobs = logprobs
-
-    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
-        choice = tally.choices[index]
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = self.service.completion_logprobs(choice.logprobs, 0)
-        return {
-            "index": index,
-            "text": choice.text,
-            "logprobs": logprobs,
-            "finish_reason": choice.finish_reason,
-        }
-
-    def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
-        logprobs = None
-        if self.logprobs is not None:
-            offset = len(tally.choices[index].text)
-            logprobs = self.service.completion_logprobs(delta_logprobs(out), offset)
-        return {
-            "index": index,
-            "text": out.delta_text,
-            "logprobs": logprobs,
-            "finish_reason": out.finish_reason if out.finished else None,
-        }
-
-
-class _ChatRender(_Render):
-    object_name = "chat.completion"
-    chunk_name = "chat.completion.chunk"
-
-    def __init__(self, service: InferenceService, job: Job, top_logprobs: int | None):
-        super().__init__(service, job)
-        self.top_logprobs = top_logprobs  # None: no logprobs asked for
-
-    def _logprobs(self, entries) -> dict | None:
-        if self.top_logprobs is None:
-            return None
-        return self.service.chat_logprobs(entries, self.top_logprobs)
-
-    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
-        choice = tally.choices[index]
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": choice.text},
-            "logprobs": self._logprobs(choice.logprobs),
-            "finish_reason": choice.finish_reason,
-        }
-
-    def opening(self) -> list[dict[str, Any]]:
-        return [
-            self._envelope(
-                self.chunk_name,
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-            for i in range(len(self.job.params))
-        ]
-
-    def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
-        return {
-            "index": index,
-            "delta": {"content": out.delta_text},
-            "logprobs": self._logprobs(delta_logprobs(out)),
-            "finish_reason": out.finish_reason if out.finished else None,
-        }
 
 
 # --- running a job -----------------------------------------------------------------------------
@@ -210,7 +83,7 @@ async def _respond(
     request: Request,
     service: InferenceService,
     job: Job,
-    render: _Render,
+    render: Render,
     *,
     stream: bool,
     include_usage: bool,
@@ -268,7 +141,7 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> bool:
 
 
 async def _stream(
-    service: InferenceService, job: Job, render: _Render, include_usage: bool
+    service: InferenceService, job: Job, render: Render, include_usage: bool
 ) -> AsyncIterator[str]:
     tally = Tally(job)
     for chunk in render.opening():
@@ -304,7 +177,7 @@ async def _complete(
         sampling=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
         default_max_tokens=16,  # OpenAI's default for completions
     )
-    render = _CompletionRender(service, job, body.logprobs)
+    render = CompletionRender(service.tokenizer, job, body.logprobs)
     return await _respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )
@@ -392,7 +265,7 @@ async def create_chat_completion(
         n=body.n,
         sampling=_sampling(body, max_tokens=max_tokens, logprobs=top_logprobs),
     )
-    render = _ChatRender(service, job, top_logprobs)
+    render = ChatRender(service.tokenizer, job, top_logprobs)
     return await _respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )

@@ -215,6 +215,10 @@ def test_errors(make_client, server, base):
         stranger.completions.create(model=base, prompt=PROMPT, max_tokens=2)
     missing = httpx.post(f"{server.url}/v1/completions", json={"model": base, "prompt": "x"})
     assert missing.status_code == 401
+    # Checked before a stream starts: the same 400 streamed or not, not a 200 with an error.
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=r"prompt token ids must be in \[0, "):
+            client.completions.create(model=base, prompt=[1, 49152], max_tokens=2, stream=stream)
 
 
 def test_rate_limit_and_budget(make_client, base):

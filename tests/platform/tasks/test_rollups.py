@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import UsageDaily, UsageRecord
 from loramux.platform.db.types import utc_now
-from loramux.platform.services.inference import check_budget
+from loramux.platform.services.admission import check_budget
 from loramux.platform.services.rollups import (
     ROLLUP_GRACE,
     month_bounds,

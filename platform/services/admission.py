@@ -1,0 +1,305 @@
+"""Admission: a tenant's request checked, bounded and turned into a :class:`Job`.
+
+``max_tokens``: a given value must fit the context with the prompt (400
+``context_length_exceeded`` otherwise, as OpenAI answers). Without one (chat; the
+completions API defaults to 16) a request gets what the context leaves, but never more
+than the tenant's limits can ever grant: at most what fits its tokens/minute bucket
+(``n * (prompt + max_tokens) <= tokens_per_minute``) and, with a monthly budget, what the
+budget's room affords at the tenant's prices; generation then stops there with finish
+reason ``length`` instead of the request being refused for good.
+
+Before anything runs, the job takes what it may use: its maximum cost (``n * (prompt +
+max_tokens)`` tokens at the tenant's prices) is held against the monthly budget
+(:class:`~loramux.platform.limits.TenantBudget`; 402 when ``spent + held by running
+requests + this maximum`` passes the budget), and ``n * (prompt tokens + max_tokens)``
+tokens are reserved from the rate limits (429). Both are settled when the run ends
+(:class:`~loramux.platform.services.limit_holds.Holds`). With Redis (the limits' store)
+unreachable, ``limits_fail_open`` decides: the request runs without rate limits and
+budget holds (its budget checked against the database alone), or is refused with 503
+``limits_unavailable``.
+
+Everything here blocks (tokenizing, the budget query, the rate limiter): the service runs
+it in a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from loramux.engine import SamplingParams
+from loramux.platform.api.errors import APIError
+from loramux.platform.context import PlatformContext
+from loramux.platform.db.models import Price, Tenant
+from loramux.platform.db.pricing import cost_micro_usd, current_price
+from loramux.platform.db.types import utc_now
+from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
+from loramux.platform.services.inference_job import Caller, Job, Target
+from loramux.platform.services.limit_holds import Holds, limits_reachable
+from loramux.platform.services.rollups import month_spend
+from loramux.platform.services.tenants import micro_usd_to_usd
+
+
+class Admission:
+    """Checks a request against the model (prompt, context) and the tenant's limits."""
+
+    def __init__(self, context: PlatformContext, tokenizer, max_model_len: int, vocab_size: int):
+        self._context = context
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        try:
+            return self._tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template error is the caller's messages' fault
+            raise APIError(400, f"messages cannot be rendered: {exc}") from exc
+
+    def count_prompt(self, prompt: str | list[int]) -> int:
+        """The prompt's length in tokens; 400 when it is empty, holds ids outside the
+        vocabulary, or leaves no room to generate (checked here, before a stream starts)."""
+        if isinstance(prompt, list):
+            count = len(prompt)
+            bad = [t for t in prompt if not 0 <= t < self._vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"prompt token ids must be in [0, {self._vocab_size}); got {bad[:3]}",
+                    code="invalid_prompt",
+                )
+        else:
+            count = len(self._tokenizer(prompt)["input_ids"])
+        if count == 0:
+            raise APIError(400, "prompt is empty", code="invalid_prompt")
+        if count >= self._max_model_len:
+            raise APIError(
+                400,
+                f"prompt has {count} tokens; the context limit is {self._max_model_len}, "
+                "leaving no room to generate",
+                code="context_length_exceeded",
+            )
+        return count
+
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        """Chat without max_tokens: as much as the context leaves."""
+        return max(1, self._max_model_len - prompt_tokens)
+
+    def check_fits_context(self, prompt_tokens: int, max_tokens: Any) -> None:
+        """400 when a given ``max_tokens`` can never fit the context with the prompt."""
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return  # SamplingParams names what is wrong with it
+        if prompt_tokens + max_tokens > self._max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self._max_model_len} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
+                f"in the prompt, {max_tokens} in the completion). Please reduce the length "
+                "of the prompt or of max_tokens.",
+                code="context_length_exceeded",
+            )
+
+    def prepare(
+        self,
+        session: Session,
+        tenant: Tenant,
+        target: Target,
+        *,
+        request_id: str,
+        prompt: str | list[int] | None,
+        messages: Sequence[dict[str, Any]] | None,
+        n: int,
+        sampling: dict[str, Any],
+        default_max_tokens: int | None,
+    ) -> Job:
+        if messages is not None:
+            prompt = self.render_chat(messages)
+        if prompt is None:
+            raise TypeError("prepare needs a prompt or messages")
+        prompt_tokens = self.count_prompt(prompt)
+        caller = Caller.of(tenant)
+        check_budget(session, tenant)
+        price = None
+        if caller.monthly_budget_micro_usd is not None:
+            price = current_price(session, tenant.id, utc_now())
+        given = sampling.get("max_tokens")
+        if given is None:
+            max_tokens = min(
+                default_max_tokens or self.default_max_tokens(prompt_tokens),
+                self.default_max_tokens(prompt_tokens),
+            )
+            max_tokens = self._within_limits(session, caller, price, n, prompt_tokens, max_tokens)
+            sampling = {**sampling, "max_tokens": max_tokens}
+        else:
+            self.check_fits_context(prompt_tokens, given)
+        # The request's session has done its reads: end its transaction before anything is
+        # held, so no connection stays checked out across the generation and no commit is
+        # left for the request's end (a database restart meanwhile would fail a request
+        # whose tokens were generated, and its usage would be billed anyway).
+        session.commit()
+        params = build_params(sampling, n)
+        budget_hold = self._hold_budget(caller, price, n, prompt_tokens, params)
+        reserved = n * (prompt_tokens + params[0].max_tokens)
+        holds = Holds(self._limits(), self._budget(), caller, reserved, budget_hold)
+        try:
+            if not self._reserve(caller, reserved):
+                holds.reserved_tokens = 0  # passed unchecked: nothing to refund
+        except APIError:
+            holds.reserved_tokens = 0  # nothing was debited
+            holds.settle(0)
+            raise
+        return Job(
+            request_id=request_id,
+            created=int(time.time()),
+            caller=caller,
+            target=target,
+            prompt=prompt,
+            prompt_tokens=prompt_tokens,
+            params=params,
+            holds=holds,
+        )
+
+    def _budget(self) -> TenantBudget:
+        fail_open = self._context.settings.limits_fail_open
+        return TenantBudget(self._context.rate_limiter, fail_open=fail_open)
+
+    def _limits(self) -> TenantLimits:
+        fail_open = self._context.settings.limits_fail_open
+        return TenantLimits(self._context.rate_limiter, fail_open=fail_open)
+
+    def _reserve(self, caller: Caller, tokens: int) -> bool:
+        """Debit the rate limits (429 when they refuse); False when they were not checked
+        (their store is unreachable and the platform fails open)."""
+        with limits_reachable():
+            decision = self._limits().check_request(
+                caller.tenant_id,
+                requests_per_minute=caller.requests_per_minute,
+                tokens_per_minute=caller.tokens_per_minute,
+                tokens_needed=tokens,
+            )
+        if not decision.allowed:
+            header = decision.retry_after_header
+            raise APIError(
+                429,
+                f"Rate limit: {decision.reason}",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": header} if header else None,
+            )
+        return decision.enforced
+
+    def _within_limits(
+        self,
+        session: Session,
+        caller: Caller,
+        price: Price | None,
+        n: int,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> int:
+        """A default ``max_tokens`` lowered to what the tenant's limits can ever grant: the
+        tokens/minute bucket's capacity and the budget's room (when either allows at least
+        one token; otherwise the request is refused as it would be anyway)."""
+        if caller.tokens_per_minute is not None:
+            fits = caller.tokens_per_minute // n - prompt_tokens
+            if fits >= 1:
+                max_tokens = min(max_tokens, fits)
+        budget = caller.monthly_budget_micro_usd
+        if budget is not None and price is not None:
+            spent = month_spend(session, caller.tenant_id, now=utc_now())
+            with limits_reachable():
+                room = budget - spent - self._budget().held(caller.tenant_id)
+            affordable = _affordable_tokens(price, n, prompt_tokens, room, max_tokens)
+            if affordable >= 1:
+                max_tokens = affordable
+        return max_tokens
+
+    def _hold_budget(
+        self,
+        caller: Caller,
+        price: Price | None,
+        n: int,
+        prompt_tokens: int,
+        params: tuple[SamplingParams, ...],
+    ) -> BudgetHold | None:
+        """Hold the job's maximum cost against the monthly budget; 402 if it has no room."""
+        budget = caller.monthly_budget_micro_usd
+        if budget is None:
+            return None
+        most = 0
+        if price is not None:
+            most = cost_micro_usd(price, n * prompt_tokens, 0, n * params[0].max_tokens)
+
+        def spent() -> int:  # read after the hold, in a transaction of its own (not a snapshot)
+            with self._context.sessions() as fresh:
+                return month_spend(fresh, caller.tenant_id, now=utc_now())
+
+        with limits_reachable():
+            decision = self._budget().try_hold(caller.tenant_id, most, budget=budget, spent=spent)
+        if not decision.allowed:
+            raise APIError(
+                402,
+                f"Monthly budget: this request may cost up to ${micro_usd_to_usd(most):.6f} "
+                f"(its prompt and max_tokens at your prices); this month's usage costs "
+                f"${micro_usd_to_usd(decision.spent):.6f} and running requests hold "
+                f"${micro_usd_to_usd(decision.held):.6f} of a ${micro_usd_to_usd(budget):.6f} "
+                "budget. Lower max_tokens, wait for running requests, or ask your operator "
+                "to raise the budget.",
+                code="budget_exceeded",
+            )
+        return decision.hold
+
+
+def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]:
+    """One ``SamplingParams`` per choice (seeded choices get seed, seed+1, ...); 400 if bad."""
+    given = {k: v for k, v in sampling.items() if v is not None}
+    seed = given.pop("seed", None)
+    try:
+        return tuple(
+            SamplingParams(**given, seed=None if seed is None else seed + i) for i in range(n)
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_parameters") from exc
+
+
+def check_budget(session: Session, tenant: Tenant) -> None:
+    """402 once the tenant's cost this calendar month (UTC) has reached its budget.
+
+    The cost comes from the daily roll-ups plus the raw records of the days not rolled up
+    yet (``month_spend``), so the check stays cheap late in a busy month.
+    """
+    budget = tenant.monthly_budget_micro_usd
+    if budget is None:
+        return
+    spent = month_spend(session, tenant.id, now=utc_now())
+    if spent >= budget:
+        raise APIError(
+            402,
+            f"Monthly budget exhausted: this month's usage costs ${micro_usd_to_usd(spent):.6f} of a "
+            f"${micro_usd_to_usd(budget):.6f} budget. Ask your operator to raise it.",
+            code="budget_exceeded",
+        )
+
+
+def _affordable_tokens(price: Price, n: int, prompt_tokens: int, room: int, most: int) -> int:
+    """The largest ``max_tokens <= most`` whose maximum cost (``n`` choices of the prompt
+    and ``max_tokens`` at ``price``) fits in ``room`` micro-dollars; 0 when none does."""
+
+    def cost(max_tokens: int) -> int:
+        return cost_micro_usd(price, n * prompt_tokens, 0, n * max_tokens)
+
+    if cost(most) <= room:
+        return most
+    if cost(1) > room:
+        return 0
+    low, high = 1, most  # cost(low) fits, cost(high) does not: the answer is in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if cost(middle) <= room:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -1,0 +1,150 @@
+"""What one inference request is about, and what it delivered: the values a run carries.
+
+A :class:`Job` is one HTTP request ready to run: who calls (:class:`Caller`), what serves
+it (:class:`Target`), the prompt and one ``SamplingParams`` per choice, and what it holds
+of the tenant's limits. A :class:`Tally` counts, per choice, what reached the client: the
+usage record is made of it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from loramux.engine import SamplingParams
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampler import TokenLogprobs
+from loramux.engine.sequence import FinishReason
+from loramux.platform.db.models import Tenant
+from loramux.platform.services.limit_holds import Holds
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The tenant's values the run needs, copied out of the ORM row (the session closes)."""
+
+    tenant_id: str
+    priority: int
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    monthly_budget_micro_usd: int | None = None
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> Caller:
+        return cls(
+            tenant.id,
+            tenant.priority,
+            tenant.requests_per_minute,
+            tenant.tokens_per_minute,
+            tenant.monthly_budget_micro_usd,
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """What serves the request: the base model (no adapter) or one adapter version."""
+
+    model: str  # the name the client used; echoed back and metered
+    engine_adapter: str | None = None
+    adapter_id: str | None = None
+    adapter_version_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request, ready to run."""
+
+    request_id: str  # the response id and the usage record's request id
+    created: int
+    caller: Caller
+    target: Target
+    prompt: str | list[int]
+    prompt_tokens: int  # the prompt's length as the engine will tokenize it
+    params: tuple[SamplingParams, ...]  # one per choice
+    holds: Holds  # tokens/minute reserved and budget held, settled when the run ends
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Debited from the tokens/minute bucket."""
+        return self.holds.reserved_tokens
+
+
+@dataclass
+class Choice:
+    """What one choice delivered so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class Tally:
+    """Per-choice accounting of what reached the client.
+
+    A streamed tally counts each delta delivered as the client gets it. A non-streamed one
+    (``streamed=False``) collects the deltas for the response and counts them delivered
+    only once the run has reached its end (``ended``): a response cut short (client gone,
+    engine failure) delivers nothing.
+    """
+
+    def __init__(self, job: Job, *, streamed: bool = True):
+        self.choices = [Choice(prompt_tokens=job.prompt_tokens) for _ in job.params]
+        self.streamed = streamed
+        self.ended = False  # set by the run once it reached its end (the response follows)
+        self.usage: dict[str, Any] | None = None  # set once the run has ended and was metered
+
+    def deliver(self, index: int, out: RequestOutput) -> None:
+        """``out``'s delta reached the client (or, non-streamed, is in the response)."""
+        choice = self.choices[index]
+        choice.text += out.delta_text
+        choice.token_ids.extend(out.delta_token_ids)
+        choice.logprobs.extend(delta_logprobs(out))
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+        if out.metrics is not None:
+            choice.prompt_tokens = out.metrics.prompt_tokens or choice.prompt_tokens
+            choice.cached_prompt_tokens = out.metrics.cached_prompt_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.choices)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return sum(min(c.cached_prompt_tokens, c.prompt_tokens) for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens handed over so far (non-streamed: collected for the response)."""
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def delivered_completion_tokens(self) -> int:
+        """Tokens the client has (or gets with the response): what is billed."""
+        return self.completion_tokens if self.streamed or self.ended else 0
+
+
+def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
+    """The log-probabilities of ``out``'s new tokens (``out.logprobs`` holds them all)."""
+    count = len(out.delta_token_ids)
+    return list(out.logprobs[-count:]) if count and out.logprobs else []
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def stopped_output(job: Job, index: int) -> RequestOutput:
+    """The last output of a choice stopped before its end: nothing new, reason ``abort``."""
+    return RequestOutput(
+        request_id=f"{job.request_id}-{index}",
+        prompt_token_ids=[],
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+    )
