@@ -6,6 +6,8 @@ FastAPI documents a route's success and, for routes with parameters, a 422 in it
 so :func:`install_error_docs` rewrites the document once it is built, route by route:
 
 - a route reading the bearer token (any auth dependency) can answer 401;
+- a route using the database (a session, or an API key to look up) can answer 503 when
+  the database is unreachable (``database_unavailable``);
 - a route with a path parameter can answer 404 (no such resource, or not the caller's);
 - a route with parameters or a body can answer 422 (this API's shape replaces FastAPI's);
 - a route with a body can answer 408 (too slow) and 413 (too large);
@@ -27,7 +29,7 @@ import fastapi.routing
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from loramux.platform.api.deps import bearer_token
+from loramux.platform.api.deps import bearer_token, get_session
 from loramux.platform.api.errors import ErrorBody
 
 DESCRIPTIONS = {
@@ -42,7 +44,8 @@ DESCRIPTIONS = {
     422: "Invalid parameters or body; the message names the field.",
     429: "Rate limit exceeded; retry after the Retry-After header's seconds.",
     500: "The request's adapter failed while it ran (code adapter_failed); only it stopped.",
-    503: "A backend this request needs (the engine, the task queue) cannot serve now.",
+    503: "A backend this request needs (the database, the engine, the limits store, the task "
+    "queue) cannot serve now; the code says which. Retry after the Retry-After header.",
 }
 
 TAG_STATUSES: dict[str, frozenset[int]] = {
@@ -93,8 +96,11 @@ def _has_body(route: APIRoute) -> bool:
 def error_statuses(route: APIRoute, method: str) -> set[int]:
     """The error statuses ``route`` can answer to ``method`` (see the module docstring)."""
     statuses: set[int] = set()
-    if any(call is bearer_token for call in _dependency_calls(route)):
+    calls = list(_dependency_calls(route))
+    if any(call is bearer_token for call in calls):
         statuses.add(401)
+    if any(call is bearer_token or call is get_session for call in calls):
+        statuses.add(503)
     if _params(route, "path_params"):
         statuses.add(404)
     if _has_body(route):

@@ -72,7 +72,10 @@ def test_service_specific_statuses_are_documented(spec):
         return set(spec["paths"][path][method]["responses"])
 
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/adapters/{name}/completions"):
-        assert {"400", "401", "402", "404", "422", "429", "503"} <= statuses("post", path)
+        assert {"400", "401", "402", "404", "422", "429", "500", "503"} <= statuses("post", path)
+    # Whatever reads the database can find it unreachable (503 database_unavailable).
+    for path in ("/admin/tenants", "/v1/adapters", "/v1/usage", "/v1/models"):
+        assert "503" in statuses("get", path)
     assert "409" in statuses("post", "/admin/tenants")
     assert "409" in statuses("patch", "/admin/tenants/{tenant_id}")
     assert {"401", "409", "413", "422", "503"} <= statuses("post", "/v1/adapters")
