@@ -34,6 +34,10 @@ machine without the SmolLM2 package needs that folder carried over).
         [--sweep adapters|load [--sweep-values 1,4,16]]
     python benchmarks/bench.py slora-s2 [--no-baseline] [--baseline-requests N] [--smoke]
     loramux bench cpu-smoke
+
+``loramux bench soak [--duration S ...]`` is not a workload preset but the soak
+(``soak.py``): a real ``loramux serve`` under steady load with adapter churn for about
+ten minutes, judged on memory growth, errors and billing.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="loramux bench",
         description="Serve one preset workload with loramux and with transformers + PEFT, "
         "in the same run, and report both.",
+        epilog="`loramux bench soak [-h]` runs the soak instead (benchmarks/soak.py).",
     )
     parser.add_argument("preset", choices=sorted(PRESETS), help="the workload to run")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
@@ -136,6 +141,11 @@ def _values(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["soak"]:  # a server soak rather than a workload preset: its own options
+        import soak
+
+        return soak.main(argv[1:])
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     if args.requests is not None:
