@@ -73,6 +73,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import os
 import random
 import re
@@ -1099,8 +1100,12 @@ def fit(samples: list[dict], key: str, since_s: float) -> dict | None:
 
 def registration_bound(args) -> int:
     """Adapter versions the engine may hold registered at once: every live adapter's latest
-    version, plus a superseded or deleted one for each request still using it."""
-    return len(TENANTS) * (STABLE_ADAPTERS + MAX_CHURNED) + args.concurrency
+    version, plus a superseded or deleted one for each request still using it, plus the
+    versions superseded within the platform's grace period (one per churn act at most)."""
+    from loramux.platform.services.adapter_runtime import SUPERSEDED_GRACE_S
+
+    in_grace = math.ceil(SUPERSEDED_GRACE_S / args.churn_interval) + 1
+    return len(TENANTS) * (STABLE_ADAPTERS + MAX_CHURNED) + args.concurrency + in_grace
 
 
 def judge(args, samples: list[dict], counts: dict, billing: dict, db: dict, ending: dict) -> dict:

@@ -7,6 +7,12 @@ files from the object store (checksums verified): no I/O happens on the request 
 The engine's loader thread fetches it when a request needs it and keeps it in its host
 and device tiers while it is used; a fetch that fails (store unreachable, object missing
 or corrupt) fails the requests waiting for it, and the next request retries.
+
+A version a newer one replaced can never be requested again: when the newer one is
+registered, the older ones of the same adapter are *retired*, unregistered from the
+engine once ``SUPERSEDED_GRACE_S`` has passed (a request that resolved the old version
+just before may still be on its way to the engine) and no request uses them. Without
+this, every re-upload would leave one more registration behind for good.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from loramux.platform.db.models import AdapterStatus, AdapterVersion
 from loramux.platform.engines.stored_adapter import StoredAdapter
 
 REMOVAL_RETRY_S = 0.5  # how often a deleted adapter still in use is tried again
+# How long a superseded version stays registered: longer than a request takes from
+# resolving its version to reaching the engine (a few database round trips).
+SUPERSEDED_GRACE_S = 30.0
 
 
 class AdapterNotServable(RuntimeError):
@@ -37,6 +46,8 @@ class AdapterRuntime:
         self._context = context
         self._locks: dict[str, asyncio.Lock] = {}
         self._loaded: set[str] = set()
+        self._adapter_of: dict[str, str] = {}  # registered engine name -> its adapter's id
+        self._retiring: set[str] = set()  # superseded: still registered, removal pending
         self._pending_removals: set[asyncio.Task] = set()  # deletes waiting for requests
 
     @staticmethod
@@ -51,7 +62,7 @@ class AdapterRuntime:
         if version.status != AdapterStatus.READY:
             raise AdapterNotServable(f"adapter version {version.id} is {version.status}")
         name = self.engine_name(version)
-        if name in self._loaded:
+        if name in self._loaded or name in self._retiring:
             return name
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
@@ -67,7 +78,29 @@ class AdapterRuntime:
             )
             await engine.register_stored_adapter(name, stored)
             self._loaded.add(name)
+            self._adapter_of[name] = version.adapter_id
+        self._retire_superseded(engine, name)
         return name
+
+    def _retire_superseded(self, engine, name: str) -> None:
+        """Schedule the removal of the other registered versions of ``name``'s adapter."""
+        adapter_id = self._adapter_of[name]
+        older = [n for n, a in self._adapter_of.items() if a == adapter_id and n != name]
+        for old in older:
+            self._forget(old)
+            self._retiring.add(old)
+            self._remove_later(engine, old, delay=SUPERSEDED_GRACE_S)
+
+    def _forget(self, name: str) -> None:
+        self._loaded.discard(name)
+        self._locks.pop(name, None)
+        self._adapter_of.pop(name, None)
+
+    def _remove_later(self, engine, name: str, *, delay: float) -> None:
+        task = asyncio.create_task(self._remove_when_idle(engine, name, delay=delay))
+        self._pending_removals.add(task)
+        task.add_done_callback(self._pending_removals.discard)
+        task.add_done_callback(lambda _: self._retiring.discard(name))
 
     async def unload(self, version: AdapterVersion) -> None:
         """Unregister ``version`` from the engine, freeing its memory; if requests still use
@@ -75,22 +108,20 @@ class AdapterRuntime:
         engine = self._context.engine
         name = self.engine_name(version)
         if engine is not None and name in self._loaded:
-            self._loaded.discard(name)
-            self._locks.pop(name, None)
+            self._forget(name)
             try:
                 await engine.remove_adapter(name)
             except EngineError:  # in use by running or queued requests
-                task = asyncio.create_task(self._remove_when_idle(engine, name))
-                self._pending_removals.add(task)
-                task.add_done_callback(self._pending_removals.discard)
+                self._remove_later(engine, name, delay=REMOVAL_RETRY_S)
 
     @staticmethod
-    async def _remove_when_idle(engine, name: str) -> None:
+    async def _remove_when_idle(engine, name: str, *, delay: float) -> None:
+        await asyncio.sleep(delay)
         while True:
-            await asyncio.sleep(REMOVAL_RETRY_S)
             try:
                 await engine.remove_adapter(name)
                 return
             except EngineError as exc:
                 if "is not loaded" in str(exc):
                     return
+            await asyncio.sleep(REMOVAL_RETRY_S)

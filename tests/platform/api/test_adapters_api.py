@@ -14,7 +14,9 @@ from sqlalchemy import select
 
 from loramux.platform.app import create_app
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion
+from loramux.platform.services import adapter_runtime
 from tests.fixtures.models import build_tiny_model
+from tests.fixtures.polling import eventually
 from tests.platform.api.conftest import assert_openai_error
 from tests.platform.ingest.builders import (
     Member,
@@ -202,6 +204,35 @@ def test_uploaded_adapter_loads_into_the_engine(client, context, auth, good_adap
     # Deleting the adapter unloads it from the engine.
     assert client.delete("/v1/adapters/servable", headers=auth).status_code == 204
     assert name not in client.portal.call(context.engine.list_adapters)
+
+
+def test_a_superseded_version_leaves_the_engine_after_its_grace(
+    client, context, auth, good_adapter, other_adapter, monkeypatch
+):
+    """Each re-upload used to leave the previous version registered in the engine for good
+    (the soak counted 38 registrations for 24 reachable versions)."""
+    monkeypatch.setattr(adapter_runtime, "SUPERSEDED_GRACE_S", 2.0)
+    runtime = client.app.state.adapter_runtime
+    versions = []
+    for files in (good_adapter, other_adapter, good_adapter):
+        assert _upload(client, auth, "bot", _files(files)).status_code == 201
+        with context.sessions() as session:
+            versions.append(
+                session.scalars(
+                    select(AdapterVersion).order_by(AdapterVersion.version.desc())
+                ).first()
+            )
+        client.portal.call(runtime.ensure_loaded, versions[-1])
+    names = [version.id for version in versions]
+    # In its grace period an old version is still registered: a request that resolved it
+    # just before the new one was registered still finds it.
+    assert set(client.portal.call(context.engine.list_adapters)) == set(names)
+    assert client.portal.call(runtime.ensure_loaded, versions[0]) == names[0]
+    eventually(
+        lambda: client.portal.call(context.engine.list_adapters) == [names[-1]],
+        "superseded versions to leave the engine",
+        timeout_s=30,
+    )
 
 
 # --- hostile and broken uploads --------------------------------------------------------------
