@@ -382,6 +382,8 @@ class Engine:
         self._hold_room_for_adapter(waiting)
         self._give_kv_room()
         plan = self.scheduler.schedule()
+        self.runner.copy_kv_blocks(plan.kv_moves)
+        self.metrics.kv_blocks_moved.inc(len(plan.kv_moves))
         self.tiers.pin_running(
             seq.adapter_id for seq in self.scheduler.running if seq.adapter_id is not None
         )
@@ -446,7 +448,8 @@ class Engine:
 
     def _hold_room_for_adapter(self, waiting: list[Sequence]) -> None:
         """Hold the KV blocks where the first adapter that found no device room must go,
-        and tell the scheduler, which preempts their holders if it waits too long."""
+        and tell the scheduler, which moves the ones in use below (and preempts for what
+        cannot move, if the adapter waits too long)."""
         blocked = self.tiers.blocked_for_room
         limit = None if blocked is None else self.lora_pool.kv_limit_needed(blocked[1])
         first = None

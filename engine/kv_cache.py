@@ -49,7 +49,11 @@ of KV's range, and in-use blocks sit anywhere once the prefix cache recycles blo
 pool: they are no longer handed out, and each one its request releases is *held* (neither
 free nor evictable) instead of going back to a pool, until the range is free and the pool
 takes it, or :meth:`KVCacheManager.release_hold` gives it back. Held blocks count as
-neither free nor used.
+neither free nor used. Blocks still in use there need not wait for their requests to
+end: :meth:`KVCacheManager.move_out_of_hold` gives each a free block below the hold
+(tables, ref counts and prefix-cache registration follow) and returns the moves, whose
+contents the caller copies before the next step reads them; only what finds no free
+block below (``hold_shortfall``) waits, or is preempted by the scheduler.
 
 *Salt = adapter id + tenant.* KV depends on the weights that produced it, so a prompt run
 under adapter A must not reuse KV computed under adapter B; and one tenant must not be able
@@ -483,6 +487,46 @@ class KVCacheManager:
             del self._evictable[bid]
             self._unregister(bid)
             self._held.add(bid)
+
+    @property
+    def hold_shortfall(self) -> int:
+        """Blocks in use in the hold beyond what :meth:`move_out_of_hold` could move now."""
+        if self._hold is None:
+            return 0
+        in_use = sum(1 for bid in range(self._hold, self._limit) if self._ref_count[bid])
+        return max(0, in_use - self.num_free_blocks)
+
+    def move_out_of_hold(self) -> list[tuple[int, int]]:
+        """Move blocks in use in the hold to free blocks below it, as far as there are any;
+        returns the moves ``(src, dst)``. Bookkeeping only: the caller copies each block's
+        KV from ``src`` to ``dst`` before it is read again. ``src`` is then held."""
+        if self._hold is None:
+            return []
+        in_hold = [bid for bid in range(self._hold, self._limit) if self._ref_count[bid]]
+        if not in_hold:
+            return []
+        places: dict[int, list[tuple[list[int], int]]] = {bid: [] for bid in in_hold}
+        for table in self._tables.values():
+            for index, bid in enumerate(table):
+                if bid in places:
+                    places[bid].append((table, index))
+        moves = []
+        for src in in_hold:
+            if not self.num_free_blocks:
+                break
+            dst = self._pop_block()  # below the hold: nothing at or above it is pooled
+            self._ref_count[dst] = self._ref_count[src]
+            self._ref_count[src] = 0
+            for table, index in places[src]:
+                table[index] = dst
+            h = self._hash[src]
+            if h is not None:  # the cached content moves with it
+                self._hash[dst], self._key[dst] = h, self._key[src]
+                self._hash_to_block[h] = dst
+                self._hash[src] = self._key[src] = None
+            self._held.add(src)
+            moves.append((src, dst))
+        return moves
 
     def release_hold(self) -> None:
         """Give the held blocks back to the free pool and hand out the whole range again."""

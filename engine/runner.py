@@ -72,6 +72,18 @@ class ModelRunner:
         self.static_decode = static_decode
 
     @torch.inference_mode()
+    def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Copy KV blocks ``src -> dst`` (keys and values of every layer) for the scheduler's
+        moves; the destinations were free, so no pair overlaps another."""
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in moves], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim] each
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, logprobs) for samplers.
 

@@ -33,11 +33,12 @@ Policy, in order:
    (``adapter_ready`` says so; the engine loads it in the background) is skipped
    without holding up the sequences behind it. When such an adapter is in host RAM but
    finds no device room because KV blocks are in use where its rows must go, the engine
-   holds those blocks for it (``KVCacheManager.hold_from``) and sets ``adapter_room``:
-   once it has waited ``adapter_wait_steps`` steps, the running sequences still holding
-   blocks there (of its priority or lower, lowest and latest first) are preempted, so a
-   cold adapter gets its rows within a bounded number of steps however long the running
-   requests are.
+   holds those blocks for it (``KVCacheManager.hold_from``), moves the ones in use to free
+   blocks below (a copy, not a recompute) and sets ``adapter_room``: once it has waited
+   ``adapter_wait_steps`` steps, if blocks are still in its way for want of free blocks
+   below, running sequences of its priority or lower (lowest and latest first) are
+   preempted until they could all move, so a cold adapter gets its rows within a bounded
+   number of steps however long the running requests are.
 6. **Per-tenant KV share**: within a priority class, a tenant is entitled to the share
    of KV blocks and sequence slots its weight gives it among the tenants with requests
    (``weight / sum of their weights``). A waiting sequence of a tenant that stays within
@@ -72,6 +73,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # KV blocks moved out of a waiting adapter's way, (src, dst): the runner copies their
+    # contents before anything reads them, whether or not anything is scheduled.
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -174,7 +178,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         adapters: set[int] = set()
-        self._make_adapter_room(preempted)
+        kv_moves = self._make_adapter_room(preempted)
 
         # 1. Running sequences, most important first; the least important are preempted
         #    when blocks run short.
@@ -246,7 +250,9 @@ class Scheduler:
         # Group by adapter (base model first) so the runner can form LoRA segments.
         scheduled.sort(key=lambda item: -1 if item.seq.adapter_id is None else item.seq.adapter_id)
         tokens = sum(item.num_tokens for item in scheduled)
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted, num_batched_tokens=tokens)
+        return SchedulerOutput(
+            scheduled=scheduled, preempted=preempted, num_batched_tokens=tokens, kv_moves=kv_moves
+        )
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
@@ -273,19 +279,28 @@ class Scheduler:
         waited = self.step_count - oldest.adapter_blocked_since
         return oldest if waited >= self.limits.adapter_wait_steps else None
 
-    def _make_adapter_room(self, preempted: list[Sequence]) -> None:
-        """Preempt what holds a long-waiting cold adapter's blocks (policy 5)."""
+    def _make_adapter_room(self, preempted: list[Sequence]) -> list[tuple[int, int]]:
+        """Clear a cold adapter's way (policy 5): move the blocks in use in its hold to free
+        blocks below, before anything else takes them; once it has waited long enough,
+        preempt the least important running sequences of its priority or lower until the
+        rest can move too. Returns the moves for the runner to copy."""
         room = self.adapter_room
-        if room is None or self.step_count - room.since_step < self.limits.adapter_wait_steps:
-            return
-        holders = [
-            seq
-            for seq in self.running
-            if seq.priority <= room.priority
-            and any(bid >= room.kv_limit for bid in self.kv.block_table(seq.request_id))
-        ]
-        for seq in sorted(holders, key=lambda s: (s.priority, -s.metrics.arrival_time)):
+        if room is None:
+            return []
+        moves = self.kv.move_out_of_hold()
+        if self.kv.hold_shortfall <= 0:
+            return moves
+        if self.step_count - room.since_step < self.limits.adapter_wait_steps:
+            return moves
+        victims = sorted(
+            (s for s in self.running if s.priority <= room.priority),
+            key=lambda s: (s.priority, -s.metrics.arrival_time),
+        )
+        for seq in victims:
+            if self.kv.hold_shortfall <= 0:
+                break
             self._preempt(seq, preempted)
+        return moves + self.kv.move_out_of_hold()
 
     def _share_victim(
         self, seq: Sequence, admitted: list[Sequence], *, blocks_short: bool

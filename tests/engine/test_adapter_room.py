@@ -99,3 +99,53 @@ def test_another_tenant_is_admitted_at_once_however_full_kv_is(tiny_model_dir, c
     first = steps_to_first_token(engine, {"c", "a-late"}, limit=3)
     assert first.get("c") == 1
     assert "a-late" not in first
+
+
+def test_blocks_in_an_adapters_way_are_moved_not_recomputed_and_keep_their_tokens(
+    tiny_model_dir, cold_adapter
+):
+    """A long request whose blocks sit where the adapter's rows go is copied below (free
+    blocks there), not preempted: the adapter loads at once and the request's tokens are
+    those of an undisturbed run."""
+    config = {
+        "model": str(tiny_model_dir),
+        "kv_cache_bytes": 512 << 10,
+        "dtype": "float32",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 1024,
+        "max_model_len": 256,
+        "adapter_wait_steps": 1000,  # no preemption: only moving can make the room
+    }
+    long_prompt = [500 + t for t in range(200)]
+    long_params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    undisturbed = Engine(EngineConfig(**config)).generate([long_prompt], long_params)[0]
+
+    engine = Engine(EngineConfig(**config))
+    engine.add_adapter("cold", cold_adapter)
+    # Fillers take the bottom 48 blocks for one step, so the long request's 13 blocks go
+    # above them, up to where the adapter's rows must go.
+    for i in range(4):
+        filler = [3000 + 200 * i + t for t in range(190)]
+        engine.add_request(f"filler{i}", filler, SamplingParams(max_tokens=1))
+    engine.add_request("long", long_prompt, long_params)
+    outputs = []
+    while not engine.kv.has("long") or engine.kv.has("filler0"):
+        outputs += [o for o in engine.step() if o.request_id == "long"]
+    needed = engine.lora_pool.kv_limit_needed(8)
+    assert any(block >= needed for block in engine.kv.block_table("long"))
+
+    engine.add_request("b", list(range(2000, 2020)), SHORT, adapter="cold")
+    first = None
+    for step in range(1, 200):
+        for out in engine.step():
+            if out.request_id == "long":
+                outputs.append(out)
+            elif out.request_id == "b" and first is None:
+                first = step
+        engine.kv.check_invariants()
+        if not engine.has_unfinished_requests():
+            break
+    assert first is not None and first <= 3  # moved at once, loaded, prefilled
+    assert engine.metrics.kv_blocks_moved._value.get() > 0
+    assert engine.num_preemptions == 0
+    assert outputs[-1].finished and outputs[-1].token_ids == undisturbed.token_ids

@@ -721,3 +721,37 @@ def test_raise_limit_under_a_hold_holds_the_returned_blocks():
     mgr.raise_limit(6)  # that one went: 4, 5 come back, into the hold
     assert mgr.num_held_blocks == 2 and mgr.num_free_blocks == 0
     mgr.check_invariants()
+
+
+def test_blocks_in_use_in_the_hold_move_below_with_their_refs_and_cache_entries():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate("low", 4 * 3)  # blocks 0..2
+    toks = list(range(9))
+    run_request(mgr, "shared", toks)  # blocks 3..5, 3 and 4 cached
+    prefix = mgr.find_cached_prefix(toks, SALT)
+    mgr.allocate("twin", 9, prefix)  # shares 3 and 4, takes 6
+    mgr.free("low")
+    mgr.hold_from(4)  # wants 4..7: 4 (shared, cached), 5 and 6 are in use, 7 is free
+    assert (mgr.num_held_blocks, mgr.num_free_blocks, mgr.hold_shortfall) == (1, 3, 0)
+    moves = mgr.move_out_of_hold()
+    assert [src for src, _ in moves] == [4, 5, 6]
+    assert all(dst < 4 for _, dst in moves)
+    where = dict(moves)
+    assert mgr.block_table("shared") == [3, where[4], where[5]]
+    assert mgr.block_table("twin") == [3, where[4], where[6]]
+    # The cached content moved with its block: the prefix is still found, at its new place.
+    assert mgr.find_cached_prefix(toks, SALT).block_ids == (3, where[4])
+    assert mgr.num_held_blocks == 4 and mgr.hold_shortfall == 0
+    mgr.check_invariants()
+    assert mgr.try_lower_limit(4)
+    mgr.check_invariants()
+
+
+def test_the_hold_shortfall_counts_what_cannot_move_for_want_of_free_blocks():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    mgr.allocate("a", 4 * 8)  # every block
+    mgr.hold_from(5)
+    assert mgr.hold_shortfall == 3 and mgr.move_out_of_hold() == []
+    mgr.free("a")  # everything below the hold free, everything in it held
+    assert mgr.hold_shortfall == 0 and mgr.num_held_blocks == 3
+    mgr.check_invariants()
