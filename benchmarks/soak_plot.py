@@ -1,5 +1,5 @@
-"""The soak's plot: RSS with its fit, responses/s by class, fds, threads and adapters in
-the engine, and the churn acts, over the same minutes.
+"""The soak's plot: RSS with its fit, responses/s by class, fds and threads, adapter
+versions in the engine against their bound, and the churn acts, over the same minutes.
 
 Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
 """
@@ -15,8 +15,8 @@ def _series(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 
 def write_plot(report: dict, path: Path) -> None:
-    """RSS (with the fit and the warm-up), requests/s by class, fds / threads / adapters,
-    and the churn acts, over the same minutes."""
+    """RSS (with the fit and the warm-up), requests/s by class, fds and threads, adapter
+    versions in the engine, and the churn acts, over the same minutes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,12 +24,13 @@ def write_plot(report: dict, path: Path) -> None:
 
     samples, verdict = report["samples"], report["verdict"]
     fig, axes = plt.subplots(
-        4, 1, figsize=(11, 11), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2, 1]}
+        5, 1, figsize=(11, 13), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.5, 1.5, 1]}
     )
     _plot_memory(axes[0], samples, verdict)
     _plot_rates(axes[1], report["rate_bins"], report["config"]["rate"])
-    _plot_resources(axes[2], samples, verdict["registered_bound"])
-    _plot_churn(axes[3], report["churn_events"])
+    _plot_resources(axes[2], samples)
+    _plot_adapters(axes[3], samples, verdict["registered_bound"])
+    _plot_churn(axes[4], report["churn_events"])
     for ax in axes:
         ax.axvspan(0, verdict["warmup_s"] / 60, color="0.92", zorder=0)
         ax.grid(alpha=0.3)
@@ -91,22 +92,25 @@ def _plot_rates(ax, bins: list[dict], offered: float) -> None:
     ax.legend(loc="lower right", fontsize=8, ncol=4)
 
 
-def _plot_resources(ax, samples: list[dict], bound: int) -> None:
+def _plot_resources(ax, samples: list[dict]) -> None:
     ax.plot(*_series(samples, "fds"), color="tab:purple", marker=".", label="open fds")
     ax.plot(*_series(samples, "threads"), color="tab:brown", marker=".", label="threads")
     ax.set_ylabel("fds, threads")
-    adapters = ax.twinx()
-    adapters.plot(*_series(samples, "registered_adapters"), color="tab:cyan", label="registered")
-    adapters.plot(*_series(samples, "host_adapters"), color="tab:orange", label="in host RAM")
-    adapters.plot(*_series(samples, "device_adapters"), color="tab:green", label="on device")
-    adapters.axhline(bound, color="tab:cyan", linestyle=":", label="registration bound")
-    adapters.set_ylabel("adapter versions in the engine")
+    ax.set_ylim(0, max(s.get("fds", 0) for s in samples) * 1.4)  # headroom for the legend
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
+
+
+def _plot_adapters(ax, samples: list[dict], bound: int) -> None:
+    """Adapter versions registered in the engine against their bound, and those resident
+    in host RAM and on the device (on an axis of their own: fds share none of it)."""
+    ax.plot(*_series(samples, "registered_adapters"), color="tab:cyan", label="registered")
+    ax.plot(*_series(samples, "host_adapters"), color="tab:orange", label="in host RAM")
+    ax.plot(*_series(samples, "device_adapters"), color="tab:green", label="on device")
+    ax.axhline(bound, color="tab:cyan", linestyle=":", label=f"registration bound ({bound})")
+    ax.set_ylabel("adapter versions")
     top = max([bound, *(s.get("registered_adapters", 0) for s in samples)])
-    adapters.set_ylim(0, top * 1.4)  # headroom for the legend
-    ax.set_ylim(0, max(s.get("fds", 0) for s in samples) * 1.4)
-    lines = ax.get_legend_handles_labels()[0] + adapters.get_legend_handles_labels()[0]
-    labels = ax.get_legend_handles_labels()[1] + adapters.get_legend_handles_labels()[1]
-    ax.legend(lines, labels, loc="upper left", fontsize=8, ncol=3)
+    ax.set_ylim(0, top * 1.4)  # headroom for the legend
+    ax.legend(loc="upper left", fontsize=8, ncol=4)
 
 
 CHURN_COLORS = {"upload": "tab:green", "version": "tab:blue", "delete": "tab:red"}

@@ -104,7 +104,8 @@ def _md_churn(report: dict) -> list[str]:
         f"{_fmt(last.get('host_capacity_mib'), 0)} MiB bound. Adapter versions registered in "
         f"the engine: at most {v['registered_max']} (bound {v['registered_bound']}: the "
         "latest version of every adapter that can be live, plus one per client for a request "
-        f"still on an older one), {last.get('registered_adapters')} at the end ({tiers}; "
+        "still on an older one, plus those superseded within the platform's grace period), "
+        f"{last.get('registered_adapters')} at the end ({tiers}; "
         "`store`: registered, resident nowhere)."
         + (
             " Above the bound, versions no request can reach any more (superseded by a new "
