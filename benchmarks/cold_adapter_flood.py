@@ -1,0 +1,214 @@
+"""Cold adapters under a KV flood: time to first token over HTTP, idle and flooded.
+
+One tenant keeps ``--streams`` long streams running on the base model (long prompts,
+``max_tokens`` that fill the context), so its requests hold nearly every KV block, the
+ones where a new adapter's device rows must go included. Meanwhile a second tenant uploads
+a fresh adapter (cold: in no tier yet) and calls it, and a third calls the base model. All
+three have the same priority: a flood of a higher priority would rightly keep the lower
+one's cold adapter waiting until its own requests end, since only requests of the
+waiting one's priority or lower are preempted for it.
+The times to first token of both, idle and under the flood, show whether a cold adapter
+waits a bounded time (the engine holds, moves and at last preempts KV blocks for it) or
+until the flood drains. Issue 14 measured 62 s for the cold adapter here before that.
+
+    python benchmarks/cold_adapter_flood.py            # SmolLM2, 24 streams, ~2 minutes
+    python benchmarks/cold_adapter_flood.py --model DIR --streams 4 --warmup 5 --probes 1
+
+It runs a real ``loramux serve`` on the embedded default (a fresh data dir) and writes
+``benchmarks/results/cold_adapter_flood_cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO_ROOT / "benchmarks"
+for _path in (str(BENCH_DIR), str(REPO_ROOT)):  # siblings and tests.fixtures import by name
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from engine_vs_peft import machine_info, prepare_model, write_atomic  # noqa: E402
+from soak_server import expect, start_server  # noqa: E402
+from soak_tenants import Tenant, prepare_pool, upload  # noqa: E402
+
+RESULTS_DIR = BENCH_DIR / "results"
+CACHE_DIR = REPO_ROOT / ".loramux" / "bench-cache"
+FLOOD_PROMPT = "Tell me a very long story about the sea. " * 40  # ~400 tokens
+PROBE_PROMPT = "Hello there"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=24, help="flooding streams at once")
+    parser.add_argument("--flood-tokens", type=int, default=600, help="max_tokens per stream")
+    parser.add_argument("--warmup", type=float, default=40.0, help="seconds of flood first")
+    parser.add_argument("--probes", type=int, default=3, help="cold adapters called in turn")
+    parser.add_argument("--model", type=Path, help="HF-format model folder (default SmolLM2)")
+    parser.add_argument("--adapter-host-bytes", type=int, default=1 << 30)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="models, adapters")
+    return parser.parse_args(argv)
+
+
+def first_token_s(client: httpx.Client, headers: dict, model: str) -> float:
+    """Seconds from sending a streamed completion to its first non-empty text chunk."""
+    body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 8, "stream": True}
+    started = time.monotonic()
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        expect_ok(response)
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"text":""' not in line:
+                return time.monotonic() - started
+    raise RuntimeError(f"no token from {model!r}")
+
+
+def expect_ok(response: httpx.Response) -> None:
+    if response.status_code != 200:
+        response.read()
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+
+
+class Flood:
+    """``streams`` threads, each keeping one long base-model stream running until stopped."""
+
+    def __init__(self, url: str, headers: dict, model: str, streams: int, tokens: int):
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        body = {"model": model, "prompt": FLOOD_PROMPT, "max_tokens": tokens, "stream": True}
+        body["ignore_eos"] = True
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, headers, body), daemon=True)
+            for _ in range(streams)
+        ]
+
+    def __enter__(self) -> Flood:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+    def _run(self, url: str, headers: dict, body: dict) -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            while not self.stop.is_set():
+                try:
+                    with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                        expect_ok(r)
+                        for _ in r.iter_lines():
+                            if self.stop.is_set():
+                                break
+                except Exception as exc:  # counted: a flood stream must never fail
+                    self.errors.append(repr(exc))
+
+
+def create_tenants(url: str, admin: dict) -> list[Tenant]:
+    """The flooding tenant, the cold adapter's and the base model's: one priority."""
+    tenants = []
+    with httpx.Client(base_url=url, headers=admin, timeout=60) as client:
+        for name in ("flood", "cold", "base"):
+            made = expect(client.post("/admin/tenants", json={"name": name}), 201, name)
+            key = expect(client.post(f"/admin/tenants/{made['id']}/api-keys"), 201, "key")
+            tenants.append(Tenant(name, made["id"], key["key"]))
+    return tenants
+
+
+def kv_state(client: httpx.Client, admin: dict) -> dict:
+    engine = expect(client.get("/admin/engine", headers=admin), 200, "engine snapshot")
+    return {"running": engine["running_requests"], **engine["kv_cache"]}
+
+
+def measure(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
+    adapter = prepare_pool(model_dir, args.cache_dir)[4]  # rank 8 on all seven modules
+    with (
+        start_server(args, model_dir, root) as server,
+        httpx.Client(base_url=server.url, timeout=600) as client,
+    ):
+        flooder, caller, base_caller = create_tenants(server.url, server.admin)
+        base = expect(client.get("/v1/models", headers=server.admin), 200, "models")["data"][0]
+        base = base["id"]
+
+        def cold(name: str) -> float:
+            expect(upload(client, caller, name, adapter), 201, f"uploading {name}")
+            return first_token_s(client, caller.headers, name)
+
+        idle = {"cold_s": cold("idle"), "base_s": first_token_s(client, base_caller.headers, base)}
+        flood = Flood(server.url, flooder.headers, base, args.streams, args.flood_tokens)
+        probes = []
+        with flood:
+            time.sleep(args.warmup)
+            before = kv_state(client, server.admin)
+            for i in range(args.probes):
+                probes.append(
+                    {
+                        "cold_s": cold(f"cold-{i}"),
+                        "base_s": first_token_s(client, base_caller.headers, base),
+                    }
+                )
+            after = kv_state(client, server.admin)
+        if flood.errors:
+            raise RuntimeError(f"flood streams failed: {flood.errors[:3]}")
+    return {"idle": idle, "flood": probes, "kv_before": before, "kv_after": after}
+
+
+def render(report: dict) -> str:
+    idle, probes = report["idle"], report["flood"]
+    cold = [p["cold_s"] for p in probes]
+    base = [p["base_s"] for p in probes]
+    before, after = report["kv_before"], report["kv_after"]
+    rows = "\n".join(
+        f"| {i} | {p['cold_s']:.2f} | {p['base_s']:.2f} |" for i, p in enumerate(probes)
+    )
+    return f"""# Cold adapters under a KV flood
+
+{report["when"]}, {report["machine"]}; model {report["model"]}; {report["args"]["streams"]}
+flooding streams of ~400 prompt tokens and up to {report["args"]["flood_tokens"]} output tokens.
+
+Idle: cold adapter first token {idle["cold_s"]:.2f} s, base model {idle["base_s"]:.2f} s.
+
+Under the flood ({before["running"]} running, KV {before["usage"]:.0%} of
+{before["blocks_usable"]} blocks):
+
+| probe | cold adapter TTFT (s) | base model TTFT (s) |
+|---|---|---|
+{rows}
+
+Median {statistics.median(cold):.2f} s for a cold adapter (issue 14 measured 62 s before
+KV blocks were held, moved and preempted for it), {statistics.median(base):.2f} s for the base
+model. Preemptions during the probes: {after["preemptions"] - before["preemptions"]}.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model if args.model is not None else prepare_model(args.cache_dir)
+    with tempfile.TemporaryDirectory(prefix="loramux-flood-") as root:
+        report = measure(args, model_dir, Path(root))
+    report.update(
+        when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        machine=machine_info().get("cpu_model") or "unknown CPU",
+        model=model_dir.name,
+        args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "cold_adapter_flood_cpu.json", json.dumps(report, indent=2))
+    markdown = render(report)
+    write_atomic(args.out / "cold_adapter_flood_cpu.md", markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
