@@ -8,9 +8,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.platform.app import create_app
 from loramux.platform.context import PlatformContext, build_context
+from loramux.platform.db.models import AdapterStatus, Tenant
 from loramux.platform.settings import Settings
+from tests.platform.db.factories import add_adapter, add_adapter_version
 
 
 @pytest.fixture
@@ -78,3 +81,21 @@ def assert_openai_error(response, status: int) -> dict:
     assert set(error) == {"message", "type", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     return error
+
+
+def store_ready_adapter(context: PlatformContext, tenant_id: str, name: str, adapter_dir) -> str:
+    """The PEFT folder ``adapter_dir`` as the tenant's ready adapter ``name``: its files in
+    the store and its rows in the database, as a validated upload leaves them. Returns the
+    version's id."""
+    config = context.store.put_file(adapter_dir / CONFIG_FILE)
+    weights = context.store.put_file(adapter_dir / WEIGHTS_FILE)
+    with context.sessions.begin() as session:
+        adapter = add_adapter(session, session.get(Tenant, tenant_id), name=name)
+        version = add_adapter_version(
+            session,
+            adapter,
+            status=AdapterStatus.READY.value,
+            config_store_key=config.key,
+            weights_store_key=weights.key,
+        )
+        return version.id

@@ -12,11 +12,9 @@ import openai
 import pytest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
-from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.platform.app import create_app
-from loramux.platform.db.models import AdapterStatus, Tenant
 from tests.fixtures.browser import ServerThread
-from tests.platform.db.factories import add_adapter, add_adapter_version
+from tests.platform.api.conftest import store_ready_adapter
 
 PROMPT = "The quick brown fox"
 BROKEN_RANK = 3  # the rank that marks the broken adapter's weights as they are written
@@ -38,20 +36,6 @@ def new_tenant(server, context) -> tuple[openai.OpenAI, str]:
     return client, tenant["id"]
 
 
-def store_adapter(context, tenant_id: str, name: str, adapter_dir) -> None:
-    config = context.store.put_file(adapter_dir / CONFIG_FILE)
-    weights = context.store.put_file(adapter_dir / WEIGHTS_FILE)
-    with context.sessions.begin() as session:
-        adapter = add_adapter(session, session.get(Tenant, tenant_id), name=name)
-        add_adapter_version(
-            session,
-            adapter,
-            status=AdapterStatus.READY.value,
-            config_store_key=config.key,
-            weights_store_key=weights.key,
-        )
-
-
 def test_a_broken_adapter_fails_its_own_request_and_no_one_elses(
     server, context, make_adapter, monkeypatch
 ):
@@ -60,8 +44,8 @@ def test_a_broken_adapter_fails_its_own_request_and_no_one_elses(
     broken_dir = make_adapter(model_dir, rank=BROKEN_RANK, seed=2, std=0.2)
     victim, victim_id = new_tenant(server, context)
     hostile, hostile_id = new_tenant(server, context)
-    store_adapter(context, victim_id, "good", good_dir)
-    store_adapter(context, hostile_id, "broken", broken_dir)
+    store_ready_adapter(context, victim_id, "good", good_dir)
+    store_ready_adapter(context, hostile_id, "broken", broken_dir)
 
     # Its device rows turn to NaN as they are written: on the CPU's masked-dense LoRA op a
     # NaN row reaches every token of the batch unless the engine isolates it.

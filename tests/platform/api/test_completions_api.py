@@ -16,11 +16,9 @@ import openai
 import pytest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
-from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.platform.app import create_app
-from loramux.platform.db.models import AdapterStatus, Tenant
 from tests.fixtures.browser import ServerThread
-from tests.platform.db.factories import add_adapter, add_adapter_version
+from tests.platform.api.conftest import store_ready_adapter
 from tests.platform.raw_http import request_then_leave
 
 PROMPT = "The quick brown fox"
@@ -278,18 +276,7 @@ def test_usage_returned_equals_the_billing_export(make_client, server, context, 
 def test_adapter_by_model_name_and_by_path(make_client, server, context, make_adapter):
     client, tenant_id = make_client()
     adapter_dir = make_adapter(context.base_model.path, rank=4, seed=1, std=0.2)
-    config = context.store.put_file(adapter_dir / CONFIG_FILE)
-    weights = context.store.put_file(adapter_dir / WEIGHTS_FILE)
-    with context.sessions.begin() as session:
-        tenant = session.get(Tenant, tenant_id)
-        adapter = add_adapter(session, tenant, name="support")
-        add_adapter_version(
-            session,
-            adapter,
-            status=AdapterStatus.READY.value,
-            config_store_key=config.key,
-            weights_store_key=weights.key,
-        )
+    store_ready_adapter(context, tenant_id, "support", adapter_dir)
 
     engine = reference_engine(context)
     engine.add_adapter("support", adapter_dir)
@@ -353,18 +340,7 @@ def test_deleting_an_adapter_mid_stream_frees_it_once_the_stream_ends(
 ):
     client, tenant_id = make_client()
     adapter_dir = make_adapter(context.base_model.path, rank=4, seed=2, std=0.2)
-    config = context.store.put_file(adapter_dir / CONFIG_FILE)
-    weights = context.store.put_file(adapter_dir / WEIGHTS_FILE)
-    with context.sessions.begin() as session:
-        adapter = add_adapter(session, session.get(Tenant, tenant_id), name="leaving")
-        version = add_adapter_version(
-            session,
-            adapter,
-            status=AdapterStatus.READY.value,
-            config_store_key=config.key,
-            weights_store_key=weights.key,
-        )
-        version_id = version.id
+    version_id = store_ready_adapter(context, tenant_id, "leaving", adapter_dir)
     headers = {"Authorization": f"Bearer {client.api_key}"}
     body = {"model": "leaving", "prompt": PROMPT, "max_tokens": 64, "stream": True}
     with httpx.stream(

@@ -16,11 +16,14 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from loramux.platform.app import create_app
 from loramux.platform.context import PlatformContext, build_context
 from loramux.platform.settings import Settings
 from tests.fixtures.browser import ServerThread
+from tests.fixtures.moto_server import RestartableMotoServer, private_moto_server
+from tests.fixtures.services import _empty_and_delete_bucket
 
 
 @dataclass
@@ -82,3 +85,24 @@ def start_platform(settings: Settings) -> Iterator[Platform]:
     finally:
         context.rate_limiter.close()
         context.sessions.kw["bind"].dispose()
+
+
+# --- an S3 server of the test's own, which it may stop and start again ------------------------
+
+
+@pytest.fixture
+def store_server() -> Iterator[RestartableMotoServer]:
+    with private_moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(store_server) -> Iterator[str]:
+    name = f"loramux-outage-{uuid.uuid4().hex[:12]}"
+    store_server.endpoint.client().create_bucket(Bucket=name)
+    try:
+        yield name
+    finally:  # moto's backends are process-wide: leave nothing for other tests
+        if not store_server.running:
+            store_server.start()
+        _empty_and_delete_bucket(store_server.endpoint.client(), name)

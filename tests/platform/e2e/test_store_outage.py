@@ -28,8 +28,7 @@ from loramux.engine import Engine, EngineConfig, SamplingParams
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
 from loramux.platform.settings import Settings
 from loramux.platform.store.s3 import S3ObjectStore, make_s3_client
-from tests.fixtures.moto_server import RestartableMotoServer, private_moto_server
-from tests.fixtures.services import _empty_and_delete_bucket
+from tests.fixtures.moto_server import RestartableMotoServer
 from tests.platform.e2e.conftest import Platform, Tenant, start_platform
 
 PROMPT = "The capital of France is"
@@ -39,24 +38,6 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RANK = 8
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 REQUEST_TIMEOUT_S = 30  # a request that stalls on the dead store fails the test, not hangs it
-
-
-@pytest.fixture
-def store_server() -> Iterator[RestartableMotoServer]:
-    with private_moto_server() as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(store_server) -> Iterator[str]:
-    name = f"loramux-outage-{uuid.uuid4().hex[:12]}"
-    store_server.endpoint.client().create_bucket(Bucket=name)
-    try:
-        yield name
-    finally:  # moto's backends are process-wide: leave nothing for other tests
-        if not store_server.running:
-            store_server.start()
-        _empty_and_delete_bucket(store_server.endpoint.client(), name)
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ store is back, the same upload succeeds.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,29 +17,10 @@ from sqlalchemy import func, select
 from loramux.platform.db.models import Adapter, AdapterVersion
 from loramux.platform.services.upload_workspace import SCRATCH_DIR
 from loramux.platform.settings import Settings
-from tests.fixtures.moto_server import RestartableMotoServer, private_moto_server
-from tests.fixtures.services import _empty_and_delete_bucket
+from tests.fixtures.moto_server import RestartableMotoServer
 from tests.platform.e2e.conftest import Platform, start_platform
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-@pytest.fixture
-def store_server() -> Iterator[RestartableMotoServer]:
-    with private_moto_server() as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(store_server) -> Iterator[str]:
-    name = f"loramux-upload-outage-{uuid.uuid4().hex[:12]}"
-    store_server.endpoint.client().create_bucket(Bucket=name)
-    try:
-        yield name
-    finally:  # moto's backends are process-wide: leave nothing for other tests
-        if not store_server.running:
-            store_server.start()
-        _empty_and_delete_bucket(store_server.endpoint.client(), name)
 
 
 @pytest.fixture
