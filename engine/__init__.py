@@ -9,6 +9,7 @@ from loramux.engine.engine import Engine, EngineError
 from loramux.engine.lora.adapter import AdapterError, LoRARequest
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sequence import ErrorKind
 
 __all__ = [
     "AdapterError",
@@ -18,6 +19,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineStoppedError",
+    "ErrorKind",
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",

@@ -50,7 +50,7 @@ from loramux.engine.runner import ModelRunner, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits
-from loramux.engine.sequence import FinishReason, Sequence
+from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
 from loramux.kernels.dispatch import use_triton_on
@@ -375,10 +375,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that got tokens, and
         for every request ended by an adapter that failed to load."""
-        failures = self._fail_waiting(self.tiers.poll(), "could not be loaded")
+        failures = self._fail_waiting(
+            self.tiers.poll(), "could not be loaded", ErrorKind.ADAPTER_LOAD_FAILED
+        )
         waiting = self.scheduler.waiting_in_order()
         never = self.tiers.prepare(seq.adapter_id for seq in waiting if seq.adapter_id is not None)
-        failures += self._fail_waiting(never, "cannot be served")
+        failures += self._fail_waiting(never, "cannot be served", ErrorKind.ADAPTER_TOO_LARGE)
         self._hold_room_for_adapter(waiting)
         self._give_kv_room()
         plan = self.scheduler.schedule()
@@ -424,14 +426,16 @@ class Engine:
         self.metrics.step_reruns.inc(step.reruns)
         self.metrics.requests_failed_in_step.inc(len(step.failed))
         outputs = []
-        for request_id, reason in step.failed.items():
+        for request_id, (kind, reason) in step.failed.items():
             seq = self._requests.pop(request_id)
             what = "the base model" if seq.lora is None else f"adapter {seq.lora.name!r}"
-            self.scheduler.fail(seq, f"{what} failed in the engine step: {reason}")
+            self.scheduler.fail(seq, f"{what} failed in the engine step: {reason}", kind)
             outputs.append(self._output(seq, "", []))
         return outputs
 
-    def _fail_waiting(self, errors: dict[int, str], what: str) -> list[RequestOutput]:
+    def _fail_waiting(
+        self, errors: dict[int, str], what: str, kind: ErrorKind
+    ) -> list[RequestOutput]:
         """End the waiting requests whose adapter is in ``errors`` (adapter id -> why). A
         failed load is retried by the next request for that adapter."""
         if not errors:
@@ -441,7 +445,7 @@ class Engine:
             error = errors.get(seq.adapter_id) if seq.adapter_id is not None else None
             if error is None:
                 continue
-            self.scheduler.fail(seq, f"adapter {seq.lora.name!r} {what}: {error}")
+            self.scheduler.fail(seq, f"adapter {seq.lora.name!r} {what}: {error}", kind)
             del self._requests[seq.request_id]
             outputs.append(self._output(seq, "", []))
         return outputs
@@ -535,6 +539,7 @@ class Engine:
             finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
             stop_reason=seq.stop_reason,
             error=seq.error,
+            error_kind=None if seq.error_kind is None else seq.error_kind.value,
             logprobs=list(seq.output_logprobs),
             adapter=None if seq.lora is None else seq.lora.name,
             metrics=seq.metrics,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from loramux.engine.runner import NonFiniteOutput
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
+from loramux.engine.sequence import ErrorKind
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,23 @@ Execute = Callable[[SchedulerOutput], Sampled]
 @dataclass
 class IsolatedStep:
     """A step's results: the sampled tokens of the requests that succeeded, and why the
-    others failed (request id -> reason). ``reruns`` counts the extra runs it took."""
+    others failed (request id -> (kind, reason)). ``reruns`` counts the extra runs it took."""
 
     sampled: Sampled
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, tuple[ErrorKind, str]] = field(default_factory=dict)
     reruns: int = 0
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> tuple[ErrorKind, str]:
     if isinstance(exc, NonFiniteOutput):
-        return "the model computed non-finite values (NaN or infinity) for this request"
-    return f"the engine step failed for this request: {type(exc).__name__}: {exc}"
+        return (
+            ErrorKind.NON_FINITE,
+            "the model computed non-finite values (NaN or infinity) for this request",
+        )
+    return (
+        ErrorKind.STEP_FAILED,
+        f"the engine step failed for this request: {type(exc).__name__}: {exc}",
+    )
 
 
 class _GeneratorStates:
@@ -94,7 +101,7 @@ def run_isolated(execute: Execute, plan: SchedulerOutput) -> IsolatedStep:
     result = IsolatedStep(sampled={})
     for part in _adapter_groups(plan.scheduled):
         _run_part(execute, plan, part, states, result)
-    for rid, reason in result.failed.items():
+    for rid, (_, reason) in result.failed.items():
         logger.warning("request %s failed alone in the engine step: %s", rid, reason)
     return result
 

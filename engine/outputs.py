@@ -20,6 +20,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    error_kind: str | None = None  # an ErrorKind when finish_reason is "error"
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     adapter: str | None = None
     metrics: RequestMetrics | None = None

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.engine.kv_cache import KVCacheManager
-from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
+from loramux.engine.sequence import ErrorKind, FinishReason, Sequence, SequenceStatus
 
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
@@ -415,7 +415,7 @@ class Scheduler:
                 self.kv.free(seq.request_id)
         return updates
 
-    def fail(self, seq: Sequence, error: str) -> None:
+    def fail(self, seq: Sequence, error: str, kind: ErrorKind) -> None:
         """End a sequence the engine cannot serve, releasing whatever it held."""
         self.abort(seq)
-        seq.finish_abort(FinishReason.ERROR, error)
+        seq.finish_abort(FinishReason.ERROR, error, kind)

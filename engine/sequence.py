@@ -27,6 +27,15 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the engine could not serve it (e.g. its adapter failed)
 
 
+class ErrorKind(enum.StrEnum):
+    """Why the engine ended a request it could not serve (finish reason ``error``)."""
+
+    ADAPTER_LOAD_FAILED = "adapter_load_failed"  # its adapter could not be fetched or parsed
+    ADAPTER_TOO_LARGE = "adapter_too_large"  # its adapter can never fit device memory
+    STEP_FAILED = "step_failed"  # the step raised for this request alone
+    NON_FINITE = "non_finite"  # the model computed NaN or infinity for this request
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -85,6 +94,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token that ended it
         self.error: str | None = None
+        self.error_kind: ErrorKind | None = None
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.cached_prefix = None  # the prefix-cache hit chosen at admission
         self.adapter_blocked_since: int | None = None  # step it first lost to the adapter cap
@@ -166,8 +176,10 @@ class Sequence:
             return delta.text + self.detokenizer.finish()
         return delta.text
 
-    def finish_abort(self, reason: FinishReason, error: str | None = None) -> None:
-        self.error = error
+    def finish_abort(
+        self, reason: FinishReason, error: str | None = None, kind: ErrorKind | None = None
+    ) -> None:
+        self.error, self.error_kind = error, kind
         self._finish(reason, None)
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:

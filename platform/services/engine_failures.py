@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from loramux.engine import ErrorKind, RequestOutput
+
 logger = logging.getLogger(__name__)
 
 
@@ -20,23 +22,19 @@ class EngineRequestFailed(RuntimeError):
         self.code = code
 
 
-# Marks of the engine's own messages (engine/engine.py): where the request failed.
-_STEP_FAILURE = "failed in the engine step"
-_TOO_LARGE = "cannot be served"
-
-
-def tenant_facing_error(model: str, engine_error: str | None) -> EngineRequestFailed:
-    """What a tenant is told when the engine could not serve its request.
+def tenant_facing_error(model: str, out: RequestOutput) -> EngineRequestFailed:
+    """What a tenant is told when the engine could not serve its request (``out`` ended
+    with finish reason ``error``).
 
     The engine's own message names internal ids, store endpoints, buckets and object keys:
     it goes to the log for operators; the tenant gets the model's name and what to do.
     """
-    logger.warning("request for %r failed in the engine: %s", model, engine_error)
-    error = engine_error or ""
-    if _STEP_FAILURE in error:
+    logger.warning("request for %r failed in the engine: %s", model, out.error)
+    kind = out.error_kind
+    if kind in (ErrorKind.NON_FINITE, ErrorKind.STEP_FAILED):
         why = (
             "it computed non-finite values (NaN or infinity)"
-            if "non-finite" in error
+            if kind == ErrorKind.NON_FINITE
             else "it raised an error"
         )
         return EngineRequestFailed(
@@ -45,7 +43,7 @@ def tenant_facing_error(model: str, engine_error: str | None) -> EngineRequestFa
             "adapter's weights or ask your operator.",
             "adapter_failed",
         )
-    if _TOO_LARGE in error:
+    if kind == ErrorKind.ADAPTER_TOO_LARGE:
         return EngineRequestFailed(
             f"adapter {model!r} is too large for this deployment's device memory; "
             "ask your operator to raise the adapter memory budget",

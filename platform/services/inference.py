@@ -220,7 +220,7 @@ class InferenceService:
         try:
             async for out in stream:
                 if out.finished and out.finish_reason == FinishReason.ERROR:
-                    raise tenant_facing_error(job.target.model, out.error)
+                    raise tenant_facing_error(job.target.model, out)
                 yield out
         finally:
             await stream.aclose()

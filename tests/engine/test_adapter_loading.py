@@ -99,6 +99,7 @@ def test_a_failed_fetch_fails_only_its_requests_and_is_retried(tiny_model_dir, m
     for request_id in ("f1", "f2"):
         failed = _finished(outputs, request_id)
         assert failed.finish_reason == "error" and failed.token_ids == []
+        assert failed.error_kind == "adapter_load_failed"
         assert "'flaky' could not be loaded" in failed.error
         assert "object store unreachable" in failed.error
     assert _finished(outputs, "base").finish_reason == "length"
@@ -123,7 +124,7 @@ def test_an_adapter_too_big_for_the_device_fails_at_its_request(tiny_model_dir, 
     engine.add_request("big-1", PROMPT, PARAMS, adapter="big")
     outputs = _run(engine, lambda outs: _finished(outs, "big-1"))
     failed = _finished(outputs, "big-1")
-    assert failed.finish_reason == "error"
+    assert failed.finish_reason == "error" and failed.error_kind == "adapter_too_large"
     assert "needs 8 rows" in failed.error and "at most 4 adapter rows" in failed.error
     assert not engine.has_unfinished_requests()
 

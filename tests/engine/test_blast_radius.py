@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from loramux.engine import Engine, SamplingParams
+from loramux.engine import Engine, ErrorKind, SamplingParams
 from loramux.engine.model import llama
 from tests.engine.factories import PROMPTS, build_engine
 
@@ -45,11 +45,11 @@ def undisturbed(tiny_model_dir, adapters):
     return [out.token_ids for out in run_batch(build_engine(tiny_model_dir, adapters))]
 
 
-def check_isolated(engine: Engine, outs, undisturbed, message: str) -> None:
+def check_isolated(engine: Engine, outs, undisturbed, message: str, kind: ErrorKind) -> None:
     for (_, adapter, _), out, expected in zip(BATCH, outs, undisturbed, strict=True):
         assert out.finished
         if adapter == "bad":
-            assert out.finish_reason == "error"
+            assert out.finish_reason == "error" and out.error_kind == kind
             assert "'bad'" in out.error and message in out.error
         else:
             assert out.finish_reason == "length", out.error
@@ -79,7 +79,9 @@ def test_an_exception_in_one_adapters_lora_fails_only_its_requests(
     monkeypatch.setattr(llama, "_project", project)
     outs = run_batch(engine)
     assert faults  # the fault did fire, mid-batch
-    check_isolated(engine, outs, undisturbed, "injected fault in adapter LoRA")
+    check_isolated(
+        engine, outs, undisturbed, "injected fault in adapter LoRA", ErrorKind.STEP_FAILED
+    )
     assert engine.metrics.requests_failed_in_step._value.get() == 2
 
     # Nothing of the adapter is quarantined: with the fault gone it serves again.
@@ -106,7 +108,7 @@ def test_nan_in_one_adapters_device_rows_fails_only_its_requests(
 
     monkeypatch.setattr(pool, "_write", write)
     outs = run_batch(engine)
-    check_isolated(engine, outs, undisturbed, "non-finite values")
+    check_isolated(engine, outs, undisturbed, "non-finite values", ErrorKind.NON_FINITE)
     assert engine.metrics.step_reruns._value.get() >= 3  # one run per adapter at least
 
 

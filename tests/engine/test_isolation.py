@@ -47,7 +47,7 @@ def test_one_request_at_fault_is_found_by_halving_its_adapters_part():
         return {r: (7, None) for r in ids(plan)}
 
     result = run_isolated(execute, plan_of(None, 1, 2, 2, 2, 2))
-    assert result.failed.keys() == {"r3"} and "r3 is poison" in result.failed["r3"]
+    assert result.failed.keys() == {"r3"} and "r3 is poison" in result.failed["r3"][1]
     assert set(result.sampled) == {"r0", "r1", "r2", "r4", "r5"}
     # The whole batch, then one part per adapter, then halves of adapter 2's part.
     assert runs[1:4] == [["r0"], ["r1"], ["r2", "r3", "r4", "r5"]]
