@@ -422,9 +422,17 @@ def _view(sessions: sessionmaker[Session], version_id: str) -> AdapterView:
 
 
 def validate_stored_version(
-    sessions: sessionmaker[Session], store: ObjectStore, version_id: str, target: ValidationTarget
+    sessions: sessionmaker[Session],
+    store: ObjectStore,
+    version_id: str,
+    target: ValidationTarget,
+    *,
+    scratch_dir: Path | None = None,
 ) -> str:
     """Validate a queued version's files from the store; returns its status after.
+
+    The files are read into a folder made in ``scratch_dir`` (a worker's, in its data
+    directory: ``WorkerScratch``; None: the system's temporary directory) and removed after.
 
     The worker takes the version over from the queue (or from an earlier worker whose task
     was redelivered) and holds it under its own lease while it works. Idempotent: a version
@@ -437,7 +445,7 @@ def validate_stored_version(
     if keys is None:
         return _status(sessions, version_id)
     with LeaseKeeper(sessions, version_id, owner, WORKER_LEASE):
-        info, reason = _check_stored(store, keys, target)
+        info, reason = _check_stored(store, keys, target, scratch_dir)
     done = _ready_columns(info) if info is not None else _failed_columns(reason)
     try:
         write_if_held(sessions, version_id, owner, **release(**done))
@@ -471,10 +479,13 @@ def _take_over(
 
 
 def _check_stored(
-    store: ObjectStore, keys: dict[str, str | None], target: ValidationTarget
+    store: ObjectStore,
+    keys: dict[str, str | None],
+    target: ValidationTarget,
+    scratch_dir: Path | None,
 ) -> tuple[AdapterInfo | None, str | None]:
     """(what validation found, None) or (None, why it was refused)."""
-    with tempfile.TemporaryDirectory(prefix="loramux-validate-") as work:
+    with tempfile.TemporaryDirectory(prefix="loramux-validate-", dir=scratch_dir) as work:
         try:
             for file_name, key in keys.items():
                 if key is None:

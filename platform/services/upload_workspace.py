@@ -17,6 +17,13 @@ data directory.
 
 Starlette spools the multipart parts it parses into anonymous temporary files (unlinked at
 once, so the system reclaims them even after a kill) before the route copies them here.
+
+A Celery worker validating queued uploads reads each version's files into
+``<data dir>/tmp/validate/<host>-<pid>/`` (:class:`WorkerScratch`): one folder per worker
+process, removed with its validation. A worker killed mid-validation cannot remove it, so
+each worker process, when it starts using the data directory, removes the folders of the
+processes of its host that are gone. Several workers may share a data directory: the host
+in each name keeps one host's workers from judging another's processes.
 """
 
 from __future__ import annotations
@@ -24,14 +31,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramux.platform.services.upload_leases import request_owner
 
 SCRATCH_DIR = Path("tmp") / "uploads"
+VALIDATION_SCRATCH_DIR = Path("tmp") / "validate"
 INSTANCE_ID_FILE = "instance-id"
 
 
@@ -62,6 +71,46 @@ class UploadWorkspace:
                 entry.unlink(missing_ok=True)
             removed += 1
         return removed
+
+
+@dataclass(frozen=True)
+class WorkerScratch:
+    """A worker process's room for the validations it runs (see the module docstring)."""
+
+    root: Path  # <data dir>/tmp/validate
+    host: str = field(default_factory=socket.gethostname)
+
+    @classmethod
+    def in_data_dir(cls, data_dir: Path) -> WorkerScratch:
+        return cls(data_dir / VALIDATION_SCRATCH_DIR)
+
+    def folder(self) -> Path:
+        """This process's folder (made if needed); each validation works in a folder in it."""
+        folder = self.root / f"{self.host}-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def remove_dead(self) -> int:
+        """Remove the folders of this host's processes that are gone; how many."""
+        if not self.root.is_dir():
+            return 0
+        removed = 0
+        for entry in self.root.iterdir():
+            host, _, pid = entry.name.rpartition("-")
+            if host == self.host and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+        return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _instance_id(data_dir: Path) -> str:

@@ -129,7 +129,11 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     def validate_adapter(version_id: str, target: dict[str, Any]) -> dict[str, str]:
         context = resources.get()
         status = validate_stored_version(
-            context.sessions, context.store, version_id, ValidationTarget.from_json(target)
+            context.sessions,
+            context.store,
+            version_id,
+            ValidationTarget.from_json(target),
+            scratch_dir=context.scratch.folder(),
         )
         return {"version_id": version_id, "status": status}
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.platform.db.session import create_engine_for, session_factory
+from loramux.platform.services.upload_workspace import WorkerScratch
 from loramux.platform.settings import Settings
 from loramux.platform.store import ObjectStore, build_store
 
@@ -23,6 +24,7 @@ from loramux.platform.store import ObjectStore, build_store
 class TaskContext:
     sessions: sessionmaker[Session]  # metadata database
     store: ObjectStore  # where exports are written
+    scratch: WorkerScratch  # where validations read adapters to
 
 
 class TaskResources:
@@ -38,8 +40,12 @@ class TaskResources:
         with self._lock:
             if self._context is None or self._pid != os.getpid():
                 engine = create_engine_for(self._settings.resolved_database_url)
+                scratch = WorkerScratch.in_data_dir(self._settings.data_dir)
+                scratch.remove_dead()  # what killed workers of this host left
                 self._context = TaskContext(
-                    sessions=session_factory(engine), store=build_store(self._settings)
+                    sessions=session_factory(engine),
+                    store=build_store(self._settings),
+                    scratch=scratch,
                 )
                 self._pid = os.getpid()
             return self._context

@@ -36,6 +36,7 @@ from loramux.platform.services.upload_cleanup import (
     sweep_abandoned_uploads,
 )
 from loramux.platform.services.upload_leases import QUEUE_OWNER, WORKER_LEASE
+from loramux.platform.services.upload_workspace import WorkerScratch
 from loramux.platform.settings import Settings
 from tests.platform.tasks.worker_process import running_worker, wait_until, worker_env
 
@@ -73,8 +74,8 @@ def adapter_dir(make_adapter, tiny_model_dir) -> Path:
 
 
 def _worker_env(context: PlatformContext, database_url: str, tmp_path: Path) -> dict[str, str]:
-    """The worker's environment; its temp dir is the test's (a killed worker leaves its
-    validation folder there, in the system temp dir)."""
+    """The worker's environment; its system temp dir is the test's, to check that nothing
+    lands there (validations work in the data directory's scratch)."""
     (tmp_path / "worker-tmp").mkdir(exist_ok=True)
     env = worker_env(
         broker_url=context.settings.celery_broker_url,
@@ -178,6 +179,10 @@ def test_a_killed_prefork_child_is_replaced_and_the_task_finishes(
 
     version = _version(context, version_id)
     assert version.status == "ready", version.failure_reason
+    # The killed child's validation folder went when its replacement started.
+    scratch = WorkerScratch.in_data_dir(context.settings.data_dir)
+    assert not (scratch.root / f"{scratch.host}-{first}").exists()
+    assert list((tmp_path / "worker-tmp").iterdir()) == []
     assert version.lease_owner is None and version.lease_expires_at is None
     assert context.store.exists(version.weights_store_key)
 
@@ -198,6 +203,14 @@ def test_a_killed_worker_leaves_the_version_to_the_sweep(
             worker.wait(timeout=15)
     finally:
         _restore(pipe, content)
+
+    # The validation folder was in the data directory, not the system's temp directory;
+    # the next worker process of this host removes it (the dead worker cannot).
+    assert list((tmp_path / "worker-tmp").iterdir()) == []
+    scratch = WorkerScratch.in_data_dir(context.settings.data_dir)
+    assert (scratch.root / f"{scratch.host}-{pid}").is_dir()
+    assert scratch.remove_dead() == 1
+    assert list(scratch.root.iterdir()) == []
 
     held = _version(context, version_id)
     assert held.status == "validating" and held.lease_expires_at > utc_now()
