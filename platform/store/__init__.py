@@ -1,4 +1,4 @@
-"""Adapter object store: content-addressed, verified, local directory or S3.
+"""Adapter object store: content-addressed (or named, for exports), verified, local directory or S3.
 
 ``build_store(settings)`` picks the backend; everything else speaks :class:`ObjectStore`
 (semantics in :mod:`loramux.platform.store.base`). The S3 backend lives in
@@ -20,6 +20,8 @@ from loramux.platform.store.base import (
     StoreError,
     StoreUnavailable,
     VerifyingReader,
+    check_named_key,
+    is_content_key,
     key_for,
     sha256_of_key,
 )
@@ -40,6 +42,8 @@ __all__ = [
     "StoredObject",
     "VerifyingReader",
     "build_store",
+    "check_named_key",
+    "is_content_key",
     "key_for",
     "sha256_of_key",
 ]

@@ -3,9 +3,18 @@
 Semantics every backend keeps (``tests/platform/store`` runs one contract suite on all):
 
 * **Keys are content addresses.** An object's key is ``sha256/<hex[:2]>/<hex>`` where
-  ``hex`` is the lowercase SHA-256 of its bytes (:func:`key_for`). A caller never names an
-  object; it puts bytes and is told the key. Keys of any other shape raise
-  :class:`InvalidKey` (so a key can never escape the store, e.g. with ``..``).
+  ``hex`` is the lowercase SHA-256 of its bytes (:func:`key_for`). :meth:`ObjectStore.put_stream`
+  puts bytes and is told the key. Keys of any other shape raise :class:`InvalidKey` (so a
+  key can never escape the store, e.g. with ``..``).
+* **Named objects** are the one exception: :meth:`ObjectStore.put_named` stores bytes under
+  a key the caller chooses (:func:`check_named_key`: lowercase path segments such as
+  ``billing/2026-11-24.by-request.csv``, nothing under ``sha256/`` or ``tmp/``), for files
+  people look for by name (billing exports). The put keeps every guarantee below: it
+  streams, is all or nothing, and an object already under the name is replaced whole (a
+  reader sees the old bytes or the new ones, never a mix). The key names no digest, so the
+  caller records the returned ``sha256`` and reads back with
+  :meth:`ObjectStore.open_named`, which verifies against it. ``exists``, ``size`` and
+  ``delete`` take either kind of key.
 * **Puts stream.** :meth:`ObjectStore.put_stream` takes an iterable of ``bytes`` chunks or a
   binary file object and passes the bytes to the backend while hashing them; memory stays
   bounded by a chunk (local) or an upload part (S3), whatever the object's size.
@@ -51,6 +60,12 @@ CHUNK_SIZE = 1024 * 1024
 
 _KEY_RE = re.compile(r"sha256/([0-9a-f]{2})/([0-9a-f]{64})")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# Segments of lowercase letters, digits, '.', '_' and '-' that start with a letter or digit:
+# no '.' or '..' segment, no leading '/', nothing a filesystem or S3 reads specially.
+_NAMED_KEY_RE = re.compile(r"[a-z0-9][a-z0-9._-]*(?:/[a-z0-9][a-z0-9._-]*)*")
+NAMED_KEY_MAX_LENGTH = 512
+RESERVED_PREFIXES = ("sha256/", "tmp/")
+"""Where named objects may not go: content addresses, and the backends' puts in progress."""
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -61,10 +76,10 @@ class StoreError(Exception):
 
 
 class InvalidKey(StoreError, ValueError):
-    """A key that is not of the form ``sha256/<hex[:2]>/<hex>``."""
+    """A key that is neither a content address nor a valid name (see :func:`check_named_key`)."""
 
-    def __init__(self, key: str) -> None:
-        super().__init__(f"not an object store key (want sha256/<hex[:2]>/<hex>): {key!r}")
+    def __init__(self, key: str, want: str = "sha256/<hex[:2]>/<hex>") -> None:
+        super().__init__(f"not an object store key (want {want}): {key!r}")
         self.key = key
 
 
@@ -127,6 +142,52 @@ def sha256_of_key(key: str) -> str:
     return match.group(2)
 
 
+_NAMED_KEY_SHAPE = "lowercase segments like billing/2026-11-24.csv, not under sha256/ or tmp/"
+
+
+def check_named_key(key: str) -> str:
+    """``key`` if :meth:`ObjectStore.put_named` may use it, else :class:`InvalidKey`.
+
+    A name is ``/``-separated segments of ``a-z 0-9 . _ -``, each starting with a letter or
+    digit (so no ``.`` or ``..`` segment, no absolute path), at most
+    :data:`NAMED_KEY_MAX_LENGTH` characters, outside :data:`RESERVED_PREFIXES`.
+    """
+    if (
+        not isinstance(key, str)
+        or len(key) > NAMED_KEY_MAX_LENGTH
+        or not _NAMED_KEY_RE.fullmatch(key)
+        or key.startswith(RESERVED_PREFIXES)
+    ):
+        raise InvalidKey(str(key), _NAMED_KEY_SHAPE)
+    return key
+
+
+def is_content_key(key: str) -> bool:
+    """Whether ``key`` is a content address (as opposed to a name, or nothing valid)."""
+    try:
+        sha256_of_key(key)
+    except InvalidKey:
+        return False
+    return True
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a content address or a valid name; :class:`InvalidKey` otherwise."""
+    if is_content_key(key):
+        return key
+    try:
+        return check_named_key(key)
+    except InvalidKey:
+        raise InvalidKey(str(key), f"sha256/<hex[:2]>/<hex>, or {_NAMED_KEY_SHAPE}") from None
+
+
+def check_sha256(sha256_hex: str) -> str:
+    """``sha256_hex`` if it is a lowercase hex SHA-256 digest; ``ValueError`` otherwise."""
+    if not isinstance(sha256_hex, str) or not _SHA256_RE.fullmatch(sha256_hex):
+        raise ValueError(f"not a lowercase hex sha256 digest: {sha256_hex!r}")
+    return sha256_hex
+
+
 # --- streaming helpers shared by the backends --------------------------------------------------
 
 
@@ -176,24 +237,25 @@ class ContentHasher:
             raise ObjectTooLarge(self._max_bytes)
         self._sha256.update(chunk)
 
-    def result(self) -> StoredObject:
+    def result(self, key: str | None = None) -> StoredObject:
+        """What was put: under ``key`` (a named put), or under the content's address."""
         digest = self._sha256.hexdigest()
-        return StoredObject(key=key_for(digest), sha256=digest, size=self.size)
+        return StoredObject(key=key or key_for(digest), sha256=digest, size=self.size)
 
 
 class VerifyingReader(io.RawIOBase):
     """A read-only binary stream over a stored object that checks its digest at the end.
 
     Wraps the backend's raw stream (anything with ``read(n)`` and ``close()``). Reaching the
-    end of the stream with a digest other than the key's raises :class:`ChecksumMismatch`
-    (from that read and every later one). Subclasses override :meth:`_read_raw` to translate
-    backend errors.
+    end of the stream with a digest other than the expected one (``sha256``, by default the
+    one the content key names) raises :class:`ChecksumMismatch` (from that read and every
+    later one). Subclasses override :meth:`_read_raw` to translate backend errors.
     """
 
-    def __init__(self, key: str, raw: _Readable) -> None:
+    def __init__(self, key: str, raw: _Readable, sha256: str | None = None) -> None:
         super().__init__()
         self.key = key
-        self._expected = sha256_of_key(key)
+        self._expected = sha256_of_key(key) if sha256 is None else check_sha256(sha256)
         self._raw = raw
         self._sha256 = hashlib.sha256()
         self._size = 0
@@ -294,12 +356,26 @@ class ObjectStore(abc.ABC):
         """Store the bytes of ``source`` under their content address; all or nothing."""
 
     @abc.abstractmethod
+    def put_named(self, key: str, source: Source, *, max_bytes: int | None = None) -> StoredObject:
+        """Store the bytes of ``source`` under the name ``key`` (:func:`check_named_key`).
+
+        All or nothing, like :meth:`put_stream`; an object already under ``key`` is replaced
+        whole once the new one is complete. Returns ``key`` with the content's digest and
+        size: record the digest to read the object back with :meth:`open_named`.
+        """
+
+    @abc.abstractmethod
     def open(self, key: str) -> VerifyingReader:
         """A binary reader of the object that raises :class:`ChecksumMismatch` at its end."""
 
     @abc.abstractmethod
+    def open_named(self, key: str, sha256: str) -> VerifyingReader:
+        """A reader of the named object that raises :class:`ChecksumMismatch` at its end
+        unless its bytes hash to ``sha256`` (what :meth:`put_named` returned)."""
+
+    @abc.abstractmethod
     def exists(self, key: str) -> bool:
-        """Whether an object is stored under ``key``."""
+        """Whether an object is stored under ``key`` (a content address or a name)."""
 
     @abc.abstractmethod
     def size(self, key: str) -> int:
@@ -307,7 +383,7 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
-        """Remove the object; a missing one is not an error."""
+        """Remove the object (content address or name); a missing one is not an error."""
 
     def put_file(
         self, path: str | os.PathLike[str], *, max_bytes: int | None = None

@@ -17,6 +17,11 @@ How a put works, with memory bounded by one upload part whatever the object's si
   killed mid-put can leave an upload or a ``tmp/`` object behind; a bucket lifecycle rule that
   aborts incomplete multipart uploads and expires ``tmp/`` after a day covers that.
 
+A named put (``put_named``) knows its key from the start: content up to ``part_size`` is one
+``PutObject`` to the key, longer content a multipart upload straight to the key (S3 shows
+the object only once the upload completes, replacing any object of that name whole); on
+failure the upload is aborted, as above.
+
 A multipart upload has at most 10,000 parts, so the largest object is 10,000 × ``part_size``.
 Reads stream ``GetObject``'s body through a verifying reader. botocore's connection and
 timeout errors become :class:`StoreUnavailable` (the message names the endpoint and bucket);
@@ -50,6 +55,9 @@ from loramux.platform.store.base import (
     StoreError,
     StoreUnavailable,
     VerifyingReader,
+    check_key,
+    check_named_key,
+    check_sha256,
     iter_chunks,
     sha256_of_key,
 )
@@ -118,8 +126,10 @@ def make_s3_client(
 class _S3Reader(VerifyingReader):
     """A verifying reader over a ``GetObject`` body that reports botocore errors as ours."""
 
-    def __init__(self, key: str, body: Any, errors: Callable[..., Any]) -> None:
-        super().__init__(key, body)
+    def __init__(
+        self, key: str, body: Any, errors: Callable[..., Any], sha256: str | None = None
+    ) -> None:
+        super().__init__(key, body, sha256)
         self._errors = errors
 
     def _read_raw(self, size: int) -> bytes:
@@ -128,13 +138,14 @@ class _S3Reader(VerifyingReader):
 
 
 class _MultipartUpload:
-    """One multipart upload to a temporary key: parts in order, then complete or discard."""
+    """One multipart upload (to a temporary key unless given one): parts in order, then
+    complete or discard."""
 
-    def __init__(self, store: S3ObjectStore) -> None:
+    def __init__(self, store: S3ObjectStore, key: str | None = None) -> None:
         self._store = store
-        self.key = f"{TMP_PREFIX}{uuid.uuid4().hex}"
+        self.key = key or f"{TMP_PREFIX}{uuid.uuid4().hex}"
         self._parts: list[dict[str, Any]] = []
-        self._completed = False
+        self.completed = False
         with store._errors():
             response = store.client.create_multipart_upload(Bucket=store.bucket, Key=self.key)
         self._upload_id: str = response["UploadId"]
@@ -159,13 +170,13 @@ class _MultipartUpload:
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": self._parts},
             )
-        self._completed = True
+        self.completed = True
 
     def discard(self) -> None:
         """Abort the upload, or delete the temporary object once complete; never raises."""
         client, bucket = self._store.client, self._store.bucket
         try:
-            if self._completed:
+            if self.completed:
                 client.delete_object(Bucket=bucket, Key=self.key)
             else:
                 client.abort_multipart_upload(Bucket=bucket, Key=self.key, UploadId=self._upload_id)
@@ -250,6 +261,13 @@ class S3ObjectStore(ObjectStore):
     # --- writes ----------------------------------------------------------------------------
 
     def put_stream(self, source: Source, *, max_bytes: int | None = None) -> StoredObject:
+        return self._put(source, max_bytes, None)
+
+    def put_named(self, key: str, source: Source, *, max_bytes: int | None = None) -> StoredObject:
+        return self._put(source, max_bytes, check_named_key(key))
+
+    def _put(self, source: Source, max_bytes: int | None, name: str | None) -> StoredObject:
+        """Stream ``source`` to its content address, or to ``name`` (see the module)."""
         hasher = ContentHasher(max_bytes)
         buffer = bytearray()
         upload: _MultipartUpload | None = None
@@ -259,13 +277,13 @@ class S3ObjectStore(ObjectStore):
                 buffer += chunk
                 while len(buffer) > self.part_size:  # more follows: this part is not the last
                     if upload is None:
-                        upload = _MultipartUpload(self)
+                        upload = _MultipartUpload(self, name)
                     with memoryview(buffer) as view:
                         part = bytes(view[: self.part_size])
                     del buffer[: self.part_size]
                     upload.add_part(part)
                     del part
-            stored = hasher.result()
+            stored = hasher.result(name)
             if upload is None:
                 with self._errors():
                     self.client.put_object(Bucket=self.bucket, Key=stored.key, Body=bytes(buffer))
@@ -274,9 +292,11 @@ class S3ObjectStore(ObjectStore):
                 upload.add_part(bytes(buffer))
             buffer = bytearray()
             upload.complete()
-            self._promote(upload.key, stored)
+            if name is None:  # a named upload completed at its key: nothing to promote
+                self._promote(upload.key, stored)
         except BaseException:
-            if upload is not None:
+            # A completed named upload is the object itself: it stays.
+            if upload is not None and not (name is not None and upload.completed):
                 upload.discard()
             raise
         return stored
@@ -301,20 +321,26 @@ class S3ObjectStore(ObjectStore):
             return False
 
     def delete(self, key: str) -> None:
-        sha256_of_key(key)
+        check_key(key)
         with self._errors(key):
             self.client.delete_object(Bucket=self.bucket, Key=key)
 
     # --- reads -----------------------------------------------------------------------------
 
-    def open(self, key: str) -> VerifyingReader:
-        sha256_of_key(key)
+    def _reader(self, key: str, sha256: str | None) -> VerifyingReader:
         with self._errors(key):
             response = self.client.get_object(Bucket=self.bucket, Key=key)
-        return _S3Reader(key, response["Body"], self._errors)
+        return _S3Reader(key, response["Body"], self._errors, sha256)
+
+    def open(self, key: str) -> VerifyingReader:
+        sha256_of_key(key)
+        return self._reader(key, None)
+
+    def open_named(self, key: str, sha256: str) -> VerifyingReader:
+        return self._reader(check_named_key(key), check_sha256(sha256))
 
     def size(self, key: str) -> int:
-        sha256_of_key(key)
+        check_key(key)
         with self._errors(key):
             response = self.client.head_object(Bucket=self.bucket, Key=key)
         return int(response["ContentLength"])

@@ -33,9 +33,17 @@ class FlakyStore(ObjectStore):
         self._check()
         return self.inner.put_stream(source, max_bytes=max_bytes)
 
+    def put_named(self, key, source, *, max_bytes=None) -> StoredObject:
+        self._check()
+        return self.inner.put_named(key, source, max_bytes=max_bytes)
+
     def open(self, key: str) -> VerifyingReader:
         self._check()
         return self.inner.open(key)
+
+    def open_named(self, key: str, sha256: str) -> VerifyingReader:
+        self._check()
+        return self.inner.open_named(key, sha256)
 
     def exists(self, key: str) -> bool:
         self._check()

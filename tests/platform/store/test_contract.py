@@ -14,6 +14,7 @@ from loramux.platform.store import (
     ObjectNotFound,
     ObjectTooLarge,
     StoredObject,
+    is_content_key,
     key_for,
 )
 from tests.platform.store.factories import (
@@ -266,3 +267,134 @@ def test_put_after_delete_stores_again(backend: Backend) -> None:
 
     assert backend.store.put_stream([b"again"]) == stored
     assert backend.store.exists(stored.key)
+
+
+# --- named objects ----------------------------------------------------------------------------
+
+NAME = "billing/2026-11-24.by-request.csv"
+
+
+def _failing_after(chunks, error: Exception):
+    """The chunks, then ``error`` (a client whose source breaks mid-put)."""
+    yield from chunks
+    raise error
+
+
+@pytest.mark.parametrize("total", [0, 1000, LARGE], ids=["empty", "small", "multipart"])
+def test_named_round_trip(backend: Backend, total: int) -> None:
+    expected = generated_sha256(total)
+
+    stored = backend.store.put_named(NAME, generated_chunks(total))
+
+    assert stored == StoredObject(key=NAME, sha256=expected, size=total)
+    assert backend.store.exists(NAME)
+    assert backend.store.size(NAME) == total
+    with backend.store.open_named(NAME, stored.sha256) as reader:
+        assert hashlib.sha256(reader.read()).hexdigest() == expected
+    assert backend.listing() == [NAME]  # no temporary file or object, no content address
+    assert backend.pending_uploads() == []
+
+
+def test_named_put_replaces_whole_and_leaves_the_other_names(backend: Backend) -> None:
+    first = backend.store.put_named(NAME, [b"day,requests\r\n", b"2026-11-24,3\r\n"])
+    other = backend.store.put_named("billing/2026-11-24.by-request.v2.csv", [b"v2"])
+
+    second = backend.store.put_named(NAME, generated_chunks(LARGE, seed=4))
+
+    assert second.sha256 != first.sha256 and second.size == LARGE
+    with backend.store.open_named(NAME, second.sha256) as reader:
+        assert hashlib.sha256(reader.read()).hexdigest() == second.sha256
+    assert backend.raw_bytes(other.key) == b"v2"
+    assert backend.listing() == sorted([NAME, other.key])
+    assert backend.pending_uploads() == []
+
+
+@pytest.mark.parametrize("total", [1000, LARGE], ids=["small", "multipart"])
+def test_a_failed_named_put_leaves_nothing_and_keeps_the_old_object(
+    backend: Backend, total: int
+) -> None:
+    old = backend.store.put_named(NAME, [b"the old export"])
+
+    with pytest.raises(RuntimeError, match="source broke"):
+        backend.store.put_named(
+            NAME, _failing_after(generated_chunks(total), RuntimeError("source broke"))
+        )
+    with pytest.raises(ObjectTooLarge):
+        backend.store.put_named("billing/other.csv", generated_chunks(total), max_bytes=total - 1)
+
+    assert backend.listing() == [NAME]
+    assert backend.pending_uploads() == []
+    assert backend.raw_bytes(NAME) == b"the old export"
+    with backend.store.open_named(NAME, old.sha256) as reader:
+        assert reader.read() == b"the old export"
+
+
+def test_named_reads_verify_against_the_recorded_digest(backend: Backend) -> None:
+    stored = backend.store.put_named(NAME, [b"tenant,requests\r\nacme,3\r\n"])
+
+    backend.overwrite(NAME, b"tenant,requests\r\nacme,2\r\n")  # same size, other bytes
+    with backend.store.open_named(NAME, stored.sha256) as reader, pytest.raises(ChecksumMismatch):
+        reader.read()
+
+    backend.store.put_named(NAME, [b"tenant,requests\r\nacme,3\r\n"])
+    wrong = _digest(b"something else")
+    with backend.store.open_named(NAME, wrong) as reader, pytest.raises(ChecksumMismatch) as caught:
+        reader.read()
+    assert caught.value.key == NAME and caught.value.actual_sha256 == stored.sha256
+
+
+def test_named_objects_are_deleted_and_missing_ones_not_found(backend: Backend) -> None:
+    stored = backend.store.put_named(NAME, [b"x"])
+    content = backend.store.put_stream([b"x"])  # same bytes: its own, content-addressed object
+
+    backend.store.delete(NAME)
+
+    assert not backend.store.exists(NAME)
+    assert backend.listing() == [content.key]
+    with pytest.raises(ObjectNotFound):
+        backend.store.size(NAME)
+    with pytest.raises(ObjectNotFound) as caught:
+        backend.store.open_named(NAME, stored.sha256)
+    assert caught.value.key == NAME
+    backend.store.delete(NAME)  # a missing name: no-op
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "/billing/x.csv",
+        "../x.csv",
+        "billing/../../etc/passwd",
+        "billing/./x.csv",
+        "billing//x.csv",
+        "billing/x.csv/",
+        "Billing/X.csv",
+        "billing/x y.csv",
+        "billing/.hidden",
+        "tmp/x.csv",
+        "sha256/ab/" + "ab" * 32,
+        "billing/" + "x" * 600,
+    ],
+)
+def test_bad_names_are_refused_and_store_nothing(backend: Backend, name: str) -> None:
+    with pytest.raises(InvalidKey):
+        backend.store.put_named(name, [b"x"])
+    with pytest.raises(InvalidKey):
+        backend.store.open_named(name, _digest(b"x"))
+    if not is_content_key(name):  # a content address is a key, only not a name
+        with pytest.raises(InvalidKey):
+            backend.store.exists(name)
+    assert backend.listing() == []
+
+
+def test_names_and_content_addresses_keep_their_own_readers(backend: Backend) -> None:
+    content = backend.store.put_stream([b"x"])
+    backend.store.put_named(NAME, [b"x"])
+
+    with pytest.raises(InvalidKey):
+        backend.store.open(NAME)  # a name names no digest: open_named with the recorded one
+    with pytest.raises(InvalidKey):
+        backend.store.open_named(content.key, content.sha256)
+    with pytest.raises(ValueError):
+        backend.store.open_named(NAME, "not a digest")

@@ -104,6 +104,40 @@ def test_putting_stored_large_content_again_skips_the_copy(store, raw, s3_bucket
     assert _keys(raw, s3_bucket) == [first.key]
 
 
+def test_named_content_over_one_part_is_uploaded_at_its_name_without_a_copy(
+    store, raw, s3_bucket, monkeypatch
+):
+    create = _Counting(store.client.create_multipart_upload)
+    copy = _Counting(store.client.copy)
+    monkeypatch.setattr(store.client, "create_multipart_upload", create)
+    monkeypatch.setattr(store.client, "copy", copy)
+    name = "billing/2026-11-01_2026-11-30.by-request.csv"
+
+    stored = store.put_named(name, generated_chunks(2 * MIN_PART_SIZE + 1, chunk_size=MiB))
+
+    assert (create.calls, copy.calls) == (1, 0)
+    assert stored.key == name and stored.size == 2 * MIN_PART_SIZE + 1
+    assert _keys(raw, s3_bucket) == [name]
+    assert _pending_uploads(raw, s3_bucket) == []
+
+
+def test_a_failing_named_completion_aborts_and_keeps_the_old_object(
+    store, raw, s3_bucket, monkeypatch
+):
+    name = "billing/2026-11-24.by-day.csv"
+    store.put_named(name, [b"old"])
+    failing = _Counting(None, fail=_server_error("CompleteMultipartUpload"))
+    monkeypatch.setattr(store.client, "complete_multipart_upload", failing)
+
+    with pytest.raises(StoreUnavailable):
+        store.put_named(name, generated_chunks(2 * MIN_PART_SIZE))
+
+    assert failing.calls == 1
+    assert _pending_uploads(raw, s3_bucket) == []
+    assert _keys(raw, s3_bucket) == [name]
+    assert raw.get_object(Bucket=s3_bucket, Key=name)["Body"].read() == b"old"
+
+
 # --- clean-up on failure -------------------------------------------------------------------------
 
 
