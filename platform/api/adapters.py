@@ -88,7 +88,7 @@ def _file_name(upload: UploadFile) -> str:
     raw = (upload.filename or "").replace("\\", "/")
     name = PurePosixPath(raw).name
     if not name:
-        raise APIError(400, "Every `files` part needs a file name.", code="invalid_upload")
+        raise APIError(400, "Every `files` part needs a file name.", code="malformed_upload")
     return name
 
 

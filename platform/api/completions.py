@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Annotated, Any
 
@@ -31,7 +32,9 @@ from starlette.types import Receive
 
 from loramux.engine.async_engine import AsyncEngineError
 from loramux.engine.engine import EngineError
+from loramux.engine.outputs import RequestOutput
 from loramux.platform.api.deps import AdapterRuntimeDep, ContextDep, CurrentTenant, SessionDep
+from loramux.platform.api.error_codes import ERROR_CODES, error_detail
 from loramux.platform.api.errors import APIError
 from loramux.platform.api.openai_render import ChatRender, CompletionRender, Render
 from loramux.platform.api.schemas_openai import (
@@ -40,11 +43,13 @@ from loramux.platform.api.schemas_openai import (
     CompletionRequest,
 )
 from loramux.platform.db.models import Tenant
+from loramux.platform.engines.remote import EngineLost, EngineUnavailable
 from loramux.platform.services.engine_failures import EngineRequestFailed
 from loramux.platform.services.inference import InferenceService
 from loramux.platform.services.inference_job import Job, Tally, Target, new_request_id
 
 router = APIRouter(tags=["inference"])
+logger = logging.getLogger(__name__)
 
 
 CLIENT_CLOSED_REQUEST = 499  # what the log and metrics show for a client that left early
@@ -71,12 +76,32 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 def _engine_error(exc: Exception) -> APIError:
+    """What the tenant is told when the engine refused or could not finish a request (the
+    engine's own words name hosts and internal ids: they go to the log)."""
     if isinstance(exc, EngineError):
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, EngineRequestFailed):
-        status = 500 if exc.code == "adapter_failed" else 503
+        status = ERROR_CODES[exc.code].status
         return APIError(status, f"The request could not be served: {exc}", code=exc.code)
-    return APIError(503, f"The engine could not finish the request: {exc}", code="engine_error")
+    logger.warning("engine failure: %s: %s", type(exc).__name__, exc)
+    engine_id = getattr(exc, "engine_id", None)
+    if isinstance(exc, EngineUnavailable) and not isinstance(exc, EngineLost):
+        return APIError(
+            503,
+            "No engine can take this request right now (none is running or reachable); "
+            "nothing was generated or billed. Try again shortly.",
+            code="engine_unavailable",
+        )
+    which = f"The engine ({engine_id})" if engine_id else "The engine"
+    return APIError(
+        503,
+        f"{which} running this request stopped before it finished; what was streamed, if "
+        "anything, is billed, nothing else. Try again.",
+        code="engine_error",
+    )
+
+
+_ENGINE_FAILURES = (EngineError, AsyncEngineError, EngineRequestFailed)
 
 
 async def _respond(
@@ -88,30 +113,56 @@ async def _respond(
     stream: bool,
     include_usage: bool,
 ) -> Any:
-    if stream:
-        # A client gone before the stream starts never runs it: the background settles.
-        return StreamingResponse(
-            _stream(service, job, render, include_usage),
-            media_type="text/event-stream",
-            background=BackgroundTask(job.holds.settle, 0),
-        )
-    tally = Tally(job, streamed=False)
+    """The job's answer. Whatever fails before the first token is an HTTP error, streamed
+    or not (a stream's 200 waits for its first output); what fails later in a stream is an
+    error event with the same envelope, then ``[DONE]``."""
+    tally = Tally(job, streamed=stream)
+    run = service.run(job, tally)
+    first: list[tuple[int, RequestOutput]] = []
     try:
-        served = await _unless_disconnected(request.receive, _collect(service, job, tally))
-    finally:
-        if not job.holds.settled:  # the run never started
-            await run_in_threadpool(job.holds.settle, 0)
+        if stream:
+            served = await _unless_disconnected(request.receive, _first(run, first))
+        else:
+            served = await _unless_disconnected(request.receive, _collect(run, tally))
+    except BaseException:
+        await _close(run, job)
+        raise
     if not served:
+        await _close(run, job)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return render.response(tally)
+    if not stream:
+        await _close(run, job)
+        return render.response(tally)
+    # The client may leave before the body starts: the background still closes the run.
+    return StreamingResponse(
+        _stream(run, first, tally, render, include_usage),
+        media_type="text/event-stream",
+        background=BackgroundTask(_close, run, job),
+    )
 
 
-async def _collect(service: InferenceService, job: Job, tally: Tally) -> None:
+async def _close(run: AsyncGenerator, job: Job) -> None:
+    """End the run (aborting what still runs; its usage is written) and, if it never
+    started, give back what admission held."""
+    await run.aclose()
+    if not job.holds.settled:
+        await run_in_threadpool(job.holds.settle, 0)
+
+
+async def _first(run: AsyncIterator, first: list) -> None:
     try:
-        async with aclosing(service.run(job, tally)) as run:
-            async for index, out in run:
-                tally.deliver(index, out)
-    except (EngineError, AsyncEngineError, EngineRequestFailed) as exc:
+        first.extend([await anext(run)])
+    except StopAsyncIteration:
+        pass
+    except _ENGINE_FAILURES as exc:
+        raise _engine_error(exc) from exc
+
+
+async def _collect(run: AsyncIterator, tally: Tally) -> None:
+    try:
+        async for index, out in run:
+            tally.deliver(index, out)
+    except _ENGINE_FAILURES as exc:
         raise _engine_error(exc) from exc
 
 
@@ -141,19 +192,25 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> bool:
 
 
 async def _stream(
-    service: InferenceService, job: Job, render: Render, include_usage: bool
+    run: AsyncGenerator,
+    first: list[tuple[int, RequestOutput]],
+    tally: Tally,
+    render: Render,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
-    tally = Tally(job)
     for chunk in render.opening():
         yield _sse(chunk)
     try:
-        async with aclosing(service.run(job, tally)) as run:
-            async for index, out in run:
+        async with aclosing(run):
+            for index, out in first:
                 yield _sse(render.chunk(index, out, tally))
                 tally.deliver(index, out)  # only once the client was handed the chunk
-    except (EngineError, AsyncEngineError, EngineRequestFailed) as exc:
+            async for index, out in run:
+                yield _sse(render.chunk(index, out, tally))
+                tally.deliver(index, out)
+    except _ENGINE_FAILURES as exc:
         error = _engine_error(exc)
-        yield _sse({"error": {"message": error.message, "type": "error", "code": error.code}})
+        yield _sse({"error": error_detail(error.status_code, error.message, error.code)})
     if include_usage and tally.usage is not None:
         yield _sse(render.usage_chunk(tally))
     yield _sse("[DONE]")

@@ -13,27 +13,12 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loramux.platform.api.error_codes import HTTP_EXCEPTION_CODES, error_detail
 from loramux.platform.services.metering import database_unavailable
 
 logger = logging.getLogger(__name__)
 
 DATABASE_UNAVAILABLE_RETRY_AFTER_S = 5
-
-# HTTP status -> OpenAI's error `type`.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "insufficient_quota",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    414: "invalid_request_error",
-    422: "invalid_request_error",
-    431: "invalid_request_error",
-    429: "rate_limit_error",
-}
 
 
 class ErrorDetail(BaseModel):
@@ -56,7 +41,7 @@ class APIError(Exception):
         status_code: int,
         message: str,
         *,
-        code: str | None = None,
+        code: str,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
@@ -67,10 +52,10 @@ class APIError(Exception):
 
 
 def error_response(
-    status_code: int, message: str, code: str | None = None, headers: dict | None = None
+    status_code: int, message: str, code: str, headers: dict | None = None
 ) -> JSONResponse:
-    error_type = _ERROR_TYPES.get(status_code, "server_error" if status_code >= 500 else "error")
-    body = {"error": {"message": message, "type": error_type, "code": code}}
+    """The JSON error response; ``code`` is one of ``error_codes.ERROR_CODES``."""
+    body = {"error": error_detail(status_code, message, code)}
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
@@ -82,7 +67,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(exc.status_code, message, None, getattr(exc, "headers", None))
+        code = HTTP_EXCEPTION_CODES.get(exc.status_code, "malformed_request")
+        return error_response(exc.status_code, message, code, getattr(exc, "headers", None))
 
     async def _database_error(request: Request, exc: Exception) -> JSONResponse:
         # The database is down or restarting: a 503 the client may retry, not a 500. Any
@@ -102,6 +88,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(PoolTimeoutError, _database_error)
+
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this answer; the client gets the envelope.
+        return error_response(
+            500,
+            "The platform failed on this request (a bug: its log has the details).",
+            "internal_error",
+        )
+
+    app.add_exception_handler(Exception, _unexpected)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

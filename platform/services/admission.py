@@ -58,7 +58,9 @@ class Admission:
                 list(messages), add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # a template error is the caller's messages' fault
-            raise APIError(400, f"messages cannot be rendered: {exc}") from exc
+            raise APIError(
+                400, f"messages cannot be rendered: {exc}", code="invalid_messages"
+            ) from exc
 
     def count_prompt(self, prompt: str | list[int]) -> int:
         """The prompt's length in tokens; 400 when it is empty, holds ids outside the
@@ -262,7 +264,7 @@ def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]
             SamplingParams(**given, seed=None if seed is None else seed + i) for i in range(n)
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_parameters") from exc
+        raise APIError(400, str(exc), code="invalid_sampling_parameters") from exc
 
 
 def check_budget(session: Session, tenant: Tenant) -> None:

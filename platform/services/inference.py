@@ -96,7 +96,7 @@ class InferenceService:
         running: RunningRequests | None = None,
     ):
         if context.engine is None:
-            raise APIError(503, "No engine is running in this process.", code="no_engine")
+            raise APIError(503, "No engine is running in this process.", code="engine_unavailable")
         self._context = context
         self._engine = context.engine
         self.tokenizer = context.engine.tokenizer
@@ -132,7 +132,9 @@ class InferenceService:
         try:
             engine_name = await runtime.ensure_loaded(version)
         except AdapterNotServable as exc:
-            raise APIError(503, f"Adapter {name!r} cannot be served: {exc}") from exc
+            raise APIError(
+                503, f"Adapter {name!r} cannot be served: {exc}", code="adapter_unavailable"
+            ) from exc
         return Target(name, engine_name, adapter.id, version.id)
 
     # --- building a job ---------------------------------------------------------------

@@ -157,6 +157,17 @@ def stream(platform: Platform, tenant: Tenant, model: str) -> list[dict | str]:
     return events
 
 
+def stream_refused(platform: Platform, tenant: Tenant, model: str) -> httpx.Response:
+    """A streamed completion that is refused before its stream starts (not a 200)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+    return httpx.post(
+        f"{platform.url}/v1/completions",
+        json=body,
+        headers=tenant.headers,
+        timeout=REQUEST_TIMEOUT_S,
+    )
+
+
 def streamed_text(events: list[dict | str]) -> str:
     return "".join(
         choice["text"]
@@ -259,12 +270,11 @@ def test_store_outage_fails_only_cold_adapters_and_serving_recovers(
     assert "sha256/" not in error["message"] and names["cold"] not in error["message"], error
     assert failed_after_s < 20, failed_after_s  # the S3 client's few retries, not a stall
 
-    # Streamed: an SSE error event and the end of the stream, no tokens, no hang.
-    events = stream(platform, tenant, "cold-streamed")
-    assert events[-1] == "[DONE]", events
-    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
-    assert [e["code"] for e in errors] == ["adapter_unavailable"], events
-    assert streamed_text(events) == ""
+    # Streamed: the same 503 before the stream starts (it failed before any token), no hang.
+    refused = stream_refused(platform, tenant, "cold-streamed")
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "adapter_unavailable", refused.text
+    assert refused.json()["error"]["type"] == "server_error", refused.text
 
     assert residency(platform) == {
         names["resident"]: "device",
