@@ -2,9 +2,10 @@
 
 Errors map onto the in-process engine's: a refused request raises ``EngineError`` (with
 :class:`AdapterNotRegistered` when the engine does not know the adapter, e.g. after a
-restart); an engine that cannot be reached raises :class:`EngineUnreachable` before
-anything was sent, and one that goes away mid-request :class:`EngineLost` — both
-``AsyncEngineError``, which the API answers with 503.
+restart); an engine that did not answer a request (refused the connection, or dropped it
+before any response: it died a moment ago) raises :class:`EngineUnreachable`, and one that
+goes away after it answered :class:`EngineLost` — both ``AsyncEngineError``, which the API
+answers with 503.
 """
 
 from __future__ import annotations
@@ -33,16 +34,22 @@ _LOST = (httpx.TransportError,)
 
 
 class EngineUnavailable(AsyncEngineError):
-    """An engine process could not serve a call (base of the two below)."""
+    """An engine process could not serve a call (base of the two below); ``engine_id``
+    names it (None when no engine was involved)."""
+
+    def __init__(self, message: str, *, engine_id: str | None = None):
+        super().__init__(message)
+        self.engine_id = engine_id
 
 
 class EngineUnreachable(EngineUnavailable):
-    """The engine did not accept the connection: nothing reached it, so a retry elsewhere
-    is safe."""
+    """The engine did not answer: it refused the connection, or dropped it before any
+    response (a process dying as the request arrived). Nothing came back, and an engine
+    aborts what a dropped connection asked for, so a retry elsewhere is safe."""
 
 
 class EngineLost(EngineUnavailable):
-    """The engine went away (or broke the stream) after the request reached it."""
+    """The engine went away (or broke the stream) after it answered the request."""
 
 
 class AdapterNotRegistered(EngineError):
@@ -66,11 +73,16 @@ class RemoteEngine:
                 method, self._url(path), json=body, headers=self._headers, timeout=TIMEOUT
             )
         except _UNREACHABLE as exc:
-            raise EngineUnreachable(f"engine {self.engine_id} at {self.url}: {exc}") from exc
+            raise self._unreachable(exc) from exc
         except _LOST as exc:
-            raise EngineLost(f"engine {self.engine_id} at {self.url}: {exc}") from exc
+            raise EngineLost(
+                f"engine {self.engine_id} at {self.url}: {_describe(exc)}",
+                engine_id=self.engine_id,
+            ) from exc
         if response.status_code >= 500 or response.status_code == 401:
-            raise EngineUnavailable(f"engine {self.engine_id}: {_message(response)}")
+            raise EngineUnavailable(
+                f"engine {self.engine_id}: {_message(response)}", engine_id=self.engine_id
+            )
         return response
 
     async def generate(
@@ -93,11 +105,12 @@ class RemoteEngine:
             "priority": priority,
             "tenant": tenant,
         }
-        finished = False
+        finished = answered = False
         try:
             async with self._client.stream(
                 "POST", self._url("/generate"), json=body, headers=self._headers, timeout=TIMEOUT
             ) as response:
+                answered = True
                 if response.status_code != 200:
                     await response.aread()
                     _raise_refusal(response, self.engine_id)
@@ -107,13 +120,25 @@ class RemoteEngine:
                         finished = out.finished
                         yield out
         except _UNREACHABLE as exc:
-            raise EngineUnreachable(f"engine {self.engine_id} at {self.url}: {exc}") from exc
+            raise self._unreachable(exc) from exc
         except _LOST as exc:
+            if not answered:  # dropped before any response: it did not take the request
+                raise self._unreachable(exc) from exc
             raise EngineLost(
-                f"engine {self.engine_id} stopped during request {request_id}: {exc}"
+                f"engine {self.engine_id} stopped during request {request_id}: {_describe(exc)}",
+                engine_id=self.engine_id,
             ) from exc
         if not finished:
-            raise EngineLost(f"engine {self.engine_id} ended request {request_id} unfinished")
+            raise EngineLost(
+                f"engine {self.engine_id} ended request {request_id} unfinished",
+                engine_id=self.engine_id,
+            )
+
+    def _unreachable(self, exc: Exception) -> EngineUnreachable:
+        return EngineUnreachable(
+            f"engine {self.engine_id} at {self.url} did not answer: {_describe(exc)}",
+            engine_id=self.engine_id,
+        )
 
     async def abort(self, request_id: str) -> None:
         await self._call("POST", f"/requests/{request_id}/abort")
@@ -159,6 +184,11 @@ class RemoteEngine:
         return dict((await self._call("GET", "/residency")).json())
 
 
+def _describe(exc: Exception) -> str:
+    """An httpx error in words (a reset connection's message is often empty)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def _message(response: httpx.Response) -> str:
     try:
         return str(response.json()["error"]["message"])
@@ -175,4 +205,4 @@ def _raise_refusal(response: httpx.Response, engine_id: str) -> None:
         if error.get("code") == "unknown_adapter":
             raise AdapterNotRegistered(message)
         raise EngineError(message)
-    raise EngineUnavailable(f"engine {engine_id}: {message}")
+    raise EngineUnavailable(f"engine {engine_id}: {message}", engine_id=engine_id)

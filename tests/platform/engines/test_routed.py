@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -208,6 +211,77 @@ def test_an_unreachable_engine_is_skipped_at_once(cluster):
     assert "dead" not in listed  # skipped until it beats again
 
 
+class _DyingEngine:
+    """A listening socket that takes each connection and resets it at once, unanswered:
+    what a ``loramux engine`` SIGKILLed a moment ago looks like to a request that reaches
+    its port before the kernel stops accepting."""
+
+    def __init__(self):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with contextlib.suppress(OSError):
+                conn.recv(65536)  # the request arrived...
+                # ...and the process is gone: RST, no response
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_an_engine_dying_as_a_request_arrives_sends_it_elsewhere(cluster):
+    """Issue 15: a request sent just after an engine died (its connection accepted, then
+    reset, with no answer) failed with 503 engine_error; nothing had started, so it must
+    run on another engine."""
+
+    async def go():
+        registry = cluster.registry()
+        client = cluster.client()
+        await client.start()
+        dying = _DyingEngine()
+        try:
+            live = await registry.live()
+            record = EngineRecord(
+                **{
+                    **live[0].__dict__,
+                    "engine_id": "dying",
+                    "url": f"http://127.0.0.1:{dying.port}",
+                    "running": 0,
+                    "waiting": 0,
+                }
+            )
+            await registry.publish(record)
+            await client.refresh()
+            assert "dying" in {r.engine_id for r in client.engines()}
+            # Requests whose rendezvous hash picks "dying" first, until one did.
+            finals = []
+            for i in range(12):
+                finals.append(await _serve(client, None, f"dying-{i}"))
+                if dying.accepted:
+                    break
+            return finals, dying.accepted, {e for (e, _) in client.routed}
+        finally:
+            dying.close()
+            await registry.withdraw("dying")
+            await client.stop()
+
+    finals, accepted, engines = asyncio.run(go())
+    assert accepted >= 1, "no request was routed to the dying engine: the test proves nothing"
+    assert all(f.finish_reason == "length" for f in finals)
+    assert "dying" not in engines
+
+
 def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
     async def go():
         client = cluster.client()
@@ -259,6 +333,40 @@ def test_no_engine_means_a_clear_error(redis_url, tiny_model_dir):
             await client.stop()
 
     asyncio.run(go())
+
+
+def test_with_no_engine_streamed_and_plain_requests_get_the_same_503(
+    redis_url, tiny_model_dir, tmp_path
+):
+    """Issue 15: with no engine a stream answered 200 and then an SSE error (type
+    "error") while a plain request answered 503 (type "server_error"). Both are now the
+    same 503 with the same envelope, before any stream starts."""
+    empty = Cluster(f"empty-{uuid.uuid4().hex[:6]}", {}, {}, redis_url, tiny_model_dir)
+    settings = Settings(data_dir=tmp_path, model=str(tiny_model_dir), admin_token=None)
+    context = build_context(settings, log=lambda _: None, with_engine=False)
+    context.engine = empty.client()
+    with ServerThread(create_app(context)) as server:
+        admin = {"Authorization": f"Bearer {context.admin_token}"}
+        tenant = httpx.post(f"{server.url}/admin/tenants", json={"name": "a"}, headers=admin)
+        key = httpx.post(
+            f"{server.url}/admin/tenants/{tenant.json()['id']}/api-keys", headers=admin
+        )
+        auth = {"Authorization": f"Bearer {key.json()['key']}"}
+        answers = []
+        for path, body in (
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 4}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ):
+            for stream in (False, True):
+                sent = {"model": context.base_model.model_id, "stream": stream, **body}
+                answers.append(httpx.post(f"{server.url}{path}", json=sent, headers=auth))
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["content-type"] == "application/json"
+        error = answer.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
+        assert "nothing was generated" in error["message"]
+        assert "127.0.0.1" not in error["message"]  # no engine addresses for tenants
 
 
 def _engines_busy(cluster: Cluster) -> bool:
