@@ -32,6 +32,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
     true,
 )
@@ -351,23 +352,42 @@ class BillingExport(Base):
     """One stored billing export: the usage CSV of every tenant over ``[period_start, period_end)``.
 
     The CSV (``loramux.platform.services.billing.to_csv``) lies in the object store under
-    ``store_key``; ``sha256`` and ``size_bytes`` describe it and ``rows`` counts its data
-    lines. At most one export per period and grouping: exporting again returns this row.
+    ``store_key`` (a readable name, ``billing/<period>.by-<group_by>[.v<version>].csv``; a
+    content address for exports made before names); ``sha256`` and ``size_bytes`` describe
+    it (reads are verified against ``sha256``) and ``rows`` counts its data lines.
+
+    A period and grouping may have several *versions* (1, 2, ...): an export of a period
+    that is not closed yet is ``provisional`` (its usage may still grow), and exporting the
+    period again once it is closed makes a new, final version, never overwriting the old
+    one. At most one version per period and grouping is final, and exporting that period
+    again returns it (see ``loramux.platform.services.billing_exports``).
     """
 
     __tablename__ = "billing_exports"
     __table_args__ = (
-        UniqueConstraint("period_start", "period_end", "group_by"),
+        UniqueConstraint("period_start", "period_end", "group_by", "version"),
+        Index(
+            "uq_billing_exports_final",
+            "period_start",
+            "period_end",
+            "group_by",
+            unique=True,
+            postgresql_where=text("NOT provisional"),
+            sqlite_where=text("NOT provisional"),
+        ),
         CheckConstraint("period_start < period_end", name="period_ordered"),
         CheckConstraint("format IN ('csv')", name="format_known"),
         CheckConstraint("size_bytes >= 0", name="size_non_negative"),
         CheckConstraint("rows >= 0", name="rows_non_negative"),
+        CheckConstraint("version >= 1", name="version_positive"),
     )
 
     id: Mapped[str] = _id_column()
     period_start: Mapped[datetime] = mapped_column(UtcDateTime())
     period_end: Mapped[datetime] = mapped_column(UtcDateTime())
     group_by: Mapped[str] = mapped_column(String(16))
+    version: Mapped[int] = mapped_column(Integer, default=1, server_default=text("1"))
+    provisional: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     format: Mapped[str] = mapped_column(String(8), default="csv")
     store_key: Mapped[str] = mapped_column(String(STORE_KEY_LENGTH))
     sha256: Mapped[str] = mapped_column(String(SHA256_HEX_LENGTH))
