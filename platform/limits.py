@@ -223,6 +223,9 @@ class RateLimiter(ABC):
     def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds a connection
         """Release what the limiter holds (connections). A no-op by default."""
 
+    def ping(self) -> None:  # noqa: B027 - memory is always there
+        """Return if the limiter's store answers; :class:`LimitsUnavailable` if not."""
+
     @abstractmethod
     def _hold(
         self,
@@ -481,6 +484,14 @@ class RedisRateLimiter(RateLimiter):
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
+
+    def ping(self) -> None:
+        try:
+            self._client.ping()
+        except _UNREACHABLE as exc:
+            with self._lock:
+                self.failures += 1
+            raise LimitsUnavailable(f"Redis is unreachable: {exc}") from exc
 
     @property
     def pending_releases(self) -> int:

@@ -30,6 +30,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -71,6 +72,7 @@ class EngineHost:
         self.secret = secret
         self.boot_id = uuid.uuid4().hex  # registrations made before a restart are gone
         self.registered = False
+        self.last_heartbeat: float | None = None  # time.monotonic() of the last one Redis took
         self._adapters: dict[str, StoredAdapter] = {}
         self._heartbeat: asyncio.Task | None = None
         self.streaming: set[str] = set()  # ids of the requests whose output is being streamed
@@ -84,6 +86,7 @@ class EngineHost:
         await self.engine.start()
         if self.registry is not None:
             await self.registry.publish(await self.record())
+            self.last_heartbeat = time.monotonic()
             self._heartbeat = asyncio.create_task(self._beat())
         self.registered = True
 
@@ -133,8 +136,29 @@ class EngineHost:
             await asyncio.sleep(self.registry.heartbeat_s)
             try:
                 await self.registry.publish(await self.record())
+                self.last_heartbeat = time.monotonic()
             except Exception:  # keep beating: a Redis blip must not unregister us for good
                 logger.exception("engine %s: heartbeat failed", self.engine_id)
+
+    def not_ready_reason(self) -> str | None:
+        """Why platforms cannot send requests here now, or None. An engine whose record has
+        expired (its heartbeats fail: Redis is out of reach) is in no platform's routing."""
+        if not self.engine.is_running:
+            return "the engine loop is not running"
+        if not self.registered:
+            return "not registered (starting, or shutting down)"
+        age = self.heartbeat_age_s()
+        if age is not None and self.registry is not None and age > self.registry.ttl_s:
+            return (
+                f"the last heartbeat Redis took was {age:.0f} s ago (records expire after "
+                f"{self.registry.ttl_s:.0f} s): platforms no longer see this engine"
+            )
+        return None
+
+    def heartbeat_age_s(self) -> float | None:
+        if self.last_heartbeat is None:
+            return None
+        return time.monotonic() - self.last_heartbeat
 
     async def register(self, name: str, adapter: StoredAdapter) -> None:
         known = self._adapters.get(name)
@@ -366,10 +390,14 @@ def create_engine_app(host: EngineHost) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        ready = host.registered and host.engine.is_running
-        return JSONResponse(
-            {"status": "ready" if ready else "unavailable"}, status_code=200 if ready else 503
-        )
+        reason = host.not_ready_reason()
+        body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
+        if reason is not None:
+            body["reason"] = reason
+        age = host.heartbeat_age_s()
+        if age is not None:
+            body["heartbeat_age_s"] = round(age, 1)
+        return JSONResponse(body, status_code=200 if reason is None else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
