@@ -16,6 +16,9 @@ closes; they are summed like any record (a crashed request's last checkpoint is 
   rolled-up day, oldest first, each in its own transaction.
 * ``month_spend(session, tenant_id, now=...)`` is what the monthly budget reads: roll-up rows
   for the days that have them, raw records for the rest. Exact whatever days are rolled up.
+* ``run_rollup(sessions, now=..., day=None)`` is what an operator runs (the admin API, the
+  CLI): the catch-up above, or one closed day again, and a ``RollupRun`` saying which days
+  are still open and when the oldest of them closes.
 
 Everything filters ``created_at`` by ``[start, end)`` bounds computed here, so the same SQL
 runs on PostgreSQL and SQLite.
@@ -24,6 +27,7 @@ runs on PostgreSQL and SQLite.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 
 from sqlalchemy import and_, delete, func, insert, or_, select
@@ -61,6 +65,34 @@ def last_closed_day(now: datetime) -> date:
 def is_closed(day: date, now: datetime) -> bool:
     """Whether ``day`` is closed at ``now``: no record of it can still be committed."""
     return day <= last_closed_day(now)
+
+
+def closes_at(day: date) -> datetime:
+    """When ``day`` closes: the next midnight UTC plus ``ROLLUP_GRACE``."""
+    return utc_day_bounds(day)[1] + ROLLUP_GRACE
+
+
+def utc_text(moment: datetime) -> str:
+    """``2026-11-25T00:05:00Z``: an aware moment in UTC, to the second."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class InvalidPeriod(ValueError):
+    """A day or period that cannot be used as asked (in the future, not closed yet, too
+    long, empty); the message says why and what to do."""
+
+
+def why_not_closed(day: date, now: datetime) -> str:
+    """Why ``day`` is not closed at ``now`` (the caller knows it is not)."""
+    today = utc_day_of(now)
+    if day > today:
+        return f"{day.isoformat()} is in the future (today is {today.isoformat()} UTC)"
+    minutes = int(ROLLUP_GRACE.total_seconds() // 60)
+    return (
+        f"{day.isoformat()} is not closed yet: a UTC day closes {minutes} minutes after the "
+        f"midnight that ends it (at {utc_text(closes_at(day))}), so that usage written "
+        "at its very end is in"
+    )
 
 
 def days_between(first: date, last: date) -> Iterator[date]:
@@ -160,6 +192,47 @@ def rollup_closed_days(
             rollup_day(session, day)
         rolled.append(day)
     return rolled
+
+
+@dataclass(frozen=True)
+class RollupRun:
+    """What one operator-run roll-up did, and what it left for later."""
+
+    rolled: list[date]  # the days rolled up now, oldest first
+    last_closed: date  # the newest closed day at the run
+    open_days: list[date]  # the days after it up to today: still open, not rolled up
+    more_pending: bool  # the catch-up stopped at its cap: run again for the rest
+
+    @property
+    def next_close(self) -> datetime:
+        """When the oldest open day closes (and the next run can roll it up)."""
+        return closes_at(self.open_days[0])
+
+
+def run_rollup(
+    sessions: sessionmaker[Session],
+    *,
+    now: datetime,
+    day: date | None = None,
+    max_days: int = DEFAULT_MAX_DAYS,
+) -> RollupRun:
+    """Roll up the closed days not rolled up yet (``rollup_closed_days``), or, with ``day``,
+    that closed day again (after a backfill); :class:`InvalidPeriod` if ``day`` is open."""
+    if day is not None and not is_closed(day, now):
+        raise InvalidPeriod(f"{why_not_closed(day, now)}; roll up a closed day")
+    if day is None:
+        rolled = rollup_closed_days(sessions, now=now, max_days=max_days)
+    else:
+        with sessions.begin() as session:
+            rollup_day(session, day)
+        rolled = [day]
+    last_closed = last_closed_day(now)
+    return RollupRun(
+        rolled=rolled,
+        last_closed=last_closed,
+        open_days=list(days_between(last_closed + timedelta(days=1), utc_day_of(now))),
+        more_pending=day is None and len(rolled) == max_days and rolled[-1] < last_closed,
+    )
 
 
 # --- reading --------------------------------------------------------------------------------

@@ -21,10 +21,11 @@ twice or misses a day still covers each day exactly once, whatever day it runs o
   (``loramux.platform.services.upload_cleanup``).
 
 * ``loramux.export_daily_billing(day=None)``: export, grouped by
-  ``billing_export_group_by``, every closed day not exported yet (``export_closed_days``),
-  or only ``day`` (``"YYYY-MM-DD"``; ``ValueError`` if it is not closed). Returns the
-  grouping and, per day exported, the export's id, store key, sha256, size and row count.
-  Beat sends it every day at 00:10 UTC with no argument.
+  ``billing_export_group_by``, every closed day not exported final yet
+  (``export_closed_days``), or only ``day`` (``"YYYY-MM-DD"``; ``ValueError`` if it is not
+  closed). Returns the grouping and, per day exported, the export's id, store key
+  (``billing/<day>.by-<grouping>[.v<n>].csv``), version, sha256, size and row count. Beat
+  sends it every day at 00:10 UTC with no argument.
 
 * ``loramux.rollup_usage(day=None)``: roll up every closed day not rolled up yet
   (``rollup_closed_days``), or roll ``day`` up again (``ValueError`` if it is not closed),
@@ -43,15 +44,15 @@ from celery.schedules import crontab
 from loramux.platform.db.models import BillingExport
 from loramux.platform.db.types import utc_now
 from loramux.platform.services.adapter_upload import ValidationTarget, validate_stored_version
+from loramux.platform.services.billing_exports import DayRange, export_period
 from loramux.platform.services.rollups import (
     is_closed,
     rollup_closed_days,
     rollup_day,
-    utc_day_bounds,
 )
 from loramux.platform.settings import Settings
 from loramux.platform.store import StoreUnavailable
-from loramux.platform.tasks.billing import export_billing, export_closed_days
+from loramux.platform.tasks.billing import export_closed_days
 from loramux.platform.tasks.resources import TaskResources
 
 EXPORT_DAILY_BILLING = "loramux.export_daily_billing"
@@ -75,6 +76,7 @@ def export_summary(export: BillingExport) -> dict[str, Any]:
         "day": export.period_start.date().isoformat(),
         "id": export.id,
         "store_key": export.store_key,
+        "version": export.version,
         "sha256": export.sha256,
         "size_bytes": export.size_bytes,
         "rows": export.rows,
@@ -90,21 +92,21 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     def export_daily_billing(day: str | None = None) -> dict[str, Any]:
         context = resources.get()
         group_by = settings.billing_export_group_by
+        now = utc_now()
         if day is None:
             exports = export_closed_days(
-                context.sessions, context.store, now=utc_now(), group_by=group_by
+                context.sessions, context.store, now=now, group_by=group_by
             )
         else:
-            start, end = utc_day_bounds(closed_day(day))
-            exports = [
-                export_billing(
-                    context.sessions,
-                    context.store,
-                    period_start=start,
-                    period_end=end,
-                    group_by=group_by,
-                )
-            ]
+            closed = closed_day(day)
+            outcome = export_period(
+                context.sessions,
+                context.store,
+                DayRange(closed, closed),
+                group_by=group_by,
+                now=now,
+            )
+            exports = [outcome.export]
         return {"group_by": group_by, "exports": [export_summary(e) for e in exports]}
 
     @app.task(name=ROLLUP_USAGE, shared=False)

@@ -11,14 +11,9 @@ from sqlalchemy import func, select
 from loramux.platform.db.models import BillingExport, UsageDaily
 from loramux.platform.db.types import utc_now
 from loramux.platform.services.billing import usage_report
-from loramux.platform.services.rollups import days_between, last_closed_day
+from loramux.platform.services.rollups import days_between, last_closed_day, utc_day_bounds
 from loramux.platform.settings import Settings
-from loramux.platform.tasks.celery_app import (
-    EXPORT_DAILY_BILLING,
-    ROLLUP_USAGE,
-    make_celery,
-    utc_day_bounds,
-)
+from loramux.platform.tasks.celery_app import EXPORT_DAILY_BILLING, ROLLUP_USAGE, make_celery
 from tests.platform.db.factories import add_tenant, usage_record
 from tests.platform.tasks.usage import DAY_END, DAY_START, add_day_of_usage
 
@@ -85,6 +80,7 @@ def test_eager_export_of_one_day(database_url, sessions, data_dir, store):
     assert (exported["sha256"], exported["size_bytes"]) == (export.sha256, export.size_bytes)
     assert export.period_start == DAY_START and export.period_end == DAY_END
     assert exported["rows"] == export.rows == len(report.rows) == 2  # two tenants, one day
+    assert exported["store_key"] == "billing/2025-03-04.by-day.csv" and exported["version"] == 1
     assert store.exists(export.store_key)
 
     again = app.tasks[EXPORT_DAILY_BILLING].delay(day="2025-03-04").get()

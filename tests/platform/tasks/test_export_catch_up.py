@@ -13,10 +13,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.platform.db.models import BillingExport
+from loramux.platform.services.billing_exports import DayRange, export_period, open_export
 from loramux.platform.services.rollups import utc_day_bounds
 from loramux.platform.settings import Settings
 from loramux.platform.tasks import celery_app
-from loramux.platform.tasks.billing import export_billing, export_closed_days
+from loramux.platform.tasks.billing import export_closed_days
 from loramux.platform.tasks.celery_app import EXPORT_DAILY_BILLING, make_celery
 from tests.platform.db.factories import add_tenant, usage_record
 
@@ -70,7 +71,7 @@ def test_exports_every_closed_day_once_and_waits_for_the_grace(sessions, store, 
     exports = export_closed_days(sessions, store, now=at(D, 0, 10), group_by="request")
     assert _exported_days(exports) == days(-3, -2, -1)
     assert [e.rows for e in exports] == [3, 0, 1]
-    with store.open(exports[1].store_key) as reader:
+    with open_export(store, exports[1]) as reader:
         assert reader.read().decode().count("\r\n") == 1  # D-2: the header, no usage
 
     assert run(at(D, 0, 10)) == []
@@ -129,20 +130,10 @@ def test_max_days_caps_a_run_and_the_next_goes_on(sessions, store, usage):
 
 def test_each_grouping_catches_up_on_its_own_and_other_periods_are_ignored(sessions, store, usage):
     # An export of two days and one of a day before any usage, both grouped by day.
-    export_billing(
-        sessions,
-        store,
-        period_start=at(D - timedelta(days=3)),
-        period_end=at(D - timedelta(days=1)),
-        group_by="day",
-    )
-    export_billing(
-        sessions,
-        store,
-        period_start=at(date(2025, 1, 1)),
-        period_end=at(date(2025, 1, 2)),
-        group_by="day",
-    )
+    d3, d2 = days(-3, -2)
+    export_period(sessions, store, DayRange(d3, d2), group_by="day", now=at(D, 0, 10))
+    january = DayRange(date(2025, 1, 1), date(2025, 1, 1))
+    export_period(sessions, store, january, group_by="day", now=at(D, 0, 10))
     export_closed_days(sessions, store, now=at(D, 0, 10), group_by="request")
 
     exports = export_closed_days(sessions, store, now=at(D, 0, 10), group_by="day")
@@ -152,6 +143,28 @@ def test_each_grouping_catches_up_on_its_own_and_other_periods_are_ignored(sessi
     assert _exported_days(exports) == days(-3, -2, -1)
     assert {e.group_by for e in exports} == {"day"}
     assert len(_all_exports(sessions)) == 2 + 3 + 3
+
+
+def test_a_day_exported_while_open_gets_its_final_version_from_the_schedule(sessions, store, usage):
+    d1 = days(-1)[0]
+    provisional = export_period(
+        sessions, store, DayRange(d1, d1), group_by="request", now=at(d1, 20)
+    ).export
+    assert provisional.provisional and provisional.store_key.endswith(".by-request.csv")
+
+    exports = export_closed_days(sessions, store, now=at(D, 0, 10), group_by="request")
+
+    assert _exported_days(exports) == days(-3, -2, -1)
+    final = exports[-1]
+    assert (final.version, final.provisional) == (2, False)
+    assert final.store_key == f"billing/{d1.isoformat()}.by-request.v2.csv"
+    assert [e.store_key for e in exports[:2]] == [
+        f"billing/{day.isoformat()}.by-request.csv" for day in days(-3, -2)
+    ]
+    # The provisional version is still there, under its own name.
+    with store.open_named(provisional.store_key, provisional.sha256) as reader:
+        assert reader.read().count(b"\r\n") == 1 + usage[d1]
+    assert export_closed_days(sessions, store, now=at(D, 23), group_by="request") == []
 
 
 def test_max_days_must_be_positive(sessions, store):

@@ -23,10 +23,12 @@ from loramux.platform.db.types import utc_now
 from loramux.platform.services.admission import check_budget
 from loramux.platform.services.rollups import (
     ROLLUP_GRACE,
+    InvalidPeriod,
     month_bounds,
     month_spend,
     rollup_closed_days,
     rollup_day,
+    run_rollup,
     utc_day_bounds,
 )
 from tests.platform.db.factories import add_adapter, add_tenant, usage_record
@@ -181,6 +183,33 @@ def test_days_without_usage_are_rolled_once_then_skipped(sessions, usage):
     assert rollup_closed_days(sessions, now=now, max_days=10) == [later]
     assert rollup_closed_days(sessions, now=now, max_days=10) == []
     assert _rolled(sessions) == usage.daily()
+
+
+def test_an_operator_run_says_what_it_rolled_and_what_is_still_open(sessions, usage):
+    # 00:03 on DAYS[3]: DAYS[2] ended 3 minutes ago, still within the grace.
+    now = _midnight(DAYS[3]) + timedelta(minutes=3)
+
+    run = run_rollup(sessions, now=now, max_days=1)
+    assert (run.rolled, run.more_pending) == ([DAYS[0]], True)
+    run = run_rollup(sessions, now=now)
+
+    assert run.rolled == [DAYS[1]] and not run.more_pending
+    assert run.last_closed == DAYS[1]
+    assert run.open_days == [DAYS[2], DAYS[3]]
+    assert run.next_close == _midnight(DAYS[3]) + ROLLUP_GRACE
+    assert _rolled(sessions) == usage.daily({DAYS[0], DAYS[1]})
+    assert run_rollup(sessions, now=now).rolled == []
+
+    # One closed day again (after a backfill); an open or future one is refused.
+    late = _copy(usage.records[0], "late", adapter_id=None, created_at=_midnight(DAYS[0]))
+    _write(sessions, usage, [dict(late, model="base")])
+    assert run_rollup(sessions, now=now, day=DAYS[0]).rolled == [DAYS[0]]
+    assert _rolled(sessions) == usage.daily({DAYS[0], DAYS[1]})
+    with pytest.raises(InvalidPeriod, match=r"not closed yet.*00:05:00Z"):
+        run_rollup(sessions, now=now, day=DAYS[2])
+    with pytest.raises(InvalidPeriod, match="in the future"):
+        run_rollup(sessions, now=now, day=DAYS[4])
+    assert _rolled(sessions) == usage.daily({DAYS[0], DAYS[1]})
 
 
 @pytest.mark.parametrize(
