@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from loramux.platform.api import (
     adapters,
     admin,
+    admin_billing,
     completions,
     health,
     identity,
@@ -110,6 +111,7 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(models.router)
     app.include_router(admin.router)
+    app.include_router(admin_billing.router)
     app.include_router(usage.router)
     app.include_router(completions.router)
     app.include_router(adapters.router)

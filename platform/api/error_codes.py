@@ -61,6 +61,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         400, "The sampling parameters contradict each other or the model."
     ),
     "invalid_request": ErrorCode(400, "The engine refused the request as sent."),
+    "invalid_period": ErrorCode(
+        400, "A billing period is backwards, over 31 days or in the future (or, to roll up, open)."
+    ),
     # 401
     "missing_api_key": ErrorCode(401, "No `Authorization: Bearer` header."),
     "invalid_api_key": ErrorCode(401, "The key or admin token is unknown or revoked."),
@@ -94,7 +97,6 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "invalid_adapter_name": ErrorCode(422, "The adapter name does not match the pattern."),
     "invalid_upload": ErrorCode(422, "The upload form lacks its name or files."),
     "invalid_adapter": ErrorCode(422, "The adapter was rejected; the message says why."),
-    "invalid_period": ErrorCode(422, "A billing period is empty, too long or in the future."),
     # 429
     "rate_limit_exceeded": ErrorCode(429, "Over a rate limit; retry after `Retry-After`."),
     # 500: a fault of the server or of the tenant's own adapter
@@ -102,6 +104,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         500, "The adapter raised or computed NaN/infinity on this request; it alone was stopped."
     ),
     "internal_error": ErrorCode(500, "A bug: the platform's log has the details."),
+    "export_corrupt": ErrorCode(
+        500, "A billing export's stored file is missing or fails its sha256 check."
+    ),
     # 503: a part is unavailable for now; retry (after `Retry-After` where given)
     "database_unavailable": ErrorCode(503, "The database is down or restarting."),
     "limits_unavailable": ErrorCode(

@@ -62,6 +62,9 @@ ROUTE_STATUSES: dict[tuple[str, str], frozenset[int]] = {
     ("GET", "/admin/adapters"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/usage"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/engine"): frozenset({503}),  # no engine can report
+    # a period in the future, over 31 days or backwards; a day not closed yet
+    ("POST", "/admin/billing/exports"): frozenset({400}),
+    ("POST", "/admin/usage/rollup"): frozenset({400}),
 }
 """Statuses only a route's service knows about, by (method, path template)."""
 
