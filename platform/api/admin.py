@@ -31,6 +31,7 @@ from loramux.platform.api.schemas_admin import (
 )
 from loramux.platform.api.schemas_engine import EngineSnapshotOut
 from loramux.platform.db.types import utc_now
+from loramux.platform.engines.merge import merge_stats
 from loramux.platform.services import adapters, api_keys, tenants
 from loramux.platform.services.adapters import VersionLabel
 
@@ -129,14 +130,25 @@ def _engine_labels(
 
 @router.get("/engine")
 async def engine_snapshot(session: SessionDep, context: ContextDep) -> EngineSnapshotOut:
-    """The engine now (every live engine, merged, in remote mode): requests, KV cache,
-    adapters per tier, recent latency and the tenants' scheduling as the engine holds it."""
+    """The engines now, merged (requests, KV cache, adapters per tier, recent latency and
+    the tenants' scheduling as the engines hold it), with each engine's own row."""
     if context.engine is None:
         raise APIError(503, "No engine runs in this platform process.", code="engine_unavailable")
     try:
-        stats = await context.engine.stats()
-    except AsyncEngineError as exc:  # e.g. remote mode with no live engine
+        reports = await context.engine.engine_reports()
+    except AsyncEngineError as exc:  # the in-process engine stopped
         raise APIError(503, f"The engine cannot report: {exc}", code="engine_unavailable") from exc
+    parts = [report.stats for report in reports if report.stats is not None]
+    if not parts:
+        raise APIError(
+            503,
+            "No engine can report: none is registered, or none answered "
+            f"({len(reports)} registered; `loramux engines` lists them).",
+            code="engine_unavailable",
+        )
+    stats = merge_stats(parts)
     taken_at = utc_now()
     labels, names = await run_in_threadpool(_engine_labels, session, stats)
-    return EngineSnapshotOut.from_stats(stats, taken_at=taken_at, labels=labels, tenant_names=names)
+    return EngineSnapshotOut.from_stats(
+        stats, taken_at=taken_at, labels=labels, tenant_names=names, engines=reports
+    )

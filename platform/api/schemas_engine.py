@@ -1,4 +1,5 @@
-"""Response body of ``GET /admin/engine``: the in-process engine's live snapshot.
+"""Response body of ``GET /admin/engine``: the engines' live snapshot, merged, with a
+row per engine (one, ``local``, in the embedded default).
 
 Built from ``loramux.engine.stats.EngineStats`` (the engine knows adapters by version id
 and tenants by id) and the names the platform's database holds for them. Latencies are
@@ -13,6 +14,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.platform.engines.client import EngineReport
 from loramux.platform.services.adapters import VersionLabel
 
 MS_PER_S = 1000.0
@@ -80,6 +82,59 @@ class EngineTenantOut(BaseModel):
     weight: float | None
 
 
+class EngineRowOut(BaseModel):
+    """One engine's own figures (the snapshot around it merges every engine's)."""
+
+    engine_id: str = Field(description="`local` for the engine in the platform's process.")
+    url: str | None = Field(description="Where the platform reaches it (null: in process).")
+    status: str = Field(description="`up`, or `unreachable` with `error` saying why.")
+    error: str | None
+    heartbeat_age_s: float | None = Field(
+        description="Seconds since its last registry heartbeat (null: in process)."
+    )
+    capacity: int = Field(description="Requests it runs at once.")
+    running_requests: int | None
+    waiting_requests: int | None
+    kv_usage: float | None = Field(description="KV blocks used / usable, 0-1.")
+    preemptions: int | None
+    device_adapters: int | None
+    host_adapters: int | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+
+    @classmethod
+    def from_report(cls, report: EngineReport) -> EngineRowOut:
+        stats = report.stats
+        row = {
+            "engine_id": report.engine_id,
+            "url": report.url,
+            "status": "up" if stats is not None else "unreachable",
+            "error": report.error,
+            "heartbeat_age_s": None
+            if report.heartbeat_age_s is None
+            else round(report.heartbeat_age_s, 1),
+            "capacity": report.capacity,
+        }
+        if stats is None:
+            figures = dict.fromkeys(set(cls.model_fields) - set(row))
+            return cls(**row, **figures)
+        return cls(
+            **row,
+            running_requests=stats.running_requests,
+            waiting_requests=stats.waiting_requests,
+            kv_usage=stats.kv_blocks_used / stats.kv_blocks_usable,
+            preemptions=stats.preemptions,
+            device_adapters=len(stats.device.adapters),
+            host_adapters=len(stats.host.adapters),
+            ttft_p50_ms=_ms(stats.ttft.p50),
+            ttft_p99_ms=_ms(stats.ttft.p99),
+            itl_p50_ms=_ms(stats.itl.p50),
+            itl_p99_ms=_ms(stats.itl.p99),
+        )
+
+
 class EngineSnapshotOut(BaseModel):
     taken_at: datetime
     running_requests: int
@@ -92,6 +147,10 @@ class EngineSnapshotOut(BaseModel):
     ttft: LatencyOut = Field(description="Arrival to first token.")
     itl: LatencyOut = Field(description="Gap between consecutive tokens.")
     tenants: list[EngineTenantOut]
+    engines: list[EngineRowOut] = Field(
+        description="Each engine on its own; the fields above merge them (counts summed, "
+        "latency percentiles the worst engine's)."
+    )
 
     @classmethod
     def from_stats(
@@ -101,6 +160,7 @@ class EngineSnapshotOut(BaseModel):
         taken_at: datetime,
         labels: dict[str, VersionLabel],
         tenant_names: dict[str, str],
+        engines: list[EngineReport],
     ) -> EngineSnapshotOut:
         adapters = {
             name: _adapter(name, tier, labels.get(name)) for name, tier in stats.residency.items()
@@ -133,6 +193,7 @@ class EngineSnapshotOut(BaseModel):
                 )
                 for tid in stats.tenant_ids
             ],
+            engines=[EngineRowOut.from_report(report) for report in engines],
         )
 
 

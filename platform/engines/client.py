@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,18 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.stats import EngineStats
 from loramux.platform.engines.stored_adapter import StoredAdapter
 from loramux.platform.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine as the platform sees it: its snapshot, or why it has none."""
+
+    engine_id: str
+    url: str | None  # None for the engine in this process
+    capacity: int  # requests it runs at once
+    heartbeat_age_s: float | None  # seconds since its last registry heartbeat (None: local)
+    stats: EngineStats | None
+    error: str | None = None  # why there are no stats (unreachable, skipped)
 
 
 class EngineClient(Protocol):
@@ -62,11 +75,14 @@ class EngineClient(Protocol):
 
     async def set_tenant_priority(self, tenant: str | None, priority: int) -> int: ...
 
-    async def stats(self) -> EngineStats: ...
+    async def stats(self) -> EngineStats: ...  # every engine's, merged
+
+    async def engine_reports(self) -> list[EngineReport]: ...  # each engine's own
 
     async def adapter_residency(self) -> dict[str, str]: ...
 
-    def metrics_registry(self) -> CollectorRegistry | None: ...  # None: engines export their own
+    # The in-process engine's metrics, or routing's (engine processes serve their own).
+    def metrics_registry(self) -> CollectorRegistry | None: ...
 
 
 class LocalEngine(AsyncEngine):
@@ -92,3 +108,14 @@ class LocalEngine(AsyncEngine):
 
     def metrics_registry(self) -> CollectorRegistry:
         return self.engine.metrics.registry
+
+    async def engine_reports(self) -> list[EngineReport]:
+        return [
+            EngineReport(
+                engine_id="local",
+                url=None,
+                capacity=self.engine.config.max_num_seqs,
+                heartbeat_age_s=None,
+                stats=await self.stats(),
+            )
+        ]

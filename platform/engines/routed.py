@@ -21,17 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from contextlib import aclosing
+from dataclasses import replace
 
 import httpx
 from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
 
 from loramux.engine import SamplingParams
 from loramux.engine.outputs import RequestOutput
-from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine.stats import EngineStats
+from loramux.platform.engines.client import EngineReport
+from loramux.platform.engines.merge import fastest_tiers, merge_stats
 from loramux.platform.engines.registry import EngineRecord, EngineRegistry
 from loramux.platform.engines.remote import (
     AdapterNotRegistered,
@@ -106,6 +111,7 @@ class RoutedEngines:
         # (or already sent) it, "cold" when no engine did, "spill" when the load bound sent
         # it away from one that did.
         self.decisions: Counter[str] = Counter()
+        self.metrics = RoutingMetrics()
 
     # --- lifecycle and the registry ----------------------------------------------------
     @property
@@ -132,7 +138,11 @@ class RoutedEngines:
 
     async def refresh(self) -> None:
         """Read the registry now (the background task does it every half heartbeat)."""
-        self._records = await self._registry.live()
+        try:
+            self._records = await self._registry.live()
+        except Exception:
+            self.metrics.registry_errors.inc()
+            raise
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -160,8 +170,9 @@ class RoutedEngines:
             return f"no live engine serves {self._model_id} (none registered in Redis)"
         return None
 
-    def metrics_registry(self) -> CollectorRegistry | None:
-        return None  # each engine process serves its own /metrics
+    def metrics_registry(self) -> CollectorRegistry:
+        """Routing's own metrics (each engine process serves its engine's on its /metrics)."""
+        return self.metrics.registry
 
     def _remote(self, record: EngineRecord) -> RemoteEngine:
         assert self._http is not None, "RoutedEngines.start() was not called"
@@ -185,13 +196,13 @@ class RoutedEngines:
         chosen = choose(candidates, self._load_factor, adapter or request_id)
         if chosen is None:
             return None
+        kind = "base"
         if adapter is not None:
             best = min(map(affinity, candidates))
-            if affinity(chosen) > best:
-                self.decisions["spill"] += 1
-            else:
-                self.decisions["cold" if best == COLD else "affine"] += 1
+            kind = "spill" if affinity(chosen) > best else "cold" if best == COLD else "affine"
+            self.decisions[kind] += 1
             self._assigned_to(records[chosen.engine_id]).add(adapter)
+        self.metrics.decisions.labels(kind).inc()
         return records[chosen.engine_id]
 
     def _check_boot(self, record: EngineRecord) -> None:
@@ -273,18 +284,22 @@ class RoutedEngines:
                         self.routed[(record.engine_id, adapter)] += out.finished
                         yield out
                 return
-            except EngineUnreachable:
-                logger.warning("engine %s unreachable; routing elsewhere", record.engine_id)
+            except EngineUnreachable as exc:
+                logger.warning("routing elsewhere: %s", exc)
                 self._mark_down(record)
                 excluded.add(record.engine_id)
+                self.metrics.failures.labels(record.engine_id, "unreachable").inc()
+                self.metrics.retries.labels("unreachable").inc()
             except EngineLost:  # this request fails; new ones avoid it until it beats again
                 self._mark_down(record)
+                self.metrics.failures.labels(record.engine_id, "lost").inc()
                 raise
             except AdapterNotRegistered:
                 if reregistered or adapter is None:
                     raise
                 self._sent_to(record).discard(adapter)
                 reregistered = True
+                self.metrics.retries.labels("adapter_reregistered").inc()
             finally:
                 self._inflight[record.engine_id] -= 1
 
@@ -328,15 +343,42 @@ class RoutedEngines:
     # --- observability ----------------------------------------------------------------
     async def adapter_residency(self) -> dict[str, str]:
         """Each adapter's fastest tier on any engine."""
-        return _fastest(await self._gather(lambda remote: remote.residency()))
+        return fastest_tiers(await self._gather(lambda remote: remote.residency()))
 
     async def stats(self) -> EngineStats:
-        """All engines' snapshots as one: counts and bytes summed; latency percentiles
-        are the worst engine's (percentiles of a union are not derivable from parts)."""
+        """All engines' snapshots as one (``merge.merge_stats``)."""
         parts = await self._gather(lambda remote: remote.stats())
         if not parts:
             raise NoEngineAvailable(f"no live engine serves {self._model_id}")
-        return _merge_stats(parts)
+        return merge_stats(parts)
+
+    async def engine_reports(self) -> list[EngineReport]:
+        """Every engine of this base model in the last registry read, with its snapshot or
+        why it has none (one routing skips, or one that did not answer now)."""
+        reports = []
+        now = time.time()
+        for record in sorted(self._records, key=lambda r: r.engine_id):
+            if record.model_id != self._model_id:
+                continue
+            report = EngineReport(
+                engine_id=record.engine_id,
+                url=record.url,
+                capacity=record.capacity,
+                heartbeat_age_s=max(0.0, now - record.heartbeat_at),
+                stats=None,
+            )
+            if self._down.get(record.engine_id, -1.0) >= record.heartbeat_at:
+                report = replace(
+                    report, error="skipped: it failed a request since its last heartbeat"
+                )
+            else:
+                try:
+                    report = replace(report, stats=await self._remote(record).stats())
+                except EngineUnavailable as exc:
+                    logger.warning("engine report: %s", exc)
+                    report = replace(report, error="did not answer (details in the log)")
+            reports.append(report)
+        return reports
 
     async def _gather(self, call) -> list:
         results = []
@@ -346,56 +388,40 @@ class RoutedEngines:
         return results
 
 
-_TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
+class RoutingMetrics:
+    """What routing did, for the platform's ``/metrics`` (a registry per client)."""
 
-
-def _fastest(residencies: list[dict[str, str]]) -> dict[str, str]:
-    """Per adapter, the fastest tier any engine holds it in."""
-    merged: dict[str, str] = {}
-    for residency in residencies:
-        for name, tier in residency.items():
-            if _TIER_ORDER.get(tier, 9) < _TIER_ORDER.get(merged.get(name, ""), 9):
-                merged[name] = tier
-    return merged
-
-
-def _merge_tier(tiers: list[TierStats]) -> TierStats:
-    return TierStats(
-        adapters=tuple(sorted({a for t in tiers for a in t.adapters})),
-        bytes=sum(t.bytes for t in tiers),
-        capacity_bytes=sum(t.capacity_bytes for t in tiers),
-    )
-
-
-def _worst(latencies: list[LatencySummary]) -> LatencySummary:
-    def worst(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return max(known) if known else None
-
-    return LatencySummary(
-        samples=sum(s.samples for s in latencies),
-        p50=worst([s.p50 for s in latencies]),
-        p90=worst([s.p90 for s in latencies]),
-        p99=worst([s.p99 for s in latencies]),
-    )
-
-
-def _merge_stats(parts: list[EngineStats]) -> EngineStats:
-    return EngineStats(
-        running_requests=sum(p.running_requests for p in parts),
-        waiting_requests=sum(p.waiting_requests for p in parts),
-        kv_blocks_used=sum(p.kv_blocks_used for p in parts),
-        kv_blocks_usable=sum(p.kv_blocks_usable for p in parts),
-        kv_blocks_total=sum(p.kv_blocks_total for p in parts),
-        kv_block_size=parts[0].kv_block_size,
-        kv_blocks_held=sum(p.kv_blocks_held for p in parts),
-        preemptions=sum(p.preemptions for p in parts),
-        device=_merge_tier([p.device for p in parts]),
-        host=_merge_tier([p.host for p in parts]),
-        residency=_fastest([p.residency for p in parts]),
-        ttft=_worst([p.ttft for p in parts]),
-        itl=_worst([p.itl for p in parts]),
-        window_s=max(p.window_s for p in parts),
-        tenant_priorities={k: v for p in parts for k, v in p.tenant_priorities.items()},
-        tenant_weights={k: v for p in parts for k, v in p.tenant_weights.items()},
-    )
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.decisions = PromCounter(
+            "loramux_routing_decisions",
+            "Requests routed, by kind: affine (to an engine holding or sent the adapter), "
+            "cold (no engine held it), spill (the load bound sent it from one that did), "
+            "base (no adapter).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.failures = PromCounter(
+            "loramux_engine_failures",
+            "Engine failures seen by routing: unreachable (did not answer; the request went "
+            "elsewhere) or lost (stopped during a request, which failed).",
+            ["engine", "kind"],
+            registry=self.registry,
+        )
+        self.retries = PromCounter(
+            "loramux_routing_retries",
+            "Requests sent again: to another engine (unreachable) or after registering the "
+            "adapter again with an engine that restarted (adapter_reregistered).",
+            ["reason"],
+            registry=self.registry,
+        )
+        # Known label values start at 0, so a dashboard sees the series before the first.
+        for kind in ("affine", "cold", "spill", "base"):
+            self.decisions.labels(kind)
+        for reason in ("unreachable", "adapter_reregistered"):
+            self.retries.labels(reason)
+        self.registry_errors = PromCounter(
+            "loramux_engine_registry_read_errors",
+            "Reads of the engine registry in Redis that failed (routing used the last read).",
+            registry=self.registry,
+        )

@@ -270,16 +270,25 @@ def test_an_engine_dying_as_a_request_arrives_sends_it_elsewhere(cluster):
                 finals.append(await _serve(client, None, f"dying-{i}"))
                 if dying.accepted:
                     break
-            return finals, dying.accepted, {e for (e, _) in client.routed}
+            reports = {r.engine_id: r for r in await client.engine_reports()}
+            metrics = client.metrics_registry()
+            return finals, dying.accepted, {e for (e, _) in client.routed}, reports, metrics
         finally:
             dying.close()
             await registry.withdraw("dying")
             await client.stop()
 
-    finals, accepted, engines = asyncio.run(go())
+    finals, accepted, engines, reports, metrics = asyncio.run(go())
     assert accepted >= 1, "no request was routed to the dying engine: the test proves nothing"
     assert all(f.finish_reason == "length" for f in finals)
     assert "dying" not in engines
+    # What the operator sees: the failure, the retry, and the engine skipped since.
+    sample = metrics.get_sample_value
+    assert sample("loramux_engine_failures_total", {"engine": "dying", "kind": "unreachable"}) == 1
+    assert sample("loramux_routing_retries_total", {"reason": "unreachable"}) == 1
+    assert sample("loramux_routing_decisions_total", {"kind": "base"}) == len(finals) + 1
+    assert reports["dying"].stats is None and "skipped" in reports["dying"].error
+    assert reports["engine-a"].stats is not None and reports["engine-b"].stats is not None
 
 
 def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
@@ -367,6 +376,37 @@ def test_with_no_engine_streamed_and_plain_requests_get_the_same_503(
         assert (error["type"], error["code"]) == ("server_error", "engine_unavailable")
         assert "nothing was generated" in error["message"]
         assert "127.0.0.1" not in error["message"]  # no engine addresses for tenants
+
+
+def test_the_operator_sees_each_engine_and_routing_in_remote_mode(cluster, tmp_path):
+    """Issue 15: /admin/engine merged every engine with no per-engine row, and the
+    platform's /metrics had no routing metrics."""
+    settings = Settings(data_dir=tmp_path, model=str(cluster.model_dir), admin_token=None)
+    context = build_context(settings, log=lambda _: None, with_engine=False)
+    context.engine = cluster.client()
+    with ServerThread(create_app(context)) as server:
+        admin = {"Authorization": f"Bearer {context.admin_token}"}
+        snapshot = httpx.get(f"{server.url}/admin/engine", headers=admin)
+        metrics = httpx.get(f"{server.url}/metrics").text
+    assert snapshot.status_code == 200, snapshot.text
+    body = snapshot.json()
+    rows = {row["engine_id"]: row for row in body["engines"]}
+    assert set(rows) == {"engine-a", "engine-b"}
+    for engine_id, row in rows.items():
+        assert row["status"] == "up" and row["error"] is None
+        assert row["url"] == cluster.hosts[engine_id].url
+        assert row["capacity"] == cluster.hosts[engine_id].capacity
+        assert 0 <= row["heartbeat_age_s"] < 10
+        assert row["kv_usage"] is not None
+    # The merged figures are the rows' sums.
+    assert body["running_requests"] == sum(r["running_requests"] for r in rows.values())
+    assert body["device"]["count"] <= sum(r["device_adapters"] for r in rows.values())
+    # Routing's own metrics are on the platform's /metrics (at 0 before the first request).
+    for kind in ("affine", "cold", "spill", "base"):
+        assert f'loramux_routing_decisions_total{{kind="{kind}"}} 0.0' in metrics
+    assert 'loramux_routing_retries_total{reason="unreachable"} 0.0' in metrics
+    assert "# TYPE loramux_engine_failures_total counter" in metrics
+    assert 'loramux_dependency_errors_total{dependency="redis"}' in metrics
 
 
 def _engines_busy(cluster: Cluster) -> bool:

@@ -128,6 +128,11 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
     first_name = _admin_get(ui_platform, f"/admin/tenants/{first.id}")["name"]
     page.locator("#device-tier .chip", has_text=f"{first_name} / alpha v1").wait_for()
     assert page.text_content("#ttft-n") != "0"
+    # Each engine has its own row (one, in process, in the embedded default).
+    engine_row = page.locator("#engines-table tbody tr[data-engine-id='local']")
+    engine_row.wait_for()
+    assert "up" in engine_row.inner_text() and "in process" in engine_row.inner_text()
+    assert page.text_content("#engines-sub").startswith("1 of 1 up")
     shots(page, "engine-live")
     page.click("#pause")
     assert page.text_content("#updated-at") == "Paused"

@@ -81,6 +81,59 @@ function showTenants(tenants) {
   );
 }
 
+function engineStatus(row) {
+  const badge =
+    row.status === "up"
+      ? h("span", { class: "badge ok" }, "up")
+      : h("span", { class: "badge danger" }, row.status);
+  const beat =
+    row.heartbeat_age_s === null ? "in process" : `beat ${row.heartbeat_age_s.toFixed(1)} s ago`;
+  return [badge, h("div", { class: "hint" }, row.error || beat)];
+}
+
+function pair(first, second, format) {
+  if (first === null || first === undefined) return "–";
+  return `${format(first)} / ${format(second)}`;
+}
+
+function cell(main, hint) {
+  return h("td", { class: "num" }, main, hint ? h("div", { class: "hint" }, hint) : null);
+}
+
+function showEngines(engines) {
+  const rows = engines.map((row) => {
+    const up = row.status === "up";
+    return h(
+      "tr",
+      { dataset: { engineId: row.engine_id } },
+      h(
+        "th",
+        { scope: "row" },
+        h("code", {}, row.engine_id),
+        row.url ? h("div", { class: "hint" }, row.url) : null,
+      ),
+      h("td", {}, engineStatus(row)),
+      cell(
+        pair(row.running_requests, row.waiting_requests, count),
+        `running / waiting, of ${count(row.capacity)}`,
+      ),
+      cell(
+        up ? `${(row.kv_usage * 100).toFixed(1)}%` : "–",
+        up ? `${count(row.preemptions)} preemptions` : null,
+      ),
+      cell(pair(row.device_adapters, row.host_adapters, count), "device / RAM"),
+      cell(pair(row.ttft_p50_ms, row.ttft_p99_ms, ms)),
+      cell(pair(row.itl_p50_ms, row.itl_p99_ms, ms)),
+    );
+  });
+  fillRows($("#engines-table tbody"), rows, "No engine", "No engine is registered.");
+  const up = engines.filter((row) => row.status === "up").length;
+  fill(
+    $("#engines-sub"),
+    `${up} of ${engines.length} up. Each engine process on its own; the figures above add them up.`,
+  );
+}
+
 function drawLoad() {
   lineChart($("#chart-load"), {
     title: "Running and waiting requests",
@@ -123,6 +176,7 @@ function show(snapshot) {
   );
   showTier($("#host-tier"), snapshot.host, "No adapter is held in RAM.");
   showTenants(snapshot.tenants);
+  showEngines(snapshot.engines);
   const time = new Date(snapshot.taken_at).toLocaleTimeString("en-GB");
   history.push({ time, running: snapshot.running_requests, waiting: snapshot.waiting_requests });
   if (history.length > HISTORY) history.shift();

@@ -1,0 +1,62 @@
+"""Several engines' snapshots as one (``GET /admin/engine``'s merged view, routing's
+residency): counts and bytes summed, each adapter at the fastest tier any engine holds it
+in, latency percentiles the worst engine's (percentiles of a union are not derivable from
+the parts' percentiles)."""
+
+from __future__ import annotations
+
+from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+
+_TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
+
+
+def fastest_tiers(residencies: list[dict[str, str]]) -> dict[str, str]:
+    """Per adapter, the fastest tier any engine holds it in."""
+    merged: dict[str, str] = {}
+    for residency in residencies:
+        for name, tier in residency.items():
+            if _TIER_ORDER.get(tier, 9) < _TIER_ORDER.get(merged.get(name, ""), 9):
+                merged[name] = tier
+    return merged
+
+
+def _merge_tier(tiers: list[TierStats]) -> TierStats:
+    return TierStats(
+        adapters=tuple(sorted({a for t in tiers for a in t.adapters})),
+        bytes=sum(t.bytes for t in tiers),
+        capacity_bytes=sum(t.capacity_bytes for t in tiers),
+    )
+
+
+def _worst(latencies: list[LatencySummary]) -> LatencySummary:
+    def worst(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    return LatencySummary(
+        samples=sum(s.samples for s in latencies),
+        p50=worst([s.p50 for s in latencies]),
+        p90=worst([s.p90 for s in latencies]),
+        p99=worst([s.p99 for s in latencies]),
+    )
+
+
+def merge_stats(parts: list[EngineStats]) -> EngineStats:
+    return EngineStats(
+        running_requests=sum(p.running_requests for p in parts),
+        waiting_requests=sum(p.waiting_requests for p in parts),
+        kv_blocks_used=sum(p.kv_blocks_used for p in parts),
+        kv_blocks_usable=sum(p.kv_blocks_usable for p in parts),
+        kv_blocks_total=sum(p.kv_blocks_total for p in parts),
+        kv_block_size=parts[0].kv_block_size,
+        kv_blocks_held=sum(p.kv_blocks_held for p in parts),
+        preemptions=sum(p.preemptions for p in parts),
+        device=_merge_tier([p.device for p in parts]),
+        host=_merge_tier([p.host for p in parts]),
+        residency=fastest_tiers([p.residency for p in parts]),
+        ttft=_worst([p.ttft for p in parts]),
+        itl=_worst([p.itl for p in parts]),
+        window_s=max(p.window_s for p in parts),
+        tenant_priorities={k: v for p in parts for k, v in p.tenant_priorities.items()},
+        tenant_weights={k: v for p in parts for k, v in p.tenant_weights.items()},
+    )
