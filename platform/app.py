@@ -94,6 +94,7 @@ def create_app(
     app.state.running_requests = RunningRequests()  # what a shutdown stops past its grace
     app.state.adapter_runtime = AdapterRuntime(context)
     app.state.platform_metrics = PlatformMetrics()
+    app.state.platform_metrics.watch_dependencies(context)
     install_error_handlers(app)
     # The last added is the outermost: metrics see every request, the 413s included; the
     # input guard reads JSON bodies through the body limit's counting receive.

@@ -1,13 +1,16 @@
 """``GET /metrics``: Prometheus text of the engine's registry plus the platform's own.
 
-The platform registry (HTTP requests and their latency, by route template) is built per
-app in :func:`loramux.platform.app.create_app`, never at import. ``/metrics`` needs no
+The platform registry (HTTP requests and their latency, by route template; failures to
+reach the database, Redis and the store) is built per app in
+:func:`loramux.platform.app.create_app`, never at import. In remote mode the routing
+client adds its own (routing decisions by kind, engine failures, retries). ``/metrics`` needs no
 token: serve it on an internal network only (scrapers), never expose it publicly.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -18,9 +21,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loramux.platform.api.deps import ContextDep
+from loramux.platform.context import PlatformContext
+from loramux.platform.db.session import ConnectionErrors
 
 UNMATCHED_ROUTE = "<unmatched>"  # one label for every path no route matched (bounded labels)
 
@@ -43,9 +50,35 @@ class PlatformMetrics:
             registry=self.registry,
         )
 
+    def watch_dependencies(self, context: PlatformContext) -> None:
+        """Export ``loramux_dependency_errors`` from the context's database, Redis and
+        store (each counts its own failures to reach its backend)."""
+        self.registry.register(_DependencyErrors(context))
+
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(method, route, str(status)).inc()
         self.http_request_seconds.labels(method, route).observe(seconds)
+
+
+class _DependencyErrors(Collector):
+    """Failures to reach the database, Redis and the adapter store, read from the parts
+    that count them when scraped."""
+
+    def __init__(self, context: PlatformContext):
+        self._database = ConnectionErrors(context.sessions.kw["bind"])
+        self._context = context
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "loramux_dependency_errors",
+            "Operations that could not reach a dependency (database connections refused or "
+            "dropped, Redis unreachable, the adapter store unavailable).",
+            labels=["dependency"],
+        )
+        family.add_metric(["database"], self._database.count)
+        family.add_metric(["redis"], getattr(self._context.rate_limiter, "failures", 0))
+        family.add_metric(["store"], self._context.store.failures)
+        yield family
 
 
 def _route_template(scope: Scope) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -86,3 +87,18 @@ def create_engine_for(url: str | URL, **kwargs: Any) -> Engine:
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions bound to ``engine``. Objects stay readable after commit (no expiry on commit)."""
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+class ConnectionErrors:
+    """Counts the errors of an engine's connections that say the database cannot be
+    reached (refused, dropped, restarting; SQLAlchemy's operational and interface errors),
+    as opposed to errors in statements. For the platform's ``/metrics``."""
+
+    def __init__(self, engine: Engine):
+        self.count = 0
+        event.listen(engine, "handle_error", self._on_error)
+
+    def _on_error(self, context: Any) -> None:
+        error = context.sqlalchemy_exception
+        if context.is_disconnect or isinstance(error, (OperationalError, InterfaceError)):
+            self.count += 1

@@ -351,6 +351,9 @@ def write_atomically(
 class ObjectStore(abc.ABC):
     """Durable content-addressed storage of adapter files (see the module docstring)."""
 
+    # StoreUnavailable errors raised since the store was made (the platform's /metrics)
+    failures: int = 0
+
     @abc.abstractmethod
     def put_stream(self, source: Source, *, max_bytes: int | None = None) -> StoredObject:
         """Store the bytes of ``source`` under their content address; all or nothing."""

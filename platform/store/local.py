@@ -54,13 +54,17 @@ class LocalObjectStore(ObjectStore):
         check_key(key)  # validates: no key can point outside the root
         return self.root / key
 
+    def _unavailable(self, exc: OSError) -> StoreUnavailable:
+        self.failures += 1
+        return StoreUnavailable(f"local object store at {self.root} failed: {exc}")
+
     @contextlib.contextmanager
     def _disk_errors(self) -> Iterator[None]:
         """Report the filesystem's errors as :class:`StoreUnavailable` naming the root."""
         try:
             yield
         except OSError as exc:
-            raise StoreUnavailable(f"local object store at {self.root} failed: {exc}") from exc
+            raise self._unavailable(exc) from exc
 
     def _put(self, source: Source, max_bytes: int | None, name: str | None) -> StoredObject:
         """Write ``source`` to a temporary file, then rename it onto its key's path."""
@@ -89,7 +93,7 @@ class LocalObjectStore(ObjectStore):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFound(key) from None
         except OSError as exc:
-            raise StoreUnavailable(f"local object store at {self.root} failed: {exc}") from exc
+            raise self._unavailable(exc) from exc
         try:
             return VerifyingReader(key, handle, sha256)
         except BaseException:
@@ -113,7 +117,7 @@ class LocalObjectStore(ObjectStore):
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(key) from None
         except OSError as exc:
-            raise StoreUnavailable(f"local object store at {self.root} failed: {exc}") from exc
+            raise self._unavailable(exc) from exc
 
     def delete(self, key: str) -> None:
         path = self.path_of(key)

@@ -237,8 +237,12 @@ class S3ObjectStore(ObjectStore):
         try:
             yield
         except ClientError as exc:
-            raise self._client_error(exc, key) from exc
+            error = self._client_error(exc, key)
+            if isinstance(error, StoreUnavailable):
+                self.failures += 1
+            raise error from exc
         except _UNREACHABLE as exc:
+            self.failures += 1
             raise StoreUnavailable(
                 f"S3 endpoint {self.endpoint_url} (bucket {self.bucket}) is unavailable: {exc}"
             ) from exc

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import re
+import shutil
 from datetime import timedelta
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, update
 from sqlalchemy.engine import make_url
@@ -13,7 +17,9 @@ from loramux.platform.app import create_app
 from loramux.platform.context import build_context
 from loramux.platform.db.models import ApiKey
 from loramux.platform.db.types import utc_now
+from loramux.platform.settings import Settings
 from loramux.platform.store import StoreUnavailable
+from tests.fixtures.services import private_postgres
 
 # --- /healthz and /readyz ------------------------------------------------------------------
 
@@ -110,6 +116,47 @@ def test_metrics_label_routes_by_template_not_path(client, admin):
     )
     assert "/admin/tenants/abc" not in text
     assert 'route="<unmatched>",status="404"' in text
+
+
+def _dependency_errors(client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    found = re.findall(r'^loramux_dependency_errors_total\{dependency="(\w+)"\} (\S+)$', text, re.M)
+    return {name: float(value) for name, value in found}
+
+
+def test_metrics_count_what_could_not_reach_the_database_and_the_store(tmp_path, tiny_model_dir):
+    """Issue 15: the platform's /metrics had no database, Redis or store errors. A
+    PostgreSQL of the test's own is stopped; the local store's temp folder is a file."""
+    with private_postgres() as database:
+        settings = Settings(
+            data_dir=tmp_path,
+            model=str(tiny_model_dir),
+            database_url=database.url,
+            admin_token=None,
+        )
+        context = build_context(settings, log=lambda _: None)
+        with TestClient(create_app(context)) as client:
+            before = _dependency_errors(client)
+
+            tmp = context.store.root / "tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text("not a directory")
+            with pytest.raises(StoreUnavailable):
+                context.store.put_stream(io.BytesIO(b"x"))
+            tmp.unlink()
+
+            database.stop()
+            unready = client.get("/readyz")
+            database.start()
+            after = _dependency_errors(client)
+        context.sessions.kw["bind"].dispose()
+
+    assert before == {"database": 0.0, "redis": 0.0, "store": 0.0}
+    assert unready.status_code == 503
+    assert after["store"] == 1.0
+    assert after["database"] >= 1.0
+    assert after["redis"] == 0.0  # no Redis configured: nothing to miss
 
 
 def test_each_app_has_its_own_platform_registry(context):
