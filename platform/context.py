@@ -88,7 +88,10 @@ def build_engine_client(
 
 def build_context(settings: Settings, *, log=print, with_engine: bool = True) -> PlatformContext:
     make_data_dir_private(settings.data_dir, log=log)
-    base_model = resolve_base_model(settings, log=log)
+    # Only an engine in this process reads the weights; otherwise the config and the
+    # tokenizer are all the platform needs.
+    runs_model = with_engine and settings.engine_mode == "local"
+    base_model = resolve_base_model(settings, log=log, weights=runs_model)
     token = load_or_create_admin_token(settings)
     database_url = settings.resolved_database_url
     upgrade(database_url)  # the schema is always at head before anything serves
