@@ -24,9 +24,8 @@ from loramux.platform.services.billing_exports import (
     ExportOutcome,
     export_file_name,
     period_of,
-    provisional_note,
 )
-from loramux.platform.services.rollups import ROLLUP_GRACE, RollupRun, utc_text
+from loramux.platform.services.rollups import RollupRun
 
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -148,16 +147,8 @@ class ExportCreatedOut(ExportOut):
 
     @classmethod
     def from_outcome(cls, outcome: ExportOutcome) -> ExportCreatedOut:
-        export = outcome.export
-        if export.provisional:
-            note = provisional_note(export)
-            if not outcome.created:
-                note = f"No usage changed since this export. {note}"
-        elif outcome.created:
-            note = "Final: the period is closed, so this export will not change."
-        else:
-            note = "Already exported: the final export of this period and grouping."
-        return cls(**ExportOut.from_export(export).model_dump(), created=outcome.created, note=note)
+        fields = ExportOut.from_export(outcome.export).model_dump()
+        return cls(**fields, created=outcome.created, note=outcome.note)
 
 
 # --- usage roll-up ---------------------------------------------------------------------------
@@ -167,31 +158,6 @@ class RollupRequest(_Request):
     """Roll one closed UTC day up again (after a backfill); without a body, catch up."""
 
     day: UtcDay = Field(description="A closed UTC day, YYYY-MM-DD.")
-
-
-def _days_text(days: list[date]) -> str:
-    if len(days) <= 3:
-        return ", ".join(day.isoformat() for day in days)
-    return f"{days[0].isoformat()} to {days[-1].isoformat()}"
-
-
-def rollup_note(run: RollupRun) -> str:
-    """What a roll-up did, and why the open days were left, in words."""
-    minutes = int(ROLLUP_GRACE.total_seconds() // 60)
-    if run.rolled:
-        done = f"Rolled up {len(run.rolled)} closed day(s): {_days_text(run.rolled)}."
-    else:
-        done = "Nothing to roll up: every closed day with usage is rolled up already."
-    if run.more_pending:
-        done += " The run stopped at its cap of days: run it again for the rest."
-    last_open = run.open_days[-1]
-    return (
-        f"{done} Not rolled up: {_days_text(run.open_days)} (today is {last_open.isoformat()} "
-        "UTC), still open: usage is still being written to them. A UTC day closes "
-        f"{minutes} minutes after the midnight that ends it, so that requests running at "
-        f"midnight are in; {run.open_days[0].isoformat()} is rolled up by the first run after "
-        f"{utc_text(run.next_close)}. Until then the monthly budget reads its raw usage."
-    )
 
 
 class RollupOut(BaseModel):
@@ -214,5 +180,5 @@ class RollupOut(BaseModel):
             open_days=run.open_days,
             next_close_at=run.next_close,
             more_pending=run.more_pending,
-            note=rollup_note(run),
+            note=run.note,
         )

@@ -183,6 +183,16 @@ class ExportOutcome:
     export: BillingExport
     created: bool  # False: an existing export was returned (see export_period)
 
+    @property
+    def note(self) -> str:
+        """What this export is, in words."""
+        if self.export.provisional:
+            note = provisional_note(self.export)
+            return note if self.created else f"No usage changed since this export. {note}"
+        if self.created:
+            return "Final: the period is closed, so this export will not change."
+        return "Already exported: the final export of this period and grouping."
+
 
 def latest_export(session: Session, period: DayRange, group_by: str) -> BillingExport | None:
     """The newest version exported of this period and grouping, if any."""

@@ -208,6 +208,32 @@ class RollupRun:
         """When the oldest open day closes (and the next run can roll it up)."""
         return closes_at(self.open_days[0])
 
+    @property
+    def note(self) -> str:
+        """What the run did, and why the open days were left, in words."""
+        minutes = int(ROLLUP_GRACE.total_seconds() // 60)
+        if self.rolled:
+            done = f"Rolled up {len(self.rolled)} closed day(s): {_days_text(self.rolled)}."
+        else:
+            done = "Nothing to roll up: every closed day with usage is rolled up already."
+        if self.more_pending:
+            done += " The run stopped at its cap of days: run it again for the rest."
+        them = "it" if len(self.open_days) == 1 else "them"
+        return (
+            f"{done} Not rolled up: {_days_text(self.open_days)} (today is "
+            f"{self.open_days[-1].isoformat()} UTC), still open: usage is still being written "
+            f"to {them}. A UTC day closes {minutes} minutes after the midnight that ends it, so "
+            f"that requests running at midnight are in; {self.open_days[0].isoformat()} is "
+            f"rolled up by the first run after {utc_text(self.next_close)}. Until then the "
+            "monthly budget reads its raw usage."
+        )
+
+
+def _days_text(days: list[date]) -> str:
+    if len(days) <= 3:
+        return ", ".join(day.isoformat() for day in days)
+    return f"{days[0].isoformat()} to {days[-1].isoformat()}"
+
 
 def run_rollup(
     sessions: sessionmaker[Session],

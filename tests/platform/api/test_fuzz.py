@@ -67,7 +67,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -227,6 +227,10 @@ def schema(server):
 # --- roles -----------------------------------------------------------------------------------
 
 
+def _utc_today() -> str:
+    return datetime.now(UTC).date().isoformat()
+
+
 @dataclass
 class Role:
     """Who sends the requests, what it may call, and the real values its cases may use."""
@@ -247,6 +251,8 @@ class Role:
 
 def operator_role(server: Server) -> Role:
     rich_id, _ = server.rich_tenant("fuzz-rich")
+    # A billing export of today (with the rich tenant's usage), for the download route.
+    export = server.admin("POST", "/admin/billing/exports", 201, json={"day": _utc_today()})
     throwaway: dict[str, str] = {}
     made = Counter[str]()
 
@@ -261,6 +267,8 @@ def operator_role(server: Server) -> Role:
             return [throwaway["tenant"]] if method == "DELETE" else [rich_id, throwaway["tenant"]]
         if name == "key_id" and location == "path":
             return [throwaway["key"]]
+        if name == "export_id" and location == "path":
+            return [export["id"]]
         return []
 
     def restore(path: str) -> None:
