@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from loramux.platform.cli_operator import add_operator_commands
+
 SERVE_HELP = (
     "Start the platform (HTTP API, engine in-process) on the embedded default unless "
     "LORAMUX_* settings point elsewhere."
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "args", nargs=argparse.REMAINDER, help="a preset, e.g. cpu-smoke; -h lists all"
     )
     bench.set_defaults(handler=_bench)
+    add_operator_commands(commands)  # usage, billing, engines
     return parser
 
 
