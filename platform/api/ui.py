@@ -58,6 +58,7 @@ NAV = {
         NavItem("tenants", "Tenants", "/ui/operator/tenants", "tenants"),
         NavItem("adapters", "Adapters", "/ui/operator/adapters", "adapters"),
         NavItem("usage", "Usage & billing", "/ui/operator/usage", "usage"),
+        NavItem("billing", "Billing exports", "/ui/operator/billing", "billing"),
         NavItem("engine", "Engine", "/ui/operator/engine", "engine"),
     ),
     "tenant": (
@@ -83,6 +84,7 @@ PAGES = {
     "operator/tenant": Page("operator/tenant.html", "Tenant", "operator", "tenants"),
     "operator/adapters": Page("operator/adapters.html", "Adapters", "operator", "adapters"),
     "operator/usage": Page("operator/usage.html", "Usage & billing", "operator", "usage"),
+    "operator/billing": Page("operator/billing.html", "Billing exports", "operator", "billing"),
     "operator/engine": Page("operator/engine.html", "Engine", "operator", "engine"),
     "tenant/adapters": Page("tenant/adapters.html", "Adapters", "tenant", "adapters"),
     "tenant/playground": Page("tenant/playground.html", "Playground", "tenant", "playground"),

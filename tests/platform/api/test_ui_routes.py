@@ -23,6 +23,7 @@ PAGE_PATHS = [
     "/ui/operator/tenants/some-tenant-id",
     "/ui/operator/adapters",
     "/ui/operator/usage",
+    "/ui/operator/billing",
     "/ui/operator/engine",
     "/ui/tenant/adapters",
     "/ui/tenant/playground",

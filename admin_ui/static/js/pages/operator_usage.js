@@ -2,6 +2,7 @@
 
 import { api } from "../lib/api.js";
 import { $, h } from "../lib/dom.js";
+import { saveResponse } from "../lib/download.js";
 import { busy, clearErrors, setFieldError, showApiError, toast } from "../lib/feedback.js";
 import { addDays, utcDay } from "../lib/format.js";
 import { startPage } from "../lib/shell.js";
@@ -71,12 +72,6 @@ async function loadTenants() {
   return names;
 }
 
-function filenameOf(response) {
-  const header = response.headers.get("Content-Disposition") || "";
-  const match = /filename="([^"]+)"/.exec(header);
-  return match ? match[1] : "usage.csv";
-}
-
 async function downloadCsv() {
   const status = $("#export-status");
   const error = $("#export-error");
@@ -88,15 +83,7 @@ async function downloadCsv() {
       query: query({ group_by: $("#group-by").value, format: "csv" }),
       raw: true,
     });
-    const blob = await response.blob();
-    const name = filenameOf(response);
-    const link = h("a", { href: URL.createObjectURL(blob), download: name, hidden: true });
-    document.body.append(link);
-    link.click();
-    setTimeout(() => {
-      URL.revokeObjectURL(link.href);
-      link.remove();
-    }, 1000);
+    const name = await saveResponse(response, "usage.csv");
     status.textContent = `Downloaded ${name}`;
     toast(`Billing export ${name} downloaded.`);
   } catch (err) {
