@@ -17,6 +17,12 @@ LATER_ADDITIONS = {
     ("add_column", "adapter_versions", "lease_expires_at"),  # 0005
     ("add_index", "adapter_versions", "ix_adapter_versions_status"),  # 0005
     ("add_column", "usage_records", "final"),  # 0004
+    ("add_column", "billing_exports", "version"),  # 0006
+    ("add_column", "billing_exports", "provisional"),  # 0006
+    ("add_index", "billing_exports", "uq_billing_exports_final"),  # 0006
+    # 0006: unique per (period, grouping, version) instead of per (period, grouping)
+    ("add_constraint", "billing_exports", "period_start,period_end,group_by,version"),
+    ("remove_constraint", "billing_exports", "period_start,period_end,group_by"),
 }
 
 
@@ -29,6 +35,10 @@ def _beyond_0002(differences: list) -> set[tuple[str, str, str]]:
             found.add((kind, difference[2], difference[3].name))
         elif kind == "add_index":
             found.add((kind, difference[1].table.name, difference[1].name))
+        elif kind in ("add_constraint", "remove_constraint"):
+            constraint = difference[1]
+            columns = ",".join(column.name for column in constraint.columns)
+            found.add((kind, constraint.table.name, columns))
         else:
             found.add((kind, "", repr(difference)))
     return found
