@@ -60,7 +60,9 @@ class Settings(BaseSettings):
     billing_export_group_by: Literal["day", "adapter", "request"] = Field(
         default="request",
         description="Grouping of the daily billing export Celery beat writes to the store "
-        "(at 00:10 UTC, every closed UTC day not exported yet): `day`, `adapter` or `request`.",
+        "(at 00:10 UTC, every closed UTC day not exported final yet, as "
+        "billing/<day>.by-<grouping>.csv), and the default of POST /admin/billing/exports and "
+        "`loramux billing export`: `day`, `adapter` or `request`.",
     )
     usage_rollup_interval_s: int = Field(
         default=3600,
