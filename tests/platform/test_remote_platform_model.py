@@ -10,14 +10,19 @@ from loramux.platform.context import build_context
 from loramux.platform.settings import Settings
 
 
-def test_remote_mode_reads_only_the_tokenizer_and_config(tmp_path, redis_url):
-    settings = Settings(
-        data_dir=tmp_path,
+def _remote_settings(data_dir, redis_url) -> Settings:
+    """A remote-mode platform on the embedded default model."""
+    return Settings(
+        data_dir=data_dir,
         engine_mode="remote",
         redis_url=redis_url,
         engine_secret="secret",
         admin_token=None,
     )
+
+
+def test_remote_mode_reads_only_the_tokenizer_and_config(tmp_path, redis_url):
+    settings = _remote_settings(tmp_path, redis_url)
     started = time.monotonic()
     context = build_context(settings, log=lambda _: None)
     took_s = time.monotonic() - started
@@ -53,13 +58,7 @@ def test_a_full_conversion_already_there_is_used(tmp_path, redis_url, smollm2_di
     models = tmp_path / "models"
     models.mkdir()
     (models / "SmolLM2-135M-Instruct").symlink_to(smollm2_dir, target_is_directory=True)
-    settings = Settings(
-        data_dir=tmp_path,
-        engine_mode="remote",
-        redis_url=redis_url,
-        engine_secret="secret",
-        admin_token=None,
-    )
+    settings = _remote_settings(tmp_path, redis_url)
     context = build_context(settings, log=lambda _: None)
     assert context.base_model.path == models / "SmolLM2-135M-Instruct"
     assert not (models / "SmolLM2-135M-Instruct.metadata").exists()

@@ -174,6 +174,18 @@ async def host_stats(host: EngineHost):
     return await host.engine.stats()
 
 
+async def _register_fake(
+    registry: EngineRegistry, client: RoutedEngines, engine_id: str, url: str
+) -> None:
+    """Register ``engine_id`` at ``url`` as an idle engine like the live ones, and make
+    ``client`` route to it."""
+    live = await registry.live()
+    fake = {**live[0].__dict__, "engine_id": engine_id, "url": url, "running": 0, "waiting": 0}
+    await registry.publish(EngineRecord(**fake))
+    await client.refresh()
+    assert engine_id in {r.engine_id for r in client.engines()}
+
+
 def test_an_unreachable_engine_is_skipped_at_once(cluster):
     """A registered engine that refuses connections (a crashed process whose record has
     not expired yet) costs one connect attempt; the request runs elsewhere."""
@@ -183,19 +195,7 @@ def test_an_unreachable_engine_is_skipped_at_once(cluster):
         client = cluster.client()
         await client.start()
         try:
-            live = await registry.live()
-            dead = EngineRecord(
-                **{
-                    **live[0].__dict__,
-                    "engine_id": "dead",
-                    "url": f"http://127.0.0.1:{free_port()}",
-                    "running": 0,
-                    "waiting": 0,
-                }
-            )
-            await registry.publish(dead)
-            await client.refresh()
-            assert "dead" in {r.engine_id for r in client.engines()}
+            await _register_fake(registry, client, "dead", f"http://127.0.0.1:{free_port()}")
             await client.register_stored_adapter("v0", cluster.adapters["v0"])
             first = await _serve(client, None, "unreach-1")
             second = await _serve(client, None, "unreach-2")
@@ -251,19 +251,7 @@ def test_an_engine_dying_as_a_request_arrives_sends_it_elsewhere(cluster):
         await client.start()
         dying = _DyingEngine()
         try:
-            live = await registry.live()
-            record = EngineRecord(
-                **{
-                    **live[0].__dict__,
-                    "engine_id": "dying",
-                    "url": f"http://127.0.0.1:{dying.port}",
-                    "running": 0,
-                    "waiting": 0,
-                }
-            )
-            await registry.publish(record)
-            await client.refresh()
-            assert "dying" in {r.engine_id for r in client.engines()}
+            await _register_fake(registry, client, "dying", f"http://127.0.0.1:{dying.port}")
             # Requests whose rendezvous hash picks "dying" first, until one did.
             finals = []
             for i in range(12):
