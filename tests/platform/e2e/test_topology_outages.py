@@ -7,9 +7,10 @@ PostgreSQL and a Redis of the test's own (stopped and started again) and an S3 s
    heartbeats fail, report unready; all of it recovers when Redis is back.
 2. PostgreSQL restarts while requests run: new requests get a JSON 503
    ``database_unavailable`` and the platform is unready; running ones finish.
-3. One engine is SIGKILLed while streams run on both: its streams end with an error event
-   (``engine_error``, the same envelope as a response), the others finish, and requests
-   sent at once after the kill are served by the survivor.
+3. A third engine is SIGKILLed while idle and requests are sent at once: the survivors
+   serve them. Then one engine is SIGKILLed while streams run on both others: its streams
+   end with an error event (``engine_error``, the same envelope as a response), the others
+   finish, and requests sent at once after the kill are served by the survivor.
 
 Throughout: no status but 200 and the documented 503s, every error in the JSON envelope,
 and every usage row equal to what its client received.
@@ -76,10 +77,10 @@ def topology(tmp_path, tiny_model_dir, s3_endpoint, s3_bucket) -> Iterator[Topol
             usage_journal_interval_s=0.2,
         )
         with (
-            engine_processes(["engine-a", "engine-b"], engine_env, tmp_path) as engines,
+            engine_processes(["engine-a", "engine-b", "engine-c"], engine_env, tmp_path) as engines,
             start_platform(settings) as platform,
         ):
-            eventually(lambda: len(platform.context.engine.engines()) == 2, "both engines")
+            eventually(lambda: len(platform.context.engine.engines()) == 3, "every engine")
             yield Topology(platform, engines, redis_server, database)
 
 
@@ -106,6 +107,15 @@ def _start(topology: Topology, calls: list[Call]) -> list:
 
     eventually(running, f"{len(calls)} calls to run in the engines", TIMEOUT_S, 0.02)
     return threads
+
+
+def _engine_failures(platform: Platform, engine_id: str, kind: str) -> float:
+    """The platform's loramux_engine_failures_total for one engine and kind."""
+    series = f'loramux_engine_failures_total{{engine="{engine_id}",kind="{kind}"}} '
+    for line in httpx.get(f"{platform.url}/metrics").text.splitlines():
+        if line.startswith(series):
+            return float(line.removeprefix(series))
+    return 0.0
 
 
 def _join(threads: list) -> None:
@@ -176,7 +186,7 @@ def test_the_topology_rides_out_redis_postgres_and_an_engine_kill(topology):
     eventually(lambda: _ready(platform.url).json()["status"] == "ready", "the platform ready", 30)
     for engine in engines.values():
         eventually(lambda e=engine: _ready(e.url).status_code == 200, "an engine ready", 15)
-    eventually(lambda: len(platform.context.engine.engines()) == 2, "both engines routed", 15)
+    eventually(lambda: len(platform.context.engine.engines()) == 3, "every engine routed", 15)
     ledger.served("redis", limited, plain)
 
     # --- 2. PostgreSQL restarts while a stream and a non-streamed request run -----------------
@@ -195,12 +205,38 @@ def test_the_topology_rides_out_redis_postgres_and_an_engine_kill(topology):
     eventually(lambda: _ready(platform.url).status_code == 200, "the platform ready", 30)
     ledger.served("postgres", limited, plain)
 
-    # --- 3. engine-a is SIGKILLed while streams run on both ----------------------------------
+    # --- 3. an idle engine is SIGKILLed, and requests are sent at once ------------------------
+    # Two streams keep two engines busy (the load bound puts them on two); the third is
+    # idle, so the least loaded, and its record still lists it: the next request goes there.
+    busy = [Call(platform, plain, stream=True, max_tokens=LONG) for _ in range(2)]
+    threads = _start(topology, busy)
+    (idle,) = [engine for engine in engines.values() if _running_on(engine) == 0]
+    eventually(
+        lambda: (
+            {r.engine_id: r.load for r in platform.context.engine.engines()}[idle.engine_id] == 0
+        ),
+        "the idle engine's record to say it is idle",
+        10,
+        0.05,
+    )
+    idle.kill()
+    for i in range(4):  # served by the others: the first after a refused connection
+        call = ledger.send("engine kill", plain, stream=i % 2 == 1)
+        assert call.status == 200 and call.error is None, call
+        assert call.delivered == call.max_tokens, call
+    assert not any(call.done for call in busy), "the busy engines went idle: proves nothing"
+    assert _engine_failures(platform, idle.engine_id, "unreachable") == 1  # then skipped
+    _join(threads)
+    ledger.add("engine kill", busy)
+    del engines[idle.engine_id]
+    victim_id, survivor_id = sorted(engines)
+
+    # --- ... then another while streams run on it and on the last one -------------------------
     streams = [Call(platform, plain, stream=True, max_tokens=LONG) for _ in range(8)]
     threads = _start(topology, streams)
-    on_victim = _running_on(engines["engine-a"])
+    on_victim = _running_on(engines[victim_id])
     assert 0 < on_victim < len(streams), on_victim  # the load bound spreads them
-    engines["engine-a"].kill()
+    engines[victim_id].kill()
     # Sent at once, while the registry still lists the dead engine: served by the other.
     for _ in range(3):
         call = ledger.send("engine kill", plain, stream=False)
@@ -212,17 +248,16 @@ def test_the_topology_rides_out_redis_postgres_and_an_engine_kill(topology):
     for call in lost:  # an error event in the one envelope, after what was delivered
         assert call.status == 200 and call.delivered > 0, call
         assert (call.error["type"], call.error["code"]) == ("server_error", "engine_error")
-        assert "engine-a" in call.error["message"], call
+        assert victim_id in call.error["message"], call
     for call in streams:
         if call.error is None:
             assert (call.delivered, call.finish_reason) == (LONG, "length"), call
     assert _ready(platform.url).status_code == 200  # one engine is enough to serve
     snapshot = httpx.get(f"{platform.url}/admin/engine", headers=platform.admin).json()
     rows = {row["engine_id"]: row for row in snapshot["engines"]}
-    assert rows["engine-b"]["status"] == "up"
-    assert rows.get("engine-a", {"status": "gone"})["status"] != "up"
-    metrics = httpx.get(f"{platform.url}/metrics").text
-    assert 'loramux_engine_failures_total{engine="engine-a",kind="lost"}' in metrics
+    assert rows[survivor_id]["status"] == "up"
+    assert rows.get(victim_id, {"status": "gone"})["status"] != "up"
+    assert _engine_failures(platform, victim_id, "lost") == on_victim
     ledger.served("engine kill", limited, plain)
 
     # --- throughout: documented statuses only, billing equal to what clients got -------------
