@@ -142,8 +142,8 @@ async def engine_snapshot(session: SessionDep, context: ContextDep) -> EngineSna
     if not parts:
         raise APIError(
             503,
-            "No engine can report: none is registered, or none answered "
-            f"({len(reports)} registered; `loramux engines` lists them).",
+            f"The engines cannot report: no live engine serves {context.base_model.model_id} "
+            f"({len(reports)} registered, none answered; `loramux engines` lists them).",
             code="engine_unavailable",
         )
     stats = merge_stats(parts)

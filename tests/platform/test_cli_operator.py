@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
@@ -80,12 +81,38 @@ def _at(day: date, hour: int = 12) -> datetime:
     return utc_day_bounds(day)[0] + timedelta(hours=hour)
 
 
+def _on_a_thread(work):
+    """``work()``'s result, run on a thread of its own (no event loop running there)."""
+    result: list = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """``loramux <argv>`` in this process: (exit status, stdout, stderr)."""
-    try:
-        status = main(list(argv))
-    except SystemExit as exit_:  # argparse's own refusals
-        status = exit_.code
+    """``loramux <argv>`` in this process: (exit status, stdout, stderr).
+
+    On a thread of its own, as a command starts with no event loop running: the browser
+    tests' Playwright keeps one running on the test session's main thread."""
+
+    def command() -> int | str | None:
+        try:
+            return main(list(argv))
+        except SystemExit as exit_:  # argparse's own refusals
+            return exit_.code
+
+    status = _on_a_thread(command)
     out, err = capsys.readouterr()
     if isinstance(out, bytes):  # capsysbinary
         out, err = out.decode(), err.decode()
@@ -303,7 +330,7 @@ def _publish(url: str, *records: EngineRecord) -> None:
         finally:
             await client.aclose()
 
-    asyncio.run(publish())
+    _on_a_thread(lambda: asyncio.run(publish()))
 
 
 def _record(engine_id: str, **fields) -> EngineRecord:
