@@ -10,10 +10,10 @@ Engines learn what they need lazily, when a request is first routed to them: the
 adapter's store objects (``register_stored_adapter`` only records them) and every
 tenant's scheduling. Both are sent again after an engine restarts (a new boot id).
 
-Failures: an engine that refuses the connection is skipped at once (until its next
-heartbeat) and the request goes to another; one that dies mid-request fails only that
-request (``EngineLost``: the caller bills what was delivered); its record leaves the
-registry when it stops beating.
+Failures: an engine that refuses the connection, or goes away before the request's first
+output, is skipped (until its next heartbeat) and the request goes to another; one that
+dies after an output fails only that request (``EngineLost``: the caller bills what was
+delivered); its record leaves the registry when it stops beating.
 """
 
 from __future__ import annotations
@@ -254,13 +254,14 @@ class RoutedEngines:
         tenant: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """One request on the engine ``routing`` picks; retried on another engine only when
-        the first could not be reached (nothing was sent), or after re-registering the
-        adapter with an engine that had forgotten it (it restarted)."""
+        """One request on the engine ``routing`` picks; retried on another engine when the
+        first did not answer or went away before the request's first output (nothing had
+        reached the caller), or after re-registering the adapter with an engine that had
+        forgotten it (it restarted). An engine lost after an output fails the request."""
         if request_id is None:
             raise ValueError("routed requests need a request_id")
         excluded: set[str] = set()
-        reregistered = False
+        reregistered = delivered = False
         while True:
             record = self._route(adapter, request_id, excluded)
             if record is None:
@@ -282,6 +283,7 @@ class RoutedEngines:
                 async with aclosing(stream):
                     async for out in stream:
                         self.routed[(record.engine_id, adapter)] += out.finished
+                        delivered = True
                         yield out
                 return
             except EngineUnreachable as exc:
@@ -290,10 +292,16 @@ class RoutedEngines:
                 excluded.add(record.engine_id)
                 self.metrics.failures.labels(record.engine_id, "unreachable").inc()
                 self.metrics.retries.labels("unreachable").inc()
-            except EngineLost:  # this request fails; new ones avoid it until it beats again
+            except EngineLost as exc:  # new requests avoid it until it beats again
                 self._mark_down(record)
                 self.metrics.failures.labels(record.engine_id, "lost").inc()
-                raise
+                if delivered:  # the caller has part of its answer: this request fails
+                    raise
+                # Lost before its first output (in prefill, say): nothing reached the
+                # caller and the engine's work is gone with it, so another engine starts it.
+                logger.warning("routing elsewhere before any output: %s", exc)
+                excluded.add(record.engine_id)
+                self.metrics.retries.labels("lost_before_output").inc()
             except AdapterNotRegistered:
                 if reregistered or adapter is None:
                     raise
@@ -410,15 +418,16 @@ class RoutingMetrics:
         )
         self.retries = PromCounter(
             "loramux_routing_retries",
-            "Requests sent again: to another engine (unreachable) or after registering the "
-            "adapter again with an engine that restarted (adapter_reregistered).",
+            "Requests sent again: to another engine (unreachable; lost_before_output: it "
+            "went away before the request's first output) or after registering the adapter "
+            "again with an engine that restarted (adapter_reregistered).",
             ["reason"],
             registry=self.registry,
         )
         # Known label values start at 0, so a dashboard sees the series before the first.
         for kind in ("affine", "cold", "spill", "base"):
             self.decisions.labels(kind)
-        for reason in ("unreachable", "adapter_reregistered"):
+        for reason in ("unreachable", "lost_before_output", "adapter_reregistered"):
             self.retries.labels(reason)
         self.registry_errors = PromCounter(
             "loramux_engine_registry_read_errors",

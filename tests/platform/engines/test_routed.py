@@ -214,9 +214,11 @@ def test_an_unreachable_engine_is_skipped_at_once(cluster):
 class _DyingEngine:
     """A listening socket that takes each connection and resets it at once, unanswered:
     what a ``loramux engine`` SIGKILLed a moment ago looks like to a request that reaches
-    its port before the kernel stops accepting."""
+    its port before the kernel stops accepting. With ``answer``, it sends those bytes and
+    closes (an engine that died after it took the request, before any output)."""
 
-    def __init__(self):
+    def __init__(self, answer: bytes = b""):
+        self._answer = answer
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.accepted = 0
@@ -232,8 +234,10 @@ class _DyingEngine:
             self.accepted += 1
             with contextlib.suppress(OSError):
                 conn.recv(65536)  # the request arrived...
-                # ...and the process is gone: RST, no response
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                if self._answer:  # ...was answered, and the connection ends mid-body
+                    conn.sendall(self._answer)
+                else:  # ...and the process is gone: RST, no response
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.close()
 
     def close(self) -> None:
@@ -277,6 +281,39 @@ def test_an_engine_dying_as_a_request_arrives_sends_it_elsewhere(cluster):
     assert sample("loramux_routing_decisions_total", {"kind": "base"}) == len(finals) + 1
     assert reports["dying"].stats is None and "skipped" in reports["dying"].error
     assert reports["engine-a"].stats is not None and reports["engine-b"].stats is not None
+
+
+def test_an_engine_lost_before_the_first_output_sends_the_request_elsewhere(cluster):
+    """An engine that answered 200 and died before streaming any output (in prefill):
+    nothing reached the caller, so the request starts again on another engine instead of
+    failing with engine_error."""
+    headers = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+    headers += b"transfer-encoding: chunked\r\n\r\n"
+
+    async def go():
+        registry = cluster.registry()
+        client = cluster.client()
+        await client.start()
+        dying = _DyingEngine(answer=headers)
+        try:
+            await _register_fake(registry, client, "prefill", f"http://127.0.0.1:{dying.port}")
+            finals = []
+            for i in range(12):
+                finals.append(await _serve(client, None, f"prefill-{i}"))
+                if dying.accepted:
+                    break
+            return finals, dying.accepted, client.metrics_registry()
+        finally:
+            dying.close()
+            await registry.withdraw("prefill")
+            await client.stop()
+
+    finals, accepted, metrics = asyncio.run(go())
+    assert accepted == 1, "no request reached the engine that dies: the test proves nothing"
+    assert all(f.finish_reason == "length" for f in finals)
+    sample = metrics.get_sample_value
+    assert sample("loramux_engine_failures_total", {"engine": "prefill", "kind": "lost"}) == 1
+    assert sample("loramux_routing_retries_total", {"reason": "lost_before_output"}) == 1
 
 
 def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
