@@ -244,43 +244,60 @@ class _DyingEngine:
         self._listener.close()
 
 
-def test_an_engine_dying_as_a_request_arrives_sends_it_elsewhere(cluster):
-    """Issue 15: a request sent just after an engine died (its connection accepted, then
-    reset, with no answer) failed with 503 engine_error; nothing had started, so it must
-    run on another engine."""
+@dataclass
+class _ThroughADyingEngine:
+    finals: list  # each request's last output
+    accepted: int  # connections the dying engine took
+    engines: set[str]  # engines that finished requests
+    reports: dict  # engine id -> EngineReport, after the requests
+    metrics: object  # routing's registry
 
-    async def go():
+
+def _through_a_dying_engine(cluster: Cluster, dying: _DyingEngine) -> _ThroughADyingEngine:
+    """Requests routed over the cluster with ``dying`` registered as engine "dying", sent
+    one by one until routing sent one there (routing spreads them by their ids)."""
+
+    async def go() -> _ThroughADyingEngine:
         registry = cluster.registry()
         client = cluster.client()
         await client.start()
-        dying = _DyingEngine()
         try:
             await _register_fake(registry, client, "dying", f"http://127.0.0.1:{dying.port}")
-            # Requests whose rendezvous hash picks "dying" first, until one did.
             finals = []
             for i in range(12):
                 finals.append(await _serve(client, None, f"dying-{i}"))
                 if dying.accepted:
                     break
             reports = {r.engine_id: r for r in await client.engine_reports()}
-            metrics = client.metrics_registry()
-            return finals, dying.accepted, {e for (e, _) in client.routed}, reports, metrics
+            engines = {e for (e, _) in client.routed}
+            return _ThroughADyingEngine(
+                finals, dying.accepted, engines, reports, client.metrics_registry()
+            )
         finally:
             dying.close()
             await registry.withdraw("dying")
             await client.stop()
 
-    finals, accepted, engines, reports, metrics = asyncio.run(go())
-    assert accepted >= 1, "no request was routed to the dying engine: the test proves nothing"
-    assert all(f.finish_reason == "length" for f in finals)
-    assert "dying" not in engines
+    seen = asyncio.run(go())
+    assert seen.accepted == 1, "no request reached the dying engine: the test proves nothing"
+    assert all(f.finish_reason == "length" for f in seen.finals)
+    assert "dying" not in seen.engines
+    return seen
+
+
+def test_an_engine_dying_as_a_request_arrives_sends_it_elsewhere(cluster):
+    """Issue 15: a request sent just after an engine died (its connection accepted, then
+    reset, with no answer) failed with 503 engine_error; nothing had started, so it must
+    run on another engine."""
+    seen = _through_a_dying_engine(cluster, _DyingEngine())
     # What the operator sees: the failure, the retry, and the engine skipped since.
-    sample = metrics.get_sample_value
+    sample = seen.metrics.get_sample_value
     assert sample("loramux_engine_failures_total", {"engine": "dying", "kind": "unreachable"}) == 1
     assert sample("loramux_routing_retries_total", {"reason": "unreachable"}) == 1
-    assert sample("loramux_routing_decisions_total", {"kind": "base"}) == len(finals) + 1
-    assert reports["dying"].stats is None and "skipped" in reports["dying"].error
-    assert reports["engine-a"].stats is not None and reports["engine-b"].stats is not None
+    assert sample("loramux_routing_decisions_total", {"kind": "base"}) == len(seen.finals) + 1
+    assert seen.reports["dying"].stats is None and "skipped" in seen.reports["dying"].error
+    assert seen.reports["engine-a"].stats is not None
+    assert seen.reports["engine-b"].stats is not None
 
 
 def test_an_engine_lost_before_the_first_output_sends_the_request_elsewhere(cluster):
@@ -289,30 +306,9 @@ def test_an_engine_lost_before_the_first_output_sends_the_request_elsewhere(clus
     failing with engine_error."""
     headers = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
     headers += b"transfer-encoding: chunked\r\n\r\n"
-
-    async def go():
-        registry = cluster.registry()
-        client = cluster.client()
-        await client.start()
-        dying = _DyingEngine(answer=headers)
-        try:
-            await _register_fake(registry, client, "prefill", f"http://127.0.0.1:{dying.port}")
-            finals = []
-            for i in range(12):
-                finals.append(await _serve(client, None, f"prefill-{i}"))
-                if dying.accepted:
-                    break
-            return finals, dying.accepted, client.metrics_registry()
-        finally:
-            dying.close()
-            await registry.withdraw("prefill")
-            await client.stop()
-
-    finals, accepted, metrics = asyncio.run(go())
-    assert accepted == 1, "no request reached the engine that dies: the test proves nothing"
-    assert all(f.finish_reason == "length" for f in finals)
-    sample = metrics.get_sample_value
-    assert sample("loramux_engine_failures_total", {"engine": "prefill", "kind": "lost"}) == 1
+    seen = _through_a_dying_engine(cluster, _DyingEngine(answer=headers))
+    sample = seen.metrics.get_sample_value
+    assert sample("loramux_engine_failures_total", {"engine": "dying", "kind": "lost"}) == 1
     assert sample("loramux_routing_retries_total", {"reason": "lost_before_output"}) == 1
 
 
