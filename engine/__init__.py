@@ -9,7 +9,7 @@ from loramux.engine.engine import Engine, EngineError
 from loramux.engine.lora.adapter import AdapterError, LoRARequest
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.sequence import ErrorKind
+from loramux.engine.sequence import ErrorKind, FinishReason
 
 __all__ = [
     "AdapterError",
@@ -20,6 +20,7 @@ __all__ = [
     "EngineError",
     "EngineStoppedError",
     "ErrorKind",
+    "FinishReason",
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",

@@ -30,9 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive
 
-from loramux.engine.async_engine import AsyncEngineError
-from loramux.engine.engine import EngineError
-from loramux.engine.outputs import RequestOutput
+from loramux.engine import AsyncEngineError, EngineError, RequestOutput
 from loramux.platform.api.deps import AdapterRuntimeDep, ContextDep, CurrentTenant, SessionDep
 from loramux.platform.api.error_codes import ERROR_CODES, error_detail
 from loramux.platform.api.errors import APIError

@@ -157,11 +157,11 @@ class RoutedEngines:
         return self._serving()
 
     def _serving(self) -> list[EngineRecord]:
-        return [
-            r
-            for r in self._records
-            if r.model_id == self._model_id and self._down.get(r.engine_id, -1.0) < r.heartbeat_at
-        ]
+        return [r for r in self._records if r.model_id == self._model_id and not self._down_now(r)]
+
+    def _down_now(self, record: EngineRecord) -> bool:
+        """Whether routing skips ``record``: it failed since the heartbeat it was read at."""
+        return self._down.get(record.engine_id, -1.0) >= record.heartbeat_at
 
     def not_ready_reason(self) -> str | None:
         if self._http is None:
@@ -375,7 +375,7 @@ class RoutedEngines:
                 heartbeat_age_s=max(0.0, now - record.heartbeat_at),
                 stats=None,
             )
-            if self._down.get(record.engine_id, -1.0) >= record.heartbeat_at:
+            if self._down_now(record):
                 report = replace(
                     report, error="skipped: it failed a request since its last heartbeat"
                 )

@@ -36,8 +36,7 @@ import anyio
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.sequence import FinishReason
+from loramux.engine import FinishReason, RequestOutput
 from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Tenant
