@@ -30,9 +30,16 @@ figures and goals, and exit 2 without a GPU: their figures are not measured yet 
 ``--prepare-only`` writes its weightless model folder into the cache and exits (a GPU
 machine without the SmolLM2 package needs that folder carried over).
 
+``lora-overhead`` (``lora_overhead``) compares loramux with itself rather than with PEFT:
+one engine with default settings serves the same requests with the base model alone and
+with 16 distinct adapters, in interleaved runs (``--repeats N``, default 3), and reports
+lora seconds / base seconds against the goal of at most 1.10, with each run's preemptions
+and adapter re-loads; ``--smoke`` runs it at 4 requests, 4 adapters, 8 tokens, 1 repeat.
+
     python benchmarks/bench.py cpu-smoke [--out DIR] [--requests N] [--driver http]
         [--sweep adapters|load [--sweep-values 1,4,16]]
     python benchmarks/bench.py slora-s2 [--no-baseline] [--baseline-requests N] [--smoke]
+    python benchmarks/bench.py lora-overhead [--repeats N] [--requests N] [--smoke]
     loramux bench cpu-smoke
 
 ``loramux bench soak [--duration S ...]`` is not a workload preset but the soak
@@ -58,9 +65,10 @@ if str(BENCH_DIR) not in sys.path:  # siblings import as top-level modules
 
 import bench_gpu  # noqa: E402
 import bench_sweeps  # noqa: E402
+import lora_overhead  # noqa: E402
 from adapter_churn import write_adapter  # noqa: E402
 from bench_gpu_report import markdown_lines  # noqa: E402
-from bench_presets import PRESETS, Preset  # noqa: E402
+from bench_presets import PRESETS, Baseline, Preset  # noqa: E402
 from bench_report import figures, ratios, render_markdown, write_plots  # noqa: E402
 from drivers import run_engine, run_http, run_peft_baseline  # noqa: E402
 from engine_vs_peft import machine_info, prepare_model, write_atomic  # noqa: E402
@@ -75,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="loramux bench",
         description="Serve one preset workload with loramux and with transformers + PEFT, "
-        "in the same run, and report both.",
+        "in the same run, and report both (lora-overhead: one loramux engine with 16 "
+        "adapters against itself with none).",
         epilog="`loramux bench soak [-h]` runs the soak instead (benchmarks/soak.py).",
     )
     parser.add_argument("preset", choices=sorted(PRESETS), help="the workload to run")
@@ -109,7 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--smoke",
         action="store_true",
         help="a GPU preset's runner on the CPU at tiny shapes (a plumbing check; its "
-        "figures are not GPU figures)",
+        "figures are not GPU figures); lora-overhead at 4 requests, 4 adapters, 8 tokens, "
+        "1 repeat",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help="lora-overhead: interleaved (base, lora) pairs of runs (default "
+        f"{lora_overhead.DEFAULT_REPEATS}, 1 with --smoke)",
     )
     parser.add_argument(
         "--baseline-requests",
@@ -122,7 +138,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPU presets: write the weightless model folder into the cache and exit",
     )
     args = parser.parse_args(argv)
-    gpu_preset = PRESETS[args.preset].device == "cuda"
+    preset = PRESETS[args.preset]
+    gpu_preset = preset.device == "cuda"
+    if preset.baseline is Baseline.BASE_MODEL:
+        if args.no_baseline or args.driver != "engine" or args.sweep:
+            parser.error(
+                f"{preset.name} runs the engine against itself: no --no-baseline, "
+                "--driver or --sweep"
+            )
+        if args.prepare_only or args.baseline_requests:
+            parser.error("--prepare-only and --baseline-requests are for the GPU presets")
+        if args.repeats is not None and args.repeats < 1:
+            parser.error("--repeats must be positive")
+        return args
+    if args.repeats is not None:
+        parser.error("--repeats is for lora-overhead")
     if not gpu_preset and (args.smoke or args.prepare_only or args.baseline_requests):
         parser.error("--smoke, --prepare-only and --baseline-requests are for the GPU presets")
     if gpu_preset and args.driver != "engine":
@@ -148,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         return soak.main(argv[1:])
     args = parse_args(argv)
     preset = PRESETS[args.preset]
+    if preset.baseline is Baseline.BASE_MODEL:  # the engine against itself: its own runner
+        return lora_overhead.main(preset, args, command=" ".join(["loramux bench", *argv]))
     if args.requests is not None:
         preset = dataclasses.replace(
             preset, workload=dataclasses.replace(preset.workload, num_requests=args.requests)

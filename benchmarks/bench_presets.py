@@ -1,8 +1,12 @@
 """``loramux bench``'s presets: one workload each, where it runs, and what it is judged by.
 
-``cpu-smoke`` runs SmolLM2 on a 2-core CPU (``bench.run_cpu_preset``). The others run on a
-CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``), each next to the
-published figure it is compared with and the goal it is judged by:
+``cpu-smoke`` runs SmolLM2 on a 2-core CPU (``bench.run_cpu_preset``). ``lora-overhead``
+also runs SmolLM2 on the CPU, but its baseline is the same engine serving the same requests
+with no adapter rather than transformers + PEFT (``Baseline.BASE_MODEL``, served by
+``lora_overhead``): what 16 distinct adapters cost over the base model, judged by the goal
+that the LoRA run takes at most 1.10x the base run's seconds. The others run on a CUDA GPU
+at Llama-7B shapes with random bf16 weights (``bench_gpu``), each next to the published
+figure it is compared with and the goal it is judged by:
 
 * ``slora-s1`` / ``slora-s2``: S-LoRA's synthetic workloads (arrivals faster than any
   system here serves them, lengths uniform in [8, 512], ranks {8} or {64, 32, 16, 8},
@@ -19,6 +23,7 @@ Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from workload import TenantSpec, WorkloadSpec
 
@@ -35,15 +40,33 @@ class Reference:
 
 @dataclass(frozen=True)
 class Goal:
-    """loramux's figure ``metric`` must reach ``value`` (``strict``: exceed it)."""
+    """loramux's figure ``metric`` must reach ``value`` (``strict``: exceed it); with
+    ``at_most``, it must stay at or below ``value`` instead (``strict``: below it)."""
 
     metric: str
     value: float
     strict: bool = False
     why: str = ""
+    at_most: bool = False
 
     def met_by(self, measured: float) -> bool:
+        if self.at_most:
+            return measured < self.value if self.strict else measured <= self.value
         return measured > self.value if self.strict else measured >= self.value
+
+    @property
+    def relation(self) -> str:
+        """The comparison as a symbol: ``≥``, ``>``, ``≤`` or ``<``."""
+        if self.at_most:
+            return "<" if self.strict else "≤"
+        return ">" if self.strict else "≥"
+
+
+class Baseline(Enum):
+    """What a preset's loramux figures are compared with."""
+
+    PEFT = "transformers + PEFT"  # the same workload under transformers + PEFT
+    BASE_MODEL = "base model"  # the same engine serving the same requests with no adapter
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,7 @@ class Preset:
     description: str
     workload: WorkloadSpec
     device: str = "cpu"  # "cpu" or "cuda"
+    baseline: Baseline = Baseline.PEFT
     baseline_batch: int = 8  # PEFT's static batch size
     # The GPU runner's baseline: it serves the first ``baseline_requests`` requests (None:
     # all) and holds at most ``baseline_resident`` adapters (None: all) between batches.
@@ -97,6 +121,12 @@ PUNICA_REFERENCE = Reference(
     setting="Llama2-7B, distinct adapters, batch 32",
 )
 PUNICA_GOAL = Goal(metric="output_tokens_per_s", value=1053.0, strict=True, why="beat Punica")
+LORA_OVERHEAD_GOAL = Goal(
+    metric="lora_over_base_seconds",
+    value=1.10,
+    at_most=True,
+    why="16 distinct adapters cost at most 10% over the base model on the same engine",
+)
 
 
 def _slora(name: str, ranks: tuple[int, ...], description: str, **judged) -> Preset:
@@ -154,6 +184,26 @@ PRESETS: dict[str, Preset] = {
             slo_ttft_s=2.0,
             slo_itl_s=0.5,
             engine={"kv_cache_bytes": 256 << 20, "max_num_seqs": 32},
+        ),
+        Preset(
+            name="lora-overhead",
+            description="SmolLM2-135M on this CPU, one engine with default settings: 32 "
+            "requests at once, 64 new tokens each (fixed length), prompts of 16 to 96 tokens, "
+            "served by the base model alone and with 16 distinct adapters (ranks 8 and 16; "
+            "q/k/v/o on half, all seven modules on the other half; request i uses adapter "
+            "i % 16), in interleaved runs",
+            workload=WorkloadSpec(
+                num_requests=32,
+                rate=1e6,  # all at once: the runner submits every request before stepping
+                num_adapters=16,
+                popularity="distinct",
+                ranks=(8, 16),
+                input_len=(16, 96),
+                output_len=(64, 64),
+                seed=0,
+            ),
+            baseline=Baseline.BASE_MODEL,
+            goals=(LORA_OVERHEAD_GOAL,),
         ),
         _slora(
             "slora-s1",

@@ -1,0 +1,516 @@
+"""``loramux bench lora-overhead``: what serving distinct adapters costs over the base model.
+
+The workload is the preset's (``bench_presets.PRESETS["lora-overhead"]``): SmolLM2-135M-
+Instruct in float32 on the CPU, one ``Engine`` built with the default ``EngineConfig``
+(only ``model`` and ``device="cpu"`` set: KV cache, adapter budgets, batch limits are the
+engine's defaults), 32 requests submitted at once, each generating exactly 64 tokens
+(greedy, ``min_tokens = max_tokens``, EOS ignored), prompts of random token ids of 16 to 96
+tokens (``workload.requests_with_prompts``, EOS ids avoided). Request i uses adapter
+i % 16; the adapters are ``engine_vs_peft``'s (ranks 8 and 16, q/k/v/o on half of them,
+all seven modules on the other half), registered with ``add_adapter``.
+
+On the same engine instance: a warm-up (every adapter once and the base model once, a few
+tokens each), then ``--repeats`` pairs of runs, base then lora: *base* serves the requests
+with no adapter, *lora* the same requests each with its adapter. Every run's prompts get
+their own first token (the warm-up's too), so no run finds another run's blocks in the
+prefix cache; each run's cached prompt tokens are reported to show it.
+
+Per run: wall seconds, tokens, tokens/s, CPU seconds and cores used (this process's CPU
+seconds / wall seconds, ``engine_vs_peft.Clock``), the 1-minute load, and the engine's
+residency counters over the run (after minus before): preemptions, device adapter
+evictions, adapter re-loads and steps spent waiting for adapter room.
+
+The ratio is the best lora run's seconds over the best base run's seconds. Best rather than
+median: on a shared machine other processes only ever add time to a run, so each side's
+fastest run is the least disturbed estimate of its cost (the convention of
+``engine_vs_peft``); the median ratio and each pair's ratio are in the report too. The
+preset's goal (at most 1.10) is judged on the full workload only, not on ``--smoke`` or a
+``--requests`` override.
+
+``--smoke`` runs the same code at 4 requests, 4 adapters, 8 tokens and 1 repeat (the test
+suite does). Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_presets import Preset
+from bench_sweeps import pyplot
+from engine_vs_peft import (
+    MODEL_NAME,
+    AdapterSpec,
+    Clock,
+    machine_info,
+    prepare_adapters,
+    prepare_model,
+    write_atomic,
+)
+from workload import WorkloadSpec, requests_with_prompts
+
+DEFAULT_REPEATS = 3
+SMOKE = {"num_requests": 4, "num_adapters": 4, "output_tokens": 8, "repeats": 1}
+WARMUP_TOKENS = 4
+# The engine's residency counters, read before and after each run.
+COUNTERS = ("preemptions", "adapter_evictions", "adapter_reloads", "adapter_room_wait_steps")
+COUNTER_WORDS = {
+    "preemptions": "preemptions",
+    "adapter_evictions": "adapter evictions",
+    "adapter_reloads": "adapter re-loads",
+    "adapter_room_wait_steps": "adapter-room wait steps",
+}
+STATS_SOURCE = "engine.stats().residency"
+FALLBACK_SOURCE = (
+    "engine.num_preemptions and engine.lora_pool.evictions (this engine's stats() has no "
+    "residency counters: adapter re-loads and adapter-room waits are not available)"
+)
+
+
+@dataclass
+class Workload:
+    """The requests every run serves, and the first token each run gives their prompts."""
+
+    spec: WorkloadSpec
+    model_dir: Path
+    adapters: list[AdapterSpec]
+    prompts: list[list[int]]  # per request; the first token is replaced by the run's marker
+    adapter_names: list[str]  # per request: adapter i % num_adapters
+    markers: list[int]  # run k's first token (k = 0: the warm-up); all distinct
+
+    @property
+    def output_tokens(self) -> int:
+        return self.spec.output_len[0]
+
+    def prompts_of(self, run: int) -> list[list[int]]:
+        return [[self.markers[run], *prompt[1:]] for prompt in self.prompts]
+
+
+def workload_spec(preset: Preset, *, smoke: bool, requests: int | None) -> WorkloadSpec:
+    spec = preset.workload
+    if smoke:
+        tokens = SMOKE["output_tokens"]
+        spec = dataclasses.replace(
+            spec,
+            num_requests=SMOKE["num_requests"],
+            num_adapters=SMOKE["num_adapters"],
+            output_len=(tokens, tokens),
+        )
+    if requests is not None:
+        spec = dataclasses.replace(spec, num_requests=requests)
+    if spec.output_len[0] != spec.output_len[1] or spec.output_lens or spec.base_fraction:
+        raise ValueError("lora-overhead needs one fixed output length and no base-model share")
+    return spec
+
+
+def prepare(spec: WorkloadSpec, cache_dir: Path, runs: int) -> Workload:
+    """The model, the adapters and the prompts (cached in ``cache_dir``)."""
+    from loramux.engine.model.config import ModelConfig
+
+    model_dir = prepare_model(cache_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    avoid = frozenset(config.eos_token_ids)
+    adapters = prepare_adapters(model_dir, cache_dir, spec.num_adapters)
+    requests, prompts = requests_with_prompts(spec, vocab_size=config.vocab_size, avoid=avoid)
+    markers = [t for t in range(config.vocab_size - 1, -1, -1) if t not in avoid][: runs + 1]
+    return Workload(
+        spec=spec,
+        model_dir=model_dir,
+        adapters=adapters,
+        prompts=[prompts[r.index] for r in requests],
+        adapter_names=[adapters[r.adapter].name for r in requests],
+        markers=markers,
+    )
+
+
+# --- the engine's counters ----------------------------------------------------------------
+
+
+def read_counters(engine) -> tuple[dict[str, int | None], str]:
+    """The residency counters now, and where they were read from.
+
+    ``engine.stats().residency`` with integer fields ``preemptions``, ``adapter_evictions``,
+    ``adapter_reloads`` and ``adapter_room_wait_steps`` where the engine has it; otherwise
+    (an engine from before those counters, whose ``residency`` maps adapters to tiers)
+    ``engine.num_preemptions`` and ``engine.lora_pool.evictions``, the other two None.
+    """
+    residency = getattr(engine.stats(), "residency", None)
+    if all(isinstance(getattr(residency, name, None), int) for name in COUNTERS):
+        return {name: getattr(residency, name) for name in COUNTERS}, STATS_SOURCE
+    counters = dict.fromkeys(COUNTERS)
+    counters["preemptions"] = engine.num_preemptions
+    counters["adapter_evictions"] = engine.lora_pool.evictions
+    return counters, FALLBACK_SOURCE
+
+
+def _delta(before: dict, after: dict) -> dict[str, int | None]:
+    return {
+        name: None if before[name] is None or after[name] is None else after[name] - before[name]
+        for name in COUNTERS
+    }
+
+
+# --- the runs -------------------------------------------------------------------------------
+
+
+def _params(tokens: int):
+    from loramux.engine import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def warm_up(engine, work: Workload) -> None:
+    """Every adapter once and the base model once, a few tokens each (prompts of run 0)."""
+    prompts = work.prompts_of(0)
+    count = len(work.adapters)
+    batch = [prompts[k % len(prompts)] for k in range(count)] + [prompts[0]]
+    names: list[str | None] = [spec.name for spec in work.adapters] + [None]
+    engine.generate(batch, _params(WARMUP_TOKENS), adapters=names)
+
+
+def timed_run(engine, work: Workload, kind: str, run: int) -> dict:
+    """One run of every request, base (no adapter) or lora; its figures and counters."""
+    prompts = work.prompts_of(run)
+    adapters = work.adapter_names if kind == "lora" else None
+    before, source = read_counters(engine)
+    with Clock() as clock:
+        outputs = engine.generate(prompts, _params(work.output_tokens), adapters=adapters)
+    after, _ = read_counters(engine)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "kind": kind,
+        "run": run,
+        "requests": len(outputs),
+        "failed": sum(o.error is not None for o in outputs),
+        # Requests that ended with fewer tokens than asked for (none, when lengths are fixed).
+        "short": sum(len(o.token_ids) != work.output_tokens for o in outputs),
+        "tokens": tokens,
+        "seconds": round(clock.seconds, 3),
+        "tokens_per_s": round(tokens / clock.seconds, 2),
+        **clock.summary(),
+        "cached_prompt_tokens": sum(o.metrics.cached_prompt_tokens for o in outputs),
+        "counters": _delta(before, after),
+        "counters_source": source,
+    }
+
+
+def measure(work: Workload, repeats: int) -> tuple[list[dict], dict]:
+    """Warm-up, then ``repeats`` (base, lora) pairs on one engine; the runs and its config."""
+    from loramux.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(work.model_dir), device="cpu"))
+    try:
+        for spec in work.adapters:
+            engine.add_adapter(spec.name, spec.path)
+        print(f"warm-up: {len(work.adapters)} adapters and the base model ...", flush=True)
+        warm_up(engine, work)
+        runs = []
+        for repeat in range(repeats):
+            for kind in ("base", "lora"):
+                result = timed_run(engine, work, kind, run=len(runs) + 1)
+                runs.append(result)
+                _print_run(result, repeat)
+        stats = engine.stats()
+        config = {
+            **{k: _plain(v) for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
+            "kv_blocks_total": stats.kv_blocks_total,
+            "kv_block_size": stats.kv_block_size,
+            "max_model_len": engine.max_model_len,
+            "memory_plan": _memory_plan(engine),
+        }
+    finally:
+        engine.close()
+    return runs, config
+
+
+def _memory_plan(engine) -> list[str] | None:
+    """The start-up log's lines on what the KV + adapter budget holds, where the engine has
+    them (``Engine.memory_plan``, new beside the machine-sized default budget)."""
+    plan = getattr(engine, "memory_plan", None)
+    return None if plan is None else list(plan.describe())
+
+
+def _plain(value):
+    return value if value is None or isinstance(value, bool | int | float | str) else str(value)
+
+
+def _print_run(run: dict, repeat: int) -> None:
+    counters = ", ".join(f"{k} {v}" for k, v in run["counters"].items())
+    print(
+        f"[{repeat}] {run['kind']}: {run['tokens']} tokens in {run['seconds']:.2f} s = "
+        f"{run['tokens_per_s']:.1f} tok/s (cores used {run['cores_used']}); {counters}",
+        flush=True,
+    )
+
+
+# --- the verdict ----------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Best and median seconds of each kind, the ratios, per-pair ratios."""
+    seconds = {kind: [r["seconds"] for r in runs if r["kind"] == kind] for kind in ("base", "lora")}
+    best = {kind: min(values) for kind, values in seconds.items()}
+    median = {kind: statistics.median(values) for kind, values in seconds.items()}
+    pairs = [lora / base for base, lora in zip(seconds["base"], seconds["lora"], strict=True)]
+    totals = {
+        kind: {
+            name: (
+                None
+                if any(r["counters"][name] is None for r in runs if r["kind"] == kind)
+                else sum(r["counters"][name] for r in runs if r["kind"] == kind)
+            )
+            for name in COUNTERS
+        }
+        for kind in ("base", "lora")
+    }
+    return {
+        "best_seconds": best,
+        "median_seconds": median,
+        "lora_over_base_seconds": round(best["lora"] / best["base"], 4),
+        "median_lora_over_base_seconds": round(median["lora"] / median["base"], 4),
+        "pair_ratios": [round(r, 4) for r in pairs],
+        "ratio_rule": "best (fastest) lora run's seconds / best base run's seconds",
+        "counter_totals": totals,
+    }
+
+
+def judge(preset: Preset, summary: dict, runs: list[dict], unjudged: str | None) -> list[dict]:
+    goals = []
+    failed = sum(r["failed"] + r.get("short", 0) for r in runs)
+    for goal in preset.goals:
+        measured = summary[goal.metric]
+        if unjudged is not None:
+            met, verdict = None, f"not judged: {unjudged}"
+        elif failed:
+            met, verdict = False, f"not met: {failed} request(s) failed or ended short"
+        else:
+            met = goal.met_by(measured)
+            verdict = "met" if met else "not met"
+        goals.append(
+            {
+                **dataclasses.asdict(goal),
+                "relation": goal.relation,
+                "measured": measured,
+                "met": met,
+                "verdict": verdict,
+            }
+        )
+    return goals
+
+
+def unjudged_reason(preset: Preset, spec: WorkloadSpec, smoke: bool) -> str | None:
+    if smoke:
+        return "the smoke form (tiny workload)"
+    if spec != preset.workload:
+        return f"{spec.num_requests} requests, not the preset's {preset.workload.num_requests}"
+    return None
+
+
+def contention(runs: list[dict], machine: dict) -> dict:
+    """Whether other processes competed for the cores during the runs."""
+    threads = machine["torch_threads"]
+    max_load = max(max(r["loadavg_1m_before"], r["loadavg_1m_after"]) for r in runs)
+    min_cores = min(r["cores_used"] for r in runs)
+    return {
+        "max_loadavg_1m": max_load,
+        "min_cores_used": min_cores,
+        "contended": max_load > (machine["nproc"] or threads) + 0.5 or min_cores < 0.75 * threads,
+    }
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def run_preset(preset: Preset, args: argparse.Namespace, command: str) -> dict:
+    """Measure ``preset`` as ``args`` ask; the report (``command``: how it was run)."""
+    smoke = bool(args.smoke)
+    repeats = args.repeats or (SMOKE["repeats"] if smoke else DEFAULT_REPEATS)
+    spec = workload_spec(preset, smoke=smoke, requests=args.requests)
+    machine = machine_info()
+    work = prepare(spec, args.cache_dir, runs=2 * repeats)
+    print(
+        f"{spec.num_requests} requests, {spec.num_adapters} adapters, {work.output_tokens} "
+        f"tokens each; prompts of {min(map(len, work.prompts))} to "
+        f"{max(map(len, work.prompts))} tokens; {repeats} x (base, lora)",
+        flush=True,
+    )
+    runs, engine_config = measure(work, repeats)
+    summary = summarize(runs)
+    unjudged = unjudged_reason(preset, spec, smoke)
+    return {
+        "preset": preset.name,
+        "description": preset.description,
+        "smoke": smoke,
+        "workload": spec.to_json(),
+        "model": {"name": MODEL_NAME, "dtype": "float32", "device": "cpu"},
+        "adapters": [
+            {"name": a.name, "rank": a.rank, "targets": list(a.targets)} for a in work.adapters
+        ],
+        "prompt_tokens": [len(p) for p in work.prompts],
+        "repeats": repeats,
+        "engine_config": engine_config,
+        "engine_config_note": "EngineConfig(model, device='cpu'); everything else the default",
+        "runs": runs,
+        "counters_source": runs[0]["counters_source"],
+        **summary,
+        "goals": judge(preset, summary, runs, unjudged),
+        "machine": machine,
+        **contention(runs, machine),
+        "command": command,
+    }
+
+
+def main(preset: Preset, args: argparse.Namespace, command: str) -> int:
+    """Run, then write ``<out>/bench_<preset>[-smoke].{json,md,png}`` and print the markdown."""
+    report = run_preset(preset, args, command)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_{preset.name}{'-smoke' if report['smoke'] else ''}"
+    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    plots = write_plot(report, stem)
+    markdown = render_markdown(report, plots)
+    write_atomic(stem.with_suffix(".md"), markdown)
+    print(markdown)
+    return 0
+
+
+def write_plot(report: dict, stem: Path) -> list[Path]:
+    """Bars of each run's seconds, base beside lora per repeat, the best of each as a line."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    runs = report["runs"]
+    base = [r for r in runs if r["kind"] == "base"]
+    lora = [r for r in runs if r["kind"] == "lora"]
+    xs = list(range(len(base)))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for offset, label, series, color in (
+        (-0.2, "base model", base, "tab:blue"),
+        (0.2, f"{len(report['adapters'])} adapters", lora, "tab:orange"),
+    ):
+        bars = ax.bar([x + offset for x in xs], [r["seconds"] for r in series], 0.4, label=label)
+        for bar in bars:
+            bar.set_color(color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        best = report["best_seconds"]["base" if series is base else "lora"]
+        ax.axhline(best, color=color, linestyle=":", linewidth=1)
+    ax.set_xticks(xs, [f"pair {x + 1}" for x in xs])
+    ax.set_ylabel("wall seconds (lower is better)")
+    ax.set_ylim(0, max(r["seconds"] for r in runs) * 1.3)
+    ax.set_title(
+        f"{report['preset']}: lora / base = {report['lora_over_base_seconds']:.3f} (best runs)"
+    )
+    ax.annotate(
+        f"{report['workload']['num_requests']} requests x {report['workload']['output_len'][0]} "
+        "tokens per run, one engine, runs in order base, lora, ...",
+        xy=(0.01, 0.01),
+        xycoords="figure fraction",
+        fontsize=8,
+        color="gray",
+    )
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper center", ncol=2)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_seconds.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def _counter(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def render_markdown(report: dict, plots: list[Path]) -> str:
+    machine, cfg = report["machine"], report["engine_config"]
+    lines = [f"# loramux bench {report['preset']}", "", report["description"] + ".", ""]
+    if report["smoke"]:
+        lines += ["**Smoke form**: a plumbing check at tiny sizes; its figures mean little.", ""]
+    lines += [
+        "| run | kind | wall s | tokens | tokens/s | cores used | cached prompt tokens "
+        "| preemptions | adapter evictions | adapter re-loads | adapter-room wait steps |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in report["runs"]:
+        c = run["counters"]
+        lines.append(
+            f"| {run['run']} | {run['kind']} | {run['seconds']:.2f} | {run['tokens']} "
+            f"| {run['tokens_per_s']:.1f} | {run['cores_used']} | {run['cached_prompt_tokens']} "
+            f"| {_counter(c['preemptions'])} | {_counter(c['adapter_evictions'])} "
+            f"| {_counter(c['adapter_reloads'])} | {_counter(c['adapter_room_wait_steps'])} |"
+        )
+    best, median = report["best_seconds"], report["median_seconds"]
+    lines += [
+        "",
+        f"**lora / base = {report['lora_over_base_seconds']:.3f}** (best lora run "
+        f"{best['lora']:.2f} s over best base run {best['base']:.2f} s; the best run of "
+        "each is the one least slowed by other processes on a shared machine). Median "
+        f"runs: {median['lora']:.2f} / {median['base']:.2f} s = "
+        f"{report['median_lora_over_base_seconds']:.3f}; each pair in order: "
+        + ", ".join(f"{r:.3f}" for r in report["pair_ratios"])
+        + ".",
+    ]
+    for goal in report["goals"]:
+        lines += [
+            "",
+            f"**Goal: lora / base seconds {goal['relation']} {goal['value']:g} "
+            f"({goal['why']}): measured {goal['measured']:.3f}, {goal['verdict']}.**",
+        ]
+    totals = report["counter_totals"]
+    lines += [
+        "",
+        "Counters over all runs of each kind: "
+        + "; ".join(
+            f"{kind}: " + ", ".join(f"{COUNTER_WORDS[k]} {_counter(v)}" for k, v in t.items())
+            for kind, t in totals.items()
+        )
+        + f". Read as differences of {report['counters_source']} before and after each run.",
+        "",
+        f"Engine: one instance for every run, EngineConfig(model, device='cpu'), everything "
+        f"else the default: {_budget_text(cfg)}; adapter_host_bytes "
+        f"{_mib(cfg.get('adapter_host_bytes'))}, max_num_seqs "
+        f"{cfg.get('max_num_seqs')}, max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, "
+        f"dtype {cfg.get('dtype') or 'float32'}. A warm-up (each adapter and the base model "
+        f"once, {WARMUP_TOKENS} tokens) ran first; every run's prompts have their own first "
+        "token, so no run reuses another's prefix cache.",
+        "",
+        "*cores used* = this process's CPU seconds / wall seconds during the run (torch "
+        f"threads: {machine['torch_threads']}).",
+    ]
+    if report["contended"]:
+        lines += [
+            "",
+            "**Warning: the machine was busy during the runs** (1-minute load average up to "
+            f"{report['max_loadavg_1m']} on {machine['nproc']} cores, this process's threads "
+            f"included; cores used as low as {report['min_cores_used']}): the figures are "
+            "noisier than on an idle machine.",
+        ]
+    lines += [
+        "",
+        f"Machine: {machine['cpu_model'] or machine['processor']}, {machine['nproc']} cores "
+        f"(torch threads {machine['torch_threads']}), {machine['mem_total_gib']} GiB, "
+        f"{machine['uname']}; Python {machine['python']}, torch {machine['torch']}. "
+        f"Date {machine['date']}.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "Plots: " + (", ".join(p.name for p in plots) or "none (matplotlib is not installed)"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _budget_text(cfg: dict) -> str:
+    """The KV + adapter budget: the engine's own account of it where it gives one."""
+    if cfg.get("memory_plan"):
+        return "; ".join(cfg["memory_plan"])
+    return (
+        f"kv_cache_bytes {_mib(cfg.get('kv_cache_bytes'))} ({cfg['kv_blocks_total']} blocks of "
+        f"{cfg['kv_block_size']} tokens, KV and resident adapters)"
+    )
+
+
+def _mib(value: int | None) -> str:
+    return "unset (sized by the engine)" if value is None else f"{value / 2**20:.0f} MiB"
