@@ -28,11 +28,25 @@ markdown table with the machine to ``benchmarks/results/``.
 The machine is shared: each timed part records the cores this process actually got
 (CPU seconds / wall seconds) and the load average, and ``--repeats`` interleaves runs
 and reports the best of each, so one run slowed by a neighbour does not decide it.
+
+``--before REV`` also measures the engine of git revision REV in the same run, on the
+same prompts and adapters, interleaved with this checkout's engine: REV is checked out
+into a temporary ``git worktree`` (removed afterwards, also on errors), and each engine
+run, before and after alike, is a worker process (``engine_vs_peft_worker.py``) whose
+``PYTHONPATH`` puts a ``loramux/`` first that links that tree's package folders as
+pyproject's ``package-dir`` maps them (the worker checks where ``loramux.engine`` came
+from); the two engines' order alternates from one repeat to the next. The report adds
+the before engine's row, the after / before tokens/s ratio, and whether their greedy
+tokens agree; "after" is this working tree, uncommitted changes included (the report
+says whether ``engine/`` or ``kernels/`` had any).
+
+    .venv/bin/python benchmarks/engine_vs_peft.py --repeats 3 --before HEAD~3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime as dt
 import gc
@@ -41,8 +55,14 @@ import json
 import os
 import platform
 import pstats
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +70,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+WORKER = Path(__file__).resolve().parent / "engine_vs_peft_worker.py"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_SEVEN = (*QKVO, "gate_proj", "up_proj", "down_proj")
@@ -126,6 +147,18 @@ class Clock:
             "loadavg_1m_after": round(self.load_after, 2),
         }
 
+    def to_json(self) -> dict:
+        """Every reading, unrounded (a worker process hands its clock back so)."""
+        names = ("seconds", "cpu_seconds", "load_before", "load_after")
+        return {name: getattr(self, name) for name in names}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> Clock:
+        clock = cls()
+        for name, value in raw.items():
+            setattr(clock, name, float(value))
+        return clock
+
 
 @dataclass
 class RunResult:
@@ -201,6 +234,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the timed runs, run the engine once more under cProfile and write "
         "the top functions next to the JSON",
     )
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also measure the engine of git revision REV (from a temporary worktree) in "
+        "the same run, interleaved with this checkout's; both then run in worker processes",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.requests = args.requests or (8 if quick else 32)
@@ -220,6 +259,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = RESULTS_DIR / f"{stem}.json"
     if min(args.requests, args.adapters, args.max_tokens) < 1:
         parser.error("--requests, --adapters and --max-tokens must be positive")
+    if args.before is not None:
+        try:
+            resolve_commit(args.before)
+        except RuntimeError as exc:
+            parser.error(str(exc))
     return args
 
 
@@ -328,14 +372,17 @@ def engine_params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
 
 
-def run_engine(engine, prompts, adapter_names, max_tokens: int) -> RunResult:
+def warm_up(engine, adapter_names) -> None:
+    """A tiny mixed-adapter generate on unrelated prompts (so the timed run gets no
+    prefix-cache hits from it)."""
     from loramux.engine import SamplingParams
 
-    # Warm-up: a tiny mixed-adapter generate on an unrelated prompt (so the timed run
-    # gets no prefix-cache hits from it).
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.generate(["Hello there", "Warm up"], warm, adapters=(adapter_names * 2)[:2])
 
+
+def run_engine(engine, prompts, adapter_names, max_tokens: int) -> RunResult:
+    warm_up(engine, adapter_names)
     params = engine_params(max_tokens)
     with Clock() as clock:
         outs = engine.generate(prompts, params, adapters=adapter_names)
@@ -430,29 +477,172 @@ def run_peft(model, prompts, adapter_names, pad_id: int, max_tokens: int, batch_
     return RunResult(label, tokens, clock, f"{batches} mixed-adapter batch(es) of {batch_size}")
 
 
+# --- another revision's engine (--before) -------------------------------------------------
+@dataclass(frozen=True)
+class Checkout:
+    """A source tree whose engine a worker process runs: ``pkg_root`` holds a ``loramux/``
+    that links the tree's package folders, to put first on the worker's PYTHONPATH."""
+
+    root: Path
+    pkg_root: Path
+    sha: str
+    rev: str | None = None  # as given to --before; None for this checkout (after)
+    modified: bool = False  # engine/ or kernels/ differ from ``sha`` (uncommitted changes)
+
+    @property
+    def label(self) -> str:
+        return "after" if self.rev is None else f"before, {self.sha[:7]}"
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def link_package(tree: Path, dest: Path) -> Path:
+    """``dest/loramux/<name>`` -> each folder ``tree``'s pyproject maps ``loramux.<name>``
+    to (its ``package-dir``); ``dest``, to put on ``sys.path`` ahead of the installed one."""
+    pyproject = tomllib.loads((tree / "pyproject.toml").read_text())
+    mapping = pyproject["tool"]["setuptools"]["package-dir"]
+    package = dest / "loramux"
+    package.mkdir(parents=True)
+    for name, folder in mapping.items():
+        top, _, sub = name.partition(".")
+        if top == "loramux" and sub and "." not in sub and (tree / folder).is_dir():
+            (package / sub).symlink_to((tree / folder).resolve(), target_is_directory=True)
+    if not (package / "engine").is_dir():
+        raise RuntimeError(f"{tree}'s pyproject maps no loramux.engine folder")
+    return dest
+
+
+def after_checkout(workdir: Path) -> Checkout:
+    """This working tree, as the after engine's source."""
+    modified = bool(_git("status", "--porcelain", "--", "engine", "kernels"))
+    return Checkout(
+        root=REPO_ROOT,
+        pkg_root=link_package(REPO_ROOT, workdir / "after"),
+        sha=_git("rev-parse", "HEAD"),
+        modified=modified,
+    )
+
+
+def resolve_commit(rev: str) -> str:
+    """The full sha of commit ``rev``; a RuntimeError naming it when there is none."""
+    try:
+        return _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except RuntimeError:
+        raise RuntimeError(f"--before {rev!r} is not a commit of this repository") from None
+
+
+@contextlib.contextmanager
+def before_checkout(rev: str, workdir: Path) -> Iterator[Checkout]:
+    """Revision ``rev`` in a temporary ``git worktree`` under ``workdir``, removed on exit
+    (also when the body raises)."""
+    sha = resolve_commit(rev)
+    tree = workdir / "tree"
+    _git("worktree", "add", "--detach", "--quiet", str(tree), sha)
+    try:
+        yield Checkout(
+            root=tree,
+            pkg_root=link_package(tree, workdir / "before"),
+            sha=sha,
+            rev=rev,
+        )
+    finally:
+        remove_worktree(tree)
+
+
+def remove_worktree(tree: Path) -> None:
+    try:
+        _git("worktree", "remove", "--force", str(tree))
+    except RuntimeError as exc:
+        print(f"{exc}; deleting {tree} and pruning", file=sys.stderr)
+        shutil.rmtree(tree, ignore_errors=True)
+        _git("worktree", "prune")
+
+
+def run_engine_worker(checkout: Checkout, job: dict, workdir: Path) -> RunResult:
+    """One engine run (``run_engine``) in a worker process importing ``checkout``'s loramux."""
+    job_path = workdir / "job.json"
+    result_path = workdir / "result.json"
+    result_path.unlink(missing_ok=True)
+    write_atomic(job_path, json.dumps({**job, "expect_root": str(checkout.root.resolve())}))
+    paths = [str(checkout.pkg_root), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(job_path), str(result_path)], env=env, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the {checkout.label} engine's worker exited {done.returncode}")
+    raw = json.loads(result_path.read_text())
+    run = RunResult(
+        f"engine ({checkout.label})", raw["tokens"], Clock.from_json(raw["clock"]), raw["batch"]
+    )
+    run.extra = {**raw["extra"], "imported_from": raw["imported_from"]["loramux.engine"]}
+    return run
+
+
 # --- the measurement -----------------------------------------------------------------
-def measure(args, model_dir, adapters, prompts, names, pad_id):
-    """Interleaved runs: per repeat a fresh engine (empty prefix cache), then PEFT."""
+def measure(args, model_dir, adapters, prompts, names, pad_id, checkouts=(), workdir=None):
+    """Interleaved runs: per repeat a fresh engine (empty prefix cache), then PEFT.
+
+    With ``checkouts`` (``--before``: the after and the before tree), each repeat runs
+    every checkout's engine in a worker process (its files in ``workdir``), in alternating
+    order, before PEFT.
+    Returns the engine runs by label, the PEFT runs by batch size, the profile's path.
+    """
     model = build_peft(model_dir, adapters)
-    engine_runs: list[RunResult] = []
+    engine_runs: dict[str, list[RunResult]] = {}
     peft_runs: dict[int, list[RunResult]] = {bs: [] for bs in args.peft_batch_sizes}
     profile_path = None
+    job = {
+        "model_dir": str(model_dir),
+        "adapters": [
+            {"name": a.name, "path": str(a.path), "rank": a.rank, "targets": list(a.targets)}
+            for a in adapters
+        ],
+        "prompts": prompts,
+        "names": names,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "threads": torch.get_num_threads(),
+    }
     for repeat in range(args.repeats):
-        engine = build_engine(model_dir, adapters, args.requests)
-        run = run_engine(engine, prompts, names, args.max_tokens)
-        engine_runs.append(run)
-        _report_run(run, repeat)
-        if args.profile and repeat == args.repeats - 1:
-            profile_path = args.out.with_name(args.out.stem + "_engine_profile.txt")
-            profile_engine(engine, prompts, names, args.max_tokens, profile_path)
-            print(f"profile written to {profile_path}", flush=True)
-        del engine
-        gc.collect()
+        if checkouts:
+            order = checkouts if repeat % 2 == 0 else checkouts[::-1]
+            for checkout in order:
+                run = run_engine_worker(checkout, job, workdir)
+                engine_runs.setdefault(checkout.label, []).append(run)
+                _report_run(run, repeat)
+        else:
+            engine = build_engine(model_dir, adapters, args.requests)
+            run = run_engine(engine, prompts, names, args.max_tokens)
+            engine_runs.setdefault("engine", []).append(run)
+            _report_run(run, repeat)
+            if args.profile and repeat == args.repeats - 1:
+                profile_path = _profile(args, engine, prompts, names)
+            del engine
+            gc.collect()
         for batch_size in args.peft_batch_sizes:
             run = run_peft(model, prompts, names, pad_id, args.max_tokens, batch_size)
             peft_runs[batch_size].append(run)
             _report_run(run, repeat)
+    if checkouts and args.profile:  # the after engine, in this process this time
+        engine = build_engine(model_dir, adapters, args.requests)
+        warm_up(engine, names)
+        profile_path = _profile(args, engine, prompts, names)
     return engine_runs, peft_runs, profile_path
+
+
+def _profile(args, engine, prompts, names) -> Path:
+    path = args.out.with_name(args.out.stem + "_engine_profile.txt")
+    profile_engine(engine, prompts, names, args.max_tokens, path)
+    print(f"profile written to {path}", flush=True)
+    return path
 
 
 def _report_run(run: RunResult, repeat: int) -> None:
@@ -485,6 +675,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def render_markdown(report: dict) -> str:
     cfg, m, eng = report["config"], report["machine"], report["engine"]
+    before = report.get("engine_before")
     repeats = cfg["repeats"]
     lines = [
         "# Engine vs transformers + PEFT (mixed-adapter generate), CPU",
@@ -497,34 +688,61 @@ def render_markdown(report: dict) -> str:
         + (f"; best of {repeats} interleaved runs each." if repeats > 1 else "."),
         "",
         "| system | batching | requests | tokens | wall s | tokens/s | cores used | "
-        "greedy agreement with engine |",
+        f"greedy agreement with engine{' (after)' if before else ''} |",
         "|---|---|---:|---:|---:|---:|---:|---|",
-        f"| loramux engine | {eng['batch']} | {eng['requests']} | {eng['tokens']} | "
-        f"{eng['seconds']:.2f} | {eng['tokens_per_s']:.1f} | {eng['cores_used']} | - |",
     ]
+    if before:
+        agree = before["agreement_with_after"]
+        lines.append(
+            f"| loramux engine (before, {before['sha'][:7]}) | {before['batch']} "
+            f"| {before['requests']} | {before['tokens']} | {before['seconds']:.2f} "
+            f"| {before['tokens_per_s']:.1f} | {before['cores_used']} "
+            f"| {_agreement_text(agree)} |"
+        )
+    lines.append(
+        f"| loramux engine{' (after)' if before else ''} | {eng['batch']} | {eng['requests']} "
+        f"| {eng['tokens']} | {eng['seconds']:.2f} | {eng['tokens_per_s']:.1f} "
+        f"| {eng['cores_used']} | - |"
+    )
     for run in report["peft_runs"]:
         agree = run["agreement_with_engine"]
         mark = " (baseline)" if run["label"] == report["baseline"] else ""
         lines.append(
             f"| transformers + PEFT{mark} | {run['batch']} | {run['requests']} | "
             f"{run['tokens']} | {run['seconds']:.2f} | {run['tokens_per_s']:.1f} | "
-            f"{run['cores_used']} | {agree['identical_requests']}/{agree['requests']} "
-            f"identical, mean common prefix {agree['mean_common_prefix_tokens']} tokens |"
+            f"{run['cores_used']} | {_agreement_text(agree)} |"
         )
     ratio, target = report["ratio_engine_over_peft"], report["target_ratio"]
     verdict = "met" if ratio >= target else "not met"
     lines += [
         "",
-        f"**Ratio engine / PEFT ({report['baseline']}): {ratio:.2f}x** "
-        f"(target >= {target:g}x: {verdict}).",
+        f"**Ratio engine{' (after)' if before else ''} / PEFT ({report['baseline']}): "
+        f"{ratio:.2f}x** (target >= {target:g}x: {verdict}).",
         "",
-        f"Engine: TTFT median {eng['ttft_median_s']} s, max {eng['ttft_max_s']} s; "
-        f"preemptions {eng['preemptions']}; cached prompt tokens {eng['cached_prompt_tokens']}.",
+        f"Engine{' (after)' if before else ''}: TTFT median {eng['ttft_median_s']} s, max "
+        f"{eng['ttft_max_s']} s; preemptions {eng['preemptions']}; cached prompt tokens "
+        f"{eng['cached_prompt_tokens']}.",
         "",
         "*cores used* = this process's CPU seconds / wall seconds during the timed part "
         f"(torch uses {m['torch_threads']} threads): well below {m['torch_threads']} means "
         "other processes were competing for the cores while it was measured.",
     ]
+    if before:
+        head = eng["checkout"]
+        changes = (
+            " with uncommitted changes in engine/ or kernels/"
+            if head["engine_or_kernels_modified"]
+            else ""
+        )
+        lines += [
+            "",
+            f"**Engine after / before: {report['ratio_after_over_before']:.2f}x tokens/s**; "
+            f"greedy tokens {_agreement_text(before['agreement_with_after'])}. Before: "
+            f"`{before['rev']}` = {before['sha'][:12]}; after: this checkout at "
+            f"{head['head'][:12]}{changes}. Both engines ran in {report['engines_in']}, in "
+            "alternating order, each importing loramux from its own tree (before: "
+            f"`{before['imported_from']}`).",
+        ]
     if report["contended"]:
         lines += [
             "",
@@ -536,7 +754,9 @@ def render_markdown(report: dict) -> str:
     if repeats > 1:
         lines += [
             "",
-            "All runs in order, tokens/s (cores used): engine "
+            "All runs in order, tokens/s (cores used): "
+            + (f"engine (before) {_runs_text(before['all_runs'])}; " if before else "")
+            + f"engine{' (after)' if before else ''} "
             + _runs_text(eng["all_runs"])
             + "; "
             + "; ".join(f"{r['label']} " + _runs_text(r["all_runs"]) for r in report["peft_runs"])
@@ -553,6 +773,13 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _agreement_text(agree: dict) -> str:
+    return (
+        f"{agree['identical_requests']}/{agree['requests']} identical, mean common prefix "
+        f"{agree['mean_common_prefix_tokens']} tokens"
+    )
 
 
 def _brief(run: RunResult) -> dict:
@@ -577,6 +804,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.before is None:
+        return run_benchmark(args)
+    # SIGTERM as an exception, so the worktree is removed on the way out as on any error.
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:  # (main runs on the main thread: signal handlers can only be set there)
+        with tempfile.TemporaryDirectory(prefix="loramux-before-") as tmp:
+            workdir = Path(tmp)
+            with before_checkout(args.before, workdir) as before:
+                after = after_checkout(workdir)
+                print(
+                    f"before: {args.before} = {before.sha} (worktree {before.root}); after: "
+                    f"this checkout at {after.sha}"
+                    + (
+                        " with uncommitted changes in engine/ or kernels/" if after.modified else ""
+                    ),
+                    flush=True,
+                )
+                return run_benchmark(args, (after, before), workdir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_benchmark(args, checkouts: tuple[Checkout, ...] = (), workdir: Path | None = None) -> int:
+    """Prepare, measure, report; ``checkouts`` (after, before) with ``--before``."""
     from transformers import AutoTokenizer
 
     machine = machine_info()
@@ -594,12 +849,16 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     engine_runs, peft_runs, profile_path = measure(
-        args, model_dir, adapters, prompts, names, pad_id
+        args, model_dir, adapters, prompts, names, pad_id, checkouts, workdir
     )
-    eng = max(engine_runs, key=lambda r: r.tokens_per_s)
-    best_peft = [max(runs, key=lambda r: r.tokens_per_s) for runs in peft_runs.values()]
-    baseline = max(best_peft, key=lambda r: r.tokens_per_s)
+    after_runs = engine_runs[checkouts[0].label if checkouts else "engine"]
+    before_runs = engine_runs[checkouts[1].label] if checkouts else []
+    eng = _best(after_runs)
+    best_peft = [_best(runs) for runs in peft_runs.values()]
+    baseline = _best(best_peft)
     reported = [eng, *best_peft]  # were the figures we report taken on a busy machine?
+    if before_runs:
+        reported.append(_best(before_runs))
     max_load = max(max(r.clock.load_before, r.clock.load_after) for r in reported)
     min_cores = min(r.clock.cpu_seconds / r.seconds for r in reported)
     report = {
@@ -625,11 +884,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
         },
         "machine": machine,
-        "engine": {
-            **eng.summary(),
-            "all_runs": [_brief(r) for r in engine_runs],
-            "runs_identical": all(r.tokens == eng.tokens for r in engine_runs),
-        },
+        "engine": _engine_entry(eng, after_runs),
         "peft_runs": [
             {
                 **best.summary(),
@@ -647,6 +902,21 @@ def main(argv: list[str] | None = None) -> int:
         or min_cores < 0.75 * torch.get_num_threads(),
         "command": " ".join([".venv/bin/python", "benchmarks/engine_vs_peft.py", *sys.argv[1:]]),
     }
+    if checkouts:
+        after, before = checkouts
+        old = _best(before_runs)
+        report["engine"]["checkout"] = {
+            "head": after.sha,
+            "engine_or_kernels_modified": after.modified,
+        }
+        report["engine_before"] = {
+            **_engine_entry(old, before_runs),
+            "rev": before.rev,
+            "sha": before.sha,
+            "agreement_with_after": agreement(eng.tokens, old.tokens),
+        }
+        report["ratio_after_over_before"] = round(eng.tokens_per_s / old.tokens_per_s, 3)
+        report["engines_in"] = "worker processes (engine_vs_peft_worker.py), one per run"
     if profile_path is not None:
         report["engine_profile"] = profile_path.name
     write_atomic(args.out, json.dumps(report, indent=2) + "\n")
@@ -656,6 +926,18 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
+
+
+def _best(runs: list[RunResult]) -> RunResult:
+    return max(runs, key=lambda r: r.tokens_per_s)
+
+
+def _engine_entry(best: RunResult, runs: list[RunResult]) -> dict:
+    return {
+        **best.summary(),
+        "all_runs": [_brief(r) for r in runs],
+        "runs_identical": all(r.tokens == best.tokens for r in runs),
+    }
 
 
 if __name__ == "__main__":
