@@ -307,7 +307,7 @@ def use_triton_interpreter() -> None:
 
 
 def machine_info(device: torch.device) -> dict:
-    from loramux.kernels.dispatch import kernel_choice
+    from loramux.engine.lora.backend import select_backend
 
     info = {
         "device": "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -316,7 +316,7 @@ def machine_info(device: torch.device) -> dict:
         "triton": importlib.metadata.version("triton"),
         "python": platform.python_version(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "kernels": kernel_choice(),
+        "kernels": select_backend(device, torch.bfloat16).name,
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
     if device.type == "cuda":

@@ -184,7 +184,7 @@ def _measure_decode(case: DecodeAttentionCase, ctx: BenchContext) -> dict:
     baseline_s = None
     if _baseline_fits(kv, ctx):
         plan = plan_attention(
-            kv.table_lists, kv.context_lens, query_lens, case.block_size, ctx.device, triton=False
+            kv.table_lists, kv.context_lens, query_lens, case.block_size, ctx.device
         )
         baseline_fn = partial(
             paged_attention_reference,
@@ -256,9 +256,7 @@ def _measure_prefill(case: PrefillAttentionCase, ctx: BenchContext) -> dict:
     rows = checked * case.new_tokens
     errors = {"triton_rel_err": relative_error(triton_fn()[:rows], expected)}
     triton_s = ctx.timer.median_s(triton_fn)
-    plan = plan_attention(
-        kv.table_lists, kv.context_lens, query_lens, case.block_size, ctx.device, triton=False
-    )
+    plan = plan_attention(kv.table_lists, kv.context_lens, query_lens, case.block_size, ctx.device)
     baseline_fn = partial(
         paged_attention_reference,
         query,

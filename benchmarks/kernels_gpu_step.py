@@ -1,9 +1,9 @@
 """One full decode step of the engine's model, with LoRA on all seven modules and without.
 
 The path measured is the engine's: ``LlamaForCausalLM.forward`` over the paged KV cache,
-with a ``LoRAStep`` from ``LoRAPool.build_step`` (one ``LoRABatch`` per step, fused q/k/v
-and gate/up shrinks) and the attention plan from ``plan_attention``, as the runner
-builds them. Weights are random (no model hub; the cost is the same): allocated on the
+with the step's LoRA and attention plan from the engine's kernel backend (chosen as the
+engine chooses it: Triton on CUDA) over ``LoRAPool.step_table``, as the runner builds them
+(one ``LoRABatch`` per step, fused q/k/v and gate/up shrinks). Weights are random (no model hub; the cost is the same): allocated on the
 device in the benchmark's dtype, never initialised on the host. Every sequence has
 ``context`` tokens cached (random keys and values) and decodes one more.
 
@@ -16,7 +16,7 @@ Variants: the base step (``lora=None``), then LoRA steps with 1, ..., ``batch`` 
 adapters of rank ``rank`` (sequence i uses adapter ``i * n // batch``). Overhead =
 (LoRA step − base step) / base step; the issue's target: ≤ 15% with rank 16 and 64
 distinct adapters at batch 64. ``build_step_ms`` is the host time of the step's LoRA
-metadata (once per step, outside the forward).
+metadata (the pool's table and the backend's step, once per step, outside the forward).
 
 Floor of a step, per layer (e element size, P the layer's projection weights, B tokens,
 L = context + 1, r the rank, n distinct adapters, Σ(in + out) over the seven modules):
@@ -26,8 +26,8 @@ L = context + 1, r the rank, n distinct adapters, Σ(in + out) over the seven mo
     LoRA adds     e n r Σ(in + out) bytes      each distinct adapter's A and B rows once
                   2 B r Σ(in + out) flops
 
-Correctness: each variant's output (final hidden states) against the same forward with
-``LORAMUX_KERNELS=reference`` (torch references for every op, same dtype).
+Correctness: each variant's output (final hidden states) against the same forward on the
+torch backend (``LORAMUX_KERNELS=torch``'s ops, same dtype).
 
 The engine runs decode-only steps on its static path (``loramux.engine.static_decode``):
 the same forward over fixed buffers, replayed from a CUDA graph captured for the batch
@@ -41,11 +41,8 @@ the static path runs eagerly over its buffers.
 from __future__ import annotations
 
 import math
-import os
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,19 +53,13 @@ from kernels_gpu_timing import BenchContext, free_device_memory, relative_error,
 
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights, ModuleWeights
+from loramux.engine.lora.backend import KernelBackend, select_backend
 from loramux.engine.lora.device_arena import DeviceArena, RowLayout
 from loramux.engine.lora.pool import LoRAPool
+from loramux.engine.lora.torch_backend import TorchBackend
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import (
-    LORA_TARGETS,
-    AttentionMetadata,
-    LlamaForCausalLM,
-    LoRAStep,
-    RMSNorm,
-)
+from loramux.engine.model.llama import LORA_TARGETS, LlamaForCausalLM, RMSNorm, StepAttention
 from loramux.engine.static_decode import DecodeStep, StaticDecode
-from loramux.kernels.dispatch import KERNELS_ENV
-from loramux.kernels.paged_attention import plan_attention
 
 WEIGHT_STD = 0.02
 LORA_SCALE = 0.5
@@ -94,11 +85,22 @@ class StepCase:
 
 
 @dataclass
+class _Backend:
+    """A kernel backend and the step's attention plan built by it."""
+
+    backend: KernelBackend
+    attention: StepAttention
+
+
+@dataclass
 class _Setup:
     model: LlamaForCausalLM
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     input_ids: torch.Tensor
-    meta: AttentionMetadata
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    measured: _Backend  # the engine's choice for the device (Triton on CUDA)
+    reference: _Backend  # the torch backend, for the correctness check
     pool: LoRAPool
     static: StaticDecode  # the engine's fixed-buffer decode path over the same memory
 
@@ -153,20 +155,6 @@ def fit_layers(
     return max(0, min(requested, int((free - fixed) // per_layer)))
 
 
-@contextmanager
-def kernels_forced(choice: str) -> Iterator[None]:
-    """``LORAMUX_KERNELS=choice`` for the ops inside (the dispatch reads it on every call)."""
-    previous = os.environ.get(KERNELS_ENV)
-    os.environ[KERNELS_ENV] = choice
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[KERNELS_ENV]
-        else:
-            os.environ[KERNELS_ENV] = previous
-
-
 def build_random_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> LlamaForCausalLM:
@@ -215,20 +203,23 @@ def _setup(case: StepCase, ctx: BenchContext) -> _Setup:
     for k_cache, v_cache in arena.kv_caches:  # the contexts: blocks below the adapters' rows
         k_cache[:kv_blocks].normal_()
         v_cache[:kv_blocks].normal_()
-    plan = plan_attention(tables, context_lens, [1] * case.batch, case.block_size, ctx.device)
-    meta = AttentionMetadata(
-        positions=plan.positions,
-        slot_mapping=plan.new_token_slots,
-        block_tables=tables,
-        context_lens=context_lens,
-        query_lens=[1] * case.batch,
-        plan=plan,
-    )
+    backends = []
+    for backend in (select_backend(ctx.device, ctx.dtype), TorchBackend(ctx.device)):
+        attention = backend.plan_attention(
+            tables, context_lens, [1] * case.batch, case.block_size, ctx.device
+        )
+        backends.append(_Backend(backend, attention))
+    measured, reference = backends
+    if measured.backend.name != "triton":
+        raise RuntimeError(
+            "the step benchmark measures the Triton kernels: CUDA or the interpreter"
+        )
     input_ids = torch.randint(0, config.vocab_size, (case.batch,), device=ctx.device)
     static = StaticDecode(
         model,
         arena.kv_caches,
         pool,
+        measured.backend,
         block_size=case.block_size,
         max_context_len=case.context + 1,
         buckets=[case.batch],
@@ -236,7 +227,9 @@ def _setup(case: StepCase, ctx: BenchContext) -> _Setup:
         scratch_slot=arena.scratch_slot,
         capture=ctx.device.type == "cuda",
     )
-    return _Setup(model, arena.kv_caches, input_ids, meta, pool, static)
+    return _Setup(
+        model, arena.kv_caches, input_ids, tables, context_lens, measured, reference, pool, static
+    )
 
 
 def _arena_blocks(config: ModelConfig, block_size: int, kv_blocks: int, adapter_rows: int) -> int:
@@ -260,8 +253,15 @@ def _adapter_pool(
     return arena, LoRAPool(config, arena, kv)
 
 
-def _forward(setup: _Setup, lora: LoRAStep | None) -> torch.Tensor:
-    return setup.model(setup.input_ids, setup.meta, setup.kv_caches, lora)
+def _forward(setup: _Setup, kernels: _Backend, spans: list) -> torch.Tensor:
+    """The step's forward on ``kernels``, its LoRA built from the pool's table of ``spans``."""
+    table = setup.pool.step_table(spans) if spans else None
+    lora = None if table is None else kernels.backend.lora_step(table, setup.pool)
+    return setup.model(setup.input_ids, kernels.attention, setup.kv_caches, lora)
+
+
+def _lora_metadata(setup: _Setup, spans: list):
+    return setup.measured.backend.lora_step(setup.pool.step_table(spans), setup.pool)
 
 
 def _step_traffic(case: StepCase, adapters: int, element_size: int) -> tuple[int, int]:
@@ -278,11 +278,10 @@ def _step_traffic(case: StepCase, adapters: int, element_size: int) -> tuple[int
 
 def _graph_step(setup: _Setup, spans: list) -> DecodeStep:
     """The step as the runner hands it to the static path (host lists)."""
-    meta = setup.meta
     return DecodeStep(
         token_ids=setup.input_ids.tolist(),
-        context_lens=meta.context_lens,
-        block_tables=meta.block_tables,
+        context_lens=setup.context_lens,
+        block_tables=setup.block_tables,
         lora=setup.pool.step_table(spans) if spans else None,
     )
 
@@ -298,19 +297,16 @@ def _measure_graph(setup: _Setup, spans: list, output: torch.Tensor, ctx: BenchC
 
 
 def _measure(case: StepCase, setup: _Setup, adapters: int, base: dict, ctx: BenchContext) -> dict:
-    lora = None
     result: dict = {}
     spans: list = []
     if adapters:
         spans = grouped_spans(case.batch, 1, list(range(adapters)))
-        lora = setup.pool.build_step(spans)
-        assert lora is not None and lora.batch is not None, "the pool is not on the kernel path"
+        lora = _lora_metadata(setup, spans)
         result["kernel"] = "bgmv" if lora.batch.is_decode else "sgmv"
-        result["build_step_ms"] = _host_median_s(partial(setup.pool.build_step, spans)) * 1e3
-    output = _forward(setup, lora)
-    with kernels_forced("reference"):
-        expected = _forward(setup, lora)
-    step_s = ctx.timer.median_s(partial(_forward, setup, lora), flush_l2=False)
+        result["build_step_ms"] = _host_median_s(partial(_lora_metadata, setup, spans)) * 1e3
+    output = _forward(setup, setup.measured, spans)
+    expected = _forward(setup, setup.reference, spans)
+    step_s = ctx.timer.median_s(partial(_forward, setup, setup.measured, spans), flush_l2=False)
     num_bytes, flops = _step_traffic(case, adapters, ctx.element_size)
     floor_s = ctx.rates.floor_s(num_bytes, flops)
     result |= {

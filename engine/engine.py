@@ -32,6 +32,7 @@ from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.isolation import IsolatedStep, run_isolated
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
+from loramux.engine.lora.backend import select_backend
 from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
 from loramux.engine.lora.loader import AdapterLoader
@@ -53,7 +54,6 @@ from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
-from loramux.kernels.dispatch import use_triton_on
 
 
 class EngineError(ValueError):
@@ -94,8 +94,12 @@ class Engine:
         # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
         # The static decode path (CUDA graphs) pads its batches with rows that write to a
         # scratch block of the budget's.
+        # The kernels (Triton or torch) are chosen here, once, and handed to what runs ops.
+        self.backend = select_backend(device, dtype)
         static_decode = (
-            config.cuda_graph_max_batch > 0 and use_triton_on(device) and dtype in STATIC_DTYPES
+            config.cuda_graph_max_batch > 0
+            and self.backend.static_decode
+            and dtype in STATIC_DTYPES
         )
         scratch_blocks = 1 if static_decode else 0
         block_bytes = kv_block_bytes(self.model, config.block_size, dtype)
@@ -150,6 +154,7 @@ class Engine:
             kv_caches=self.arena.kv_caches,
             block_size=config.block_size,
             lora_pool=self.lora_pool,
+            backend=self.backend,
             sampler=Sampler(config.seed),
             block_tables=self.kv.block_table,
             static_decode=self._static_decode() if static_decode else None,
@@ -189,6 +194,7 @@ class Engine:
             self.model,
             self.arena.kv_caches,
             self.lora_pool,
+            self.backend,
             block_size=config.block_size,
             max_context_len=self.max_model_len,
             buckets=decode_buckets(min(config.cuda_graph_max_batch, config.max_num_seqs)),

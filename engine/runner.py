@@ -1,7 +1,9 @@
 """The runner executes a ``SchedulerOutput``: tensors in, sampled tokens out.
 
 It holds the model, the KV cache tensors (the device arena's, shared with the adapter
-pool), the adapter pool and the sampler; it makes no decisions. The batch is laid out in
+pool), the adapter pool, the kernel backend (chosen once by the engine: it turns the step
+into the attention plan and LoRA metadata the model takes) and the sampler; it makes no
+decisions. The batch is laid out in
 the scheduler's order (grouped by adapter), each sequence contributing the tokens
 ``[num_computed, num_computed + n)``.
 
@@ -18,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from loramux.engine.lora.backend import KernelBackend
 from loramux.engine.lora.pool import LoRAPool
-from loramux.engine.model.llama import AttentionMetadata, LlamaForCausalLM
+from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from loramux.engine.scheduler import SchedulerOutput
 from loramux.engine.static_decode import DecodeStep, StaticDecode
-from loramux.kernels.paged_attention import plan_attention
 
 
 class NonFiniteOutput(RuntimeError):
@@ -53,6 +55,7 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         lora_pool: LoRAPool,
+        backend: KernelBackend,
         sampler: Sampler,
         block_tables,  # callable: request_id -> list[int]
         static_decode: StaticDecode | None = None,
@@ -60,6 +63,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.lora_pool = lora_pool
+        self.backend = backend
         self.sampler = sampler
         self._block_table = block_tables
         param = next(model.parameters())
@@ -158,15 +162,10 @@ class ModelRunner:
 
     def _forward(self, input_ids, tables, context_lens, query_lens, spans) -> torch.Tensor:
         """The step's hidden states over tensors built for it (any mix of tokens)."""
-        plan = plan_attention(tables, context_lens, query_lens, self.block_size, self.device)
-        meta = AttentionMetadata(
-            positions=plan.positions,
-            slot_mapping=plan.new_token_slots,
-            block_tables=tables,
-            context_lens=context_lens,
-            query_lens=query_lens,
-            plan=plan,
+        attention = self.backend.plan_attention(
+            tables, context_lens, query_lens, self.block_size, self.device
         )
-        lora = self.lora_pool.build_step(spans)
+        table = self.lora_pool.step_table(spans)
+        lora = None if table is None else self.backend.lora_step(table, self.lora_pool)
         input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return self.model(input_tensor, meta, self.kv_caches, lora)
+        return self.model(input_tensor, attention, self.kv_caches, lora)

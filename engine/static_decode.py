@@ -21,27 +21,25 @@ the engine starts and replayed: a small model is otherwise bound by its ~15 laun
 layer. Without CUDA (Triton's interpreter, in tests) the same forward runs eagerly over
 the same buffers.
 
-Only the Triton path can be static (its decode attention reads block tables and lengths
-on the device; the references size their work on the host), so the engine builds this
-only when the Triton kernels serve its device.
+Only the Triton backend can be static (its decode attention reads block tables and
+lengths on the device; the torch one sizes its work on the host), so the engine builds
+this only with that backend, which binds the buffers into the model's step objects.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from loramux.engine.model.llama import (
-    LORA_TARGETS,
-    AttentionMetadata,
-    LlamaForCausalLM,
-    LoRAStep,
-    LoRAWeightSource,
-)
+from loramux.engine.model.llama import LORA_TARGETS, LlamaForCausalLM, LoRAWeightSource
 from loramux.kernels.lora_batch import LoRABatch, LoRATable
 from loramux.kernels.paged_attention import static_decode_plan
+
+if TYPE_CHECKING:  # the engine builds this only with the Triton backend, which imports triton
+    from loramux.engine.lora.triton_backend import TritonBackend
 
 STATIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -76,6 +74,7 @@ class StaticDecode:
         model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         pools: LoRAWeightSource,
+        backend: TritonBackend,
         *,
         block_size: int,
         max_context_len: int,
@@ -85,6 +84,7 @@ class StaticDecode:
         capture: bool,
     ):
         self.model, self.kv_caches, self.pools = model, kv_caches, pools
+        self.backend = backend
         self.block_size = block_size
         self.max_context_len = max_context_len
         self.max_rank = max_rank
@@ -194,14 +194,7 @@ class StaticDecode:
             self._seqs[0, :bucket],
             self.max_context_len,
         )
-        meta = AttentionMetadata(
-            positions=plan.positions,
-            slot_mapping=plan.new_token_slots,
-            block_tables=[],  # the plan's tables serve the kernels
-            context_lens=[],
-            query_lens=[],
-            plan=plan,
-        )
+        attention = self.backend.bind_attention(plan)
         lora = None
         if with_lora:
             batch = LoRABatch.per_token(
@@ -210,8 +203,8 @@ class StaticDecode:
                 self._lora_rank[:, :bucket],
                 self._lora_scale[:, :bucket],
             )
-            lora = LoRAStep(pools=self.pools, segments={}, max_rank={}, batch=batch)
-        return self.model(self._tokens[0, :bucket], meta, self.kv_caches, lora)
+            lora = self.backend.bind_lora(batch, self.pools)
+        return self.model(self._tokens[0, :bucket], attention, self.kv_caches, lora)
 
     def _capture_all(self) -> None:
         """One graph per (bucket, with LoRA or not), largest first, sharing one memory pool.

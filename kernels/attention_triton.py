@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loramux.kernels.paged_attention import TritonAttentionPlan
+
 # Decode: each split covers at least this many tokens, so short contexts run unsplit
 # (no scratch, no second kernel) and a split amortizes its partial write-out.
 MIN_SPLIT_TOKENS = 256
@@ -594,3 +596,43 @@ def paged_prefill_attention(
         num_warps=4 if d_pad <= 64 else 8,
     )
     return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], new tokens already written
+    v_cache: torch.Tensor,
+    plan: TritonAttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """A whole step: its decode rows by the split-context decode kernel, its prefilling
+    sequences by the prefill kernel, each over its own sub-batch of ``plan``; together
+    they cover every row exactly once."""
+    out = None
+    if plan.num_decodes:
+        pure = plan.num_prefills == 0  # the hot path: the decode rows are the batch, in order
+        decoded = paged_decode_attention(
+            query if pure else query.index_select(0, plan.decode_rows),
+            k_cache,
+            v_cache,
+            plan.decode_block_tables,
+            plan.decode_context_lens,
+            scale,
+            max_context_len=plan.decode_max_context_len,
+        )
+        if pure:
+            return decoded
+        out = torch.empty_like(query)
+        out.index_copy_(0, plan.decode_rows, decoded)
+    return paged_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        plan.prefill_block_tables,
+        plan.prefill_context_lens,
+        plan.prefill_query_starts,
+        scale,
+        plan.prefill_max_query_len,
+        query_ends=plan.prefill_query_ends,
+        out=out,  # None: a new tensor
+    )

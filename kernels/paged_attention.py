@@ -12,14 +12,11 @@ Semantics (per sequence s with ``L_s`` tokens of context after this step, whose 
 with ``p_i = L_s - n_s + i`` (causal, bottom-right aligned: new tokens see the whole
 cached prefix). Decode is the case ``n_s = 1``. Accumulation in float32.
 
-Dispatch (:func:`paged_attention`): CUDA tensors in float16/bfloat16/float32 go to the Triton
-kernels of :mod:`loramux.kernels.attention_triton` (imported only then) unless
-``LORAMUX_KERNELS=reference``; everything else to :func:`paged_attention_reference` (see
-:mod:`loramux.kernels.dispatch`).
-On the Triton path the decode sequences (``n_s = 1``, rows ``plan.decode_rows``) run the
-split-context decode kernel and the others the prefill kernel (or, with
-``TRITON_PREFILL = False``, the per-sequence SDPA of the reference), each over its own
-sub-batch of the step; together they cover every row exactly once.
+Each implementation has its own plan, built once per step and shared by every layer:
+:class:`AttentionPlan` for the torch implementation here (:func:`attend_reference`),
+:class:`TritonAttentionPlan` for the Triton kernels of
+:mod:`loramux.kernels.attention_triton`. The engine's backend picks one pair once; no op
+here chooses between them.
 """
 
 from __future__ import annotations
@@ -29,12 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loramux.kernels.dispatch import use_triton, use_triton_on
-
-# Prefill chunks on CUDA: True runs the Triton prefill kernel, False the reference's
-# per-sequence masked SDPA (decodes stay on Triton either way). A benchmark decides.
-TRITON_PREFILL = True
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def write_kv(
@@ -50,16 +42,36 @@ def write_kv(
 
 
 @dataclass(frozen=True)
-class TritonAttentionPlan:
-    """The step's sub-batches as the Triton kernels take them (int32, on the device).
+class AttentionPlan:
+    """The torch implementation's per-step indices (built once, shared by every layer).
 
-    Decode sequences (one new token) in batch order, their query rows being
-    ``AttentionPlan.decode_rows``; prefilling sequences (``n_s > 1``) in batch order,
-    sequence p owning query rows ``prefill_query_starts[p] .. prefill_query_ends[p] - 1``.
-    When a step is all decodes or all prefills, the tensors are the whole batch's.
-    The maxima are host ints so launches never read the device back.
+    Decode tokens (one query each) are attended in one batched call over their
+    contexts padded to the longest; prefill chunks one sequence at a time.
     """
 
+    positions: torch.Tensor  # [T] absolute position of every new token
+    new_token_slots: torch.Tensor  # [T] flat cache slot each new token's KV is written to
+    decode_rows: torch.Tensor  # [B] token rows of the decode queries
+    decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (block 0 past its end)
+    decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
+    # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TritonAttentionPlan:
+    """The Triton kernels' per-step tables (int32, on the device).
+
+    Decode sequences (one new token) in batch order, their query rows being
+    ``decode_rows``; prefilling sequences (``n_s > 1``) in batch order, sequence p owning
+    query rows ``prefill_query_starts[p] .. prefill_query_ends[p] - 1``. When a step is
+    all decodes or all prefills, the tensors are the whole batch's. The maxima are host
+    ints so launches never read the device back.
+    """
+
+    positions: torch.Tensor  # [T] int64 absolute position of every new token
+    new_token_slots: torch.Tensor  # [T] int64 flat cache slot of every new token
+    decode_rows: torch.Tensor  # [B] int64 token rows of the decode queries
     decode_block_tables: torch.Tensor  # [B, max_blocks] int32 (0-padded)
     decode_context_lens: torch.Tensor  # [B] int32 L_s
     decode_max_context_len: int
@@ -78,35 +90,13 @@ class TritonAttentionPlan:
         return self.prefill_context_lens.shape[0]
 
 
-@dataclass(frozen=True)
-class AttentionPlan:
-    """Per-step indices shared by every layer (built once by the runner).
-
-    Decode tokens (one query each) are attended in one batched call over their
-    contexts padded to the longest; prefill chunks one sequence at a time.
-    """
-
-    positions: torch.Tensor  # [T] absolute position of every new token
-    new_token_slots: torch.Tensor  # [T] flat cache slot each new token's KV is written to
-    decode_rows: torch.Tensor  # [B] token rows of the decode queries
-    decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (block 0 past its end)
-    decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
-    # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence
-    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    # Built only for the Triton path (CUDA, references not forced): the CPU path pays nothing.
-    triton: TritonAttentionPlan | None = None
-    # A plan over fixed buffers refilled every step (``static_decode_plan``): only its
-    # Triton tables are valid, so the reference refuses it.
-    static: bool = False
-
-
 def static_decode_plan(
     positions: torch.Tensor,  # [B] int64
     new_token_slots: torch.Tensor,  # [B] int64
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32; 0 for a padding row
     max_context_len: int,  # a bound on every L_s (the context cap)
-) -> AttentionPlan:
+) -> TritonAttentionPlan:
     """A decode-only plan over the caller's fixed device buffers (the CUDA-graph path).
 
     The buffers are refilled before every replay, so nothing here reads them: the Triton
@@ -115,25 +105,19 @@ def static_decode_plan(
     """
     batch = context_lens.shape[0]
     rows = torch.arange(batch, dtype=torch.long, device=context_lens.device)
-    none = block_tables[:0]
-    return AttentionPlan(
+    none = context_lens[:0]
+    return TritonAttentionPlan(
         positions=positions,
         new_token_slots=new_token_slots,
         decode_rows=rows,
-        decode_slots=rows[:0, None],
-        decode_mask=rows[:0, None, None, None] > 0,
-        prefill=[],
-        triton=TritonAttentionPlan(
-            decode_block_tables=block_tables,
-            decode_context_lens=context_lens,
-            decode_max_context_len=max_context_len,
-            prefill_block_tables=none,
-            prefill_context_lens=context_lens[:0],
-            prefill_query_starts=context_lens[:0],
-            prefill_query_ends=context_lens[:0],
-            prefill_max_query_len=0,
-        ),
-        static=True,
+        decode_block_tables=block_tables,
+        decode_context_lens=context_lens,
+        decode_max_context_len=max_context_len,
+        prefill_block_tables=block_tables[:0],
+        prefill_context_lens=none,
+        prefill_query_starts=none,
+        prefill_query_ends=none,
+        prefill_max_query_len=0,
     )
 
 
@@ -146,16 +130,21 @@ def flat_slots(
     return tables.gather(-1, positions // block_size) * block_size + positions % block_size
 
 
-def plan_attention(
-    block_tables: list[list[int]],
-    context_lens: list[int],
-    query_lens: list[int],
-    block_size: int,
-    device: torch.device,
-    triton: bool | None = None,
-) -> AttentionPlan:
-    """Indices for one step. ``triton`` (default: CUDA device and references not forced)
-    also builds :class:`TritonAttentionPlan`."""
+@dataclass(frozen=True)
+class _StepRows:
+    """What both plans start from: the step's tables and where its new tokens go."""
+
+    tables: torch.Tensor  # [S, max_blocks] int64 (0-padded)
+    ctx: torch.Tensor  # [S] int64 L_s
+    n_new: torch.Tensor  # [S] int64 n_s
+    ends: torch.Tensor  # [S] int64 one past each sequence's last row
+    positions: torch.Tensor  # [T] int64
+    new_token_slots: torch.Tensor  # [T] int64
+    decode: torch.Tensor  # [B] int64 indices of the decode sequences
+    longest_decode: int  # max L_s over the decode sequences (0 without any)
+
+
+def _step_rows(block_tables, context_lens, query_lens, block_size, device) -> _StepRows:
     long = {"dtype": torch.long, "device": device}
     num_seqs = len(block_tables)
     width = max((len(t) for t in block_tables), default=0) or 1
@@ -171,13 +160,27 @@ def plan_attention(
     row = torch.arange(total, **long)
     positions = (ctx - ends)[seq_of_row] + row
     new_token_slots = flat_slots(tables[seq_of_row], positions[:, None], block_size)[:, 0]
-
     is_decode = [n == 1 for n in query_lens]
     decode = torch.tensor([i for i, d in enumerate(is_decode) if d], **long)
     longest = max((c for c, d in zip(context_lens, is_decode, strict=True) if d), default=0)
-    span = torch.arange(longest, **long)
-    decode_slots = flat_slots(tables[decode], span.expand(len(decode), longest), block_size)
-    decode_mask = span[None, :] < ctx[decode][:, None]
+    return _StepRows(tables, ctx, n_new, ends, positions, new_token_slots, decode, longest)
+
+
+def plan_attention(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionPlan:
+    """The torch implementation's indices for one step."""
+    long = {"dtype": torch.long, "device": device}
+    step = _step_rows(block_tables, context_lens, query_lens, block_size, device)
+    span = torch.arange(step.longest_decode, **long)
+    decode_slots = flat_slots(
+        step.tables[step.decode], span.expand(len(step.decode), step.longest_decode), block_size
+    )
+    decode_mask = span[None, :] < step.ctx[step.decode][:, None]
 
     prefill = []
     first_row = 0
@@ -188,40 +191,33 @@ def plan_attention(
         if n == 1:
             continue
         keys = torch.arange(ctx_len, **long)
-        slots = flat_slots(tables[i, :table_len], keys, block_size)
+        slots = flat_slots(step.tables[i, :table_len], keys, block_size)
         # Causal, bottom-right aligned: query j (position ctx - n + j) sees keys <= it.
         causal = keys[ctx_len - n :, None] >= keys[None, :]
         prefill.append((first_row - n, n, slots, causal))
-
-    if triton is None:
-        triton = use_triton_on(device)
-    triton_plan = None
-    if triton:
-        triton_plan = _triton_plan(tables, ctx, n_new, ends, decode, longest, query_lens)
     return AttentionPlan(
-        positions=positions,
-        new_token_slots=new_token_slots,
-        decode_rows=ends[decode] - 1,
+        positions=step.positions,
+        new_token_slots=step.new_token_slots,
+        decode_rows=step.ends[step.decode] - 1,
         decode_slots=decode_slots,
         decode_mask=decode_mask[:, None, None, :],
         prefill=prefill,
-        triton=triton_plan,
     )
 
 
-def _triton_plan(
-    tables: torch.Tensor,  # [S, max_blocks] int64
-    ctx: torch.Tensor,  # [S] int64 L_s
-    n_new: torch.Tensor,  # [S] int64 n_s
-    ends: torch.Tensor,  # [S] int64 cumulative n_s: one past each sequence's last row
-    decode: torch.Tensor,  # [B] int64 indices of the decode sequences
-    decode_max_context_len: int,
+def plan_attention_triton(
+    block_tables: list[list[int]],
+    context_lens: list[int],
     query_lens: list[int],
+    block_size: int,
+    device: torch.device | str,
 ) -> TritonAttentionPlan:
-    """Sub-batches for the kernels: a few small device ops, aliases when the step is uniform."""
-    tables32, ctx32, ends32 = tables.int(), ctx.int(), ends.int()
-    starts32 = ends32 - n_new.int()
-    num_decodes = decode.shape[0]
+    """The Triton kernels' tables for one step: a few small device ops, aliases of the
+    whole batch's tensors when the step is uniform."""
+    step = _step_rows(block_tables, context_lens, query_lens, block_size, device)
+    tables32, ctx32, ends32 = step.tables.int(), step.ctx.int(), step.ends.int()
+    starts32 = ends32 - step.n_new.int()
+    num_decodes = step.decode.shape[0]
     if num_decodes == len(query_lens):  # all decodes
         dec_tables, dec_ctx = tables32, ctx32
         pre_tables, pre_ctx, pre_starts, pre_ends = tables32[:0], ctx32[:0], ends32[:0], ends32[:0]
@@ -230,15 +226,18 @@ def _triton_plan(
         pre_tables, pre_ctx, pre_starts, pre_ends = tables32, ctx32, starts32, ends32
     else:
         prefill = torch.tensor(
-            [i for i, n in enumerate(query_lens) if n != 1], dtype=torch.long, device=ctx.device
+            [i for i, n in enumerate(query_lens) if n != 1], dtype=torch.long, device=device
         )
-        dec_tables, dec_ctx = tables32[decode], ctx32[decode]
+        dec_tables, dec_ctx = tables32[step.decode], ctx32[step.decode]
         pre_tables, pre_ctx = tables32[prefill], ctx32[prefill]
         pre_starts, pre_ends = starts32[prefill], ends32[prefill]
     return TritonAttentionPlan(
+        positions=step.positions,
+        new_token_slots=step.new_token_slots,
+        decode_rows=step.ends[step.decode] - 1,
         decode_block_tables=dec_tables,
         decode_context_lens=dec_ctx,
-        decode_max_context_len=decode_max_context_len,
+        decode_max_context_len=step.longest_decode,
         prefill_block_tables=pre_tables,
         prefill_context_lens=pre_ctx,
         prefill_query_starts=pre_starts,
@@ -257,16 +256,23 @@ def paged_attention_reference(
     scale: float,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Torch reference: batched SDPA for decodes, masked SDPA per prefilling sequence."""
-    if plan is not None and plan.static:
-        raise ValueError(
-            "a static decode plan (fixed buffers for CUDA graphs) runs on the Triton kernels "
-            "only; build the step's plan with plan_attention for the reference"
-        )
+    """The definition: the module docstring's maths over plain per-sequence lists."""
     if plan is None:
         plan = plan_attention(
-            block_tables, context_lens, query_lens, k_cache.shape[1], query.device, triton=False
+            block_tables, context_lens, query_lens, k_cache.shape[1], query.device
         )
+    return attend_reference(query, k_cache, v_cache, plan, scale)
+
+
+def attend_reference(
+    query: torch.Tensor,  # [T, q_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [T, q_heads, head_dim]
+    """The torch implementation: batched SDPA for decodes, masked SDPA per prefilling
+    sequence."""
     out = torch.empty_like(query)
     _reference_decodes(query, k_cache, v_cache, plan, scale, out)
     _reference_prefills(query, k_cache, v_cache, plan, scale, out)
@@ -308,73 +314,3 @@ def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)
         out[first : first + n_new] = attn.reshape(n_new, q_heads, head_dim)
-
-
-def paged_attention(
-    query: torch.Tensor,  # [T, q_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: list[list[int]],
-    context_lens: list[int],
-    query_lens: list[int],
-    scale: float,
-    plan: AttentionPlan | None = None,
-) -> torch.Tensor:
-    """The public op: the module docstring's maths, by Triton on CUDA, else the reference.
-
-    ``plan`` (built once per step by the runner) is rebuilt here when missing, or when it
-    lacks the Triton sub-batches the chosen path needs.
-    """
-    triton_ok = use_triton(query) and query.dtype in _TRITON_DTYPES
-    if not triton_ok or k_cache.dtype not in _TRITON_DTYPES:
-        return paged_attention_reference(
-            query, k_cache, v_cache, block_tables, context_lens, query_lens, scale, plan
-        )
-    # Imported here so CPU-only installs never import triton.
-    from loramux.kernels import attention_triton
-
-    if plan is None or plan.triton is None:
-        plan = plan_attention(
-            block_tables, context_lens, query_lens, k_cache.shape[1], query.device, triton=True
-        )
-    sub = plan.triton
-    assert sub is not None
-    if sub.num_prefills == 0:  # pure decode step (the hot path): rows are the batch, in order
-        return attention_triton.paged_decode_attention(
-            query,
-            k_cache,
-            v_cache,
-            sub.decode_block_tables,
-            sub.decode_context_lens,
-            scale,
-            max_context_len=sub.decode_max_context_len,
-        )
-    out = torch.empty_like(query)
-    if sub.num_decodes:
-        rows = plan.decode_rows
-        decoded = attention_triton.paged_decode_attention(
-            query.index_select(0, rows),
-            k_cache,
-            v_cache,
-            sub.decode_block_tables,
-            sub.decode_context_lens,
-            scale,
-            max_context_len=sub.decode_max_context_len,
-        )
-        out.index_copy_(0, rows, decoded)
-    if TRITON_PREFILL:
-        attention_triton.paged_prefill_attention(
-            query,
-            k_cache,
-            v_cache,
-            sub.prefill_block_tables,
-            sub.prefill_context_lens,
-            sub.prefill_query_starts,
-            scale,
-            sub.prefill_max_query_len,
-            query_ends=sub.prefill_query_ends,
-            out=out,
-        )
-    else:
-        _reference_prefills(query, k_cache, v_cache, plan, scale, out)
-    return out

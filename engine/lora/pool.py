@@ -20,16 +20,17 @@ at the lowest occupied row) and moves the KV limit itself:
 * ``unload`` and evictions shrink the region to the lowest occupied row: KV gets the memory
   back at once. ``release_for_kv`` compacts and evicts on KV's behalf.
 * A *pinned* adapter (in use by a running request; pins are counted) is never evicted or
-  moved. Moving an idle one is safe: rows are looked up afresh by ``build_step`` every step.
-* Recency counts steps: each ``build_step`` starts a new step and marks its adapters used;
+  moved. Moving an idle one is safe: rows are looked up afresh by ``step_table`` every step,
+  and ``weights_version`` changes with every write or move, so a backend that copied rows
+  (the torch backend's stacks) knows its copy is stale.
+* Recency counts steps: each ``step_table`` starts a new step and marks its adapters used;
   a load, ``touch``, ``pin`` and ``unpin`` mark the current step. Adapters last used in the
   same step are equally recent, and the larger is evicted first (it frees more rows). So a
   caller that loads several adapters for the same step pins each one it needs before loading
   the next.
 
-Every row inside the region holds finite values (each adapter's rows are zeroed before its
-weights are written, and a row only enters the region by being claimed): the masked-dense
-form multiplies the span's unused rows by zero, which must give zero.
+Each adapter's rows are zeroed before its weights are written, so a module or layer it
+does not target, and a module's rows past its own rank, read as zeros.
 """
 
 from __future__ import annotations
@@ -44,16 +45,10 @@ from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights
 from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import LORA_TARGETS, LoRASegment, LoRAStep, LoRAWeightSource
-from loramux.kernels.dispatch import use_triton_on
-from loramux.kernels.lora import LoRADenseBatch
+from loramux.engine.model.llama import LORA_TARGETS
 from loramux.kernels.lora_batch import LoRATable
 
-__all__ = ["DENSE_MAX_ROWS", "LoRAPool", "PoolFull", "ResidentAdapter"]
-
-# The masked-dense form computes every token against every row of the step's span:
-# worth it while the span is small (CPU, a few dozen adapters of modest rank).
-DENSE_MAX_ROWS = 512
+__all__ = ["LoRAPool", "PoolFull", "ResidentAdapter"]
 
 
 class PoolFull(RuntimeError):
@@ -73,8 +68,9 @@ class ResidentAdapter:
         return self.row_start + self.num_rows
 
 
-class LoRAPool(LoRAWeightSource):
-    """Adapter residency in the arena's rows, and per-step LoRA metadata. See the module doc.
+class LoRAPool:
+    """Adapter residency in the arena's rows, and each step's table of them (a
+    ``LoRAWeightSource`` for the kernel backends). See the module doc.
 
     ``max_rows`` caps the region (the rows adapters may take from the shared memory);
     None leaves only KV's floor (``kv.min_limit``) as the bound. ``on_evict(adapter_id)`` is
@@ -115,10 +111,10 @@ class LoRAPool(LoRAWeightSource):
         self._resident: dict[int, ResidentAdapter] = {}
         self._pins: dict[int, int] = {}  # adapter id -> running users (absent: 0)
         self._last_use: dict[int, int] = {}  # adapter id -> step of its last use
-        self._step = 0  # recency counts steps: build_step starts a new one
+        self._step = 0  # recency counts steps: step_table starts a new one
         self.evictions = 0
         self.on_evict: Callable[[int], None] | None = None
-        self._triton = use_triton_on(self._device)
+        self.weights_version = 0  # bumped by every write or move of rows
 
     # --- LoRAWeightSource ------------------------------------------------------
     def a_pool(self, layer: int, module: str) -> torch.Tensor:
@@ -289,54 +285,11 @@ class LoRAPool(LoRAWeightSource):
         return self._kv.limit - before
 
     # --- step metadata ---------------------------------------------------------
-    def build_step(self, spans: list[tuple[int, int, int | None]]) -> LoRAStep | None:
-        """LoRA metadata for a batch whose tokens [start, end) use adapter ids (or None).
-
-        Per module, either segments (one matmul pair per adapter) or, when the step's
-        adapters sit in a short span of rows, the masked-dense form (a fixed number of
-        ops whatever the adapter count): see ``loramux.kernels.lora``. Each call is a new
-        step for LRU recency, in which the spans' adapters are used.
-        """
-        used = self._mark_used(spans)
-        if not used:
-            return None
-        if self._triton:
-            batch = self._kernel_table(spans).to_batch(self._device)
-            return LoRAStep(pools=self, segments={}, max_rank={}, batch=batch)
-        segments: dict[str, list[LoRASegment]] = {}
-        max_rank: dict[str, int] = {}
-        for start, end, resident in used:
-            for module, (rank, scale) in resident.modules.items():
-                segments.setdefault(module, []).append(
-                    LoRASegment(
-                        start=start,
-                        end=end,
-                        rows=resident.rows[:rank],
-                        rank=rank,
-                        scale=scale,
-                        contiguous_start=resident.row_start,
-                    )
-                )
-                max_rank[module] = max(max_rank.get(module, 0), rank)
-        dense = {}
-        if self._device.type == "cpu" and len(used) > 1:
-            num_tokens = spans[-1][1]
-            # Modules with the same segments (an adapter targeting several modules) share
-            # one batch: the mask and scales depend on the segments only.
-            built: dict[tuple, LoRADenseBatch | None] = {}
-            for module, module_segments in segments.items():
-                key = tuple(
-                    (s.start, s.end, s.contiguous_start, s.rank, s.scale) for s in module_segments
-                )
-                if key not in built:
-                    built[key] = self._dense_batch(module_segments, num_tokens)
-                if built[key] is not None:
-                    dense[module] = built[key]
-        return LoRAStep(pools=self, segments=segments, max_rank=max_rank, dense=dense)
-
     def step_table(self, spans: list[tuple[int, int, int | None]]) -> LoRATable | None:
-        """The step's adapters as a host table (None without any), for a caller that fills
-        its own device buffers (the static decode path); a new step, like ``build_step``."""
+        """The step's adapters as a host table (None without any): tokens ``[start, end)``
+        of each span use adapter id ``a`` (or None). Each call is a new step for LRU
+        recency, in which the spans' adapters are used. The kernel backend turns the table
+        into its own metadata; the static decode path copies it into its buffers."""
         return self._kernel_table(spans) if self._mark_used(spans) else None
 
     def _mark_used(self, spans: list[tuple[int, int, int | None]]) -> list:
@@ -363,19 +316,6 @@ class LoRAPool(LoRAWeightSource):
             scales=[[scale for _, scale in per_adapter] for per_adapter in modules],
             num_tokens=spans[-1][1] if spans else 0,
         )
-
-    def _dense_batch(self, segments: list[LoRASegment], num_tokens: int) -> LoRADenseBatch | None:
-        first = min(seg.contiguous_start for seg in segments)
-        last = max(seg.contiguous_start + seg.rank for seg in segments)
-        if last - first > DENSE_MAX_ROWS:
-            return None
-        mask = torch.zeros(num_tokens, last - first, dtype=self._dtype, device=self._device)
-        scale = torch.zeros(num_tokens, 1, dtype=self._dtype, device=self._device)
-        for seg in segments:
-            row = seg.contiguous_start - first
-            mask[seg.start : seg.end, row : row + seg.rank] = 1
-            scale[seg.start : seg.end] = seg.scale
-        return LoRADenseBatch(row_start=first, row_end=last, mask=mask, scale=scale)
 
     # --- internals -------------------------------------------------------------
     def _require(self, adapter_id: int) -> None:
@@ -443,6 +383,7 @@ class LoRAPool(LoRAWeightSource):
                 new_start = end - resident.num_rows
                 if end - start >= resident.num_rows and new_start > resident.row_start:
                     self._arena.move_rows(resident.row_start, new_start, resident.num_rows)
+                    self.weights_version += 1
                     self._resident[adapter_id] = replace(
                         resident,
                         row_start=new_start,
@@ -483,6 +424,7 @@ class LoRAPool(LoRAWeightSource):
     def _write(self, start: int, weights: LoRAWeights) -> None:
         """Zero the rows (modules and layers the adapter skips stay zero), then write A and
         B^T of each module's layers into them."""
+        self.weights_version += 1
         with self._copy_stream_context():
             self._arena.zero_rows(start, start + weights.rank)
             for module, mw in weights.modules.items():

@@ -1,15 +1,17 @@
 """The engine's own Llama-family decoder, running over the paged KV cache.
 
-Tokens of every sequence in the step are flattened into one ``[T, hidden]`` batch;
-attention reads and writes the paged cache through ``loramux.kernels``; every
-projection can carry LoRA deltas for the step's adapters (``LoRAStep``). The maths
-follows transformers' Llama (RMSNorm in float32, RoPE, GQA, SwiGLU) so that logits
-match it on the CPU.
+Tokens of every sequence in the step are flattened into one ``[T, hidden]`` batch. The
+step comes with two objects built by the engine's kernel backend
+(``loramux.engine.lora.backend``), which the model uses without knowing their kind:
+:class:`StepAttention` (where the new tokens go in the paged cache, and attention over
+it) and, when some token uses an adapter, :class:`StepLoRA` (one call per projection
+group adds the step's LoRA deltas). The maths follows transformers' Llama (RMSNorm in
+float32, RoPE, GQA, SwiGLU) so that logits match it on the CPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,57 +19,53 @@ from torch import nn
 
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.rope import RotaryEmbedding, apply_rotary
-from loramux.kernels.lora import (
-    LoRADenseBatch,
-    LoRASegment,
-    lora_dense,
-    lora_expand,
-    lora_expand_slices,
-    lora_shrink,
-    lora_shrink_slices,
-)
-from loramux.kernels.lora_batch import LoRABatch
-from loramux.kernels.paged_attention import AttentionPlan, paged_attention, write_kv
+from loramux.kernels.paged_attention import write_kv
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QKV = ("q_proj", "k_proj", "v_proj")  # projections of the same input, consecutive slices
+# Projections of the same input, consecutive in LORA_TARGETS (the LoRA tables' slices).
+QKV = ("q_proj", "k_proj", "v_proj")
+O_PROJ = ("o_proj",)
 GATE_UP = ("gate_proj", "up_proj")
+DOWN = ("down_proj",)
+PROJECTION_GROUPS = (QKV, O_PROJ, GATE_UP, DOWN)
 
 
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go in the paged cache (built by the runner)."""
+class StepAttention(Protocol):
+    """A step's attention: its new tokens' positions and cache slots, and the op."""
 
     positions: torch.Tensor  # [T] int64 absolute positions
-    slot_mapping: torch.Tensor  # [T] int64 flat cache slot per token
-    block_tables: list[list[int]]  # per sequence
-    context_lens: list[int]  # per sequence: tokens of context after this step
-    query_lens: list[int]  # per sequence: tokens computed in this step
-    plan: AttentionPlan | None = None  # gather indices shared by all layers (built once)
+    new_token_slots: torch.Tensor  # [T] int64 flat cache slot per token
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [T, heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, heads, head_dim]
 
 
-class LoRAWeightSource:
-    """What the model needs from the adapter pool: per (layer, module) row pools."""
+class StepLoRA(Protocol):
+    """A step's adapters, bound to the pools holding their weights."""
 
-    def a_pool(self, layer: int, module: str) -> torch.Tensor:  # [R, in]
-        raise NotImplementedError
+    def add(
+        self,
+        x: torch.Tensor,  # [T, in], the group's shared input
+        outs: list[torch.Tensor],  # per module of the group [T, out_m], updated in place
+        layer: int,
+        modules: tuple[str, ...],  # one of PROJECTION_GROUPS
+    ) -> None: ...
 
-    def b_pool(self, layer: int, module: str) -> torch.Tensor:  # [R, out]
-        raise NotImplementedError
 
+class LoRAWeightSource(Protocol):
+    """What a backend reads adapters from: per (layer, module) row pools, and a version
+    that changes whenever any row's contents change (loads, moves)."""
 
-@dataclass
-class LoRAStep:
-    """This step's adapters: segments per target module, and the pools to read."""
+    weights_version: int
 
-    pools: LoRAWeightSource
-    segments: dict[str, list[LoRASegment]]  # module -> segments whose adapter targets it
-    max_rank: dict[str, int]  # module -> largest rank among its segments
-    # module -> the same batch in masked-dense form, where that is cheaper (CPU)
-    dense: dict[str, LoRADenseBatch] = field(default_factory=dict)
-    # The Triton path: the whole step as one table whose slices are LORA_TARGETS in order
-    # (then ``segments`` and ``dense`` are empty).
-    batch: LoRABatch | None = None
+    def a_pool(self, layer: int, module: str) -> torch.Tensor: ...  # [R, in]
+
+    def b_pool(self, layer: int, module: str) -> torch.Tensor: ...  # [R, out]
 
 
 class RMSNorm(nn.Module):
@@ -84,55 +82,17 @@ class RMSNorm(nn.Module):
 
 
 def _project(
-    x: torch.Tensor, linear: nn.Linear, layer: int, module: str, lora: LoRAStep | None
-) -> torch.Tensor:
-    """``linear(x)`` plus, per segment, ``scale * (x @ A^T) @ B^T`` of its adapter."""
-    return _project_group(x, (linear,), layer, (module,), lora)[0]
-
-
-def _project_group(
     x: torch.Tensor,
     linears: tuple[nn.Linear, ...],
     layer: int,
     modules: tuple[str, ...],
-    lora: LoRAStep | None,
+    lora: StepLoRA | None,
 ) -> list[torch.Tensor]:
-    """``_project`` of several projections of the same ``x`` (q/k/v, gate/up).
-
-    On the Triton path their LoRA shrinks are one launch over all slices (x is read once);
-    each output then takes its own expand. Elsewhere, one ``_project_one`` each.
-    """
-    if lora is None or lora.batch is None:
-        return [
-            _project_one(x, lin, layer, m, lora) for lin, m in zip(linears, modules, strict=True)
-        ]
+    """``linear(x)`` of each projection of the group, plus its LoRA deltas."""
     outs = [F.linear(x, linear.weight, linear.bias) for linear in linears]
-    first = LORA_TARGETS.index(modules[0])
-    pools = lora.pools
-    y = lora_shrink_slices(
-        x, [pools.a_pool(layer, m) for m in modules], lora.batch, first_slice=first
-    )
-    for s, (out, module) in enumerate(zip(outs, modules, strict=True)):
-        b_pool = pools.b_pool(layer, module)
-        lora_expand_slices(out, y[s : s + 1], [b_pool], [0], lora.batch, first_slice=first + s)
-    return outs
-
-
-def _project_one(
-    x: torch.Tensor, linear: nn.Linear, layer: int, module: str, lora: LoRAStep | None
-) -> torch.Tensor:
-    out = F.linear(x, linear.weight, linear.bias)
     if lora is not None:
-        dense = lora.dense.get(module)
-        if dense is not None:
-            a_pool, b_pool = lora.pools.a_pool(layer, module), lora.pools.b_pool(layer, module)
-            lora_dense(x, out, a_pool, b_pool, dense)
-            return out
-        segments = lora.segments.get(module)
-        if segments:
-            y = lora_shrink(x, lora.pools.a_pool(layer, module), segments, lora.max_rank[module])
-            lora_expand(out, y, lora.pools.b_pool(layer, module), segments)
-    return out
+        lora.add(x, outs, layer, modules)
+    return outs
 
 
 class LlamaAttention(nn.Module):
@@ -148,25 +108,16 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, lora):
+    def forward(self, x, cos, sin, attention: StepAttention, kv_cache, lora):
         tokens = x.shape[0]
-        q, k, v = _project_group(x, (self.q_proj, self.k_proj, self.v_proj), self.layer, QKV, lora)
+        q, k, v = _project(x, (self.q_proj, self.k_proj, self.v_proj), self.layer, QKV, lora)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.context_lens,
-            meta.query_lens,
-            self.scale,
-            meta.plan,
-        )  # [T, heads, head_dim]
-        return _project(attn.reshape(tokens, -1), self.o_proj, self.layer, "o_proj", lora)
+        write_kv(k, v, k_cache, v_cache, attention.new_token_slots)
+        attn = attention.attend(q, k_cache, v_cache, self.scale)  # [T, heads, head_dim]
+        return _project(attn.reshape(tokens, -1), (self.o_proj,), self.layer, O_PROJ, lora)[0]
 
 
 class LlamaMLP(nn.Module):
@@ -179,8 +130,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x, lora):
-        gate, up = _project_group(x, (self.gate_proj, self.up_proj), self.layer, GATE_UP, lora)
-        return _project(F.silu(gate) * up, self.down_proj, self.layer, "down_proj", lora)
+        gate, up = _project(x, (self.gate_proj, self.up_proj), self.layer, GATE_UP, lora)
+        return _project(F.silu(gate) * up, (self.down_proj,), self.layer, DOWN, lora)[0]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -191,8 +142,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, kv_cache, lora):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, lora)
+    def forward(self, x, cos, sin, attention, kv_cache, lora):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, kv_cache, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
@@ -216,16 +167,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
+        attention: StepAttention,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
-        lora: LoRAStep | None = None,
+        lora: StepLoRA | None = None,
     ) -> torch.Tensor:  # hidden states [T, hidden]
         if self.rotary is None:
             self.rotary = RotaryEmbedding(self.config, input_ids.device)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(attention.positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache, lora)
+            x = layer(x, cos, sin, attention, kv_cache, lora)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab]

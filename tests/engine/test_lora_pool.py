@@ -7,14 +7,14 @@ import random
 
 import pytest
 import torch
-from torch import nn
 
 from loramux.engine import EngineConfig, SamplingParams
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights, ModuleWeights
 from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.lora.pool import LoRAPool, PoolFull
-from loramux.engine.model.llama import LORA_TARGETS, _project_one
+from loramux.engine.lora.torch_backend import TorchBackend
+from loramux.engine.model.llama import LORA_TARGETS
 from tests.engine.factories import ODD_ROWS_CONFIG, build_engine
 
 # Σ in = 184 = W, Σ out = 168; with 4-token blocks of one 8-wide KV head, E = 32, so a row
@@ -149,7 +149,7 @@ def test_eviction_is_least_recently_used_first_and_larger_first_among_equals():
     del loaded[2]
     check(pool, kv, loaded)
 
-    pool.build_step([(0, 2, 1)])  # adapter 1 used in a later step than 3
+    pool.step_table([(0, 2, 1)])  # adapter 1 used in a later step than 3
     loaded[4] = make_weights(8, seed=4)
     pool.load(4, loaded[4])
     assert evicted == [2, 3] and pool.evictions == 2
@@ -235,20 +235,20 @@ def test_moved_adapters_compute_the_same_lora_deltas():
 
     gen = torch.Generator().manual_seed(9)
     spans = [(0, 3, 4), (3, 5, None), (5, 9, 3), (9, 12, 1)]
-    for single in (False, True):  # masked-dense (several adapters) and segments (one)
+    backend = TorchBackend(torch.device("cpu"))
+    for single in (False, True):  # several adapters (short and long segments) and one
         step_spans = spans[2:3] if single else spans
         num_tokens = step_spans[-1][1]
-        step = pool.build_step(
+        table = pool.step_table(
             [(s - step_spans[0][0], e - step_spans[0][0], a) for s, e, a in step_spans]
         )
-        assert bool(step.dense) != single
+        step = backend.lora_step(table, pool)
         for layer in range(CONFIG.num_layers):
             for m in LORA_TARGETS:
                 in_f, out_f = CONFIG.module_shape(m)
                 x = torch.randn(num_tokens - step_spans[0][0], in_f, generator=gen)
-                zero = nn.Linear(in_f, out_f, bias=False)
-                nn.init.zeros_(zero.weight)
-                got = _project_one(x, zero, layer, m, step)
+                got = torch.zeros(x.shape[0], out_f)
+                step.add(x, [got], layer, (m,))
                 expected = torch.zeros_like(got)
                 for s, e, a in step_spans:
                     s, e = s - step_spans[0][0], e - step_spans[0][0]
@@ -284,8 +284,8 @@ def test_release_for_kv_evicts_idle_adapters_lru_until_kv_has_the_blocks():
     loaded = {i: make_weights(4, seed=i) for i in (1, 2, 3)}  # rows 12.., 8.., 4..
     for adapter_id, weights in loaded.items():
         pool.load(adapter_id, weights)
-    pool.build_step([(0, 1, 1)])
-    pool.build_step([(0, 1, 3)])  # 2 is the least recently used
+    pool.step_table([(0, 1, 1)])
+    pool.step_table([(0, 1, 3)])  # 2 is the least recently used
     use_kv(kv, "r", kv.limit)
     assert pool.release_for_kv(0) == 0
     gained = pool.release_for_kv(10)
@@ -361,7 +361,7 @@ def test_random_operations_keep_kv_and_adapters_apart():
                     pool.unload(adapter_id := rng.choice(sorted(idle)))
                     del loaded[adapter_id]
             elif op < 0.6 and loaded:
-                pool.build_step([(0, 1, rng.choice(sorted(loaded)))])
+                pool.step_table([(0, 1, rng.choice(sorted(loaded)))])
             elif op < 0.7:
                 outcomes["released"] += pool.release_for_kv(rng.randint(1, 30)) > 0
             elif op < 0.85:

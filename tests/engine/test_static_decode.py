@@ -8,12 +8,10 @@ padding rows and all. ``tests/engine/test_gpu_engine.py`` checks the captured gr
 from __future__ import annotations
 
 import pytest
-import torch
 
 from loramux.engine import SamplingParams
 from loramux.engine.static_decode import decode_buckets
 from loramux.kernels import dispatch
-from loramux.kernels.paged_attention import paged_attention_reference, static_decode_plan
 from tests.engine.factories import build_engine
 from tests.engine.hf_reference import greedy_tokens
 from tests.engine.test_exactness import (
@@ -103,17 +101,7 @@ def test_no_static_path_without_triton_or_when_disabled(tiny_model_dir, monkeypa
     assert engine.arena.scratch_blocks == 0
     monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
     assert build_engine(tiny_model_dir, cuda_graph_max_batch=0).runner.static_decode is None
+    with pytest.raises(ValueError, match="Triton kernels take"):
+        build_engine(tiny_model_dir, dtype="float64")  # forced Triton: a dtype it lacks
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto")
     assert build_engine(tiny_model_dir, dtype="float64").runner.static_decode is None
-
-
-def test_the_reference_refuses_a_static_plan():
-    """The plan's buffers change under it, so only the Triton kernels may read it."""
-    tables = torch.zeros(2, 3, dtype=torch.int32)
-    context_lens = torch.tensor([5, 0], dtype=torch.int32)
-    positions = torch.tensor([4, 0])
-    plan = static_decode_plan(positions, positions, tables, context_lens, 48)
-    cache = torch.zeros(4, 16, 1, 8)
-    with pytest.raises(ValueError, match="Triton kernels only"):
-        paged_attention_reference(
-            torch.zeros(2, 2, 8), cache, cache, [[0], [0]], [5, 0], [1, 1], 0.3, plan
-        )

@@ -56,7 +56,7 @@ def _engine(model_dir, adapters, **overrides):
     # Every step built afresh (decode-only steps too): tests/engine/test_static_decode.py
     # covers the fixed-buffer path.
     engine = build_engine(model_dir, adapters, cuda_graph_max_batch=0, **overrides)
-    assert engine.runner.lora_pool._triton, "the pool did not take the Triton path"
+    assert engine.backend.name == "triton", "the engine did not take the Triton backend"
     return engine
 
 

@@ -1,7 +1,7 @@
 """Triton paged attention (decode and prefill kernels) against the torch reference.
 
-The kernels are called directly (on CPU the public op's dispatch picks the reference) and
-compared with ``paged_attention_reference`` run on float64 copies of the same inputs:
+The kernels are called directly (and through ``paged_attention_triton``, the Triton
+backend's op for a whole step) and compared with ``paged_attention_reference`` run on float64 copies of the same inputs:
 float32 to 1e-5 relative; float16/bfloat16 must stay within twice the error of the same
 reference run in that dtype. Physical blocks are shuffled with gaps; block tables are
 padded with unused blocks; unused blocks and the tails of partially filled ones hold large
@@ -16,12 +16,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from loramux.kernels import attention_triton, dispatch
+from loramux.kernels import attention_triton
 from loramux.kernels import paged_attention as pa
 from loramux.kernels.attention_triton import (
     choose_num_splits,
@@ -290,15 +289,14 @@ def test_outputs_round_to_nearest_even(dtype):
     assert torch.equal(prefill, expected)
 
 
-# --- the plan and the public op's dispatch -------------------------------------------------
+# --- the plan and the whole-step op -------------------------------------------------
 
 MIXED = [(6, 1), (3, 3), (9, 2), (1, 1)]  # decode, prefill, chunk over a prefix, decode
 
 
 def test_triton_plan_fields():
     tables, ctx, qlens = [[5, 2], [7], [1, 3, 4], [9]], [6, 3, 9, 1], [1, 3, 2, 1]
-    plan = pa.plan_attention(tables, ctx, qlens, 4, torch.device("cpu"), triton=True)
-    sub = plan.triton
+    sub = pa.plan_attention_triton(tables, ctx, qlens, 4, torch.device("cpu"))
     i32 = {"dtype": torch.int32}
     assert (sub.num_decodes, sub.num_prefills) == (2, 2)
     assert torch.equal(sub.decode_block_tables, torch.tensor([[5, 2, 0], [9, 0, 0]], **i32))
@@ -309,34 +307,20 @@ def test_triton_plan_fields():
     assert torch.equal(sub.prefill_query_starts, torch.tensor([1, 4], **i32))
     assert torch.equal(sub.prefill_query_ends, torch.tensor([4, 6], **i32))
     assert sub.prefill_max_query_len == 3
-    # The reference's fields are unchanged by building the Triton ones.
+    # Both plans place the new tokens the same way.
     plain = pa.plan_attention(tables, ctx, qlens, 4, torch.device("cpu"))
-    assert plain.triton is None  # CPU: the engine's path pays nothing extra
-    for name in ("positions", "new_token_slots", "decode_rows", "decode_slots", "decode_mask"):
-        assert torch.equal(getattr(plan, name), getattr(plain, name))
-    for (f1, n1, s1, c1), (f2, n2, s2, c2) in zip(plan.prefill, plain.prefill, strict=True):
-        assert (f1, n1) == (f2, n2) and torch.equal(s1, s2) and torch.equal(c1, c2)
+    for name in ("positions", "new_token_slots", "decode_rows"):
+        assert torch.equal(getattr(sub, name), getattr(plain, name))
     assert [(f, n) for f, n, _, _ in plain.prefill] == [(1, 3), (4, 2)]
 
-    decodes = pa.plan_attention(tables, ctx, [1, 1, 1, 1], 4, "cpu", triton=True).triton
+    decodes = pa.plan_attention_triton(tables, ctx, [1, 1, 1, 1], 4, "cpu")
     assert (decodes.num_decodes, decodes.num_prefills) == (4, 0)
     assert decodes.decode_max_context_len == 9
-    prefills = pa.plan_attention(tables[:3], ctx[:3], [2, 3, 4], 4, "cpu", triton=True).triton
+    prefills = pa.plan_attention_triton(tables[:3], ctx[:3], [2, 3, 4], 4, "cpu")
     assert (prefills.num_decodes, prefills.num_prefills) == (0, 3)
     assert torch.equal(prefills.prefill_query_starts, torch.tensor([0, 2, 5], **i32))
     assert torch.equal(prefills.prefill_query_ends, torch.tensor([2, 5, 9], **i32))
     assert prefills.prefill_max_query_len == 4
-
-
-def test_use_triton_needs_cuda_and_honours_the_env(monkeypatch):
-    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
-    cuda_like = SimpleNamespace(is_cuda=True)
-    assert dispatch.use_triton(cuda_like)
-    assert not dispatch.use_triton(torch.zeros(1))
-    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference")
-    assert not dispatch.use_triton(cuda_like)
-    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto")
-    assert dispatch.use_triton(cuda_like)
 
 
 @pytest.fixture
@@ -360,24 +344,11 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _public(step: Step, scale: float, plan=None) -> torch.Tensor:
-    return pa.paged_attention(
-        step.query,
-        step.k_cache,
-        step.v_cache,
-        step.tables,
-        step.context_lens,
-        step.query_lens,
-        scale,
-        plan,
+def _whole_step(step: Step, scale: float) -> torch.Tensor:
+    plan = pa.plan_attention_triton(step.tables, step.context_lens, step.query_lens, 4, DEVICE)
+    return attention_triton.paged_attention_triton(
+        step.query, step.k_cache, step.v_cache, plan, scale
     )
-
-
-def test_dispatch_picks_the_reference_on_cpu(kernel_calls):
-    step = _step(MIXED, 6, 2, 16, 4, torch.float32, seed=9, device="cpu")
-    out = _public(step, 0.25)
-    assert kernel_calls == {"decode": 0, "prefill": 0}
-    assert torch.equal(out, step.reference(torch.float32, 0.25))
 
 
 @pytest.mark.parametrize(
@@ -388,32 +359,10 @@ def test_dispatch_picks_the_reference_on_cpu(kernel_calls):
         pytest.param([(3, 3), (9, 2)], {"decode": 0, "prefill": 1}, id="prefills"),
     ],
 )
-@pytest.mark.parametrize("prebuilt_plan", [True, False])
-def test_dispatch_runs_the_kernels_when_triton_is_chosen(
-    monkeypatch, kernel_calls, batch, expected_calls, prebuilt_plan
-):
-    """As on CUDA (``use_triton`` true, here interpreted): decodes and prefills each go to
-    their kernel over their own sub-batch, and every row comes out right."""
-    monkeypatch.setattr(pa, "use_triton", lambda tensor: True)
+def test_whole_step_runs_each_kernel_over_its_sub_batch(kernel_calls, batch, expected_calls):
+    """Decodes and prefills each go to their kernel over their own sub-batch, and every row
+    comes out right."""
     step = _step(batch, 6, 2, 16, 4, torch.float32, seed=10)
-    plan = None
-    if prebuilt_plan:
-        plan = pa.plan_attention(step.tables, step.context_lens, step.query_lens, 4, DEVICE, True)
-    out = _public(step, 0.25, plan)
+    out = _whole_step(step, 0.25)
     assert kernel_calls == expected_calls
     _assert_matches_reference(out, step, 0.25)
-
-
-def test_dispatch_honours_the_env_and_the_prefill_switch(monkeypatch, kernel_calls):
-    # use_triton as on a CUDA tensor: true unless the env forces the reference.
-    monkeypatch.setattr(pa, "use_triton", lambda tensor: not dispatch.reference_forced())
-    step = _step(MIXED, 6, 2, 16, 4, torch.float32, seed=11)
-
-    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference")
-    assert torch.equal(_public(step, 0.25), step.reference(torch.float32, 0.25))
-    assert kernel_calls == {"decode": 0, "prefill": 0}
-
-    monkeypatch.delenv(dispatch.KERNELS_ENV)
-    monkeypatch.setattr(pa, "TRITON_PREFILL", False)
-    _assert_matches_reference(_public(step, 0.25), step, 0.25)
-    assert kernel_calls == {"decode": 1, "prefill": 0}  # prefill by the reference's SDPA

@@ -1,6 +1,6 @@
-"""The Triton SGMV/BGMV LoRA kernels, the multi-slice references, LoRABatch and the dispatch.
+"""The Triton SGMV/BGMV LoRA kernels, the multi-slice references and LoRABatch.
 
-Every launcher is called directly (the dispatch picks the reference on CPU) and compared
+Every launcher is called directly and compared
 with the reference computed in float64 on the same inputs. Without a GPU the kernels run
 in Triton's interpreter (``conftest.py``); with one, on it.
 
@@ -24,21 +24,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from loramux.kernels import dispatch, lora_triton
-from loramux.kernels import lora as lora_ops
+from loramux.kernels import lora_triton
 from loramux.kernels.lora import (
-    LoRASegment,
-    lora_expand_reference,
-    lora_expand_slices,
     lora_expand_slices_gather_bmm,
     lora_expand_slices_reference,
-    lora_shrink_reference,
-    lora_shrink_slices,
     lora_shrink_slices_gather_bmm,
     lora_shrink_slices_reference,
 )
@@ -326,35 +319,6 @@ def test_kernels_without_adapters_change_nothing(kernel):
 # --- references -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
-def test_slices_reference_matches_segment_reference(dtype, rtol):
-    """One slice of the multi-slice reference is the existing per-segment reference."""
-    batch = _batch("prefill")
-    x, a_pools, b_pools, out = _inputs(dtype, batch.num_tokens)
-    segments = []
-    for start, end, a in PREFILL_SPANS:
-        if a is not None:
-            rows = ADAPTER_ROWS[a][: RANKS[0][a]]
-            segments.append(
-                LoRASegment(
-                    start=start,
-                    end=end,
-                    rows=torch.tensor(rows, device=DEVICE),
-                    rank=len(rows),
-                    scale=SCALES[0][a],
-                    contiguous_start=None,
-                )
-            )
-    y = lora_shrink_slices_reference(x, a_pools[:1], batch)
-    expected_y = lora_shrink_reference(x, a_pools[0], segments, batch.max_rank)
-    assert_close(y[0], expected_y.double(), rtol)
-
-    out_slices, out_segments = out.clone(), out.clone()
-    lora_expand_slices_reference(out_slices, y, b_pools[:1], [SLICE_OFFSETS[0]], batch)
-    lora_expand_reference(out_segments[:, : SLICE_WIDTHS[0]], expected_y, b_pools[0], segments)
-    assert_close(out_slices, out_segments.double(), rtol)
-
-
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
 def test_gather_bmm_matches_reference(batch_name, dtype, rtol):
@@ -368,61 +332,6 @@ def test_gather_bmm_matches_reference(batch_name, dtype, rtol):
     lora_expand_slices_reference(expected, y.double(), _wide(b_pools), SLICE_OFFSETS, batch)
     lora_expand_slices_gather_bmm(out, y, b_pools, SLICE_OFFSETS, batch)
     assert_close(out, expected, rtol)
-
-
-# --- dispatch ---------------------------------------------------------------------------------
-
-
-def test_use_triton_only_on_cuda_and_not_when_forced(monkeypatch):
-    cuda_tensor = SimpleNamespace(is_cuda=True)  # use_triton reads only .is_cuda
-    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
-    assert dispatch.use_triton(cuda_tensor)
-    assert not dispatch.use_triton(torch.zeros(1))
-    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference")
-    assert not dispatch.use_triton(cuda_tensor)
-    monkeypatch.setenv(dispatch.KERNELS_ENV, "auto")
-    assert dispatch.use_triton(cuda_tensor)
-
-
-def test_dispatch_on_cpu_is_the_reference(monkeypatch):
-    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
-    batch = LoRABatch.build(PREFILL_SPANS, ADAPTER_ROWS, RANKS, SCALES, 60, "cpu")
-    x, a_pools, b_pools, out = _inputs(torch.float32, 60, device="cpu")
-    y = lora_shrink_slices(x, a_pools, batch)
-    assert torch.equal(y, lora_shrink_slices_reference(x, a_pools, batch))
-    expected = out.clone()
-    lora_expand_slices_reference(expected, y, b_pools, SLICE_OFFSETS, batch)
-    lora_expand_slices(out, y, b_pools, SLICE_OFFSETS, batch)
-    assert torch.equal(out, expected)
-
-
-@pytest.mark.parametrize(("batch_name", "grid"), [("prefill", "sgmv"), ("decode", "bgmv")])
-def test_dispatch_picks_bgmv_for_decode_and_sgmv_otherwise(monkeypatch, batch_name, grid):
-    """With the Triton path taken (forced here on CPU: the interpreter runs it), the op
-    calls the launcher of the batch's kind and returns its result."""
-    calls = []
-
-    def spy(name):
-        launcher = getattr(lora_triton, name)
-
-        def record(*args, **kwargs):
-            calls.append(name)
-            return launcher(*args, **kwargs)
-
-        monkeypatch.setattr(lora_triton, name, record)
-
-    for name in ("lora_shrink_sgmv", "lora_shrink_bgmv", "lora_expand_sgmv", "lora_expand_bgmv"):
-        spy(name)
-    monkeypatch.setattr(lora_ops, "use_triton", lambda tensor: True)
-    batch = _batch(batch_name)
-    x, a_pools, b_pools, out = _inputs(torch.float32, batch.num_tokens)
-    exact_y = lora_shrink_slices_reference(x.double(), _wide(a_pools), batch)
-
-    y = lora_shrink_slices(x, a_pools, batch)
-    lora_expand_slices(out, y, b_pools, SLICE_OFFSETS, batch)
-
-    assert calls == [f"lora_shrink_{grid}", f"lora_expand_{grid}"]
-    assert_close(y, exact_y, 1e-5)
 
 
 # --- imports and the compiled path ----------------------------------------------------------

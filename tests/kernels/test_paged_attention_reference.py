@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loramux.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
+from loramux.kernels.paged_attention import (
+    attend_reference,
+    paged_attention_reference,
+    plan_attention,
+    write_kv,
+)
 from tests.kernels.helpers import DTYPES, assert_close
 
 # (q_heads, kv_heads): GQA ratios 1, 3 and 8.
@@ -142,17 +147,15 @@ def test_mixed_batch_matches_dense_causal_attention(
     assert out.dtype == dtype
     expected = torch.cat([_dense_causal(s, scale) for s in seqs])
     assert_close(out, expected, rtol)
-    # The public op is the same maths.
-    public = paged_attention(
-        query,
-        k_cache,
-        v_cache,
+    # The engine's op over a plan built once is the same maths.
+    plan = plan_attention(
         [s.table for s in seqs],
         [c for c, _ in BATCH],
         [n for _, n in BATCH],
-        scale,
+        k_cache.shape[1],
+        "cpu",
     )
-    assert_close(public, expected, rtol)
+    assert_close(attend_reference(query, k_cache, v_cache, plan, scale), expected, rtol)
 
 
 @pytest.mark.parametrize(("dtype", "rtol"), DTYPES)

@@ -1,0 +1,97 @@
+"""The kernel backend: chosen once when the engine is built, handed to what runs ops.
+
+A backend turns a step into the two objects the model takes (``loramux.engine.model.llama``):
+
+* ``plan_attention(...)``: a :class:`~loramux.engine.model.llama.StepAttention` (the step's
+  plan of its own kind, and its attention op);
+* ``lora_step(table, pools)``: a :class:`~loramux.engine.model.llama.StepLoRA` from the
+  pool's table of the step's adapters (which rows, ranks and scales; the pool decides
+  residency, the backend only reads).
+
+Two backends: Triton (``loramux.engine.lora.triton_backend``: SGMV/BGMV and paged
+attention kernels, CUDA graphs for decode) and torch (``loramux.engine.lora.torch_backend``:
+the CPU's). :func:`select_backend` picks one from the device, the dtype and
+``LORAMUX_KERNELS`` (read there, once); nothing downstream looks at the environment or at
+which form a step took.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loramux.engine.model.llama import LoRAWeightSource, StepAttention, StepLoRA
+from loramux.kernels.dispatch import KERNELS_ENV, resolve_kernels
+from loramux.kernels.lora_batch import LoRATable
+from loramux.kernels.paged_attention import TRITON_DTYPES
+
+
+@dataclass(frozen=True)
+class BoundAttention:
+    """A plan and the op that reads it (a ``StepAttention``)."""
+
+    plan: object  # AttentionPlan or TritonAttentionPlan: whichever ``op`` takes
+    op: Callable  # (query, k_cache, v_cache, plan, scale) -> out
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.plan.positions
+
+    @property
+    def new_token_slots(self) -> torch.Tensor:
+        return self.plan.new_token_slots
+
+    def attend(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
+        return self.op(query, k_cache, v_cache, self.plan, scale)
+
+
+class KernelBackend(ABC):
+    name: str
+    # Whether decode-only steps can run over fixed buffers (CUDA graphs): the attention and
+    # LoRA ops must read the step from device tensors, sizing no work on the host.
+    static_decode: bool
+
+    @abstractmethod
+    def plan_attention(
+        self,
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        query_lens: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> StepAttention: ...
+
+    @abstractmethod
+    def lora_step(self, table: LoRATable, pools: LoRAWeightSource) -> StepLoRA: ...
+
+
+def select_backend(
+    device: torch.device, dtype: torch.dtype, choice: str | None = None
+) -> KernelBackend:
+    """The backend for ``device`` and ``dtype``: ``choice`` (default: ``LORAMUX_KERNELS``,
+    else ``auto``, which is Triton on CUDA and torch elsewhere).
+
+    ``auto`` falls back to torch for a dtype the Triton kernels do not take; an explicit
+    ``triton`` refuses it.
+    """
+    if choice is None:
+        choice = os.environ.get(KERNELS_ENV)
+    name = resolve_kernels(choice, device)
+    if name == "triton" and dtype not in TRITON_DTYPES:
+        if (choice or "").strip().lower() == "triton":
+            raise ValueError(
+                f"{KERNELS_ENV}=triton: the Triton kernels take "
+                f"{', '.join(map(str, TRITON_DTYPES))}, not {dtype}"
+            )
+        name = "torch"
+    if name == "triton":
+        from loramux.engine.lora.triton_backend import TritonBackend  # imports triton
+
+        return TritonBackend(device)
+    from loramux.engine.lora.torch_backend import TorchBackend
+
+    return TorchBackend(device)

@@ -1,0 +1,149 @@
+"""The torch LoRA ops (``loramux.kernels.lora_torch``) against the multi-slice reference.
+
+The step mixes long segments (per-segment matmuls) and short ones (stacked ``bmm``),
+adapters of different ranks per slice (0: slice not targeted), an adapter with two
+short segments, tokens with no adapter, and pools whose rows outside the adapters hold
+NaN: neither form may read them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loramux.kernels.lora import lora_expand_slices_reference, lora_shrink_slices_reference
+from loramux.kernels.lora_batch import LoRABatch
+from loramux.kernels.lora_torch import (
+    SegmentRows,
+    StackedTokens,
+    lora_segments,
+    lora_stacked,
+    stack_weights,
+)
+from tests.kernels.helpers import DTYPES, assert_close
+
+IN_FEATURES = 23
+OUT_WIDTHS = (17, 6, 6)
+POOL_ROWS = 64
+FIRST_ROWS = [3, 12, 30, 40]  # adapter a owns rows FIRST_ROWS[a] .. + max(RANKS[.][a]) - 1
+RANKS = [[4, 8, 2, 16], [4, 0, 2, 16], [1, 8, 0, 16]]  # [slice][adapter]
+SCALES = [[0.5, 2.0, -1.0, 0.25], [1.0, 1.0, 3.0, 0.5], [2.0, -0.5, 1.0, 0.125]]
+# (start, end, adapter): long segments 2..12 and 20..33, short ones elsewhere
+SPANS = [(0, 1, 0), (1, 2, None), (2, 12, 1), (12, 14, 3), (14, 15, 0), (15, 20, None)]
+SPANS += [(20, 33, 2), (33, 34, 1), (34, 35, None)]
+TOKENS = 35
+SHORT = 3  # segments longer than this are "long" here
+
+
+def _pools(dtype):
+    """Pools whose rows outside every adapter (and past each slice's rank) are NaN or zero
+    as the pool guarantees: zero past a slice's rank inside the adapter, NaN elsewhere."""
+    gen = torch.Generator().manual_seed(0)
+    a_pools, b_pools = [], []
+    for s, width in enumerate(OUT_WIDTHS):
+        a = torch.full((POOL_ROWS, IN_FEATURES), float("nan"))
+        b = torch.full((POOL_ROWS, width), float("nan"))
+        for first, rows in zip(FIRST_ROWS, zip(*RANKS, strict=True), strict=True):
+            owned = max(rows)
+            a[first : first + owned] = 0
+            b[first : first + owned] = 0
+            r = rows[s]
+            a[first : first + r] = torch.randn(r, IN_FEATURES, generator=gen) * 0.3
+            b[first : first + r] = torch.randn(r, width, generator=gen) * 0.3
+        a_pools.append(a.to(dtype))
+        b_pools.append(b.to(dtype))
+    x = torch.randn(TOKENS, IN_FEATURES, generator=gen).to(dtype)
+    outs = [torch.randn(TOKENS, w, generator=gen).to(dtype) for w in OUT_WIDTHS]
+    return x, a_pools, b_pools, outs
+
+
+def _expected(x, a_pools, b_pools, outs):
+    rows = [
+        list(range(f, f + max(r)))
+        for f, r in zip(FIRST_ROWS, zip(*RANKS, strict=True), strict=True)
+    ]
+    batch = LoRABatch.build(SPANS, rows, RANKS, SCALES, TOKENS, "cpu")
+    wide = [t.double().nan_to_num(0.0) for t in (*a_pools, *b_pools)]  # never read anyway
+    y = lora_shrink_slices_reference(x.double(), wide[:3], batch)
+    out = torch.cat([o.double() for o in outs], dim=1)
+    offsets = [0, OUT_WIDTHS[0], OUT_WIDTHS[0] + OUT_WIDTHS[1]]
+    lora_expand_slices_reference(out, y, wide[3:], offsets, batch)
+    return out
+
+
+def _run(x, a_pools, b_pools, outs):
+    """Long segments by lora_segments, short ones stacked (as the torch backend splits)."""
+    long, short = [], {}
+    for start, end, a in SPANS:
+        if a is None:
+            continue
+        ranks = tuple(RANKS[s][a] for s in range(3))
+        scales = tuple(SCALES[s][a] for s in range(3))
+        if end - start > SHORT:
+            long.append(SegmentRows(start, end, FIRST_ROWS[a], ranks, scales))
+        else:
+            short.setdefault(a, []).extend(range(start, end))
+    lora_segments(x, outs, a_pools, b_pools, long)
+    members = sorted(short)
+    weights = stack_weights(
+        a_pools,
+        b_pools,
+        [FIRST_ROWS[a] for a in members],
+        [[RANKS[s][a] for a in members] for s in range(3)],
+        [[SCALES[s][a] for a in members] for s in range(3)],
+    )
+    tokens = StackedTokens.build([short[a] for a in members], TOKENS, "cpu")
+    assert tokens.filled is not None  # adapter 0 has two tokens, the others one: padding
+    lora_stacked(x, outs, weights, tokens)
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
+def test_segments_and_stacks_match_the_reference(dtype, rtol):
+    x, a_pools, b_pools, outs = _pools(dtype)
+    expected = _expected(x, a_pools, b_pools, outs)
+    no_adapter = [t for s, e, a in SPANS if a is None for t in range(s, e)]
+    before = [o.clone() for o in outs]
+
+    _run(x, a_pools, b_pools, outs)
+
+    assert_close(torch.cat(outs, dim=1), expected, rtol)
+    for out, old in zip(outs, before, strict=True):
+        assert torch.equal(out[no_adapter], old[no_adapter])
+
+
+def test_stacks_are_zero_past_each_rank():
+    _, a_pools, b_pools, _ = _pools(torch.float32)
+    weights = stack_weights(a_pools, b_pools, FIRST_ROWS, RANKS, SCALES)
+    assert weights.rank_width == 16
+    assert weights.a.shape == (4, 3 * 16, IN_FEATURES)
+    assert not weights.a.isnan().any() and not any(b.isnan().any() for b in weights.b)
+    for s in range(3):
+        for a, first in enumerate(FIRST_ROWS):
+            r = RANKS[s][a]
+            block = weights.a[a, s * 16 : (s + 1) * 16]
+            assert torch.equal(block[:r], a_pools[s][first : first + r])
+            assert torch.all(block[r:] == 0) and torch.all(weights.b[s][a, r:] == 0)
+
+
+def test_an_adapter_with_non_finite_weights_touches_only_its_tokens():
+    """Infinite B rows of adapter 0 (two short tokens and padding beside it) reach only
+    adapter 0's tokens: padding slots' outputs are dropped, never added elsewhere."""
+    x, a_pools, b_pools, outs = _pools(torch.float32)
+    first = FIRST_ROWS[0]
+    for s in range(3):
+        b_pools[s][first : first + RANKS[s][0]] = float("inf")
+    _run(x, a_pools, b_pools, outs)
+    own = {t for s, e, a in SPANS if a == 0 for t in range(s, e)}
+    for t in range(TOKENS):
+        finite = all(bool(o[t].isfinite().all()) for o in outs)
+        assert finite == (t not in own), t
+
+
+def test_stacked_tokens_layout():
+    tokens = StackedTokens.build([[4, 5, 6], [0], [9, 10, 11]], 12, "cpu")
+    assert (tokens.num_adapters, tokens.slots) == (3, 3)
+    assert tokens.gather.tolist() == [4, 5, 6, 0, 12, 12, 9, 10, 11]
+    assert tokens.tokens.tolist() == [4, 5, 6, 0, 9, 10, 11]
+    assert tokens.filled.tolist() == [0, 1, 2, 3, 6, 7, 8]
+    uniform = StackedTokens.build([[0, 1], [2, 3]], 4, "cpu")
+    assert uniform.filled is None
