@@ -19,8 +19,11 @@ LOAD_FORMATS = ("safetensors", "random")
 class EngineConfig:
     model: str  # HF-format Llama-family directory
     # Device bytes shared by the paged KV cache and the resident adapters (S-LoRA unified
-    # paging): KV blocks fill it from the bottom, adapter rank-rows from the top.
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    # paging): KV blocks fill it from the bottom, adapter rank-rows from the top. None: sized
+    # to the machine when the engine starts, after the weights (memory_budget.py: on CPU
+    # 15% of the available RAM within [512 MiB, 4 GiB], on CUDA 90% of the free memory less
+    # room for activations). Tests and anything starting several engines set a small one.
+    kv_cache_bytes: int | None = None
     # Cap on the share of kv_cache_bytes adapters may hold (None: all but KV's floor, the
     # blocks one request of max_model_len needs).
     adapter_device_bytes: int | None = None
@@ -53,7 +56,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "kv_cache_bytes",
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -67,6 +69,7 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         names = (
+            "kv_cache_bytes",
             "max_prefill_chunk",
             "max_model_len",
             "max_adapters_per_step",
@@ -76,8 +79,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive or None, got {value}")
-        if (
+        if (  # against a budget sized to the machine: checked when the engine starts
             self.adapter_device_bytes is not None
+            and self.kv_cache_bytes is not None
             and self.adapter_device_bytes > self.kv_cache_bytes
         ):
             raise ValueError(

@@ -19,6 +19,7 @@ queue while a background thread loads it, and the steps go on meanwhile.
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import time
 from collections.abc import Iterable
@@ -44,9 +45,11 @@ from loramux.engine.lora.source import (
     LocalDirectorySource,
 )
 from loramux.engine.lora.tiers import AdapterTiers
+from loramux.engine.memory_budget import budget_for, plan_memory
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.loader import load_model
 from loramux.engine.outputs import RequestOutput
+from loramux.engine.residency import ResidencyCounts, ResidencyWatch
 from loramux.engine.runner import ModelRunner, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
@@ -54,6 +57,8 @@ from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
+
+logger = logging.getLogger(__name__)
 
 
 class EngineError(ValueError):
@@ -90,6 +95,8 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # kv_cache_bytes, or (None) sized to the machine now the weights are in: memory_budget.py
+        budget = budget_for(config, self.model_config)
         # kv_cache_bytes is one budget for KV blocks and resident adapters (S-LoRA's unified
         # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
         # The static decode path (CUDA graphs) pads its batches with rows that write to a
@@ -103,10 +110,10 @@ class Engine:
         )
         scratch_blocks = 1 if static_decode else 0
         block_bytes = kv_block_bytes(self.model, config.block_size, dtype)
-        num_blocks = config.kv_cache_bytes // block_bytes - scratch_blocks
+        num_blocks = budget.bytes // block_bytes - scratch_blocks
         if num_blocks < 2:
             raise ValueError(
-                f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} KV blocks; "
+                f"kv_cache_bytes={budget.bytes} ({budget.detail}) holds {num_blocks} KV blocks; "
                 f"raise it (one block needs {block_bytes} bytes)"
             )
         self.arena = DeviceArena(
@@ -186,6 +193,17 @@ class Engine:
         self._prefix_stats = (0, 0)
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
         self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
+        # What the budget holds, logged now; evictions, re-loads and room waits watched.
+        self.memory_plan = plan_memory(
+            budget,
+            self.arena,
+            adapter_capacity_rows=self.lora_pool.capacity,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        for line in self.memory_plan.describe():
+            logger.info(line)
+        self.residency_watch = ResidencyWatch(advice=self.memory_plan.advice(), log=logger)
 
     def _static_decode(self) -> StaticDecode:
         """Fixed buffers for decode-only steps; on CUDA their graphs are captured now."""
@@ -397,6 +415,7 @@ class Engine:
         )
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
+        self.residency_watch.observe(self._residency_counts())
         if plan.is_empty:
             self._update_gauges()
             if not failures and self.tiers.loader.pending():
@@ -510,6 +529,15 @@ class Engine:
         self.metrics.prefix_cache_hits.inc(hits - old_h)
         self._prefix_stats = (queries, hits)
 
+    def _residency_counts(self) -> ResidencyCounts:
+        tiers = self.tiers
+        return ResidencyCounts(
+            preemptions=self.scheduler.num_preemptions,
+            adapter_evictions=tiers.device_evictions,
+            adapter_reloads=tiers.reloads,
+            adapter_room_wait_steps=tiers.room_wait_steps,
+        )
+
     def stats(self) -> EngineStats:
         """What the engine is doing now: load, KV cache, adapter tiers, recent latency."""
         device, host = tier_stats(self.tiers, self.arena.bytes_per_row)
@@ -523,7 +551,7 @@ class Engine:
             kv_block_size=self.kv.block_size,
             device=device,
             host=host,
-            residency=self.tiers.residency(),
+            adapter_residency=self.tiers.residency(),
             ttft=ttft,
             itl=itl,
             window_s=self.latencies.window_s,
@@ -531,6 +559,8 @@ class Engine:
             tenant_weights=dict(self.scheduler.fair.weights),
             kv_blocks_held=self.kv.num_held_blocks,
             preemptions=self.scheduler.num_preemptions,
+            residency=self.residency_watch.stats(self._residency_counts()),
+            memory=self.memory_plan,
         )
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:

@@ -80,6 +80,18 @@ class EngineMetrics:
             registry=r,
         )
         self.preemptions = Counter("loramux_preemptions", "Sequences preempted.", registry=r)
+        # With evictions{tier=device} and preemptions, these say when device memory, not
+        # compute, is the limit (see residency.py).
+        self.adapter_reloads = Counter(
+            "loramux_adapter_reloads",
+            "Device loads of adapters the device had held before and evicted.",
+            registry=r,
+        )
+        self.adapter_room_wait_steps = Counter(
+            "loramux_adapter_room_wait_steps",
+            "Engine steps in which a waiting request's adapter found no device room.",
+            registry=r,
+        )
         self.generated_tokens = Counter("loramux_generated_tokens", "Tokens generated.", registry=r)
         self.step_failures = Counter(
             "loramux_step_failures",

@@ -1,4 +1,5 @@
-"""A live snapshot of one engine for operators: load, KV cache, adapter tiers, latency.
+"""A live snapshot of one engine for operators: load, KV cache, adapter tiers, latency,
+what the memory budget holds and whether memory is the limit (``residency``).
 
 Prometheus histograms (``metrics.py``) count since the process started; an operator
 watching the engine wants *recent* latency instead, so the engine also keeps the last
@@ -13,9 +14,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loramux.engine.lora.tiers import AdapterTiers, Tier
+from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine.residency import ResidencyStats
 
 DEFAULT_WINDOW_S = 300.0  # percentiles cover the last five minutes...
 DEFAULT_MAX_SAMPLES = 4096  # ...or this many samples, whichever is fewer
@@ -96,7 +99,7 @@ class EngineStats:
     kv_block_size: int  # tokens per block
     device: TierStats  # adapters in device memory
     host: TierStats  # adapters parsed in host RAM (those on the device too, usually)
-    residency: dict[str, str]  # every registered adapter -> its fastest tier
+    adapter_residency: dict[str, str]  # every registered adapter -> its fastest tier
     ttft: LatencySummary  # arrival to first token
     itl: LatencySummary  # gap between consecutive tokens
     window_s: float  # how far back the latency samples go
@@ -105,6 +108,10 @@ class EngineStats:
     # Released KV blocks held back for a cold adapter's device rows (see kv_cache.hold_from).
     kv_blocks_held: int = 0
     preemptions: int = 0  # running requests sent back to the queue since the engine started
+    # Preemptions, device evictions, re-loads and adapter-room waits: since the start and
+    # over the last minute (residency.py).
+    residency: ResidencyStats = field(default_factory=ResidencyStats)
+    memory: MemoryPlan | None = None  # what the KV + adapter budget holds (memory_budget.py)
 
     @property
     def tenant_ids(self) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from loramux.platform.cli_operator import add_operator_commands
@@ -79,6 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         if value is not None
     }
     settings = Settings(**overrides)
+    show_engine_log()
     context = build_context(settings, log=lambda msg: print(msg, flush=True))
     print(_banner(context), flush=True)
     app = create_app(context)
@@ -90,6 +92,20 @@ def _serve(args: argparse.Namespace) -> int:
         **serve_options(settings),
     )
     return 0
+
+
+def show_engine_log() -> None:
+    """The engine's log (what its memory budget holds at start, adapters thrashing) on
+    stderr, from INFO up, unless logging is configured already; the rest of the process's
+    logging stays as it was."""
+    log = logging.getLogger("loramux.engine")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def serve_options(settings) -> dict:
@@ -119,6 +135,7 @@ def _engine(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    show_engine_log()
     host = build_engine_host(settings, log=lambda msg: print(msg, flush=True))
     print(f"loramux engine {host.engine_id} serving {host.model_id} at {host.url}", flush=True)
     app = create_engine_app(host)

@@ -81,10 +81,13 @@ class Settings(BaseSettings):
         default=None, description="Name the API shows for the base model (default: derived)."
     )
     device: str = Field(default="auto", description="`auto`, `cpu`, `cuda` or `cuda:N`.")
-    kv_cache_bytes: int = Field(
-        default=256 * 1024 * 1024,
+    kv_cache_bytes: int | None = Field(
+        default=None,
         gt=0,
-        description="Device bytes shared by the paged KV cache and resident adapters.",
+        description="Device bytes shared by the paged KV cache and resident adapters (unset: "
+        "sized to the machine when the engine starts: on CPU 15% of the available RAM, at "
+        "least 512 MiB and at most 4 GiB; on CUDA 90% of the memory free after the weights, "
+        "less room for activations). The engine logs the budget and what it holds at start.",
     )
     adapter_device_bytes: int | None = Field(
         default=None,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures.ci import _in_ci
+from tests.fixtures.engine_budget import set_test_budget
 
 pytest_plugins = [
     "tests.fixtures.triton_interpreter",  # first: before any test module imports a kernel
@@ -17,6 +18,11 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.browser",
 ]
+
+
+def pytest_configure(config):
+    # Engines the tests start keep a small explicit budget (not one sized to the machine).
+    set_test_budget()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,10 @@ used from the engine thread only (the loader thread hands results back through a
 room on the device (``blocked_for_room``: its id and rows): the engine holds KV blocks for
 it so that it gets room within a bounded number of steps, however busy KV is.
 
+What shows memory to be the limit is counted here (``Engine.stats().residency`` and
+``/metrics``): device evictions, *re-loads* (an adapter back on the device after the device
+evicted it) and the ``prepare`` passes, one a step, in which an adapter found no room.
+
 Nothing here waits on storage: the only copies on the engine thread are host → device.
 """
 
@@ -74,6 +78,11 @@ class AdapterTiers:
         # The first adapter of the last prepare() that was in RAM but found no device room:
         # (adapter id, rows it needs), or None.
         self.blocked_for_room: tuple[int, int] | None = None
+        # Since the start (for Engine.stats(); the metrics may be shared between engines):
+        self.device_evictions = 0
+        self.reloads = 0  # device loads of adapters the device had before and evicted
+        self.room_wait_steps = 0  # prepare() passes in which an adapter found no room
+        self._evicted: set[int] = set()  # evicted from the device, not loaded since
         pool.on_evict = self._device_evicted
 
     # --- registry ------------------------------------------------------------------------
@@ -88,6 +97,7 @@ class AdapterTiers:
         entry = self._by_name.pop(name)
         adapter_id = entry.request.adapter_id
         del self._by_id[adapter_id]
+        self._evicted.discard(adapter_id)
         # No request uses it (the caller checked), so holds from the last step are stale.
         for holds in (self._pinned, self._prepared):
             if adapter_id in holds:
@@ -221,8 +231,16 @@ class AdapterTiers:
                     full = True  # no room without evicting pinned ones: later ones wait too
                     self.blocked_for_room = (adapter_id, weights.rank)
                     continue
+                if adapter_id in self._evicted:
+                    self._evicted.discard(adapter_id)
+                    self.reloads += 1
+                    self.metrics.adapter_reloads.inc()
             self.pool.pin(adapter_id)
             self._prepared.add(adapter_id)
+        if self.blocked_for_room is not None:
+            # Its requests (and those of any adapter after it) sit out this step.
+            self.room_wait_steps += 1
+            self.metrics.adapter_room_wait_steps.inc()
         self._update_gauges()
         return never
 
@@ -241,11 +259,10 @@ class AdapterTiers:
             self.pool.unpin(adapter_id)
         self._pinned = wanted
 
-    def is_device_ready(self, adapter_id: int) -> bool:
-        return self.pool.is_resident(adapter_id)
-
     # --- bookkeeping ---------------------------------------------------------------------
     def _device_evicted(self, adapter_id: int) -> None:
+        self.device_evictions += 1
+        self._evicted.add(adapter_id)
         self.metrics.adapter_evictions.labels(tier="device").inc()
 
     def _update_gauges(self) -> None:

@@ -124,7 +124,7 @@ def _engine_labels(
     session: Session, stats: EngineStats
 ) -> tuple[dict[str, VersionLabel], dict[str, str]]:
     """The names behind the engine's ids: adapter versions and tenants."""
-    labels = adapters.version_labels(session, stats.residency)
+    labels = adapters.version_labels(session, stats.adapter_residency)
     return labels, tenants.tenant_names(session, stats.tenant_ids)
 
 

@@ -9,10 +9,13 @@ window holds no sample.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine.residency import ResidencyStats
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
 from loramux.platform.engines.client import EngineReport
 from loramux.platform.services.adapters import VersionLabel
@@ -52,6 +55,78 @@ class KVCacheOut(BaseModel):
     preemptions: int = Field(
         0, description="Running requests preempted (recomputed later) since the engine started."
     )
+
+
+class MemoryOut(BaseModel):
+    """What the KV + adapter budget holds (the engine logs the same at start)."""
+
+    budget_bytes: int = Field(description="Device bytes the KV cache and resident adapters share.")
+    source: str = Field(
+        description="`set` (LORAMUX_KV_CACHE_BYTES / kv_cache_bytes) or `machine` (sized to "
+        "it at start: a share of the RAM or GPU memory available)."
+    )
+    detail: str = Field(description="Where the budget came from, in words.")
+    device: str
+    kv_blocks: int = Field(description="KV blocks the budget holds with no adapter on it.")
+    kv_tokens: int = Field(description="Tokens those blocks hold.")
+    block_size: int = Field(description="Tokens per block.")
+    rank: int = Field(description="The adapter rank the two adapter counts are for (16).")
+    rank_adapter_bytes: int = Field(description="Device bytes one adapter of that rank takes.")
+    full_batch_requests: int = Field(description="A full batch: this many requests (max_num_seqs)…")
+    full_batch_context: int = Field(description="…of this many tokens each.")
+    full_batch_fits: bool = Field(description="Whether a full batch's KV fits the budget at all.")
+    adapters_beside_full_batch: int = Field(
+        description="Adapters of that rank that fit beside a full batch's KV (0 if none)."
+    )
+    adapters_max: int = Field(description="Adapters of that rank that fit with KV at its floor.")
+
+    @classmethod
+    def from_plan(cls, plan: MemoryPlan | None) -> MemoryOut | None:
+        if plan is None:
+            return None
+        return cls(
+            budget_bytes=plan.budget_bytes,
+            source=plan.source,
+            detail=plan.detail,
+            device=plan.device,
+            kv_blocks=plan.kv_blocks,
+            kv_tokens=plan.kv_tokens,
+            block_size=plan.block_size,
+            rank=plan.rank,
+            rank_adapter_bytes=plan.rank_adapter_bytes,
+            full_batch_requests=plan.full_batch_requests,
+            full_batch_context=plan.full_batch_context,
+            full_batch_fits=plan.full_batch_fits,
+            adapters_beside_full_batch=plan.adapters_beside_full_batch,
+            adapters_max=plan.adapters_max,
+        )
+
+
+class ResidencyOut(BaseModel):
+    """When memory, not compute, is the limit: counts since the start and per minute over
+    the last `window_s` seconds."""
+
+    preemptions: int = Field(description="Running requests preempted (their KV recomputed later).")
+    adapter_evictions: int = Field(description="Adapters evicted from device memory.")
+    adapter_reloads: int = Field(
+        description="Adapters loaded to the device again after it had evicted them."
+    )
+    adapter_room_wait_steps: int = Field(
+        description="Engine steps in which a waiting request's adapter found no device room."
+    )
+    preemptions_per_min: float
+    adapter_evictions_per_min: float
+    adapter_reloads_per_min: float
+    adapter_room_wait_steps_per_min: float
+    window_s: float = Field(description="How far back the per-minute rates look.")
+    thrashing: bool = Field(
+        description="Re-loads at 30 a minute or more: adapters thrash; raise "
+        "LORAMUX_KV_CACHE_BYTES or lower LORAMUX_MAX_NUM_SEQS."
+    )
+
+    @classmethod
+    def from_stats(cls, stats: ResidencyStats) -> ResidencyOut:
+        return cls(**dataclasses.asdict(stats))
 
 
 class EngineAdapterOut(BaseModel):
@@ -103,6 +178,17 @@ class EngineRowOut(BaseModel):
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    budget_bytes: int | None = Field(description="Its KV + adapter budget.")
+    budget_source: str | None = Field(description="`set` or `machine`.")
+    kv_tokens: int | None = Field(description="Tokens its budget holds as KV.")
+    adapters_beside_full_batch: int | None = Field(
+        description="Rank-16 adapters that fit beside a full batch's KV."
+    )
+    preemptions_per_min: float | None
+    adapter_evictions_per_min: float | None
+    adapter_reloads_per_min: float | None
+    adapter_room_wait_steps_per_min: float | None
+    thrashing: bool | None
 
     @classmethod
     def from_report(cls, report: EngineReport) -> EngineRowOut:
@@ -120,6 +206,7 @@ class EngineRowOut(BaseModel):
         if stats is None:
             figures = dict.fromkeys(set(cls.model_fields) - set(row))
             return cls(**row, **figures)
+        memory, residency = stats.memory, stats.residency
         return cls(
             **row,
             running_requests=stats.running_requests,
@@ -132,6 +219,17 @@ class EngineRowOut(BaseModel):
             ttft_p99_ms=_ms(stats.ttft.p99),
             itl_p50_ms=_ms(stats.itl.p50),
             itl_p99_ms=_ms(stats.itl.p99),
+            budget_bytes=None if memory is None else memory.budget_bytes,
+            budget_source=None if memory is None else memory.source,
+            kv_tokens=None if memory is None else memory.kv_tokens,
+            adapters_beside_full_batch=None
+            if memory is None
+            else memory.adapters_beside_full_batch,
+            preemptions_per_min=residency.preemptions_per_min,
+            adapter_evictions_per_min=residency.adapter_evictions_per_min,
+            adapter_reloads_per_min=residency.adapter_reloads_per_min,
+            adapter_room_wait_steps_per_min=residency.adapter_room_wait_steps_per_min,
+            thrashing=residency.thrashing,
         )
 
 
@@ -147,6 +245,14 @@ class EngineSnapshotOut(BaseModel):
     ttft: LatencyOut = Field(description="Arrival to first token.")
     itl: LatencyOut = Field(description="Gap between consecutive tokens.")
     tenants: list[EngineTenantOut]
+    memory: MemoryOut | None = Field(
+        description="What the KV + adapter budget holds (engines' budgets added up; null "
+        "from an engine too old to say)."
+    )
+    residency: ResidencyOut = Field(
+        description="Preemptions, adapter evictions, re-loads and adapter-room waits: whether "
+        "memory, not compute, is the limit."
+    )
     engines: list[EngineRowOut] = Field(
         description="Each engine on its own; the fields above merge them (counts summed, "
         "latency percentiles the worst engine's)."
@@ -163,7 +269,8 @@ class EngineSnapshotOut(BaseModel):
         engines: list[EngineReport],
     ) -> EngineSnapshotOut:
         adapters = {
-            name: _adapter(name, tier, labels.get(name)) for name, tier in stats.residency.items()
+            name: _adapter(name, tier, labels.get(name))
+            for name, tier in stats.adapter_residency.items()
         }
         return cls(
             taken_at=taken_at,
@@ -193,6 +300,8 @@ class EngineSnapshotOut(BaseModel):
                 )
                 for tid in stats.tenant_ids
             ],
+            memory=MemoryOut.from_plan(stats.memory),
+            residency=ResidencyOut.from_stats(stats.residency),
             engines=[EngineRowOut.from_report(report) for report in engines],
         )
 

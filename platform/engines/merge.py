@@ -1,10 +1,14 @@
 """Several engines' snapshots as one (``GET /admin/engine``'s merged view, routing's
-residency): counts and bytes summed, each adapter at the fastest tier any engine holds it
-in, latency percentiles the worst engine's (percentiles of a union are not derivable from
-the parts' percentiles)."""
+residency): counts, rates, budgets and bytes summed, each adapter at the fastest tier any
+engine holds it in, latency percentiles the worst engine's (percentiles of a union are not
+derivable from the parts' percentiles)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine.residency import ResidencyStats
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
 
 _TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
@@ -41,6 +45,50 @@ def _worst(latencies: list[LatencySummary]) -> LatencySummary:
     )
 
 
+_RESIDENCY_FIGURES = (
+    "preemptions",
+    "adapter_evictions",
+    "adapter_reloads",
+    "adapter_room_wait_steps",
+    "preemptions_per_min",
+    "adapter_evictions_per_min",
+    "adapter_reloads_per_min",
+    "adapter_room_wait_steps_per_min",
+)
+
+
+def _merge_residency(parts: list[ResidencyStats]) -> ResidencyStats:
+    """Counts and rates summed; thrashing if any engine thrashes."""
+    return ResidencyStats(
+        **{name: sum(getattr(p, name) for p in parts) for name in _RESIDENCY_FIGURES},
+        window_s=max(p.window_s for p in parts),
+        thrashing=any(p.thrashing for p in parts),
+    )
+
+
+def _merge_memory(plans: list[MemoryPlan]) -> MemoryPlan | None:
+    """Budgets, blocks, tokens and adapter counts summed (each engine holds its own); the
+    per-block and per-row figures are the first engine's (one model behind the platform)."""
+    if not plans:
+        return None
+    if len(plans) == 1:
+        return plans[0]
+    sources = {p.source for p in plans}
+    return replace(
+        plans[0],
+        budget_bytes=sum(p.budget_bytes for p in plans),
+        source=sources.pop() if len(sources) == 1 else "mixed",
+        detail=f"{len(plans)} engines' budgets added up",
+        device=", ".join(sorted({p.device for p in plans})),
+        kv_blocks=sum(p.kv_blocks for p in plans),
+        kv_tokens=sum(p.kv_tokens for p in plans),
+        full_batch_requests=sum(p.full_batch_requests for p in plans),
+        full_batch_blocks=sum(p.full_batch_blocks for p in plans),
+        adapters_beside_full_batch=sum(p.adapters_beside_full_batch for p in plans),
+        adapters_max=sum(p.adapters_max for p in plans),
+    )
+
+
 def merge_stats(parts: list[EngineStats]) -> EngineStats:
     return EngineStats(
         running_requests=sum(p.running_requests for p in parts),
@@ -53,7 +101,9 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         preemptions=sum(p.preemptions for p in parts),
         device=_merge_tier([p.device for p in parts]),
         host=_merge_tier([p.host for p in parts]),
-        residency=fastest_tiers([p.residency for p in parts]),
+        adapter_residency=fastest_tiers([p.adapter_residency for p in parts]),
+        residency=_merge_residency([p.residency for p in parts]),
+        memory=_merge_memory([p.memory for p in parts if p.memory is not None]),
         ttft=_worst([p.ttft for p in parts]),
         itl=_worst([p.itl for p in parts]),
         window_s=max(p.window_s for p in parts),

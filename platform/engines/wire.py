@@ -1,7 +1,8 @@
 """The engine processes' wire format: engine values as JSON and back, losslessly.
 
 Requests carry ``SamplingParams``; a generate stream is one JSON line per
-``RequestOutput``; ``EngineStats`` answers the stats call. Decoding rebuilds the engine's
+``RequestOutput``; ``EngineStats`` answers the stats call (an older engine's, without the
+memory plan and residency counts, still parses: those take their defaults). Decoding rebuilds the engine's
 own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
 TypeError naming it).
 """
@@ -12,7 +13,9 @@ import dataclasses
 from typing import Any
 
 from loramux.engine import SamplingParams
+from loramux.engine.memory_budget import MemoryPlan
 from loramux.engine.outputs import RequestOutput
+from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
@@ -61,4 +64,12 @@ def stats_from_json(data: dict[str, Any]) -> EngineStats:
         fields[latency] = LatencySummary(**data[latency])
     fields["tenant_priorities"] = {tenant: value for tenant, value in data["tenant_priorities"]}
     fields["tenant_weights"] = {tenant: value for tenant, value in data["tenant_weights"]}
+    residency = data.get("residency")
+    if "adapter_residency" not in data:
+        # An engine from before the memory figures: "residency" was adapter -> tier.
+        fields["adapter_residency"] = residency or {}
+        residency = None
+    fields["residency"] = ResidencyStats(**residency) if residency else ResidencyStats()
+    memory = data.get("memory")
+    fields["memory"] = None if memory is None else MemoryPlan(**memory)
     return EngineStats(**fields)

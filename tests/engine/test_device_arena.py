@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from loramux.engine.lora.device_arena import DeviceArena, RowLayout
+from loramux.engine.lora.device_arena import DeviceArena, RowLayout, zeroed
 from loramux.engine.model.llama import LORA_TARGETS
 from tests.engine.factories import ODD_ROWS_CONFIG
 
@@ -166,3 +166,31 @@ def test_zero_and_move_rows_cover_every_layer_and_module():
                 assert torch.equal(pool[2:5], old[1:4])
                 assert not pool[0].any()
                 assert torch.equal(pool[1], old[1]) and torch.equal(pool[5], old[5])
+
+
+# --- the CPU arena's memory ------------------------------------------------------------------
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_arena_memory_is_zero_and_writable(dtype):
+    tensor = zeroed((3, 5, 2, 8), dtype, torch.device("cpu"))
+    assert tensor.shape == (3, 5, 2, 8) and tensor.dtype == dtype and tensor.is_contiguous()
+    assert not tensor.any()
+    tensor[1, 2] = 1.5
+    assert tensor.sum().item() == 1.5 * 16
+
+
+def test_a_large_cpu_arena_takes_ram_only_where_written():
+    """Zero pages from the kernel: a 1 GiB budget costs nothing until KV or rows are written."""
+    before = _resident_bytes()
+    tensor = zeroed((1 << 28,), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert _resident_bytes() - before < 64 << 20
+    assert not tensor[:: 1 << 20].any()  # reading touches no new memory either
+    tensor[: 1 << 22] = 1.0  # 16 MiB written
+    assert 16 << 20 <= _resident_bytes() - before < 96 << 20
+    del tensor

@@ -83,7 +83,7 @@ def test_idle_engine_snapshot(tiny_model_dir):
     assert stats.device.capacity_bytes > 0
     assert stats.host.capacity_bytes == engine.config.adapter_host_bytes
     assert stats.ttft.samples == 0 and stats.itl.samples == 0
-    assert stats.residency == {} and stats.tenant_priorities == {}
+    assert stats.adapter_residency == {} and stats.tenant_priorities == {}
 
 
 def test_snapshot_counts_latency_samples_and_adapter_tiers(tiny_model_dir, adapter_dir):
@@ -100,7 +100,7 @@ def test_snapshot_counts_latency_samples_and_adapter_tiers(tiny_model_dir, adapt
     assert stats.device.adapters == ("support",)
     assert stats.device.bytes == engine.lora_pool.bytes_used > 0
     assert stats.host.adapters == ("support",) and stats.host.bytes > 0
-    assert stats.residency == {"support": "device"}
+    assert stats.adapter_residency == {"support": "device"}
     assert stats.running_requests == stats.waiting_requests == stats.kv_blocks_used == 0
 
 

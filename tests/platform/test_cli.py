@@ -19,6 +19,7 @@ import pytest
 
 from loramux.platform.base_model import BaseModelError, resolve_base_model
 from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
+from tests.fixtures.engine_budget import budget_env
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -33,7 +34,7 @@ def _loramux_command() -> list[str]:
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("LORAMUX_")}
-    env.update(extra)
+    env.update(budget_env(), **extra)
     return env
 
 

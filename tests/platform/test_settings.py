@@ -18,6 +18,7 @@ _ENV_VARS = (
     "LORAMUX_STORE_BACKEND",
     "LORAMUX_S3_BUCKET",
     "LORAMUX_MODEL",
+    "LORAMUX_KV_CACHE_BYTES",  # the test run sets a small one (tests/fixtures/engine_budget.py)
 )
 
 
@@ -71,6 +72,19 @@ def test_env_overrides(tmp_path, monkeypatch):
     assert settings.admin_token is not None
     assert settings.admin_token.get_secret_value() == "from-the-env"
     assert "from-the-env" not in repr(settings)
+
+
+def test_the_engine_budget_is_sized_to_the_machine_unless_set(tmp_path, monkeypatch):
+    from loramux.platform.base_model import BaseModel
+    from loramux.platform.context import engine_config
+
+    base = BaseModel(path=tmp_path, model_id="m")
+    assert Settings(data_dir=tmp_path).kv_cache_bytes is None
+    assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes is None
+    monkeypatch.setenv("LORAMUX_KV_CACHE_BYTES", str(64 << 20))
+    assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes == 64 << 20
+    with pytest.raises(ValidationError, match="kv_cache_bytes"):
+        Settings(data_dir=tmp_path, kv_cache_bytes=0)
 
 
 def test_explicit_arguments_beat_the_environment(tmp_path, monkeypatch):

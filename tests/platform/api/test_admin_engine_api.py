@@ -41,6 +41,37 @@ def test_idle_engine(client, admin, context):
     assert body["adapters"] == [] and body["tenants"] == []
     assert body["ttft"] == {"samples": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None}
     assert body["latency_window_s"] > 0 and body["taken_at"]
+    # What the budget holds (the test run sets LORAMUX_KV_CACHE_BYTES) and no memory pressure.
+    settings = context.settings
+    memory = body["memory"]
+    assert memory["budget_bytes"] == settings.kv_cache_bytes
+    assert memory["source"] == "set" and memory["device"] == "cpu"
+    assert memory["kv_blocks"] == kv["blocks_total"]
+    assert memory["kv_tokens"] == kv["blocks_total"] * kv["block_size"]
+    assert memory["rank"] == 16 and memory["rank_adapter_bytes"] > 0
+    assert (memory["full_batch_requests"], memory["full_batch_context"]) == (
+        settings.max_num_seqs,
+        512,
+    )
+    assert memory["full_batch_fits"] is True
+    assert 0 < memory["adapters_beside_full_batch"] <= memory["adapters_max"]
+    assert body["residency"] == {
+        "preemptions": 0,
+        "adapter_evictions": 0,
+        "adapter_reloads": 0,
+        "adapter_room_wait_steps": 0,
+        "preemptions_per_min": 0.0,
+        "adapter_evictions_per_min": 0.0,
+        "adapter_reloads_per_min": 0.0,
+        "adapter_room_wait_steps_per_min": 0.0,
+        "window_s": 60.0,
+        "thrashing": False,
+    }
+    [row] = body["engines"]
+    assert row["budget_bytes"] == settings.kv_cache_bytes and row["budget_source"] == "set"
+    assert row["kv_tokens"] == memory["kv_tokens"]
+    assert row["adapters_beside_full_batch"] == memory["adapters_beside_full_batch"]
+    assert row["adapter_reloads_per_min"] == 0.0 and row["thrashing"] is False
 
 
 def test_after_requests_names_adapters_tenants_and_latency(

@@ -97,6 +97,10 @@ def test_metrics_serve_engine_and_http_metrics_without_auth(client):
     # The engine's registry...
     assert "loramux_kv_blocks_total" in text
     assert "loramux_generated_tokens_total" in text
+    # What says memory is the limit: preemptions, device evictions, re-loads, room waits.
+    assert "loramux_preemptions_total 0.0" in text
+    assert "loramux_adapter_reloads_total 0.0" in text
+    assert "loramux_adapter_room_wait_steps_total 0.0" in text
     # ...and the platform's, by route template and status code.
     assert 'loramux_http_requests_total{method="GET",route="/healthz",status="200"} 1.0' in text
     assert (

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.fixtures.engine_budget import budget_env
+
 STARTUP_TIMEOUT_S = 90.0
 ADMIN_TOKEN = "lmx-admin-fault-tests"
 
@@ -52,6 +54,7 @@ class ServeProcess:
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAMUX_")}
+        env.update(budget_env())
         env.update({f"LORAMUX_{name}": value for name, value in self.settings.items()})
         env.update(TMPDIR=str(self.system_tmp), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         return env

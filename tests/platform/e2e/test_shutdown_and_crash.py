@@ -31,6 +31,7 @@ from loramux.platform.db.models import UsageRecord
 from loramux.platform.db.session import create_engine_for, session_factory
 from loramux.platform.settings import EMBEDDED_MODEL_ID
 from tests.fixtures.browser import free_port
+from tests.fixtures.engine_budget import budget_env
 from tests.fixtures.polling import eventually
 from tests.platform.tasks.worker_process import REPO_ROOT
 
@@ -79,6 +80,7 @@ def serving(data_dir: Path, log: Path) -> Iterator[Serve]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAMUX_")}
     env.update(
+        budget_env(),
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
         LORAMUX_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_TIMEOUT_S),

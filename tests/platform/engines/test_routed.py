@@ -422,6 +422,17 @@ def test_the_operator_sees_each_engine_and_routing_in_remote_mode(cluster, tmp_p
     # The merged figures are the rows' sums.
     assert body["running_requests"] == sum(r["running_requests"] for r in rows.values())
     assert body["device"]["count"] <= sum(r["device_adapters"] for r in rows.values())
+    # Each engine's budget travels over HTTP; the merged one adds them up.
+    for row in rows.values():
+        assert row["budget_bytes"] == 16 << 20 and row["budget_source"] == "set"
+        assert row["adapter_reloads_per_min"] == 0.0 and row["thrashing"] is False
+    memory = body["memory"]
+    assert memory["budget_bytes"] == 2 * (16 << 20) and memory["source"] == "set"
+    assert memory["kv_tokens"] == sum(r["kv_tokens"] for r in rows.values())
+    assert memory["adapters_beside_full_batch"] == sum(
+        r["adapters_beside_full_batch"] for r in rows.values()
+    )
+    assert body["residency"]["adapter_reloads"] == 0
     # Routing's own metrics are on the platform's /metrics (at 0 before the first request).
     for kind in ("affine", "cold", "spill", "base"):
         assert f'loramux_routing_decisions_total{{kind="{kind}"}} 0.0' in metrics

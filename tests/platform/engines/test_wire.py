@@ -7,7 +7,9 @@ import json
 import pytest
 
 from loramux.engine import SamplingParams
+from loramux.engine.memory_budget import MemoryPlan
 from loramux.engine.outputs import RequestOutput
+from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
@@ -70,7 +72,7 @@ def test_engine_stats_round_trip_with_the_default_tenant():
         kv_block_size=16,
         device=TierStats(adapters=("a",), bytes=100, capacity_bytes=1000),
         host=TierStats(adapters=("a", "b"), bytes=200, capacity_bytes=2000),
-        residency={"a": "device", "b": "host"},
+        adapter_residency={"a": "device", "b": "host"},
         ttft=latency,
         itl=latency,
         window_s=300.0,
@@ -78,5 +80,61 @@ def test_engine_stats_round_trip_with_the_default_tenant():
         tenant_weights={None: 1.0, "t1": 2.0},
         kv_blocks_held=4,
         preemptions=7,
+        residency=ResidencyStats(
+            preemptions=7,
+            adapter_evictions=5,
+            adapter_reloads=3,
+            adapter_room_wait_steps=9,
+            adapter_reloads_per_min=3.0,
+            thrashing=False,
+        ),
+        memory=MEMORY,
     )
     assert wire.stats_from_json(_through_json(wire.stats_to_json(stats))) == stats
+
+
+MEMORY = MemoryPlan(
+    budget_bytes=1 << 30,
+    source="machine",
+    detail="sized to the machine: 15% of 6.7 GiB available RAM",
+    device="cpu",
+    block_size=16,
+    kv_block_bytes=737_280,
+    kv_blocks=1456,
+    kv_tokens=23_296,
+    adapter_row_bytes=1_244_160,
+    rank=16,
+    full_batch_requests=64,
+    full_batch_context=512,
+    full_batch_blocks=2048,
+    adapters_beside_full_batch=0,
+    adapters_max=40,
+)
+
+
+def test_an_older_engines_stats_still_parse():
+    """An engine from before the memory figures sends ``residency`` as adapter -> tier and
+    neither ``memory`` nor the counts: the adapters are kept, the rest takes defaults."""
+    latency = {"samples": 0, "p50": None, "p90": None, "p99": None}
+    tier = {"adapters": ["a"], "bytes": 10, "capacity_bytes": 100}
+    old = {
+        "running_requests": 0,
+        "waiting_requests": 0,
+        "kv_blocks_used": 0,
+        "kv_blocks_usable": 8,
+        "kv_blocks_total": 8,
+        "kv_block_size": 16,
+        "device": tier,
+        "host": tier,
+        "residency": {"a": "device"},
+        "ttft": latency,
+        "itl": latency,
+        "window_s": 300.0,
+        "tenant_priorities": [],
+        "tenant_weights": [],
+        "kv_blocks_held": 0,
+        "preemptions": 2,
+    }
+    stats = wire.stats_from_json(old)
+    assert stats.adapter_residency == {"a": "device"}
+    assert stats.residency == ResidencyStats() and stats.memory is None

@@ -133,6 +133,21 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
     engine_row.wait_for()
     assert "up" in engine_row.inner_text() and "in process" in engine_row.inner_text()
     assert page.text_content("#engines-sub").startswith("1 of 1 up")
+    # What the memory budget holds (the test run sets LORAMUX_KV_CACHE_BYTES to 256 MiB:
+    # SmolLM2's full batch of 64 x 512 tokens does not fit it) and whether memory is the limit.
+    memory = _admin_get(ui_platform, "/admin/engine")["memory"]
+    assert page.text_content("#memory-budget") == "256 MB"
+    assert page.text_content("#memory-source") == "set by LORAMUX_KV_CACHE_BYTES"
+    kv = f"{memory['kv_blocks']:,} blocks · {memory['kv_tokens']:,} tokens"
+    assert page.text_content("#memory-kv") == kv
+    assert page.text_content("#memory-batch-label").endswith("(64 requests × 512 tokens)")
+    assert page.text_content("#memory-beside") == "none: it does not fit"
+    assert page.text_content("#memory-max") == f"{memory['adapters_max']:,}"
+    assert page.text_content("#res-adapter_reloads") == "0"
+    assert page.text_content("#res-adapter_room_wait_steps-rate") == "0"
+    assert page.locator("#thrash-notice").is_hidden()
+    assert "no request was preempted" in page.text_content("#residency-verdict")
+    assert "256 MB" in engine_row.inner_text()
     shots(page, "engine-live")
     page.click("#pause")
     assert page.text_content("#updated-at") == "Paused"
@@ -149,6 +164,42 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
         "() => [...document.querySelectorAll('#adapters-table tbody tr td:nth-child(2)')]"
         ".map(td => td.textContent).join() === 'beta'"
     )
+
+
+def test_engine_panel_says_when_adapters_thrash(page, ui_platform, shots):
+    """The snapshot of an engine whose adapters thrash, on a budget sized to the machine
+    (the platform's own answer, changed on its way to the page)."""
+
+    def thrashing(route):
+        body = route.fetch().json()
+        body["memory"].update(
+            source="machine",
+            detail="sized to the machine: 15% of 22.8 GiB available RAM",
+            budget_bytes=3 << 30,
+        )
+        body["residency"].update(adapter_reloads=420, adapter_reloads_per_min=42.0, thrashing=True)
+        body["engines"][0].update(adapter_reloads_per_min=42.0, thrashing=True)
+        route.fulfill(json=body)
+
+    page.route("**/admin/engine", thrashing)
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
+    page.click("nav >> text=Engine")
+    page.wait_for_selector("#updated-at[data-refreshes]")
+    notice = page.locator("#thrash-notice")
+    notice.wait_for()
+    assert notice.inner_text() == (
+        "Adapters are thrashing: 42 re-loads a minute. Memory, not compute, is the limit: "
+        "raise LORAMUX_KV_CACHE_BYTES or lower LORAMUX_MAX_NUM_SEQS."
+    )
+    assert page.text_content("#memory-budget") == "3.0 GB"
+    assert page.text_content("#memory-source") == (
+        "sized to the machine: 15% of 22.8 GiB available RAM"
+    )
+    assert page.text_content("#res-adapter_reloads-rate") == "42"
+    assert page.text_content("#res-adapter_reloads") == "420"
+    row = page.locator("#engines-table tbody tr[data-engine-id='local']")
+    assert "42 re-loads/min · thrashing" in row.inner_text()
+    shots(page, "engine-thrashing")
 
 
 def test_api_errors_show_next_to_their_fields(page, ui_platform, shots):

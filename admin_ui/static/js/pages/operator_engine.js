@@ -7,6 +7,13 @@ import { bytes, count, ms } from "../lib/format.js";
 import { startPage } from "../lib/shell.js";
 
 const REFRESH_MS = 2000;
+// The residency events, as named in the snapshot (each also as `<name>_per_min`).
+const RESIDENCY = [
+  "preemptions",
+  "adapter_evictions",
+  "adapter_reloads",
+  "adapter_room_wait_steps",
+];
 const HISTORY = 60; // two minutes of refreshes
 const history = [];
 let paused = false;
@@ -91,6 +98,75 @@ function engineStatus(row) {
   return [badge, h("div", { class: "hint" }, row.error || beat)];
 }
 
+function rate(value) {
+  if (value === null || value === undefined) return "–";
+  return value.toLocaleString("en-US", { maximumFractionDigits: 1 });
+}
+
+function showMemory(memory) {
+  if (!memory) {
+    fill($("#memory-budget"), "–");
+    fill($("#memory-source"), "not reported (an engine older than the memory figures)");
+    return;
+  }
+  fill($("#memory-budget"), bytes(memory.budget_bytes));
+  fill(
+    $("#memory-source"),
+    memory.source === "set" ? "set by LORAMUX_KV_CACHE_BYTES" : memory.detail,
+  );
+  fill($("#memory-kv"), `${count(memory.kv_blocks)} blocks · ${count(memory.kv_tokens)} tokens`);
+  fill($("#memory-rank-label"), `One rank-${memory.rank} adapter`);
+  fill($("#memory-rank"), bytes(memory.rank_adapter_bytes));
+  fill(
+    $("#memory-batch-label"),
+    `Rank-${memory.rank} adapters beside a full batch (` +
+      `${count(memory.full_batch_requests)} requests × ` +
+      `${count(memory.full_batch_context)} tokens)`,
+  );
+  fill(
+    $("#memory-beside"),
+    memory.full_batch_fits ? count(memory.adapters_beside_full_batch) : "none: it does not fit",
+  );
+  fill($("#memory-max"), count(memory.adapters_max));
+}
+
+function showResidency(residency) {
+  for (const name of RESIDENCY) {
+    fill($(`#res-${name}-rate`), rate(residency[`${name}_per_min`]));
+    fill($(`#res-${name}`), count(residency[name]));
+  }
+  fill(
+    $("#residency-sub"),
+    `Per minute over the last ${Math.round(residency.window_s)} s, and since the engines started`,
+  );
+  const notice = $("#thrash-notice");
+  notice.hidden = !residency.thrashing;
+  fill(
+    notice,
+    residency.thrashing
+      ? `Adapters are thrashing: ${rate(residency.adapter_reloads_per_min)} re-loads a minute. ` +
+          "Memory, not compute, is the limit: raise LORAMUX_KV_CACHE_BYTES or lower " +
+          "LORAMUX_MAX_NUM_SEQS."
+      : "",
+  );
+  const pressed = residency.preemptions_per_min + residency.adapter_room_wait_steps_per_min > 0;
+  fill(
+    $("#residency-verdict"),
+    residency.thrashing
+      ? ""
+      : pressed
+        ? "Some memory pressure in the last minute: requests were preempted or waited for " +
+          "adapter room."
+        : "No: in the last minute no request was preempted or waited for adapter room.",
+  );
+}
+
+function memoryCell(row) {
+  if (row.budget_bytes === null || row.budget_bytes === undefined) return cell("–");
+  const reloads = `${rate(row.adapter_reloads_per_min)} re-loads/min`;
+  return cell(bytes(row.budget_bytes), row.thrashing ? `${reloads} · thrashing` : reloads);
+}
+
 function pair(first, second, format) {
   if (first === null || first === undefined) return "–";
   return `${format(first)} / ${format(second)}`;
@@ -122,6 +198,7 @@ function showEngines(engines) {
         up ? `${count(row.preemptions)} preemptions` : null,
       ),
       cell(pair(row.device_adapters, row.host_adapters, count), "device / RAM"),
+      memoryCell(row),
       cell(pair(row.ttft_p50_ms, row.ttft_p99_ms, ms)),
       cell(pair(row.itl_p50_ms, row.itl_p99_ms, ms)),
     );
@@ -175,6 +252,8 @@ function show(snapshot) {
     "No adapter is on the device: the next request for one loads it.",
   );
   showTier($("#host-tier"), snapshot.host, "No adapter is held in RAM.");
+  showMemory(snapshot.memory);
+  showResidency(snapshot.residency);
   showTenants(snapshot.tenants);
   showEngines(snapshot.engines);
   const time = new Date(snapshot.taken_at).toLocaleTimeString("en-GB");
