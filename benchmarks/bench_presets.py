@@ -190,8 +190,8 @@ PRESETS: dict[str, Preset] = {
             description="SmolLM2-135M on this CPU, one engine with default settings: 32 "
             "requests at once, 64 new tokens each (fixed length), prompts of 16 to 96 tokens, "
             "served by the base model alone and with 16 distinct adapters (ranks 8 and 16; "
-            "q/k/v/o on half, all seven modules on the other half; request i uses adapter "
-            "i % 16), in interleaved runs",
+            "q/k/v/o on 12, all seven modules on 4, half of each rank 8; request i uses "
+            "adapter i % 16), in interleaved runs",
             workload=WorkloadSpec(
                 num_requests=32,
                 rate=1e6,  # all at once: the runner submits every request before stepping

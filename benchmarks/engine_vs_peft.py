@@ -310,14 +310,17 @@ def prepare_model(cache_dir: Path) -> Path:
     return convert_gguf_to_hf(embedded_gguf_path(), cache_dir / MODEL_NAME, log=print)
 
 
-def prepare_adapters(model_dir: Path, cache_dir: Path, count: int) -> list[AdapterSpec]:
-    """``count`` PEFT adapters of mixed ranks and targets, built once and cached."""
+def prepare_adapters(
+    model_dir: Path, cache_dir: Path, count: int, shapes=ADAPTER_SHAPES
+) -> list[AdapterSpec]:
+    """``count`` PEFT adapters of mixed ranks and targets, built once and cached: adapter i
+    gets ``shapes[i % len(shapes)]`` (rank, target modules)."""
     sys.path.insert(0, str(REPO_ROOT))
     from tests.fixtures.models import build_peft_adapter
 
     specs = []
     for i in range(count):
-        rank, targets = ADAPTER_SHAPES[i % len(ADAPTER_SHAPES)]
+        rank, targets = shapes[i % len(shapes)]
         tag = "qkvo" if targets == QKVO else "all7"
         path = cache_dir / "adapters" / f"a{i:02d}-r{rank}-{tag}-std{ADAPTER_STD}-seed{1000 + i}"
         if not (path / "adapter_model.safetensors").is_file():

@@ -7,28 +7,30 @@ token t using adapter a with rank r_s and scaling c_s in slice s:
 
     out_s[t] += c_s * ((x[t] @ A_s[rows_a[:r_s]]^T) @ B_s[rows_a[:r_s]])
 
-Two forms, which the engine's torch backend picks per segment (a run of consecutive tokens
-with one adapter):
+The step's adapters' rows are first copied into dense stacks (:func:`stack_weights`),
+adapter i at index i, every adapter padded to the widest rank R with zero rows:
 
-* **Long segments** (prefill chunks), :func:`lora_segments`: one matmul pair per (segment,
-  slice) straight from the pool. The op count grows with the segments, but each one's
-  matmuls are large.
-* **Short segments** (decodes, one or a few tokens per adapter), :func:`lora_stacked`: the
-  adapters' rows gathered once into dense stacks (:func:`stack_weights`), then per group
-  one batched matmul for the shrink of every slice and one per slice for the expand:
+    A^T[i] = [A_s[rows_i]^T for s]     [in, S * R], zero past r_{s,i} in slice s's columns
+    C_s[i] = c_{s,i} B_s[rows_i]       [R, out_s], zero past r_{s,i}
+
+(the scaling folded into C: ``c (y B)`` and ``y (c B)`` differ only in rounding). The
+engine's torch backend keeps the stacks for as long as the same adapters run together
+(``loramux.engine.lora.torch_backend``), so the copy is made once for many steps. Then:
+
+* **Short segments** (decodes: one or a few tokens per adapter), :func:`lora_stacked`: per
+  group one batched matmul for the shrink of every slice and one per slice for the expand:
 
       X[i, j]      = x[token j of adapter i]        (zeros where adapter i has fewer)
-      Y            = bmm(X, A^T)                    A[i] = [A_s[rows_i] for s], zero past r_{s,i}
-      D_s          = bmm(Y[:, :, s-th R columns], B_s) * c_s
-      out_s[t]    += D_s[i, j]                      for the (i, j) holding token t
+      Y            = bmm(X, A^T)                    [n, m, S * R]
+      out_s[t]    += bmm(Y[:, :, s-th R columns], C_s)[i, j]   for the (i, j) holding t
 
-  Rows past an adapter's rank are zeros in the stacks, so every adapter may be padded to
-  the widest rank R and the padding adds exact zeros. A stack is a copy of the adapters'
-  weights for one layer and group: the backend keeps it for as long as the same adapters
-  decode together (see ``loramux.engine.lora.torch_backend``).
+* **Long segments** (prefill chunks), :func:`lora_segments`: one matmul for the group's
+  shrink and one per slice for the expand, per segment, on adapter i's stacks: padding
+  every adapter to the longest chunk would cost more than the extra ops.
 
-Padding rows of X are zeros, and their outputs are never added anywhere, so an adapter
-whose weights are not finite touches only its own tokens.
+The zero rows past each rank add exact zeros. Padding slots of X are zeros and their
+outputs are never added anywhere, so an adapter whose weights are not finite touches only
+its own tokens.
 """
 
 from __future__ import annotations
@@ -40,47 +42,18 @@ import torch
 
 
 @dataclass(frozen=True)
-class SegmentRows:
-    """Tokens ``[start, end)`` use the adapter whose rank rows start at pool row ``row``."""
-
-    start: int
-    end: int
-    row: int  # first pool row of the adapter (its rows are row .. row + its row count - 1)
-    ranks: tuple[int, ...]  # r_s per slice of the group (0: the slice has no LoRA)
-    scales: tuple[float, ...]  # c_s per slice
-
-
-def lora_segments(
-    x: torch.Tensor,  # [T, in]
-    outs: Sequence[torch.Tensor],  # per slice [T, out_s], updated in place
-    a_pools: Sequence[torch.Tensor],  # per slice [R, in]
-    b_pools: Sequence[torch.Tensor],  # per slice [R, out_s]
-    segments: Sequence[SegmentRows],
-) -> None:
-    """``out_s[start:end] += c_s * ((x[start:end] @ A_s[rows]^T) @ B_s[rows])`` per segment."""
-    for seg in segments:
-        xs = x[seg.start : seg.end]
-        for out, a_pool, b_pool, rank, scale in zip(
-            outs, a_pools, b_pools, seg.ranks, seg.scales, strict=True
-        ):
-            if rank:
-                rows = slice(seg.row, seg.row + rank)
-                y = xs @ a_pool[rows].T  # [n, r]
-                out[seg.start : seg.end] += (y @ b_pool[rows]) * scale
-
-
-@dataclass(frozen=True)
 class StackedWeights:
     """Adapters' weights for one layer and group, stacked for ``bmm`` (zeros past ranks)."""
 
-    a: torch.Tensor  # [n, S * R, in]: slice s of adapter i at rows [s * R, s * R + r_{s,i})
-    b: tuple[torch.Tensor, ...]  # per slice [n, R, out_s]
-    scale: torch.Tensor  # [S, n, 1, 1] c_{s,i}
+    # [n, in, S * R]: A^T, slice s of adapter i at columns [s * R, s * R + r_{s,i}) (stored
+    # transposed: bmm streams a contiguous right operand faster, ~20 vs ~15 GB/s here)
+    a_t: torch.Tensor
+    b: tuple[torch.Tensor, ...]  # per slice [n, R, out_s]: c_{s,i} B_s[rows_i], zero past r_{s,i}
     rank_width: int  # R
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
+        return sum(t.numel() * t.element_size() for t in (self.a_t, *self.b))
 
 
 def stack_weights(
@@ -96,18 +69,20 @@ def stack_weights(
     offsets = torch.arange(width, device=device)
     starts = torch.tensor(list(first_rows), dtype=torch.long, device=device)
     a_stacks, b_stacks = [], []
-    for a_pool, b_pool, slice_ranks in zip(a_pools, b_pools, ranks, strict=True):
+    for a_pool, b_pool, slice_ranks, slice_scales in zip(
+        a_pools, b_pools, ranks, scales, strict=True
+    ):
         rank = torch.tensor(list(slice_ranks), dtype=torch.long, device=device)
+        scale = torch.tensor(list(slice_scales), dtype=b_pool.dtype, device=device)
         keep = offsets[None, :] < rank[:, None]  # [n, R]
         # Rows past an adapter's rank may be another adapter's: read row 0 there, then zero.
         index = torch.where(keep, starts[:, None] + offsets[None, :], 0)
         a_stacks.append(torch.where(keep[..., None], a_pool[index], 0))  # [n, R, in]
-        b_stacks.append(torch.where(keep[..., None], b_pool[index], 0))  # [n, R, out_s]
-    scale = torch.tensor([list(s) for s in scales], dtype=a_pools[0].dtype, device=device)
+        scaled = b_pool[index] * scale[:, None, None]
+        b_stacks.append(torch.where(keep[..., None], scaled, 0))  # [n, R, out_s]
     return StackedWeights(
-        a=torch.cat(a_stacks, dim=1).contiguous(),
+        a_t=torch.cat(a_stacks, dim=1).transpose(1, 2).contiguous(),
         b=tuple(b.contiguous() for b in b_stacks),
-        scale=scale[:, :, None, None],
         rank_width=width,
     )
 
@@ -121,6 +96,9 @@ class StackedTokens:
     gather: torch.Tensor  # [n * m] int64 token row of each slot; T (a zero row) for padding
     tokens: torch.Tensor  # [V] int64 token row of each filled slot, in slot order
     filled: torch.Tensor | None  # [V] int64 positions of the filled slots; None: all are
+    # (lo, hi) when slot i * m + j is token lo + i * m + j (every slot filled, tokens in
+    # order: the usual decode step): X is a view of x and the outputs add to out[lo:hi].
+    contiguous: tuple[int, int] | None = None
 
     @classmethod
     def build(
@@ -134,6 +112,8 @@ class StackedTokens:
             filled += range(i * slots, i * slots + len(rows))
             tokens += rows
         all_filled = len(tokens) == len(gather)
+        first = tokens[0] if tokens else 0
+        in_order = all_filled and tokens == list(range(first, first + len(tokens)))
         long = {"dtype": torch.long, "device": device}
         return cls(
             num_adapters=len(token_rows),
@@ -141,6 +121,7 @@ class StackedTokens:
             gather=torch.tensor(gather, **long),
             tokens=torch.tensor(tokens, **long),
             filled=None if all_filled else torch.tensor(filled, **long),
+            contiguous=(first, first + len(tokens)) if in_order else None,
         )
 
 
@@ -153,12 +134,34 @@ def lora_stacked(
     """The module docstring's stacked form: one shrink ``bmm`` for every slice of the group,
     one expand ``bmm`` per slice, scattered back with ``index_add_``."""
     n, m, width = tokens.num_adapters, tokens.slots, weights.rank_width
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T: the padding slots' zeros
-    xs = padded.index_select(0, tokens.gather).view(n, m, x.shape[1])
-    y = torch.bmm(xs, weights.a.transpose(1, 2))  # [n, m, S * R]
-    for s, out in enumerate(outs):
-        delta = torch.bmm(y[:, :, s * width : (s + 1) * width], weights.b[s]) * weights.scale[s]
-        delta = delta.view(n * m, out.shape[1])
+    if tokens.contiguous is not None:
+        lo, hi = tokens.contiguous
+        xs = x[lo:hi].reshape(n, m, x.shape[1])
+    elif tokens.filled is None:  # no padding slot: no zero row needed
+        xs = x.index_select(0, tokens.gather).view(n, m, x.shape[1])
+    else:
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T: the padding slots' zeros
+        xs = padded.index_select(0, tokens.gather).view(n, m, x.shape[1])
+    y = torch.bmm(xs, weights.a_t)  # [n, m, S * R]
+    for y_s, b_s, out in zip(y.split(width, dim=2), weights.b, outs, strict=True):
+        if tokens.contiguous is not None and out.is_contiguous():
+            out[lo:hi].view(n, m, out.shape[1]).baddbmm_(y_s, b_s)  # += y_s @ b_s, in place
+            continue
+        delta = torch.bmm(y_s, b_s).view(n * m, out.shape[1])
         if tokens.filled is not None:
             delta = delta.index_select(0, tokens.filled)
         out.index_add_(0, tokens.tokens, delta)
+
+
+def lora_segments(
+    x: torch.Tensor,  # [T, in]
+    outs: Sequence[torch.Tensor],  # per slice [T, out_s], updated in place
+    weights: StackedWeights,
+    segments: Sequence[tuple[int, int, int]],  # (start, end, adapter index in the stacks)
+) -> None:
+    """``out_s[start:end] += (x[start:end] @ A^T[i])[:, s-th R columns] @ C_s[i]``."""
+    width = weights.rank_width
+    for start, end, i in segments:
+        y = x[start:end] @ weights.a_t[i]  # [n, S * R]
+        for y_s, b_s, out in zip(y.split(width, dim=1), weights.b, outs, strict=True):
+            out[start:end].addmm_(y_s, b_s[i])

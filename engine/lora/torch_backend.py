@@ -1,15 +1,14 @@
 """The torch backend: the CPU's LoRA and paged attention (and CUDA's, when forced).
 
-LoRA per projection group, with the ops of ``loramux.kernels.lora_torch``:
-
-* segments longer than :data:`SHORT_SEGMENT_TOKENS` (prefill chunks) by a matmul pair per
-  segment, straight from the pool;
-* the short ones (decodes) by a few batched matmuls over the adapters' weights stacked
-  into dense tensors. Stacking copies the adapters' rows, so the stacks of each (layer,
-  group) are kept in a :class:`StackCache` and reused for as long as the same adapters
-  decode together, with the same pool contents (the pool's ``weights_version``): in a
-  run of decode steps the copy is made once, and every step costs a fixed handful of ops
-  per layer however many adapters it serves.
+LoRA per projection group, with the ops of ``loramux.kernels.lora_torch``: the step's
+adapters' weights are stacked into dense tensors, then the short segments (decodes) take a
+few batched matmuls over the stacks and the long ones (prefill chunks) a matmul per slice
+each. Stacking copies the adapters' rows, so the stacks of each (layer, group) are kept in
+a :class:`StackCache` and reused for as long as the same adapters run together, with the
+same pool contents (the pool's ``weights_version``): in a run of steps the copy is made
+once, and a decode step costs a fixed handful of ops per layer however many adapters it
+serves. (Chunked prefills run beside the decodes in the same steps, so a new adapter
+changes the set once, when it joins.)
 
 Attention: ``loramux.kernels.paged_attention``'s torch implementation and plan.
 """
@@ -24,7 +23,6 @@ from loramux.engine.lora.backend import BoundAttention, KernelBackend
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.lora_torch import (
-    SegmentRows,
     StackedTokens,
     StackedWeights,
     lora_segments,
@@ -33,8 +31,8 @@ from loramux.kernels.lora_torch import (
 )
 from loramux.kernels.paged_attention import attend_reference, plan_attention
 
-# A segment of at most this many tokens is served from the stacks. Longer ones (prefill)
-# take a matmul pair per slice: stacking them would pad every adapter to the longest.
+# A segment of at most this many tokens joins the batched matmuls over the stacks (padded
+# to the adapter with most such tokens); a longer one (a prefill chunk) takes its own.
 SHORT_SEGMENT_TOKENS = 8
 
 
@@ -49,14 +47,13 @@ class StackCache:
         self._entries: dict[tuple[int, int], tuple[tuple, StackedWeights]] = {}
         self.builds = 0  # stacks copied (a miss), for tests and benchmarks
 
-    def get(self, layer: int, group: int, key: tuple, build) -> StackedWeights:
+    def get(self, layer: int, group: int, key: tuple) -> StackedWeights | None:
         entry = self._entries.get((layer, group))
-        if entry is not None and entry[0] == key:
-            return entry[1]
-        weights = build()
+        return entry[1] if entry is not None and entry[0] == key else None
+
+    def put(self, layer: int, group: int, key: tuple, weights: StackedWeights) -> None:
         self._entries[(layer, group)] = (key, weights)
         self.builds += 1
-        return weights
 
     @property
     def nbytes(self) -> int:
@@ -67,11 +64,13 @@ class StackCache:
 class _GroupPlan:
     """One projection group's share of a step."""
 
-    long: list[SegmentRows]
+    first_slice: int  # the group's first module in LORA_TARGETS
+    long: list[tuple[int, int, int]]  # (start, end, stack index) of the long segments
     tokens: StackedTokens | None  # the short segments' tokens per stacked adapter
-    first_rows: tuple[int, ...]  # per stacked adapter, in stack order (by pool row)
+    first_rows: tuple[int, ...]  # per stacked adapter, in stack order (batch order)
     ranks: tuple[tuple[int, ...], ...]  # [slice][stacked adapter]
     scales: tuple[tuple[float, ...], ...]
+    key: tuple  # what the stacks hold (StackCache)
 
 
 class TorchStepLoRA:
@@ -83,55 +82,70 @@ class TorchStepLoRA:
         self.table = table  # the pool's table of the step's adapters
         self._pools, self._cache, self._device = pools, cache, device
         self._first_rows = [_first_row(rows) for rows in table.adapter_rows]
-        self._groups: dict[int, _GroupPlan] = {}
+        self._groups: dict[tuple[str, ...], _GroupPlan] = {}
 
     def add(self, x, outs, layer: int, modules: tuple[str, ...]) -> None:
-        first = LORA_TARGETS.index(modules[0])
-        plan = self._groups.get(first)
+        # Called 4 times a layer, every step: keep the hot path (stacks cached) to a dict
+        # lookup or two before the ops.
+        plan = self._groups.get(modules)
         if plan is None:
-            plan = self._groups[first] = self._plan(first, len(modules))
-        a_pools = [self._pools.a_pool(layer, m) for m in modules]
-        b_pools = [self._pools.b_pool(layer, m) for m in modules]
-        if plan.long:
-            lora_segments(x, outs, a_pools, b_pools, plan.long)
-        if plan.tokens is not None:
-            key = (id(self._pools), self._pools.weights_version, plan.first_rows, plan.ranks)
-            key += (plan.scales,)
-            weights = self._cache.get(
-                layer,
-                first,
-                key,
-                lambda: stack_weights(a_pools, b_pools, plan.first_rows, plan.ranks, plan.scales),
+            plan = self._groups[modules] = self._plan(modules)
+        if not plan.first_rows:
+            return  # no adapter of the step targets this group
+        weights = self._cache.get(layer, plan.first_slice, plan.key)
+        if weights is None:
+            pools = self._pools
+            weights = stack_weights(
+                [pools.a_pool(layer, m) for m in modules],
+                [pools.b_pool(layer, m) for m in modules],
+                plan.first_rows,
+                plan.ranks,
+                plan.scales,
             )
+            self._cache.put(layer, plan.first_slice, plan.key, weights)
+        if plan.tokens is not None:
             lora_stacked(x, outs, weights, plan.tokens)
+        if plan.long:
+            lora_segments(x, outs, weights, plan.long)
 
-    def _plan(self, first: int, count: int) -> _GroupPlan:
+    def _plan(self, modules: tuple[str, ...]) -> _GroupPlan:
         table = self.table
+        first, count = LORA_TARGETS.index(modules[0]), len(modules)
         slices = range(first, first + count)
         ranks = [tuple(table.ranks[s][a] for s in slices) for a in range(len(table.adapter_rows))]
         scales = [tuple(table.scales[s][a] for s in slices) for a in range(len(ranks))]
-        long: list[SegmentRows] = []
-        short: dict[int, list[int]] = {}  # adapter index -> its short segments' token rows
+        # Stack order = batch order (the scheduler's, by adapter id, stable from step to
+        # step): a decode step's tokens then sit in stack order and X is a view of x.
+        stack: dict[int, int] = {}  # adapter index -> its index in the stacks
+        short: list[list[int]] = []  # per stacked adapter, its short segments' tokens
+        long: list[tuple[int, int, int]] = []
         for start, end, adapter in table.spans:
             if adapter is None or end == start or not any(ranks[adapter]):
                 continue
+            i = stack.setdefault(adapter, len(stack))
+            if i == len(short):
+                short.append([])
             if end - start > SHORT_SEGMENT_TOKENS:
-                row = self._first_rows[adapter]
-                long.append(SegmentRows(start, end, row, ranks[adapter], scales[adapter]))
+                long.append((start, end, i))
             else:
-                short.setdefault(adapter, []).extend(range(start, end))
-        # Stack order by pool row: the same adapters give the same stacks in any batch order.
-        members = sorted(short, key=lambda a: self._first_rows[a])
+                short[i].extend(range(start, end))
+        members = list(stack)
         tokens = None
-        if members:
-            token_rows = [short[a] for a in members]
-            tokens = StackedTokens.build(token_rows, table.num_tokens, self._device)
+        if any(short):
+            tokens = StackedTokens.build(short, table.num_tokens, self._device)
+        first_rows = tuple(self._first_rows[a] for a in members)
+        member_ranks = tuple(tuple(ranks[a][s] for a in members) for s in range(count))
+        member_scales = tuple(tuple(scales[a][s] for a in members) for s in range(count))
+        # The stacks' contents: these adapters' rows, as the pool holds them now.
+        key = (id(self._pools), self._pools.weights_version, first_rows, member_ranks)
         return _GroupPlan(
+            first_slice=first,
             long=long,
             tokens=tokens,
-            first_rows=tuple(self._first_rows[a] for a in members),
-            ranks=tuple(tuple(ranks[a][s] for a in members) for s in range(count)),
-            scales=tuple(tuple(scales[a][s] for a in members) for s in range(count)),
+            first_rows=first_rows,
+            ranks=member_ranks,
+            scales=member_scales,
+            key=(*key, member_scales),
         )
 
 

@@ -97,10 +97,14 @@ def test_torch_backend_matches_the_adapters_and_reuses_its_stacks():
     builds = backend.stacks.builds
     assert builds == CONFIG.num_layers * len(PROJECTION_GROUPS)
 
-    # The same adapters in another order: the stacks are reused, not copied again.
+    # The same adapters in the same order, other token counts: reused, not copied again.
+    again = [(0, 2, 2), (2, 3, 1), (3, 5, 3)]
+    _check(_run_step(backend, pool, again, gen), pool, loaded, again)
+    assert backend.stacks.builds == builds
+    # In another order: stacked again (the scheduler keeps one order, by adapter id).
     reordered = [(0, 1, 3), (1, 3, 2), (3, 4, 1)]
     _check(_run_step(backend, pool, reordered, gen), pool, loaded, reordered)
-    assert backend.stacks.builds == builds
+    assert backend.stacks.builds == 2 * builds
 
     mixed = [(0, 1, 1), (1, long + 1, 3), (long + 1, long + 2, 2)]
     _check(_run_step(backend, pool, mixed, gen), pool, loaded, mixed)

@@ -18,8 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loramux.engine.lora.torch_backend import TorchBackend
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import AttentionMetadata, LlamaForCausalLM
+from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
 from loramux.engine.model.rope import inverse_frequencies
 from tests.fixtures.models import TINY_CONFIG, build_tiny_model
@@ -118,19 +119,17 @@ def our_last_logits(model: LlamaForCausalLM, ids: list[int], chunks: list[int]) 
     gen = torch.Generator().manual_seed(99)
     table = torch.randperm(pool, generator=gen)[:num_blocks].tolist()
     caches = _kv_caches(model, pool)
+    backend = TorchBackend(CPU)
     start = 0
     for n in chunks:
         end = start + n
-        meta = AttentionMetadata(
-            positions=torch.arange(start, end),
-            slot_mapping=torch.tensor(
-                [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
-            ),
-            block_tables=[table],
-            context_lens=[end],
-            query_lens=[n],
-        )
-        hidden = model(torch.tensor(ids[start:end]), meta, caches)
+        attention = backend.plan_attention([table], [end], [n], BLOCK_SIZE, CPU)
+        expected_slots = [
+            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
+        ]
+        assert attention.positions.tolist() == list(range(start, end))
+        assert attention.new_token_slots.tolist() == expected_slots
+        hidden = model(torch.tensor(ids[start:end]), attention, caches)
         start = end
     return model.compute_logits(hidden[-1:])[0]
 

@@ -1,6 +1,6 @@
 """The torch LoRA ops (``loramux.kernels.lora_torch``) against the multi-slice reference.
 
-The step mixes long segments (per-segment matmuls) and short ones (stacked ``bmm``),
+The step mixes long segments (a matmul per slice each) and short ones (stacked ``bmm``),
 adapters of different ranks per slice (0: slice not targeted), an adapter with two
 short segments, tokens with no adapter, and pools whose rows outside the adapters hold
 NaN: neither form may read them.
@@ -8,13 +8,14 @@ NaN: neither form may read them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from loramux.kernels.lora import lora_expand_slices_reference, lora_shrink_slices_reference
 from loramux.kernels.lora_batch import LoRABatch
 from loramux.kernels.lora_torch import (
-    SegmentRows,
     StackedTokens,
     lora_segments,
     lora_stacked,
@@ -72,19 +73,17 @@ def _expected(x, a_pools, b_pools, outs):
 
 
 def _run(x, a_pools, b_pools, outs):
-    """Long segments by lora_segments, short ones stacked (as the torch backend splits)."""
-    long, short = [], {}
+    """Every adapter stacked; long segments by lora_segments, short ones by lora_stacked
+    (as the torch backend splits them)."""
+    members = sorted({a for _, _, a in SPANS if a is not None})
+    short, long = {a: [] for a in members}, []
     for start, end, a in SPANS:
         if a is None:
             continue
-        ranks = tuple(RANKS[s][a] for s in range(3))
-        scales = tuple(SCALES[s][a] for s in range(3))
         if end - start > SHORT:
-            long.append(SegmentRows(start, end, FIRST_ROWS[a], ranks, scales))
+            long.append((start, end, members.index(a)))
         else:
-            short.setdefault(a, []).extend(range(start, end))
-    lora_segments(x, outs, a_pools, b_pools, long)
-    members = sorted(short)
+            short[a].extend(range(start, end))
     weights = stack_weights(
         a_pools,
         b_pools,
@@ -93,8 +92,9 @@ def _run(x, a_pools, b_pools, outs):
         [[SCALES[s][a] for a in members] for s in range(3)],
     )
     tokens = StackedTokens.build([short[a] for a in members], TOKENS, "cpu")
-    assert tokens.filled is not None  # adapter 0 has two tokens, the others one: padding
+    assert tokens.filled is not None  # adapter 2 has no short token, 0 has two: padding
     lora_stacked(x, outs, weights, tokens)
+    lora_segments(x, outs, weights, long)
 
 
 @pytest.mark.parametrize(("dtype", "rtol"), DTYPES)
@@ -115,13 +115,15 @@ def test_stacks_are_zero_past_each_rank():
     _, a_pools, b_pools, _ = _pools(torch.float32)
     weights = stack_weights(a_pools, b_pools, FIRST_ROWS, RANKS, SCALES)
     assert weights.rank_width == 16
-    assert weights.a.shape == (4, 3 * 16, IN_FEATURES)
-    assert not weights.a.isnan().any() and not any(b.isnan().any() for b in weights.b)
+    assert weights.a_t.shape == (4, IN_FEATURES, 3 * 16)
+    assert not weights.a_t.isnan().any() and not any(b.isnan().any() for b in weights.b)
     for s in range(3):
         for a, first in enumerate(FIRST_ROWS):
             r = RANKS[s][a]
-            block = weights.a[a, s * 16 : (s + 1) * 16]
+            block = weights.a_t[a, :, s * 16 : (s + 1) * 16].T
             assert torch.equal(block[:r], a_pools[s][first : first + r])
+            scaled = SCALES[s][a] * b_pools[s][first : first + r]
+            assert torch.equal(weights.b[s][a, :r], scaled)
             assert torch.all(block[r:] == 0) and torch.all(weights.b[s][a, r:] == 0)
 
 
@@ -145,5 +147,34 @@ def test_stacked_tokens_layout():
     assert tokens.gather.tolist() == [4, 5, 6, 0, 12, 12, 9, 10, 11]
     assert tokens.tokens.tolist() == [4, 5, 6, 0, 9, 10, 11]
     assert tokens.filled.tolist() == [0, 1, 2, 3, 6, 7, 8]
+    assert tokens.contiguous is None
     uniform = StackedTokens.build([[0, 1], [2, 3]], 4, "cpu")
-    assert uniform.filled is None
+    assert uniform.filled is None and uniform.contiguous == (0, 4)
+    in_order = StackedTokens.build([[2, 3], [4, 5]], 8, "cpu")
+    assert in_order.contiguous == (2, 6)
+    shuffled = StackedTokens.build([[4, 5], [2, 3]], 8, "cpu")
+    assert shuffled.filled is None and shuffled.contiguous is None
+
+
+def test_the_contiguous_layout_is_the_gathered_one():
+    """A decode step whose tokens sit in stack order reads x and accumulates into out by
+    slices; the result is the gather/scatter form's (up to the rounding of one sum)."""
+    x, a_pools, b_pools, outs = _pools(torch.float32)
+    members = [0, 1, 3]  # two tokens each, rows 4..9 in order
+    weights = stack_weights(
+        a_pools,
+        b_pools,
+        [FIRST_ROWS[a] for a in members],
+        [[RANKS[s][a] for a in members] for s in range(3)],
+        [[SCALES[s][a] for a in members] for s in range(3)],
+    )
+    tokens = StackedTokens.build([[4, 5], [6, 7], [8, 9]], TOKENS, "cpu")
+    assert tokens.contiguous == (4, 10)
+    sliced = [o.clone() for o in outs]
+    lora_stacked(x, sliced, weights, tokens)
+    gathered = [o.clone() for o in outs]
+    lora_stacked(x, gathered, weights, dataclasses.replace(tokens, contiguous=None))
+    for a, b, before in zip(sliced, gathered, outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(a[4:10], before[4:10])
+        assert torch.equal(a[:4], before[:4]) and torch.equal(a[10:], before[10:])

@@ -168,14 +168,14 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
 
 def test_engine_panel_says_when_adapters_thrash(page, ui_platform, shots):
     """The snapshot of an engine whose adapters thrash, on a budget sized to the machine
-    (the platform's own answer, changed on its way to the page)."""
+    (the platform's own answer, changed on its way to the page; the engine's real 256 MiB
+    budget, said to be 15% of a small machine's RAM)."""
 
     def thrashing(route):
         body = route.fetch().json()
         body["memory"].update(
             source="machine",
-            detail="sized to the machine: 15% of 22.8 GiB available RAM",
-            budget_bytes=3 << 30,
+            detail="sized to the machine: 15% of 1.7 GiB available RAM",
         )
         body["residency"].update(adapter_reloads=420, adapter_reloads_per_min=42.0, thrashing=True)
         body["engines"][0].update(adapter_reloads_per_min=42.0, thrashing=True)
@@ -191,9 +191,9 @@ def test_engine_panel_says_when_adapters_thrash(page, ui_platform, shots):
         "Adapters are thrashing: 42 re-loads a minute. Memory, not compute, is the limit: "
         "raise LORAMUX_KV_CACHE_BYTES or lower LORAMUX_MAX_NUM_SEQS."
     )
-    assert page.text_content("#memory-budget") == "3.0 GB"
+    assert page.text_content("#memory-budget") == "256 MB"
     assert page.text_content("#memory-source") == (
-        "sized to the machine: 15% of 22.8 GiB available RAM"
+        "sized to the machine: 15% of 1.7 GiB available RAM"
     )
     assert page.text_content("#res-adapter_reloads-rate") == "42"
     assert page.text_content("#res-adapter_reloads") == "420"
