@@ -47,8 +47,8 @@ def test_a_broken_adapter_fails_its_own_request_and_no_one_elses(
     store_ready_adapter(context, victim_id, "good", good_dir)
     store_ready_adapter(context, hostile_id, "broken", broken_dir)
 
-    # Its device rows turn to NaN as they are written: on the CPU's masked-dense LoRA op a
-    # NaN row reaches every token of the batch unless the engine isolates it.
+    # Its device rows turn to NaN as they are written. The torch backend reads an adapter's
+    # rows for its own tokens only, so the NaN stays in the broken request's tokens.
     pool = context.engine.engine.lora_pool
     real_write = pool._write
 
@@ -100,5 +100,6 @@ def test_a_broken_adapter_fails_its_own_request_and_no_one_elses(
     assert "'broken'" in body["message"] and "non-finite" in body["message"]
     metrics = context.engine.engine.metrics
     assert metrics.requests_failed_in_step._value.get() == 1
-    # Re-runs happen only when the NaN spread across adapters: the two shared a batch.
-    assert metrics.step_reruns._value.get() >= 2
+    # The runner named the broken request from its own non-finite tokens: no re-run of the
+    # step was needed to find it (the masked-dense op it replaced spread NaN to everyone).
+    assert metrics.step_reruns._value.get() == 0
