@@ -20,8 +20,9 @@ ENGINE_HELP = (
 )
 
 BENCH_HELP = (
-    "Serve a preset workload with loramux and with transformers + PEFT in the same run and "
-    "report both (latency percentiles, throughput, SLO attainment, tenant shares, plots)."
+    "Serve a preset workload and report it against its baseline in the same run: "
+    "transformers + PEFT (latency percentiles, throughput, SLO attainment, tenant shares, "
+    "plots), or for lora-overhead the same engine serving the base model alone."
 )
 
 
