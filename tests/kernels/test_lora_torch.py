@@ -72,6 +72,17 @@ def _expected(x, a_pools, b_pools, outs):
     return out
 
 
+def _stack(a_pools, b_pools, members):
+    """The stacks of the adapters ``members``, in that order."""
+    return stack_weights(
+        a_pools,
+        b_pools,
+        [FIRST_ROWS[a] for a in members],
+        [[RANKS[s][a] for a in members] for s in range(3)],
+        [[SCALES[s][a] for a in members] for s in range(3)],
+    )
+
+
 def _run(x, a_pools, b_pools, outs):
     """Every adapter stacked; long segments by lora_segments, short ones by lora_stacked
     (as the torch backend splits them)."""
@@ -84,13 +95,7 @@ def _run(x, a_pools, b_pools, outs):
             long.append((start, end, members.index(a)))
         else:
             short[a].extend(range(start, end))
-    weights = stack_weights(
-        a_pools,
-        b_pools,
-        [FIRST_ROWS[a] for a in members],
-        [[RANKS[s][a] for a in members] for s in range(3)],
-        [[SCALES[s][a] for a in members] for s in range(3)],
-    )
+    weights = _stack(a_pools, b_pools, members)
     tokens = StackedTokens.build([short[a] for a in members], TOKENS, "cpu")
     assert tokens.filled is not None  # adapter 2 has no short token, 0 has two: padding
     lora_stacked(x, outs, weights, tokens)
@@ -161,13 +166,7 @@ def test_the_contiguous_layout_is_the_gathered_one():
     slices; the result is the gather/scatter form's (up to the rounding of one sum)."""
     x, a_pools, b_pools, outs = _pools(torch.float32)
     members = [0, 1, 3]  # two tokens each, rows 4..9 in order
-    weights = stack_weights(
-        a_pools,
-        b_pools,
-        [FIRST_ROWS[a] for a in members],
-        [[RANKS[s][a] for a in members] for s in range(3)],
-        [[SCALES[s][a] for a in members] for s in range(3)],
-    )
+    weights = _stack(a_pools, b_pools, members)
     tokens = StackedTokens.build([[4, 5], [6, 7], [8, 9]], TOKENS, "cpu")
     assert tokens.contiguous == (4, 10)
     sliced = [o.clone() for o in outs]
