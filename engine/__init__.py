@@ -7,7 +7,9 @@ from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineSto
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import Engine, EngineError
 from loramux.engine.lora.adapter import AdapterError, LoRARequest
+from loramux.engine.memory_budget import MemoryPlan
 from loramux.engine.outputs import RequestOutput
+from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import ErrorKind, FinishReason
 
@@ -22,6 +24,8 @@ __all__ = [
     "ErrorKind",
     "FinishReason",
     "LoRARequest",
+    "MemoryPlan",
     "RequestOutput",
+    "ResidencyStats",
     "SamplingParams",
 ]

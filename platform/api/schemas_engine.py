@@ -14,8 +14,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from loramux.engine.memory_budget import MemoryPlan
-from loramux.engine.residency import ResidencyStats
+from loramux.engine import MemoryPlan, ResidencyStats
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
 from loramux.platform.engines.client import EngineReport
 from loramux.platform.services.adapters import VersionLabel

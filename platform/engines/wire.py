@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from loramux.engine import SamplingParams
-from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine import MemoryPlan, ResidencyStats, SamplingParams
 from loramux.engine.outputs import RequestOutput
-from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
