@@ -17,7 +17,8 @@ and ``B_a = b_pool[rows_a]^T``. Tokens with no adapter are untouched.
 
 The references below are the definition, one matmul per (slice, segment). The
 implementations the engine runs are the Triton SGMV/BGMV kernels
-(``loramux.kernels.lora_triton``) and the torch ones of ``loramux.kernels.lora_torch``;
+(``loramux.kernels.lora_triton``), the CPU's native op (``loramux.kernels.lora_native``)
+and the torch ones of ``loramux.kernels.lora_torch``;
 the gather-bmm pair here is the classic torch baseline the GPU benchmark compares with.
 """
 

@@ -187,6 +187,17 @@ class LoRATable:
     def max_rank(self) -> int:
         return max((r for slice_ranks in self.ranks for r in slice_ranks), default=0)
 
+    def first_rows(self) -> list[int]:
+        """Each adapter's first pool row, for ops that read an adapter's rows as one slice:
+        a ValueError unless each adapter's rows are consecutive (the pool's are)."""
+        firsts = []
+        for rows in self.adapter_rows:
+            first = rows[0] if rows else 0
+            if rows != list(range(first, first + len(rows))):
+                raise ValueError(f"an adapter's pool rows must be consecutive, got {rows}")
+            firsts.append(first)
+        return firsts
+
     def to_batch(self, device: torch.device | str) -> LoRABatch:
         return LoRABatch.build(
             self.spans, self.adapter_rows, self.ranks, self.scales, self.num_tokens, device

@@ -13,26 +13,26 @@ import dataclasses
 import pytest
 import torch
 
-from loramux.kernels.lora import lora_expand_slices_reference, lora_shrink_slices_reference
-from loramux.kernels.lora_batch import LoRABatch
 from loramux.kernels.lora_torch import (
     StackedTokens,
     lora_segments,
     lora_stacked,
     stack_weights,
 )
-from tests.kernels.helpers import DTYPES, assert_close
+from tests.kernels.helpers import (
+    DTYPES,
+    FIRST_ROWS,
+    POOL_ROWS,
+    RANKS,
+    SCALES,
+    SPANS,
+    TOKENS,
+    assert_close,
+    multi_slice_expected,
+)
 
 IN_FEATURES = 23
 OUT_WIDTHS = (17, 6, 6)
-POOL_ROWS = 64
-FIRST_ROWS = [3, 12, 30, 40]  # adapter a owns rows FIRST_ROWS[a] .. + max(RANKS[.][a]) - 1
-RANKS = [[4, 8, 2, 16], [4, 0, 2, 16], [1, 8, 0, 16]]  # [slice][adapter]
-SCALES = [[0.5, 2.0, -1.0, 0.25], [1.0, 1.0, 3.0, 0.5], [2.0, -0.5, 1.0, 0.125]]
-# (start, end, adapter): long segments 2..12 and 20..33, short ones elsewhere
-SPANS = [(0, 1, 0), (1, 2, None), (2, 12, 1), (12, 14, 3), (14, 15, 0), (15, 20, None)]
-SPANS += [(20, 33, 2), (33, 34, 1), (34, 35, None)]
-TOKENS = 35
 SHORT = 3  # segments longer than this are "long" here
 
 
@@ -58,18 +58,8 @@ def _pools(dtype):
     return x, a_pools, b_pools, outs
 
 
-def _expected(x, a_pools, b_pools, outs):
-    rows = [
-        list(range(f, f + max(r)))
-        for f, r in zip(FIRST_ROWS, zip(*RANKS, strict=True), strict=True)
-    ]
-    batch = LoRABatch.build(SPANS, rows, RANKS, SCALES, TOKENS, "cpu")
-    wide = [t.double().nan_to_num(0.0) for t in (*a_pools, *b_pools)]  # never read anyway
-    y = lora_shrink_slices_reference(x.double(), wide[:3], batch)
-    out = torch.cat([o.double() for o in outs], dim=1)
-    offsets = [0, OUT_WIDTHS[0], OUT_WIDTHS[0] + OUT_WIDTHS[1]]
-    lora_expand_slices_reference(out, y, wide[3:], offsets, batch)
-    return out
+def _expected(x, a_pools, b_pools, outs) -> torch.Tensor:
+    return multi_slice_expected(x, a_pools, b_pools, outs, SPANS, FIRST_ROWS, RANKS, SCALES)
 
 
 def _stack(a_pools, b_pools, members):
