@@ -17,6 +17,7 @@ which form a step took.
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from loramux.engine.model.llama import LoRAWeightSource, StepAttention, StepLoRA
 from loramux.kernels.dispatch import KERNELS_ENV, resolve_kernels
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.paged_attention import TRITON_DTYPES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,16 @@ def select_backend(
     else ``auto``, which is Triton on CUDA and torch elsewhere).
 
     ``auto`` falls back to torch for a dtype the Triton kernels do not take; an explicit
-    ``triton`` refuses it.
+    ``triton`` refuses it. On a float32 CPU engine ``auto``'s torch backend applies LoRA with
+    the native op (``loramux.kernels.lora_native``) where it builds; an explicit ``torch``
+    keeps to torch ops (to bisect a suspected bug in the native op).
     """
     if choice is None:
         choice = os.environ.get(KERNELS_ENV)
     name = resolve_kernels(choice, device)
+    explicit = (choice or "").strip().lower()
     if name == "triton" and dtype not in TRITON_DTYPES:
-        if (choice or "").strip().lower() == "triton":
+        if explicit == "triton":
             raise ValueError(
                 f"{KERNELS_ENV}=triton: the Triton kernels take "
                 f"{', '.join(map(str, TRITON_DTYPES))}, not {dtype}"
@@ -94,4 +100,19 @@ def select_backend(
         return TritonBackend(device)
     from loramux.engine.lora.torch_backend import TorchBackend
 
-    return TorchBackend(device)
+    native = _native_lora(device, dtype) if explicit in ("", "auto") else None
+    return TorchBackend(device, native)
+
+
+def _native_lora(device: torch.device, dtype: torch.dtype):
+    """The CPU's native LoRA op for ``auto`` on a float32 CPU engine, or None (logged why)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    from loramux.kernels.lora_native import load_native_lora
+
+    native, how = load_native_lora()
+    if native is None:
+        logger.warning("LoRA on the CPU uses the stacked torch ops (slower): %s", how)
+    else:
+        logger.info("LoRA on the CPU: the native op, %s", how)
+    return native

@@ -1,6 +1,12 @@
 """The torch backend: the CPU's LoRA and paged attention (and CUDA's, when forced).
 
-LoRA per projection group, with the ops of ``loramux.kernels.lora_torch``: the step's
+LoRA per projection group, by one of two implementations chosen when the backend is made:
+
+* the native op (``native_lora.NativeStepLoRA``) on a float32 CPU engine where it builds
+  (``select_backend`` decides): each adapter's rows read straight from the pool;
+* otherwise, and under an explicit ``LORAMUX_KERNELS=torch``, the stacked torch ops below.
+
+The stacked ops, from ``loramux.kernels.lora_torch``: the step's
 adapters' weights are stacked into dense tensors, then the short segments (decodes) take a
 few batched matmuls over the stacks and the long ones (prefill chunks) a matmul per slice
 each. Stacking copies the adapters' rows, so the stacks of each (layer, group) are kept in
@@ -20,8 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.lora.backend import BoundAttention, KernelBackend
+from loramux.engine.lora.native_lora import NativeStepLoRA
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.kernels.lora_batch import LoRATable
+from loramux.kernels.lora_native import NativeLoRA
 from loramux.kernels.lora_torch import (
     StackedTokens,
     StackedWeights,
@@ -81,7 +89,7 @@ class TorchStepLoRA:
     ):
         self.table = table  # the pool's table of the step's adapters
         self._pools, self._cache, self._device = pools, cache, device
-        self._first_rows = [_first_row(rows) for rows in table.adapter_rows]
+        self._first_rows = table.first_rows()
         self._groups: dict[tuple[str, ...], _GroupPlan] = {}
 
     def add(self, x, outs, layer: int, modules: tuple[str, ...]) -> None:
@@ -149,25 +157,28 @@ class TorchStepLoRA:
         )
 
 
-def _first_row(rows: list[int]) -> int:
-    """An adapter's first pool row; its rows must be consecutive (the pool's are)."""
-    first = rows[0] if rows else 0
-    if rows != list(range(first, first + len(rows))):
-        raise ValueError(f"the torch backend needs an adapter's rows consecutive, got {rows}")
-    return first
-
-
 class TorchBackend(KernelBackend):
+    """Torch attention; LoRA by the native op where given one (``native_lora``), else by the
+    stacked torch ops above."""
+
     name = "torch"
     static_decode = False  # the torch attention sizes its work on the host
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, native: NativeLoRA | None = None):
         self.device = torch.device(device)
+        self.native = native
         self.stacks = StackCache()
+
+    @property
+    def lora_op(self) -> str:
+        """Which LoRA ops run: ``native`` or ``stacked`` (for logs and reports)."""
+        return "native" if self.native is not None else "stacked"
 
     def plan_attention(self, block_tables, context_lens, query_lens, block_size, device):
         plan = plan_attention(block_tables, context_lens, query_lens, block_size, device)
         return BoundAttention(plan, attend_reference)
 
-    def lora_step(self, table: LoRATable, pools: LoRAWeightSource) -> TorchStepLoRA:
+    def lora_step(self, table: LoRATable, pools: LoRAWeightSource):
+        if self.native is not None:
+            return NativeStepLoRA(table, pools, self.native)
         return TorchStepLoRA(table, pools, self.stacks, self.device)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loramux.engine import Engine, SamplingParams
+from loramux.kernels.dispatch import KERNELS_ENV
 from tests.engine.factories import PROMPTS, build_engine
 from tests.engine.hf_reference import first_step_logits, greedy_tokens
 
@@ -64,8 +65,12 @@ def mixed_requests(count: int) -> list[tuple[str, str | None]]:
     ]
 
 
-def test_mixed_batch_matches_peft(tiny_model_dir, tiny_adapters):
+@pytest.mark.parametrize(("kernels", "lora_op"), [("auto", "native"), ("torch", "stacked")])
+def test_mixed_batch_matches_peft(tiny_model_dir, tiny_adapters, monkeypatch, kernels, lora_op):
+    """With both of the CPU's LoRA ops: the native one (the default) and the torch one."""
+    monkeypatch.setenv(KERNELS_ENV, kernels)
     engine = build_engine(tiny_model_dir, tiny_adapters)
+    assert engine.backend.lora_op == lora_op
     requests = mixed_requests(8)
     outs = engine.generate(
         [p for p, _ in requests],

@@ -1,6 +1,7 @@
 """The kernel backend: chosen once from the device, dtype and LORAMUX_KERNELS; the torch
-backend's LoRA over a real pool (against the adapters' own weights), and its stacks kept
-across steps while the same adapters decode and rebuilt when the pool's rows change."""
+backend's LoRA over a real pool (against the adapters' own weights) by both of its ops: the
+native op (``auto`` on a float32 CPU engine) and the stacked torch ops, whose stacks are
+kept across steps while the same adapters decode and rebuilt when the pool's rows change."""
 
 from __future__ import annotations
 
@@ -40,10 +41,20 @@ def test_select_backend_reads_the_environment_once_and_checks_the_dtype(monkeypa
         select_backend(CPU, torch.float64, "triton")
 
 
+def test_auto_on_a_float32_cpu_engine_applies_lora_with_the_native_op(monkeypatch):
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert select_backend(CPU, torch.float32).lora_op == "native"
+    assert select_backend(CPU, torch.float32, "auto").lora_op == "native"
+    # An explicit torch keeps to torch ops; the native op takes float32 only.
+    assert select_backend(CPU, torch.float32, "torch").lora_op == "stacked"
+    assert select_backend(CPU, torch.float64).lora_op == "stacked"
+
+
 def test_the_engine_holds_one_backend(tiny_model_dir, monkeypatch):
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     engine = build_engine(tiny_model_dir)
     assert engine.backend.name == "torch"
+    assert engine.backend.lora_op == "native"
     assert engine.runner.backend is engine.backend
     assert engine.runner.static_decode is None
 
@@ -73,13 +84,8 @@ def _run_step(backend, pool, spans, gen):
     return results
 
 
-def _check(results, pool, loaded, spans):
-    for (layer, module), (got, x) in results.items():
-        expected = _expected(pool, loaded, spans, x, layer, module)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_torch_backend_matches_the_adapters_and_reuses_its_stacks():
+def _loaded_pool():
+    """A pool with three adapters of their own modules and ranks; and their weights by id."""
     pool, _, _ = make_pool()
     loaded = {
         1: make_weights(2, seed=1),
@@ -88,6 +94,25 @@ def test_torch_backend_matches_the_adapters_and_reuses_its_stacks():
     }
     for adapter_id, weights in loaded.items():
         pool.load(adapter_id, weights)
+    return pool, loaded
+
+
+def _replace_adapter_1(pool, loaded) -> None:
+    """Adapter 1 out, adapter 4 in: new contents in the pool's rows."""
+    pool.unload(1)
+    del loaded[1]
+    loaded[4] = make_weights(2, seed=4)
+    pool.load(4, loaded[4])
+
+
+def _check(results, pool, loaded, spans):
+    for (layer, module), (got, x) in results.items():
+        expected = _expected(pool, loaded, spans, x, layer, module)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_backend_matches_the_adapters_and_reuses_its_stacks():
+    pool, loaded = _loaded_pool()
     backend = TorchBackend(CPU)
     gen = torch.Generator().manual_seed(0)
     long = SHORT_SEGMENT_TOKENS + 2
@@ -110,11 +135,26 @@ def test_torch_backend_matches_the_adapters_and_reuses_its_stacks():
     _check(_run_step(backend, pool, mixed, gen), pool, loaded, mixed)
 
     # New contents in the pool's rows (another adapter loaded): stale stacks are rebuilt.
-    pool.unload(1)
-    del loaded[1]
-    loaded[4] = make_weights(2, seed=4)
-    pool.load(4, loaded[4])
+    _replace_adapter_1(pool, loaded)
     builds = backend.stacks.builds
     again = [(0, 1, 4), (1, 2, 2), (2, 3, 3)]
     _check(_run_step(backend, pool, again, gen), pool, loaded, again)
     assert backend.stacks.builds > builds
+
+
+def test_the_native_op_matches_the_adapters_over_the_pool(monkeypatch):
+    """Decodes, a long prefill beside them, adapters with modules and ranks of their own,
+    then other adapters in the rows: the op reads the pool as it is at each step."""
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    pool, loaded = _loaded_pool()
+    backend = select_backend(CPU, torch.float32)
+    assert backend.lora_op == "native"
+    gen = torch.Generator().manual_seed(0)
+    decode = [(0, 1, 2), (1, 2, None), (2, 3, 1), (3, 4, 3), (4, 5, 2)]
+    _check(_run_step(backend, pool, decode, gen), pool, loaded, decode)
+    long = SHORT_SEGMENT_TOKENS + 2
+    mixed = [(0, 1, 1), (1, long + 1, 3), (long + 1, long + 2, 2)]
+    _check(_run_step(backend, pool, mixed, gen), pool, loaded, mixed)
+    _replace_adapter_1(pool, loaded)
+    again = [(0, 1, 4), (1, 2, 2), (2, 3, 3)]
+    _check(_run_step(backend, pool, again, gen), pool, loaded, again)
