@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.engine import Engine, EngineConfig
+from loramux.engine import Engine
 from loramux.platform.admin_token import load_or_create_admin_token
 from loramux.platform.base_model import BaseModel, resolve_base_model
 from loramux.platform.data_dir import make_data_dir_private
 from loramux.platform.db.migrate import upgrade
 from loramux.platform.db.session import create_engine_for, session_factory
+from loramux.platform.engine_settings import engine_config
 from loramux.platform.engines.client import EngineClient, LocalEngine
 from loramux.platform.limits import RateLimiter, build_rate_limiter
 from loramux.platform.services.adapter_upload import ValidationTarget
@@ -51,27 +52,6 @@ class PlatformContext:
             max_rank=self.settings.max_adapter_rank,
             max_bytes=self.settings.max_upload_bytes,
         )
-
-
-def engine_config(settings: Settings, base_model: BaseModel) -> EngineConfig:
-    """The engine this platform's settings describe (in-process or ``loramux engine``)."""
-    disk_cache = {}
-    if settings.adapter_disk_cache_bytes:
-        disk_cache = {
-            "adapter_disk_cache_dir": str(settings.data_dir / "adapter-cache"),
-            "adapter_disk_cache_bytes": settings.adapter_disk_cache_bytes,
-        }
-    return EngineConfig(
-        model=str(base_model.path),
-        kv_cache_bytes=settings.kv_cache_bytes,
-        adapter_device_bytes=settings.adapter_device_bytes,
-        adapter_host_bytes=settings.adapter_host_bytes,
-        **disk_cache,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        cuda_graph_max_batch=settings.cuda_graph_max_batch,
-        device=settings.device,
-    )
 
 
 def build_engine_client(

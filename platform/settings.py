@@ -116,6 +116,42 @@ class Settings(BaseSettings):
         description="Decode-only steps of up to this many requests replay CUDA graphs "
         "captured at start (CUDA only; 0: every step eager).",
     )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None,
+        description="The engine's weights and activations (unset: float32 on CPU, bfloat16 on CUDA).",
+    )
+    max_prefill_chunk: int | None = Field(
+        default=None,
+        gt=0,
+        description="Most prompt tokens one request prefills in one step (unset: as many as "
+        "the step's token budget leaves), so long prompts share steps with decodes.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="Context cap, prompt plus output (unset: the model's).",
+    )
+    max_adapters_per_step: int | None = Field(
+        default=None,
+        gt=0,
+        description="Most distinct adapters in one engine step (unset: no cap).",
+    )
+    adapter_wait_steps: int = Field(
+        default=16,
+        gt=0,
+        description="Steps a request whose adapter is capped out of the step waits before "
+        "the others drain to make room for it.",
+    )
+    adapter_load_workers: int = Field(
+        default=2,
+        gt=0,
+        description="Threads fetching and parsing adapters (a fetch that hangs holds up only its own).",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="Reuse the KV blocks of a prompt prefix already computed with the same "
+        "adapter (keyed by adapter, so a tenant never reuses another adapter's blocks).",
+    )
 
     # --- engines: in-process, or `loramux engine` processes behind the platform --------
     engine_mode: Literal["local", "remote"] = Field(
@@ -162,7 +198,10 @@ class Settings(BaseSettings):
         description="Largest adapter upload (the request body, and the unpacked adapter).",
     )
     max_adapter_rank: int = Field(
-        default=64, gt=0, description="Largest LoRA rank an uploaded adapter may have."
+        default=64,
+        gt=0,
+        description="Largest LoRA rank an uploaded adapter may have; also the engine's "
+        "largest servable rank (EngineConfig.max_lora_rank): one setting for both.",
     )
 
     # --- slow clients ------------------------------------------------------------

@@ -342,8 +342,8 @@ def build_engine_host(settings, *, log=print) -> EngineHost:
 
     from loramux.engine import Engine
     from loramux.platform.base_model import resolve_base_model
-    from loramux.platform.context import engine_config
     from loramux.platform.data_dir import make_data_dir_private
+    from loramux.platform.engine_settings import engine_config
     from loramux.platform.engines.registry import EngineRegistry
     from loramux.platform.store import build_store
 

@@ -1,0 +1,58 @@
+"""Which platform setting sets each field of the engine's ``EngineConfig``: one table.
+
+Every ``EngineConfig`` field is in exactly one of three tables (a test checks it, so a field
+added to the engine without a decision here fails the suite):
+
+* :data:`FROM_SETTINGS`: copied from the ``Settings`` field named (``LORAMUX_<NAME>``);
+* :data:`SET_BY_THE_PLATFORM`: derived from other settings, as :func:`engine_config` says;
+* :data:`ENGINE_DEFAULTS`: left at the engine's default, each with the reason.
+
+The rank limit is one setting for uploads and engine alike (``LORAMUX_MAX_ADAPTER_RANK``):
+with two, an upload could be validated and marked ready at a rank the engine refuses.
+"""
+
+from __future__ import annotations
+
+from loramux.engine import EngineConfig
+from loramux.platform.base_model import BaseModel
+from loramux.platform.settings import Settings
+
+# EngineConfig field -> the Settings field it is copied from.
+FROM_SETTINGS = {
+    "device": "device",
+    "dtype": "dtype",
+    "kv_cache_bytes": "kv_cache_bytes",
+    "adapter_device_bytes": "adapter_device_bytes",
+    "adapter_host_bytes": "adapter_host_bytes",
+    "adapter_load_workers": "adapter_load_workers",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_prefill_chunk": "max_prefill_chunk",
+    "max_model_len": "max_model_len",
+    "max_adapters_per_step": "max_adapters_per_step",
+    "adapter_wait_steps": "adapter_wait_steps",
+    "max_lora_rank": "max_adapter_rank",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "cuda_graph_max_batch": "cuda_graph_max_batch",
+}
+# EngineConfig field -> what sets it.
+SET_BY_THE_PLATFORM = {
+    "model": "the resolved base model's folder (LORAMUX_MODEL; a GGUF is converted first)",
+    "adapter_disk_cache_dir": "<data dir>/adapter-cache while LORAMUX_ADAPTER_DISK_CACHE_BYTES > 0",
+    "adapter_disk_cache_bytes": "LORAMUX_ADAPTER_DISK_CACHE_BYTES (0: no disk tier at all)",
+}
+# EngineConfig field -> why the platform keeps the engine's default.
+ENGINE_DEFAULTS = {
+    "block_size": "16 tokens a KV block suits every backend; the kernels are tuned for it",
+    "seed": "requests carry their own seed; the engine's only seeds those without one",
+    "load_format": "random weights are for benchmarks at real shapes, never for serving",
+}
+
+
+def engine_config(settings: Settings, base_model: BaseModel) -> EngineConfig:
+    """The engine this platform's settings describe (in-process or ``loramux engine``)."""
+    values = {field: getattr(settings, name) for field, name in FROM_SETTINGS.items()}
+    if settings.adapter_disk_cache_bytes:
+        values["adapter_disk_cache_dir"] = str(settings.data_dir / "adapter-cache")
+        values["adapter_disk_cache_bytes"] = settings.adapter_disk_cache_bytes
+    return EngineConfig(model=str(base_model.path), **values)
