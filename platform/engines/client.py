@@ -15,9 +15,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
-from loramux.engine import AsyncEngine, Engine, SamplingParams
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.stats import EngineStats
+from loramux.engine import AsyncEngine, Engine, EngineStats, RequestOutput, SamplingParams
 from loramux.platform.engines.stored_adapter import StoredAdapter
 from loramux.platform.store import ObjectStore
 

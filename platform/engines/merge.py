@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loramux.engine import MemoryPlan, ResidencyStats
-from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine import EngineStats, LatencySummary, MemoryPlan, ResidencyStats, TierStats
 
 _TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
 

@@ -18,11 +18,7 @@ from typing import Any
 
 import httpx
 
-from loramux.engine import SamplingParams
-from loramux.engine.async_engine import AsyncEngineError
-from loramux.engine.engine import EngineError
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.stats import EngineStats
+from loramux.engine import AsyncEngineError, EngineError, EngineStats, RequestOutput, SamplingParams
 from loramux.platform.engines.stored_adapter import StoredAdapter
 from loramux.platform.engines.wire import output_from_json, params_to_json, stats_from_json
 

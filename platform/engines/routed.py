@@ -32,9 +32,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
-from loramux.engine import SamplingParams
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.stats import EngineStats
+from loramux.engine import EngineStats, RequestOutput, SamplingParams
 from loramux.platform.engines.client import EngineReport
 from loramux.platform.engines.merge import fastest_tiers, merge_stats
 from loramux.platform.engines.registry import EngineRecord, EngineRegistry
@@ -56,7 +54,7 @@ def build_routed_engines(settings, base_model) -> RoutedEngines:
     import redis.asyncio
     from transformers import AutoTokenizer
 
-    from loramux.engine.model.config import ModelConfig
+    from loramux.engine import ModelConfig
 
     registry = EngineRegistry(
         redis.asyncio.from_url(settings.redis_url), settings.engine_heartbeat_s

@@ -41,9 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from loramux.engine import AsyncEngine
-from loramux.engine.async_engine import AsyncEngineError
-from loramux.engine.engine import EngineError
+from loramux.engine import AsyncEngine, AsyncEngineError, EngineError
 from loramux.platform.engines.registry import EngineRecord, EngineRegistry
 from loramux.platform.engines.stored_adapter import StoredAdapter
 from loramux.platform.engines.wire import output_to_json, params_from_json, stats_to_json
@@ -80,7 +78,7 @@ class EngineHost:
 
     @property
     def capacity(self) -> int:
-        return self.engine.engine.config.max_num_seqs
+        return self.engine.config.max_num_seqs
 
     async def start(self) -> None:
         await self.engine.start()
@@ -125,7 +123,7 @@ class EngineHost:
             capacity=self.capacity,
             running=stats.running_requests,
             waiting=stats.waiting_requests,
-            max_model_len=self.engine.engine.max_model_len,
+            max_model_len=self.engine.max_model_len,
             device_adapters=stats.device.adapters,
             host_adapters=stats.host.adapters,
         )
@@ -239,7 +237,7 @@ async def info(host: HostDep) -> dict:
         "boot_id": host.boot_id,
         "model_id": host.model_id,
         "capacity": host.capacity,
-        "max_model_len": host.engine.engine.max_model_len,
+        "max_model_len": host.engine.max_model_len,
     }
 
 
@@ -401,7 +399,7 @@ def create_engine_app(host: EngineHost) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        registry = host.engine.engine.metrics.registry
+        registry = host.engine.metrics_registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(internal)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from loramux.engine.lora.source import CallableSource
+from loramux.engine import CONFIG_FILE, WEIGHTS_FILE, CallableSource
 from loramux.platform.store import ObjectStore
 
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from loramux.engine import MemoryPlan, ResidencyStats, SamplingParams
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampler import TokenLogprobs
-from loramux.engine.sequence import RequestMetrics
-from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine import (
+    EngineStats,
+    LatencySummary,
+    MemoryPlan,
+    RequestMetrics,
+    RequestOutput,
+    ResidencyStats,
+    SamplingParams,
+    TierStats,
+    TokenLogprobs,
+)
 
 _TUPLE_PARAMS = ("stop", "stop_token_ids")
 

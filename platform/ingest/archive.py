@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from loramux.engine import CONFIG_FILE, WEIGHTS_FILE
 from loramux.platform.ingest.errors import UploadRejected
 
 ADAPTER_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})

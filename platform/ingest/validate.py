@@ -25,18 +25,18 @@ from pathlib import Path
 
 import torch
 
-from loramux.engine.lora.adapter import (
+from loramux.engine import (
     CONFIG_FILE,
+    LORA_TARGETS,
     MAX_CONFIG_BYTES,
     WEIGHTS_FILE,
     AdapterConfig,
     AdapterError,
+    ModelConfig,
     load_adapter,
     parse_lora_tensor_name,
     read_adapter_config,
 )
-from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import LORA_TARGETS
 from loramux.platform.ingest.archive import PICKLE_SUFFIXES
 from loramux.platform.ingest.errors import UploadRejected
 

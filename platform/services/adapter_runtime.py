@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 
-from loramux.engine.engine import EngineError
+from loramux.engine import EngineError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
 from loramux.platform.engines.stored_adapter import StoredAdapter

@@ -53,8 +53,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from loramux.engine.model.config import ModelConfig
+from loramux.engine import CONFIG_FILE, WEIGHTS_FILE, ModelConfig
 from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion
 from loramux.platform.db.types import utc_now

@@ -12,10 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from loramux.engine import SamplingParams
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampler import TokenLogprobs
-from loramux.engine.sequence import FinishReason
+from loramux.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.limit_holds import Holds
 
