@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -16,19 +17,31 @@ from loramux.platform.settings import Settings
 from tests.platform.db.factories import add_adapter, add_adapter_version
 
 
-@pytest.fixture
-def context(tmp_path, tiny_model_dir, postgres_database_url) -> Iterator[PlatformContext]:
-    settings = Settings(
-        data_dir=tmp_path,
-        model=str(tiny_model_dir),
-        database_url=postgres_database_url,
-        admin_token=None,
+@contextmanager
+def platform_context(
+    data_dir, model_dir, database_url, **settings: Any
+) -> Iterator[PlatformContext]:
+    """A context over ``model_dir`` and the database; ``settings`` set the rest."""
+    context = build_context(
+        Settings(
+            data_dir=data_dir,
+            model=str(model_dir),
+            database_url=database_url,
+            admin_token=None,
+            **settings,
+        ),
+        log=lambda _: None,
     )
-    context = build_context(settings, log=lambda _: None)
     try:
         yield context
     finally:
         context.sessions.kw["bind"].dispose()
+
+
+@pytest.fixture
+def context(tmp_path, tiny_model_dir, postgres_database_url) -> Iterator[PlatformContext]:
+    with platform_context(tmp_path, tiny_model_dir, postgres_database_url) as context:
+        yield context
 
 
 @pytest.fixture

@@ -14,10 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loramux.platform.app import create_app
-from loramux.platform.context import PlatformContext, build_context
+from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus
-from loramux.platform.settings import Settings
-from tests.platform.api.conftest import assert_openai_error
+from tests.platform.api.conftest import assert_openai_error, platform_context
 
 RANK = 128
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -42,18 +41,10 @@ def _tenant_key(client, context) -> dict[str, str]:
 
 @pytest.fixture
 def raised_context(tmp_path, tiny_model_dir, postgres_database_url) -> Iterator[PlatformContext]:
-    settings = Settings(
-        data_dir=tmp_path,
-        model=str(tiny_model_dir),
-        database_url=postgres_database_url,
-        admin_token=None,
-        max_adapter_rank=RANK,
-    )
-    context = build_context(settings, log=lambda _: None)
-    try:
+    with platform_context(
+        tmp_path, tiny_model_dir, postgres_database_url, max_adapter_rank=RANK
+    ) as context:
         yield context
-    finally:
-        context.sessions.kw["bind"].dispose()
 
 
 def test_a_rank_128_adapter_is_served_with_the_limit_raised(raised_context, rank_128_adapter):
