@@ -71,7 +71,14 @@ def test_chart_passes_known_and_required_settings(renderer):
 
 def test_the_chart_can_set_every_setting():
     # Optional values left unset in values.yaml are set here: then every field is passed.
-    values = merge_values(INSTALL_VALUES, {"engine": {"adapterDeviceBytes": 1 << 30}})
+    optional = {
+        "adapterDeviceBytes": 1 << 30,
+        "dtype": "bfloat16",
+        "maxPrefillChunk": 512,
+        "maxModelLen": 4096,
+        "maxAdaptersPerStep": 32,
+    }
+    values = merge_values(INSTALL_VALUES, {"engine": optional})
     passed = set()
     for process in chart_processes(render_with_subset(CHART_DIR, values).documents):
         passed |= set(process.env)
