@@ -6,8 +6,9 @@ The routes resolve the model and hand a job to
 the engine's deltas into OpenAI's JSON (a response, or server-sent chunks ending in
 ``data: [DONE]``).
 
-A client that goes away ends its request at once, streamed or not: a stream is cancelled
-by Starlette when the disconnect arrives; a non-streamed request races its run against
+A client that goes away ends its request at once, streamed or not: a stream stops at the
+first chunk the server could not write (and is billed for those it wrote), or when
+Starlette's disconnect listener cancels it; a non-streamed request races its run against
 the ASGI ``http.disconnect`` and, when the client wins, the run is closed (which aborts
 the engine work, in process or over HTTP to an engine process) and nothing is billed,
 since no response reached the client.
@@ -133,7 +134,7 @@ async def _respond(
         return render.response(tally)
     # The client may leave before the body starts: the background still closes the run.
     return StreamingResponse(
-        _stream(run, first, tally, render, include_usage),
+        _stream(request, run, first, tally, render, include_usage),
         media_type="text/event-stream",
         background=BackgroundTask(_close, run, job),
     )
@@ -190,6 +191,7 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> bool:
 
 
 async def _stream(
+    request: Request,
     run: AsyncGenerator,
     first: list[tuple[int, RequestOutput]],
     tally: Tally,
@@ -202,9 +204,13 @@ async def _stream(
         async with aclosing(run):
             for index, out in first:
                 yield _sse(render.chunk(index, out, tally))
+                if not await _written(request):
+                    return
                 tally.deliver(index, out)  # only once the client was handed the chunk
             async for index, out in run:
                 yield _sse(render.chunk(index, out, tally))
+                if not await _written(request):
+                    return  # closing the run aborts it; what was delivered is billed
                 tally.deliver(index, out)
     except _ENGINE_FAILURES as exc:
         error = _engine_error(exc)
@@ -212,6 +218,16 @@ async def _stream(
     if include_usage and tally.usage is not None:
         yield _sse(render.usage_chunk(tally))
     yield _sse("[DONE]")
+
+
+async def _written(request: Request) -> bool:
+    """Whether the chunk just handed to the server went out on the connection.
+
+    A send returning proves nothing: a server on ASGI spec 2.3 (uvicorn) silently drops a
+    send once the client has gone, and Starlette's disconnect listener, which ends the
+    stream, may wake only after a few more chunks were "sent". The connection's state, read
+    without waiting right after the send, says whether that send was written."""
+    return not await request.is_disconnected()
 
 
 async def _complete(
