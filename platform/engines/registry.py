@@ -49,6 +49,16 @@ class EngineRecord:
         return cls(**data)
 
 
+# KEYS: the id set, then each expired id's record key; ARGV: those ids.
+_FORGET_EXPIRED = """
+for i, engine_id in ipairs(ARGV) do
+    if redis.call('EXISTS', KEYS[i + 1]) == 0 then
+        redis.call('SREM', KEYS[1], engine_id)
+    end
+end
+"""
+
+
 class EngineRegistry:
     """Reads and writes records through an asyncio Redis client (``redis.asyncio``)."""
 
@@ -88,5 +98,7 @@ class EngineRegistry:
         values = await self._redis.mget([self._record_prefix + i for i in ids])
         expired = [i for i, value in zip(ids, values, strict=True) if value is None]
         if expired:
-            await self._redis.srem(self._ids_key, *expired)
+            # Only those still without a record: one may have beaten again since the read.
+            keys = [self._ids_key, *(self._record_prefix + i for i in expired)]
+            await self._redis.eval(_FORGET_EXPIRED, len(keys), *keys, *expired)
         return [EngineRecord.from_json(value) for value in values if value is not None]

@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from loramux.engine import AsyncEngine, AsyncEngineError, EngineError
+from loramux.platform.engines.heartbeat import Heartbeat
 from loramux.platform.engines.registry import EngineRecord, EngineRegistry
 from loramux.platform.engines.stored_adapter import StoredAdapter
 from loramux.platform.engines.wire import output_to_json, params_from_json, stats_to_json
@@ -70,9 +71,9 @@ class EngineHost:
         self.secret = secret
         self.boot_id = uuid.uuid4().hex  # registrations made before a restart are gone
         self.registered = False
-        self.last_heartbeat: float | None = None  # time.monotonic() of the last one Redis took
+        self.heartbeat = Heartbeat(registry, self.record) if registry is not None else None
         self._adapters: dict[str, StoredAdapter] = {}
-        self._heartbeat: asyncio.Task | None = None
+        self._beating: asyncio.Task | None = None
         self.streaming: set[str] = set()  # ids of the requests whose output is being streamed
         self._aborting: set[asyncio.Task] = set()
 
@@ -82,20 +83,19 @@ class EngineHost:
 
     async def start(self) -> None:
         await self.engine.start()
-        if self.registry is not None:
-            await self.registry.publish(await self.record())
-            self.last_heartbeat = time.monotonic()
-            self._heartbeat = asyncio.create_task(self._beat())
+        if self.heartbeat is not None:
+            await self.heartbeat.beat(patient=True)
+            self._beating = asyncio.create_task(self.heartbeat.run())
         self.registered = True
 
     async def withdraw(self) -> None:
         """Leave the registry (no new requests are routed here); idempotent."""
         self.registered = False
-        heartbeat, self._heartbeat = self._heartbeat, None
-        if heartbeat is not None:
-            heartbeat.cancel()
+        beating, self._beating = self._beating, None
+        if beating is not None:
+            beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+                await beating
             if self.registry is not None:
                 with contextlib.suppress(Exception):  # Redis gone too: the record expires
                     await self.registry.withdraw(self.engine_id)
@@ -128,16 +128,6 @@ class EngineHost:
             host_adapters=stats.host.adapters,
         )
 
-    async def _beat(self) -> None:
-        assert self.registry is not None
-        while True:
-            await asyncio.sleep(self.registry.heartbeat_s)
-            try:
-                await self.registry.publish(await self.record())
-                self.last_heartbeat = time.monotonic()
-            except Exception:  # keep beating: a Redis blip must not unregister us for good
-                logger.exception("engine %s: heartbeat failed", self.engine_id)
-
     def not_ready_reason(self) -> str | None:
         """Why platforms cannot send requests here now, or None. An engine whose record has
         expired (its heartbeats fail: Redis is out of reach) is in no platform's routing."""
@@ -148,15 +138,15 @@ class EngineHost:
         age = self.heartbeat_age_s()
         if age is not None and self.registry is not None and age > self.registry.ttl_s:
             return (
-                f"the last heartbeat Redis took was {age:.0f} s ago (records expire after "
-                f"{self.registry.ttl_s:.0f} s): platforms no longer see this engine"
+                f"the last heartbeat Redis took was {age:.1f} s ago (records expire after "
+                f"{self.registry.ttl_s:g} s): platforms no longer see this engine"
             )
         return None
 
     def heartbeat_age_s(self) -> float | None:
-        if self.last_heartbeat is None:
+        if self.heartbeat is None or self.heartbeat.last_beat is None:
             return None
-        return time.monotonic() - self.last_heartbeat
+        return time.monotonic() - self.heartbeat.last_beat
 
     async def register(self, name: str, adapter: StoredAdapter) -> None:
         known = self._adapters.get(name)
@@ -392,9 +382,9 @@ def create_engine_app(host: EngineHost) -> FastAPI:
         body: dict[str, Any] = {"status": "ready" if reason is None else "unavailable"}
         if reason is not None:
             body["reason"] = reason
-        age = host.heartbeat_age_s()
+        age = host.heartbeat_age_s()  # read after the reason's: never below the age it judged
         if age is not None:
-            body["heartbeat_age_s"] = round(age, 1)
+            body["heartbeat_age_s"] = age  # unrounded: 0.64 s must not read as a TTL's 0.6
         return JSONResponse(body, status_code=200 if reason is None else 503)
 
     @app.get("/metrics")

@@ -31,7 +31,7 @@ from tests.platform.e2e.engine_processes import EngineProcess, engine_processes
 from tests.platform.tasks.worker_process import running_worker
 
 SECRET = "topology-test-secret"
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 2.0  # the default: records live 6 s, through the stalls 2 busy cores give
 NUM_ADAPTERS = 40
 NUM_REQUESTS = 200
 CONCURRENCY = 8
