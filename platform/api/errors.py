@@ -13,7 +13,15 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loramux.platform.api.error_codes import HTTP_EXCEPTION_CODES, error_detail
+from loramux.platform.api.error_codes import ERROR_CODES, HTTP_EXCEPTION_CODES, error_detail
+from loramux.platform.errors import (
+    Conflict,
+    Invalid,
+    NotFound,
+    PlatformError,
+    QuotaExceeded,
+    Unavailable,
+)
 from loramux.platform.services.metering import database_unavailable
 
 logger = logging.getLogger(__name__)
@@ -34,7 +42,8 @@ class ErrorBody(BaseModel):
 
 
 class APIError(Exception):
-    """Raised by services and routes; rendered as an OpenAI-style error."""
+    """Raised by routes and dependencies for what only HTTP knows (authentication, a
+    request the engine refused); services raise ``loramux.platform.errors`` instead."""
 
     def __init__(
         self,
@@ -59,7 +68,35 @@ def error_response(
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
+# The status of a platform error whose code is not in the table (a bug: logged).
+_KIND_STATUS: dict[type[PlatformError], int] = {
+    NotFound: 404,
+    Conflict: 409,
+    Invalid: 400,
+    QuotaExceeded: 429,
+    Unavailable: 503,
+}
+
+
+def platform_error_status(exc: PlatformError) -> int:
+    """The HTTP status of a service's error: its code's, from ``ERROR_CODES``."""
+    known = ERROR_CODES.get(exc.code)
+    if known is not None:
+        return known.status
+    logger.error("error code %r is not in ERROR_CODES; answered by its kind", exc.code)
+    return next((s for kind, s in _KIND_STATUS.items() if isinstance(exc, kind)), 500)
+
+
+def platform_error_response(exc: PlatformError) -> JSONResponse:
+    headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return error_response(platform_error_status(exc), exc.message, exc.code, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(PlatformError)
+    async def _platform_error(_: Request, exc: PlatformError) -> JSONResponse:
+        return platform_error_response(exc)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status_code, exc.message, exc.code, exc.headers)

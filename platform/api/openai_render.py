@@ -12,6 +12,20 @@ from typing import Any
 
 from loramux.engine import RequestOutput, TokenLogprobs
 from loramux.platform.services.inference_job import Job, Tally, delta_logprobs
+from loramux.platform.services.metering import Usage
+
+
+def openai_usage(usage: Usage | None) -> dict[str, Any] | None:
+    """OpenAI's ``usage`` object, plus ``cost_micro_usd``: the request's billed numbers."""
+    if usage is None:  # not metered yet (the database is down): said nothing rather than 0
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+        "cost_micro_usd": usage.cost_micro_usd,
+    }
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -71,13 +85,13 @@ class Render:
 
     def response(self, tally: Tally) -> dict[str, Any]:
         choices = [self.choice(i, tally) for i in range(len(tally.choices))]
-        return {**self._envelope(self.object_name, choices), "usage": tally.usage}
+        return {**self._envelope(self.object_name, choices), "usage": openai_usage(tally.usage)}
 
     def chunk(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
         return self._envelope(self.chunk_name, [self.delta(index, out, tally)])
 
     def usage_chunk(self, tally: Tally) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_name, []), "usage": tally.usage}
+        return {**self._envelope(self.chunk_name, []), "usage": openai_usage(tally.usage)}
 
     def opening(self) -> list[dict[str, Any]]:
         return []

@@ -54,9 +54,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.engine import CONFIG_FILE, WEIGHTS_FILE, ModelConfig
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import Conflict, Invalid, Unavailable
 from loramux.platform.ingest import (
     AdapterInfo,
     UploadRejected,
@@ -198,9 +198,10 @@ def upload_adapter(
 
     ``owner`` is the lease owner of this platform replica's requests
     (``UploadWorkspace.owner``). Uses its own sessions: the upload's states are committed
-    one by one, whatever the request's session does. Raises ``APIError``: 422 with the
-    reason when the upload is refused in the request, 409 when the database stays too busy
-    to record it, 503 when the store or the task broker is unavailable; nothing is kept.
+    one by one, whatever the request's session does. Raises ``Invalid`` with the reason
+    when the upload is refused in the request, ``Conflict`` when the database stays too
+    busy to record it, ``Unavailable`` when the store or the task broker is down; nothing
+    is kept.
     """
     check_adapter_name(name, base_model_id=target.base_model_id)
     version_id = _begin(sessions, tenant_id, name, target.base_model_id, owner)
@@ -212,16 +213,16 @@ def upload_adapter(
                 _hand_to_queue(sessions, enqueue, version_id, target, owner)
     except UploadRejected as exc:
         _give_up(sessions, store, version_id, owner, put)
-        raise APIError(422, f"{REJECTED_PREFIX}{exc}", code="invalid_adapter") from exc
+        raise Invalid(f"{REJECTED_PREFIX}{exc}", code="invalid_adapter") from exc
     except StoreError as exc:
         _give_up(sessions, store, version_id, owner, put)
         logger.warning("upload of adapter %r: the object store failed: %s", name, exc)
-        raise APIError(503, STORE_UNAVAILABLE, code="store_unavailable") from exc
+        raise Unavailable(STORE_UNAVAILABLE, code="store_unavailable") from exc
     except _QueueUnavailable as exc:
         _give_up(sessions, store, version_id, owner, put)
-        raise APIError(503, QUEUE_UNAVAILABLE, code="task_queue_unavailable") from exc
+        raise Unavailable(QUEUE_UNAVAILABLE, code="task_queue_unavailable") from exc
     except LeaseLost as exc:  # swept: the sweep removes it, with what it put
-        raise APIError(503, LEASE_LOST, code="upload_interrupted") from exc
+        raise Unavailable(LEASE_LOST, code="upload_interrupted") from exc
     except BaseException:
         _give_up(sessions, store, version_id, owner, put)
         raise
@@ -245,8 +246,7 @@ def _begin(
             )
             conflict = exc
             time.sleep(random.uniform(0.5, 1.0) * BEGIN_BACKOFF_S * 2**attempt)
-    raise APIError(
-        409,
+    raise Conflict(
         f"Too many uploads of adapter {name!r} at once; nothing was kept. Try again.",
         code="adapter_upload_conflict",
     ) from conflict
@@ -413,7 +413,7 @@ def _view(sessions: sessionmaker[Session], version_id: str) -> AdapterView:
     with sessions() as session:
         version = session.get(AdapterVersion, version_id)
         if version is None:  # swept between its last write and here
-            raise APIError(503, LEASE_LOST, code="upload_interrupted")
+            raise Unavailable(LEASE_LOST, code="upload_interrupted")
         return AdapterView(session.get(Adapter, version.adapter_id), version)
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion, Tenant
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import Conflict, Invalid, NotFound
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -36,15 +36,13 @@ def check_adapter_name(name: str, *, base_model_id: str | None = None) -> str:
     """``name`` if a tenant may call an adapter so: 422 for a malformed name, 409 for the
     base model's own (requests naming it reach the base model, so the adapter never would)."""
     if not NAME_PATTERN.fullmatch(name):
-        raise APIError(
-            422,
+        raise Invalid(
             f"Invalid adapter name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit.",
             code="invalid_adapter_name",
         )
     if name == base_model_id:
-        raise APIError(
-            409,
+        raise Conflict(
             f"The adapter name {name!r} is the base model's name: requests for it would reach "
             "the base model, never the adapter. Choose another name.",
             code="adapter_name_conflict",
@@ -52,9 +50,9 @@ def check_adapter_name(name: str, *, base_model_id: str | None = None) -> str:
     return name
 
 
-def _not_found(name: str) -> APIError:
+def _not_found(name: str) -> NotFound:
     # The same answer whether the name is unknown or another tenant's: names never leak.
-    return APIError(404, f"No adapter named {name!r}.", code="adapter_not_found")
+    return NotFound(f"No adapter named {name!r}.", code="adapter_not_found")
 
 
 def _find_live_adapter(session: Session, tenant_id: str, name: str) -> Adapter | None:

@@ -31,11 +31,11 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from loramux.engine import SamplingParams
-from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Price, Tenant
 from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import Invalid, PlatformError, QuotaExceeded
 from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
 from loramux.platform.services.inference_job import Caller, Job, Target
 from loramux.platform.services.limit_holds import Holds, limits_reachable
@@ -58,9 +58,7 @@ class Admission:
                 list(messages), add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # a template error is the caller's messages' fault
-            raise APIError(
-                400, f"messages cannot be rendered: {exc}", code="invalid_messages"
-            ) from exc
+            raise Invalid(f"messages cannot be rendered: {exc}", code="invalid_messages") from exc
 
     def count_prompt(self, prompt: str | list[int]) -> int:
         """The prompt's length in tokens; 400 when it is empty, holds ids outside the
@@ -69,18 +67,16 @@ class Admission:
             count = len(prompt)
             bad = [t for t in prompt if not 0 <= t < self._vocab_size]
             if bad:
-                raise APIError(
-                    400,
+                raise Invalid(
                     f"prompt token ids must be in [0, {self._vocab_size}); got {bad[:3]}",
                     code="invalid_prompt",
                 )
         else:
             count = len(self._tokenizer(prompt)["input_ids"])
         if count == 0:
-            raise APIError(400, "prompt is empty", code="invalid_prompt")
+            raise Invalid("prompt is empty", code="invalid_prompt")
         if count >= self._max_model_len:
-            raise APIError(
-                400,
+            raise Invalid(
                 f"prompt has {count} tokens; the context limit is {self._max_model_len}, "
                 "leaving no room to generate",
                 code="context_length_exceeded",
@@ -96,8 +92,7 @@ class Admission:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return  # SamplingParams names what is wrong with it
         if prompt_tokens + max_tokens > self._max_model_len:
-            raise APIError(
-                400,
+            raise Invalid(
                 f"This model's maximum context length is {self._max_model_len} tokens. "
                 f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
                 f"in the prompt, {max_tokens} in the completion). Please reduce the length "
@@ -150,7 +145,7 @@ class Admission:
         try:
             if not self._reserve(caller, reserved):
                 holds.reserved_tokens = 0  # passed unchecked: nothing to refund
-        except APIError:
+        except PlatformError:
             holds.reserved_tokens = 0  # nothing was debited
             holds.settle(0)
             raise
@@ -185,11 +180,10 @@ class Admission:
             )
         if not decision.allowed:
             header = decision.retry_after_header
-            raise APIError(
-                429,
+            raise QuotaExceeded(
                 f"Rate limit: {decision.reason}",
                 code="rate_limit_exceeded",
-                headers={"Retry-After": header} if header else None,
+                retry_after_s=int(header) if header else None,
             )
         return decision.enforced
 
@@ -242,8 +236,7 @@ class Admission:
         with limits_reachable():
             decision = self._budget().try_hold(caller.tenant_id, most, budget=budget, spent=spent)
         if not decision.allowed:
-            raise APIError(
-                402,
+            raise QuotaExceeded(
                 f"Monthly budget: this request may cost up to ${micro_usd_to_usd(most):.6f} "
                 f"(its prompt and max_tokens at your prices); this month's usage costs "
                 f"${micro_usd_to_usd(decision.spent):.6f} and running requests hold "
@@ -264,7 +257,7 @@ def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]
             SamplingParams(**given, seed=None if seed is None else seed + i) for i in range(n)
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_sampling_parameters") from exc
+        raise Invalid(str(exc), code="invalid_sampling_parameters") from exc
 
 
 def check_budget(session: Session, tenant: Tenant) -> None:
@@ -278,8 +271,7 @@ def check_budget(session: Session, tenant: Tenant) -> None:
         return
     spent = month_spend(session, tenant.id, now=utc_now())
     if spent >= budget:
-        raise APIError(
-            402,
+        raise QuotaExceeded(
             f"Monthly budget exhausted: this month's usage costs ${micro_usd_to_usd(spent):.6f} of a "
             f"${micro_usd_to_usd(budget):.6f} budget. Ask your operator to raise it.",
             code="budget_exceeded",

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import ApiKey
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import NotFound
 from loramux.platform.services.tenants import live_tenant
 
 KEY_PREFIX = "lmx-"
@@ -69,7 +69,7 @@ def revoke_api_key(session: Session, key_id: str) -> None:
     """Revoke key ``key_id`` (404 if unknown). Revoking twice keeps the first time."""
     row = session.get(ApiKey, key_id)
     if row is None:
-        raise APIError(404, f"No API key with id {key_id!r}.", code="api_key_not_found")
+        raise NotFound(f"No API key with id {key_id!r}.", code="api_key_not_found")
     if row.revoked_at is None:
         row.revoked_at = utc_now()
     session.commit()

@@ -29,18 +29,18 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
 from loramux.engine import FinishReason, RequestOutput
-from loramux.platform.api.errors import APIError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Tenant
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import NotFound, Unavailable
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.admission import Admission
@@ -48,24 +48,24 @@ from loramux.platform.services.engine_failures import tenant_facing_error
 from loramux.platform.services.inference_job import Job, Tally, Target, stopped_output
 from loramux.platform.services.metering import (
     Meter,
+    Usage,
     UsageEvent,
     database_unavailable,
-    usage_for_response,
 )
 from loramux.platform.services.running import RunningRequests
 from loramux.platform.services.usage_journal import UsageJournal
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
 _STOP = object()  # the run was stopped (shutdown): end it now
-_NO_USAGE = {  # a request that delivered no token is not recorded, hence not billed
-    "prompt_tokens": 0,
-    "completion_tokens": 0,
-    "total_tokens": 0,
-    "prompt_tokens_details": {"cached_tokens": 0},
-    "cost_micro_usd": 0,
-}
+
+
+async def _in_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a worker thread, off the event loop (anyio's pool)."""
+    return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs))
 
 
 class _Merge:
@@ -95,7 +95,7 @@ class InferenceService:
         running: RunningRequests | None = None,
     ):
         if context.engine is None:
-            raise APIError(503, "No engine is running in this process.", code="engine_unavailable")
+            raise Unavailable("No engine is running in this process.", code="engine_unavailable")
         self._context = context
         self._engine = context.engine
         self.tokenizer = context.engine.tokenizer
@@ -120,10 +120,9 @@ class InferenceService:
     async def adapter_target(
         self, session: Session, tenant: Tenant, name: str, runtime: AdapterRuntime
     ) -> Target:
-        found = await run_in_threadpool(ready_version, session, tenant.id, name)
+        found = await _in_thread(ready_version, session, tenant.id, name)
         if found is None:
-            raise APIError(
-                404,
+            raise NotFound(
                 f"The model {name!r} does not exist or you do not have access to it.",
                 code="model_not_found",
             )
@@ -131,8 +130,8 @@ class InferenceService:
         try:
             engine_name = await runtime.ensure_loaded(version)
         except AdapterNotServable as exc:
-            raise APIError(
-                503, f"Adapter {name!r} cannot be served: {exc}", code="adapter_unavailable"
+            raise Unavailable(
+                f"Adapter {name!r} cannot be served: {exc}", code="adapter_unavailable"
             ) from exc
         return Target(name, engine_name, adapter.id, version.id)
 
@@ -152,7 +151,7 @@ class InferenceService:
     ) -> Job:
         """Validate, check budget and limits, and reserve tokens: the job to run
         (:meth:`Admission.prepare`, in a worker thread, off the event loop)."""
-        return await run_in_threadpool(
+        return await _in_thread(
             self.admission.prepare,
             session,
             tenant,
@@ -197,7 +196,7 @@ class InferenceService:
         whose last checkpoint at shutdown then records it in case the write is cut short."""
         try:
             with anyio.CancelScope(shield=True):  # even when the client's task is cancelled
-                await run_in_threadpool(self._finish, job, tally, elapsed_s)
+                await _in_thread(self._finish, job, tally, elapsed_s)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -303,5 +302,5 @@ class InferenceService:
         except BaseException:
             job.holds.settle(used)
             raise
-        tally.usage = usage_for_response(record) if record is not None else _NO_USAGE
+        tally.usage = Usage.of(record) if record is not None else Usage()
         job.holds.settle(used)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from loramux.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.limit_holds import Holds
+from loramux.platform.services.metering import Usage
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Tally:
         self.choices = [Choice(prompt_tokens=job.prompt_tokens) for _ in job.params]
         self.streamed = streamed
         self.ended = False  # set by the run once it reached its end (the response follows)
-        self.usage: dict[str, Any] | None = None  # set once the run has ended and was metered
+        self.usage: Usage | None = None  # set once the run has ended and was metered
 
     def deliver(self, index: int, out: RequestOutput) -> None:
         """``out``'s delta reached the client (or, non-streamed, is in the response)."""

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from loramux.platform.api.errors import APIError
+from loramux.platform.errors import Unavailable
 from loramux.platform.limits import BudgetHold, LimitsUnavailable, TenantBudget, TenantLimits
 
 if TYPE_CHECKING:
@@ -103,11 +103,10 @@ def limits_reachable() -> Iterator[None]:
         yield
     except LimitsUnavailable as exc:
         logger.warning("limits store unreachable, request refused (fail-closed): %s", exc)
-        raise APIError(
-            503,
+        raise Unavailable(
             "This tenant's rate limits and budget cannot be checked right now (their store "
             "is unreachable), so its requests are refused until it is back; try again in a "
             "few seconds.",
             code="limits_unavailable",
-            headers={"Retry-After": str(LIMITS_UNAVAILABLE_RETRY_AFTER_S)},
+            retry_after_s=LIMITS_UNAVAILABLE_RETRY_AFTER_S,
         ) from exc

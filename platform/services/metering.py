@@ -5,7 +5,7 @@ by the client) and hands it to ``Meter.record``::
 
     meter = Meter(context.sessions)
     record = meter.record(UsageEvent(request_id=..., tenant_id=..., model=..., ...))
-    usage = usage_for_response(record) if record else None
+    usage = Usage.of(record) if record else None
 
 While a request streams, ``loramux.platform.services.usage_journal`` hands its running
 tallies to ``Meter.checkpoint`` every ``usage_journal_interval_s`` (1 s by default): each
@@ -29,7 +29,7 @@ Rules:
   event's moment (``created_at``, default now) with
   ``loramux.platform.db.pricing.cost_micro_usd``; a tenant without a price at that moment
   is charged 0. A row's cost always follows its tokens; a final row's never changes.
-* ``usage_for_response`` gives the client exactly the numbers of the record, so the sum of
+* ``Usage.of`` gives the client exactly the numbers of the record, so the sum of
   what the API returned over a period equals the billing export's totals for it.
 * **A write the database refuses because it is down** raises an error for which
   ``database_unavailable`` is true; the serving path then keeps the event and writes it
@@ -193,15 +193,22 @@ class Meter:
             return _stored(session, request_id)
 
 
-def usage_for_response(record: UsageRecord) -> dict:
-    """The OpenAI ``usage`` object for a recorded request, plus ``cost_micro_usd``.
+@dataclass(frozen=True)
+class Usage:
+    """What a request was billed for: its usage record's numbers, so a client summing what
+    it was told gets the billing totals. All zero for a request that delivered no token
+    (not recorded, hence not billed)."""
 
-    The numbers are the record's own, so a client summing them gets the billing totals.
-    """
-    return {
-        "prompt_tokens": record.prompt_tokens,
-        "completion_tokens": record.completion_tokens,
-        "total_tokens": record.prompt_tokens + record.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": record.cached_prompt_tokens},
-        "cost_micro_usd": record.cost_micro_usd,
-    }
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    cost_micro_usd: int = 0
+
+    @classmethod
+    def of(cls, record: UsageRecord) -> Usage:
+        return cls(
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens,
+            cached_prompt_tokens=record.cached_prompt_tokens,
+            cost_micro_usd=record.cost_micro_usd,
+        )

@@ -1,8 +1,9 @@
 """Tenants: create, read, change and soft-delete them; their price lists; engine knobs.
 
 Every function takes the caller's ``Session``. Functions that write commit before they
-return (the request's session dependency would only commit after the response is sent), so a conflict surfaces as an ``APIError`` inside the request (not after the
-response was sent) and the engine is only told about values that are stored.
+return (the request's session dependency would only commit after the response is sent),
+so a conflict surfaces as a ``Conflict`` inside the request (not after the response was
+sent) and the engine is only told about values that are stored.
 
 Money is integer micro-dollars here (``Price`` and ``Tenant.monthly_budget_micro_usd``);
 ``usd_to_micro_usd`` / ``micro_usd_to_usd`` convert at the API edge, exactly.
@@ -21,11 +22,11 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import DEFAULT_PRIORITY, DEFAULT_WEIGHT, ApiKey, Price, Tenant
 from loramux.platform.db.pricing import current_price
 from loramux.platform.db.types import utc_now
 from loramux.platform.engines.client import EngineClient
+from loramux.platform.errors import Conflict, NotFound
 
 MICRO_USD_PER_USD = 1_000_000
 
@@ -141,8 +142,8 @@ class TenantView:
 # --- reads -----------------------------------------------------------------------------------
 
 
-def tenant_not_found(tenant_id: str) -> APIError:
-    return APIError(404, f"No tenant with id {tenant_id!r}.", code="tenant_not_found")
+def tenant_not_found(tenant_id: str) -> NotFound:
+    return NotFound(f"No tenant with id {tenant_id!r}.", code="tenant_not_found")
 
 
 def live_tenant(session: Session, tenant_id: str, *, for_update: bool = False) -> Tenant:
@@ -188,9 +189,8 @@ def _name_taken(session: Session, name: str, *, other_than: str | None = None) -
     return session.scalars(statement.limit(1)).first() is not None
 
 
-def _conflict(name: str) -> APIError:
-    return APIError(
-        409,
+def _conflict(name: str) -> Conflict:
+    return Conflict(
         f"A tenant named {name!r} already exists (names of deleted tenants stay reserved).",
         code="tenant_name_taken",
     )

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import Adapter
+from loramux.platform.errors import Conflict
 from loramux.platform.services.adapters import check_adapter_name
 from tests.platform.api.conftest import assert_openai_error
 
@@ -27,9 +27,8 @@ def _upload(client, headers, name: str, adapter_dir: Path):
 
 
 def test_the_base_model_name_is_refused_by_the_name_check():
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(Conflict) as refused:
         check_adapter_name("SmolLM2-135M-Instruct", base_model_id="SmolLM2-135M-Instruct")
-    assert refused.value.status_code == 409
     assert refused.value.code == "adapter_name_conflict"
     assert "base model" in refused.value.message
     # Other names, and names differing only in case (a distinct model id), are fine.

@@ -11,10 +11,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from loramux.platform.api.deps import api_key_hash
+from loramux.platform.api.openai_render import openai_usage
 from loramux.platform.context import PlatformContext, build_context
 from loramux.platform.db.models import ApiKey
 from loramux.platform.services.billing import METRICS
-from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
+from loramux.platform.services.metering import Meter, Usage, UsageEvent
 from loramux.platform.settings import Settings
 from tests.platform.api.conftest import assert_openai_error
 from tests.platform.db.factories import add_adapter, add_price, add_tenant
@@ -273,7 +274,7 @@ def test_a_tenant_sees_only_its_own_usage(client, usage):
 
 def test_tenant_totals_equal_the_usage_the_api_returned(client, usage):
     acme = usage["tenants"]["acme"]
-    returned = [usage_for_response(record) for record in usage["records"][:3]]
+    returned = [openai_usage(Usage.of(record)) for record in usage["records"][:3]]
     body = _get_json(client, "/v1/usage", _bearer(acme["key"]), start="2031-05-01")
     assert body["totals"]["cost_micro_usd"] == sum(u["cost_micro_usd"] for u in returned)
     assert body["totals"]["completion_tokens"] == sum(u["completion_tokens"] for u in returned)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import Adapter, AdapterVersion, Tenant
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import Unavailable
 from loramux.platform.services.adapter_upload import (
     ReceivedUpload,
     ValidationTarget,
@@ -93,9 +93,8 @@ def test_a_store_outage_answers_503_and_keeps_nothing(
 ):
     store = FlakyStore(LocalObjectStore(tmp_path / "store"))
     store.down = True
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(Unavailable) as raised:
         _upload(make_session, store, target, tenant_id, received)
-    assert raised.value.status_code == 503
     assert raised.value.code == "store_unavailable"
     assert "try again" in raised.value.message.lower()
     assert _counts(make_session) == (0, 0)
@@ -107,7 +106,7 @@ def test_an_outage_mid_upload_leaves_the_version_for_the_sweep(
 ):
     # The config is stored, then the store goes down: it cannot delete the config either.
     store = FlakyStore(LocalObjectStore(tmp_path / "store"), puts_before_outage=1)
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(Unavailable) as raised:
         _upload(make_session, store, target, tenant_id, received)
     assert raised.value.code == "store_unavailable"
     assert len(_objects(store.inner)) == 1
@@ -129,7 +128,7 @@ def test_a_failed_put_removes_what_the_upload_stored(
     make_session, tmp_path, target, tenant_id, received
 ):
     store = FlakyStore(LocalObjectStore(tmp_path / "store"), puts_before_outage=1, blip=True)
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(Unavailable) as raised:
         _upload(make_session, store, target, tenant_id, received)
     assert raised.value.code == "store_unavailable"
     assert _counts(make_session) == (0, 0)
@@ -143,7 +142,7 @@ def test_an_upload_keeps_the_files_another_version_shares(
     first = _upload(make_session, store, target, tenant_id, received)
     assert first.version.status == "ready"
     store.down = True
-    with pytest.raises(APIError):
+    with pytest.raises(Unavailable):
         _upload(make_session, store, target, tenant_id, received)
     assert _counts(make_session) == (1, 1)
     assert len(_objects(store.inner)) == 2
@@ -169,9 +168,8 @@ def test_an_upload_swept_from_under_its_request_answers_503(
 ):
     store = LocalObjectStore(tmp_path / "store")
     swept = _SweptWhileValidating(**target.__dict__, sessions=make_session, store=store)
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(Unavailable) as raised:
         _upload(make_session, store, swept, tenant_id, received)
-    assert raised.value.status_code == 503
     assert raised.value.code == "upload_interrupted"
     assert _counts(make_session) == (0, 0)
     assert _objects(store) == []

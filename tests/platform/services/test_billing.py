@@ -13,6 +13,7 @@ from datetime import UTC, date, datetime, timedelta, timezone
 import pytest
 from sqlalchemy import text
 
+from loramux.platform.api.openai_render import openai_usage
 from loramux.platform.db.models import UsageRecord
 from loramux.platform.services.billing import (
     GROUP_BYS,
@@ -23,7 +24,7 @@ from loramux.platform.services.billing import (
     to_csv,
     usage_report,
 )
-from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
+from loramux.platform.services.metering import Meter, Usage, UsageEvent
 from tests.platform.db.factories import add_adapter, add_price, add_tenant
 
 DAY0 = datetime(2031, 5, 1, tzinfo=UTC)
@@ -196,8 +197,8 @@ def test_totals_are_exact_over_any_period_and_grouping(make_session):
             and (end is None or record.created_at < end)
         ]
         # What the API returned to clients for those requests, summed.
-        client_cost = sum(usage_for_response(record)["cost_micro_usd"] for record in selected)
-        client_tokens = sum(usage_for_response(record)["total_tokens"] for record in selected)
+        client_cost = sum(openai_usage(Usage.of(record))["cost_micro_usd"] for record in selected)
+        client_tokens = sum(openai_usage(Usage.of(record))["total_tokens"] for record in selected)
 
         for group_by in GROUP_BYS:
             report = _report(

@@ -10,9 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
+from loramux.platform.api.openai_render import openai_usage
 from loramux.platform.db.models import UsageRecord
 from loramux.platform.db.types import utc_now
-from loramux.platform.services.metering import Meter, UsageEvent, usage_for_response
+from loramux.platform.services.metering import Meter, Usage, UsageEvent
 from tests.platform.db.factories import add_adapter, add_adapter_version, add_price, add_tenant
 
 # Prices come from the factory's default: $1 per million input tokens, $0.50 cached, $2 output.
@@ -174,7 +175,7 @@ def test_a_dropped_stream_bills_the_delivered_tokens(make_session, tenant_id):
 
 def test_usage_for_response_repeats_the_record(make_session, tenant_id):
     record = Meter(make_session).record(_event(tenant_id))
-    assert usage_for_response(record) == {
+    assert openai_usage(Usage.of(record)) == {
         "prompt_tokens": 1_000,
         "completion_tokens": 500,
         "total_tokens": 1_500,

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.platform.api.errors import APIError
 from loramux.platform.db.models import UsageDaily, UsageRecord
 from loramux.platform.db.types import utc_now
+from loramux.platform.errors import QuotaExceeded
 from loramux.platform.services.admission import check_budget
 from loramux.platform.services.rollups import (
     ROLLUP_GRACE,
@@ -286,8 +286,7 @@ def test_check_budget_refuses_from_rollup_data(sessions):
         tenant = session.merge(tenant)
         check_budget(session, tenant)  # 630 of 1000: allowed
         tenant.monthly_budget_micro_usd = 630
-        with pytest.raises(APIError) as refused:
+        with pytest.raises(QuotaExceeded) as refused:
             check_budget(session, tenant)
-    assert refused.value.status_code == 402
     assert refused.value.code == "budget_exceeded"
     assert "$0.000630 of a $0.000630 budget" in refused.value.message
