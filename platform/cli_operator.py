@@ -513,7 +513,7 @@ async def _live_engines(settings: Any) -> list[Any]:
     import redis.asyncio
     from redis.exceptions import RedisError
 
-    from loramux.platform.engines.registry import EngineRegistry
+    from loramux.platform.engine_fleet.registry import EngineRegistry
 
     shown = _without_password(settings.redis_url)
     client = redis.asyncio.from_url(

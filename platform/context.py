@@ -12,12 +12,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loramux.engine import Engine
 from loramux.platform.admin_token import load_or_create_admin_token
-from loramux.platform.base_model import BaseModel, resolve_base_model
+from loramux.platform.base_model import ResolvedBaseModel, resolve_base_model
 from loramux.platform.data_dir import make_data_dir_private
 from loramux.platform.db.migrate import upgrade
 from loramux.platform.db.session import create_engine_for, session_factory
+from loramux.platform.engine_fleet.client import EngineClient, LocalEngine
 from loramux.platform.engine_settings import engine_config
-from loramux.platform.engines.client import EngineClient, LocalEngine
 from loramux.platform.limits import RateLimiter, build_rate_limiter
 from loramux.platform.services.adapter_upload import ValidationTarget
 from loramux.platform.settings import Settings
@@ -28,7 +28,7 @@ from loramux.platform.tasks.celery_app import make_celery
 @dataclass
 class PlatformContext:
     settings: Settings
-    base_model: BaseModel
+    base_model: ResolvedBaseModel
     admin_token: str
     sessions: sessionmaker[Session]  # metadata database (migrated to head at start)
     store: ObjectStore  # adapter files
@@ -55,12 +55,12 @@ class PlatformContext:
 
 
 def build_engine_client(
-    settings: Settings, base_model: BaseModel, store: ObjectStore
+    settings: Settings, base_model: ResolvedBaseModel, store: ObjectStore
 ) -> EngineClient:
     """The engine in this process, or, with ``engine_mode=remote``, the registered engine
     processes behind routing."""
     if settings.engine_mode == "remote":
-        from loramux.platform.engines.routed import build_routed_engines
+        from loramux.platform.engine_fleet.routed import build_routed_engines
 
         return build_routed_engines(settings, base_model)
     return LocalEngine(Engine(engine_config(settings, base_model)), store)

@@ -14,7 +14,7 @@ with two, an upload could be validated and marked ready at a rank the engine ref
 from __future__ import annotations
 
 from loramux.engine import EngineConfig
-from loramux.platform.base_model import BaseModel
+from loramux.platform.base_model import ResolvedBaseModel
 from loramux.platform.settings import Settings
 
 # EngineConfig field -> the Settings field it is copied from.
@@ -49,7 +49,7 @@ ENGINE_DEFAULTS = {
 }
 
 
-def engine_config(settings: Settings, base_model: BaseModel) -> EngineConfig:
+def engine_config(settings: Settings, base_model: ResolvedBaseModel) -> EngineConfig:
     """The engine this platform's settings describe (in-process or ``loramux engine``)."""
     values = {field: getattr(settings, name) for field, name in FROM_SETTINGS.items()}
     if settings.adapter_disk_cache_bytes:

@@ -30,7 +30,7 @@ from loramux.platform.api.schemas_admin import (
 )
 from loramux.platform.api.schemas_engine import EngineSnapshotOut
 from loramux.platform.db.types import utc_now
-from loramux.platform.engines.merge import merge_stats
+from loramux.platform.engine_fleet.merge import merge_stats
 from loramux.platform.services import adapters, api_keys, tenants
 from loramux.platform.services.adapters import VersionLabel
 

@@ -42,7 +42,7 @@ from loramux.platform.api.schemas_openai import (
     CompletionRequest,
 )
 from loramux.platform.db.models import Tenant
-from loramux.platform.engines.remote import EngineLost, EngineUnavailable
+from loramux.platform.engine_fleet.remote import EngineLost, EngineUnavailable
 from loramux.platform.services.engine_failures import EngineRequestFailed
 from loramux.platform.services.inference import InferenceService
 from loramux.platform.services.inference_job import Job, Tally, Target, new_request_id

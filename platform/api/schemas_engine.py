@@ -15,7 +15,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from loramux.engine import EngineStats, LatencySummary, MemoryPlan, ResidencyStats, TierStats
-from loramux.platform.engines.client import EngineReport
+from loramux.platform.engine_fleet.client import EngineReport
 from loramux.platform.services.adapters import VersionLabel
 
 MS_PER_S = 1000.0

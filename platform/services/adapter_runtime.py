@@ -22,7 +22,7 @@ import asyncio
 from loramux.engine import EngineError
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
-from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
 
 REMOVAL_RETRY_S = 0.5  # how often a deleted adapter still in use is tried again
 # How long a superseded version stays registered: longer than a request takes from

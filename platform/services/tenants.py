@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from loramux.platform.db.models import DEFAULT_PRIORITY, DEFAULT_WEIGHT, ApiKey, Price, Tenant
 from loramux.platform.db.pricing import current_price
 from loramux.platform.db.types import utc_now
-from loramux.platform.engines.client import EngineClient
+from loramux.platform.engine_fleet.client import EngineClient
 from loramux.platform.errors import Conflict, NotFound
 
 MICRO_USD_PER_USD = 1_000_000

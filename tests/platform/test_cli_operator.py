@@ -25,7 +25,7 @@ import redis.asyncio
 from loramux.platform.cli import main
 from loramux.platform.db.migrate import upgrade
 from loramux.platform.db.session import create_engine_for, session_factory
-from loramux.platform.engines.registry import EngineRecord, EngineRegistry
+from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 from loramux.platform.services.billing import to_csv, usage_report
 from loramux.platform.services.rollups import utc_day_bounds
 from tests.platform.db.factories import add_tenant, usage_record

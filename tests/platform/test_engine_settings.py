@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from loramux.engine import EngineConfig
-from loramux.platform.base_model import BaseModel
+from loramux.platform.base_model import ResolvedBaseModel
 from loramux.platform.engine_settings import (
     ENGINE_DEFAULTS,
     FROM_SETTINGS,
@@ -52,7 +52,9 @@ def test_settings_reach_the_engine(tmp_path, monkeypatch):
         "LORAMUX_ADAPTER_DISK_CACHE_BYTES": str(1 << 30),
     }.items():
         monkeypatch.setenv(name, value)
-    config = engine_config(Settings(data_dir=tmp_path), BaseModel(path=tmp_path, model_id="m"))
+    config = engine_config(
+        Settings(data_dir=tmp_path), ResolvedBaseModel(path=tmp_path, model_id="m")
+    )
     assert config.max_lora_rank == 128
     assert (config.max_num_seqs, config.max_prefill_chunk, config.max_adapters_per_step) == (
         7,
@@ -67,5 +69,7 @@ def test_settings_reach_the_engine(tmp_path, monkeypatch):
 
 def test_without_a_disk_cache_setting_there_is_no_disk_tier(tmp_path, monkeypatch):
     monkeypatch.delenv("LORAMUX_ADAPTER_DISK_CACHE_BYTES", raising=False)
-    config = engine_config(Settings(data_dir=tmp_path), BaseModel(path=tmp_path, model_id="m"))
+    config = engine_config(
+        Settings(data_dir=tmp_path), ResolvedBaseModel(path=tmp_path, model_id="m")
+    )
     assert config.adapter_disk_cache_dir is None

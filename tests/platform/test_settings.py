@@ -75,10 +75,10 @@ def test_env_overrides(tmp_path, monkeypatch):
 
 
 def test_the_engine_budget_is_sized_to_the_machine_unless_set(tmp_path, monkeypatch):
-    from loramux.platform.base_model import BaseModel
+    from loramux.platform.base_model import ResolvedBaseModel
     from loramux.platform.engine_settings import engine_config
 
-    base = BaseModel(path=tmp_path, model_id="m")
+    base = ResolvedBaseModel(path=tmp_path, model_id="m")
     assert Settings(data_dir=tmp_path).kv_cache_bytes is None
     assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes is None
     monkeypatch.setenv("LORAMUX_KV_CACHE_BYTES", str(64 << 20))

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from loramux.engine import AsyncEngine, Engine, EngineConfig
 from loramux.platform.app import create_app
 from loramux.platform.context import build_context
-from loramux.platform.engines.registry import EngineRegistry
-from loramux.platform.engines.server import EngineHost, create_engine_app
+from loramux.platform.engine_fleet.registry import EngineRegistry
+from loramux.platform.engine_fleet.server import EngineHost, create_engine_app
 from loramux.platform.settings import Settings
 from loramux.platform.store.local import LocalObjectStore
 from tests.fixtures.browser import ServerThread

@@ -13,7 +13,7 @@ from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
-from loramux.platform.engines import wire
+from loramux.platform.engine_fleet import wire
 
 
 def _through_json(data):

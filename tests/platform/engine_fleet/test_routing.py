@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from loramux.platform.engines.routing import Candidate, choose, load_cap
+from loramux.platform.engine_fleet.routing import Candidate, choose, load_cap
 
 
 def _pick(*candidates: Candidate, factor: float = 1.25, key: str = "adapter") -> str:

@@ -26,15 +26,15 @@ from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from loramux.engine.model.config import ModelConfig
 from loramux.platform.app import create_app
 from loramux.platform.context import build_context
-from loramux.platform.engines.registry import EngineRecord, EngineRegistry
-from loramux.platform.engines.remote import RemoteEngine
-from loramux.platform.engines.routed import NoEngineAvailable, RoutedEngines
-from loramux.platform.engines.server import EngineHost, create_engine_app
+from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
+from loramux.platform.engine_fleet.remote import RemoteEngine
+from loramux.platform.engine_fleet.routed import NoEngineAvailable, RoutedEngines
+from loramux.platform.engine_fleet.server import EngineHost, create_engine_app
 from loramux.platform.settings import Settings
 from loramux.platform.store.local import LocalObjectStore
 from tests.fixtures.browser import ServerThread, free_port
 from tests.fixtures.polling import eventually
-from tests.platform.engines.test_engine_server import SECRET, store_adapter
+from tests.platform.engine_fleet.test_engine_server import SECRET, store_adapter
 from tests.platform.raw_http import request_then_leave
 
 HEARTBEAT_S = 1.0  # TTL 3 s: a busy test machine must not expire a live engine

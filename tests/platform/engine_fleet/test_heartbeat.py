@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import redis.asyncio
 
-from loramux.platform.engines.heartbeat import STALE_HEARTBEATS, Heartbeat
-from loramux.platform.engines.registry import EngineRecord, EngineRegistry
+from loramux.platform.engine_fleet.heartbeat import STALE_HEARTBEATS, Heartbeat
+from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 
 HEARTBEAT_S = 0.2  # records expire after 0.6 s
 
@@ -111,7 +111,7 @@ def test_an_engine_thread_silent_too_long_leaves_the_registry(redis_url, caplog)
             beating.cancel()
         return gone, back
 
-    with caplog.at_level(logging.ERROR, logger="loramux.platform.engines.heartbeat"):
+    with caplog.at_level(logging.ERROR, logger="loramux.platform.engine_fleet.heartbeat"):
         gone, back = asyncio.run(go())
     assert gone, "a hung engine must leave the registry"
     assert back, "the engine must come back once its thread answers"

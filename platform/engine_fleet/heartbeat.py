@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from loramux.platform.engines.registry import EngineRecord, EngineRegistry
+from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 
 from loramux.engine import AsyncEngineError, EngineError, EngineStats, RequestOutput, SamplingParams
-from loramux.platform.engines.stored_adapter import StoredAdapter
-from loramux.platform.engines.wire import output_from_json, params_to_json, stats_from_json
+from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
+from loramux.platform.engine_fleet.wire import output_from_json, params_to_json, stats_from_json
 
 # Connecting must be quick (a dead engine is skipped for another); a stream may wait long
 # between tokens on a busy engine.

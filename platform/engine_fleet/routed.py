@@ -33,18 +33,18 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
 from loramux.engine import EngineStats, RequestOutput, SamplingParams
-from loramux.platform.engines.client import EngineReport
-from loramux.platform.engines.merge import fastest_tiers, merge_stats
-from loramux.platform.engines.registry import EngineRecord, EngineRegistry
-from loramux.platform.engines.remote import (
+from loramux.platform.engine_fleet.client import EngineReport
+from loramux.platform.engine_fleet.merge import fastest_tiers, merge_stats
+from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
+from loramux.platform.engine_fleet.remote import (
     AdapterNotRegistered,
     EngineLost,
     EngineUnavailable,
     EngineUnreachable,
     RemoteEngine,
 )
-from loramux.platform.engines.routing import COLD, Candidate, affinity, choose
-from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.engine_fleet.routing import COLD, Candidate, affinity, choose
+from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ import uvicorn
 from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from loramux.engine.engine import EngineError
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from loramux.platform.engines.remote import (
+from loramux.platform.engine_fleet.remote import (
     AdapterNotRegistered,
     EngineUnavailable,
     EngineUnreachable,
     RemoteEngine,
 )
-from loramux.platform.engines.server import EngineHost, create_engine_app
-from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.engine_fleet.server import EngineHost, create_engine_app
+from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
 from loramux.platform.serving import BACKSTOP_S, DrainingServer
 from loramux.platform.store.local import LocalObjectStore
 from tests.engine.hf_reference import greedy_tokens

@@ -2,7 +2,7 @@
 
 :class:`EngineClient` is what routes and services may call. :class:`LocalEngine` is the
 embedded default's: the engine in this process, on its own thread (``AsyncEngine``), its
-adapters read from this platform's store. ``loramux.platform.engines.remote`` has the
+adapters read from this platform's store. ``loramux.platform.engine_fleet.remote`` has the
 other, engines in their own processes behind the same methods.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from loramux.engine import AsyncEngine, Engine, EngineStats, RequestOutput, SamplingParams
-from loramux.platform.engines.stored_adapter import StoredAdapter
+from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
 from loramux.platform.store import ObjectStore
 
 

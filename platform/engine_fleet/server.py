@@ -42,10 +42,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from loramux.engine import AsyncEngine, AsyncEngineError, EngineError
-from loramux.platform.engines.heartbeat import Heartbeat
-from loramux.platform.engines.registry import EngineRecord, EngineRegistry
-from loramux.platform.engines.stored_adapter import StoredAdapter
-from loramux.platform.engines.wire import output_to_json, params_from_json, stats_to_json
+from loramux.platform.engine_fleet.heartbeat import Heartbeat
+from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
+from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
+from loramux.platform.engine_fleet.wire import output_to_json, params_from_json, stats_to_json
 from loramux.platform.store import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -331,8 +331,8 @@ def build_engine_host(settings, *, log=print) -> EngineHost:
     from loramux.engine import Engine
     from loramux.platform.base_model import resolve_base_model
     from loramux.platform.data_dir import make_data_dir_private
+    from loramux.platform.engine_fleet.registry import EngineRegistry
     from loramux.platform.engine_settings import engine_config
-    from loramux.platform.engines.registry import EngineRegistry
     from loramux.platform.store import build_store
 
     make_data_dir_private(settings.data_dir, log=log)
