@@ -118,5 +118,6 @@ def create_app(
     app.include_router(adapters.router)
     app.include_router(identity.router)
     app.include_router(ui.router)
+    app.mount("/ui/static", ui.UIStaticFiles(), name="ui-static")
     install_error_docs(app)  # after every router: /openapi.json declares each one's errors
     return app
