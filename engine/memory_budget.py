@@ -143,7 +143,7 @@ def cuda_budget(free_bytes: int, activations: int) -> Budget:
         raise ValueError(
             f"only {format_bytes(free_bytes)} of device memory is free after the weights, "
             f"less than the {format_bytes(headroom)} kept for activations: no room for the KV "
-            "cache; set kv_cache_bytes (LORAMUX_KV_CACHE_BYTES), or lower "
+            "cache; set kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES), or lower "
             "max_num_batched_tokens / max_num_seqs"
         )
     return Budget(
@@ -233,7 +233,7 @@ class MemoryPlan:
     def advice(self) -> str:
         """What to do when memory is the limit (the thrash warning ends with it)."""
         return (
-            f"raise kv_cache_bytes (LORAMUX_KV_CACHE_BYTES; now {format_bytes(self.budget_bytes)}, "
+            f"raise kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES; now {format_bytes(self.budget_bytes)}, "
             f"{self.detail}), or lower max_num_seqs ({self.full_batch_requests})"
         )
 
@@ -241,9 +241,9 @@ class MemoryPlan:
         """The start-up log's lines."""
         budget = f"KV + adapter budget {format_bytes(self.budget_bytes)} on {self.device}, "
         if self.source == "set":
-            budget += "set by kv_cache_bytes (LORAMUX_KV_CACHE_BYTES)"
+            budget += "set by kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES)"
         else:
-            budget += f"{self.detail} (kv_cache_bytes / LORAMUX_KV_CACHE_BYTES overrides it)"
+            budget += f"{self.detail} (kv_cache_bytes / LORAMUX_ENGINE_KV_CACHE_BYTES overrides it)"
         holds = (
             f"it holds {self.kv_blocks:,} KV blocks of {self.block_size} tokens = "
             f"{self.kv_tokens:,} tokens ({format_bytes(self.kv_block_bytes)} a block); "

@@ -40,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_serve)
     engine = commands.add_parser("engine", help=ENGINE_HELP, description=ENGINE_HELP)
-    engine.add_argument("--host", help="bind address (default: LORAMUX_ENGINE_HOST or 127.0.0.1)")
-    engine.add_argument("--port", type=int, help="port (default: LORAMUX_ENGINE_PORT or 8100)")
+    engine.add_argument(
+        "--host", help="bind address (default: LORAMUX_ENGINE_SERVER_HOST or 127.0.0.1)"
+    )
+    engine.add_argument(
+        "--port", type=int, help="port (default: LORAMUX_ENGINE_SERVER_PORT or 8100)"
+    )
     engine.set_defaults(handler=_engine)
     bench = commands.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
     bench.add_argument(
@@ -131,7 +135,7 @@ def _engine(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)
     if settings.engine_secret is None:
         print(
-            "loramux engine needs LORAMUX_ENGINE_SECRET (the bearer token platforms use to "
+            "loramux engine needs LORAMUX_ENGINE_SERVER_SECRET (the bearer token platforms use to "
             "reach it); set the same value on the platform.",
             file=sys.stderr,
         )

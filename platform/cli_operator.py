@@ -474,7 +474,7 @@ def _engines(args: argparse.Namespace, settings: Any) -> int:
     if not records:
         print(
             "No live engine in the registry: start `loramux engine` processes with the same "
-            "LORAMUX_REDIS_URL (each heartbeats every LORAMUX_ENGINE_HEARTBEAT_S seconds)."
+            "LORAMUX_REDIS_URL (each heartbeats every LORAMUX_ENGINE_SERVER_HEARTBEAT_S seconds)."
         )
         return OK
     rows = []

@@ -1,4 +1,6 @@
-"""Platform settings, read from the environment (prefix ``LORAMUX_``) by pydantic-settings.
+"""Platform settings, read from the environment by pydantic-settings: ``LORAMUX_<FIELD>``,
+except the engine's (``LORAMUX_ENGINE_<FIELD>`` to tune it, ``LORAMUX_ENGINE_SERVER_<NAME>``
+for the ``loramux engine`` process; ``settings_names``).
 
 Nothing is read at import time: the CLI or a test builds ``Settings()`` and passes it
 down. With nothing configured every backend is the embedded one (SQLite, a local
@@ -12,6 +14,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loramux.platform.settings_names import EngineEnvNames, env_name
 
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -158,7 +162,7 @@ class Settings(BaseSettings):
         default="local",
         description="`local`: the engine runs in the platform's process. `remote`: requests "
         "go to `loramux engine` processes that register in Redis (needs LORAMUX_REDIS_URL "
-        "and LORAMUX_ENGINE_SECRET).",
+        "and LORAMUX_ENGINE_SERVER_SECRET).",
     )
     engine_secret: SecretStr | None = Field(
         default=None,
@@ -239,6 +243,14 @@ class Settings(BaseSettings):
         description="Operator bearer token. Unset: one is created on first start and kept in the data dir.",
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        # The engine's settings under their family names first (settings_names).
+        engine_names = EngineEnvNames(settings_cls)
+        return init_settings, engine_names, env_settings, dotenv_settings, file_secret_settings
+
     @field_validator("data_dir")
     @classmethod
     def _absolute_data_dir(cls, value: Path) -> Path:
@@ -257,7 +269,7 @@ class Settings(BaseSettings):
                 name
                 for name, value in (
                     ("LORAMUX_REDIS_URL", self.redis_url),
-                    ("LORAMUX_ENGINE_SECRET", self.engine_secret),
+                    (env_name("engine_secret"), self.engine_secret),
                 )
                 if not value
             ]

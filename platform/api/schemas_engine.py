@@ -60,7 +60,7 @@ class MemoryOut(BaseModel):
 
     budget_bytes: int = Field(description="Device bytes the KV cache and resident adapters share.")
     source: str = Field(
-        description="`set` (LORAMUX_KV_CACHE_BYTES / kv_cache_bytes) or `machine` (sized to "
+        description="`set` (LORAMUX_ENGINE_KV_CACHE_BYTES / kv_cache_bytes) or `machine` (sized to "
         "it at start: a share of the RAM or GPU memory available)."
     )
     detail: str = Field(description="Where the budget came from, in words.")
@@ -119,7 +119,7 @@ class ResidencyOut(BaseModel):
     window_s: float = Field(description="How far back the per-minute rates look.")
     thrashing: bool = Field(
         description="Re-loads at 30 a minute or more: adapters thrash; raise "
-        "LORAMUX_KV_CACHE_BYTES or lower LORAMUX_MAX_NUM_SEQS."
+        "LORAMUX_ENGINE_KV_CACHE_BYTES or lower LORAMUX_ENGINE_MAX_NUM_SEQS."
     )
 
     @classmethod

@@ -3,7 +3,7 @@
 Unauthenticated: ``GET /healthz`` (the process serves), ``GET /readyz`` (the model is
 loaded, the loop runs and the engine is registered), ``GET /metrics`` (the engine's
 Prometheus registry). Everything under ``/v1/engine`` needs ``Authorization: Bearer
-<LORAMUX_ENGINE_SECRET>``:
+<LORAMUX_ENGINE_SERVER_SECRET>``:
 
 | route | what |
 |---|---|
@@ -370,7 +370,9 @@ def create_engine_app(host: EngineHost) -> FastAPI:
 
     @app.exception_handler(_Unauthorized)
     async def _unauthorized(_: Request, __: _Unauthorized) -> JSONResponse:
-        return _error(401, "missing or wrong engine secret (LORAMUX_ENGINE_SECRET)", "unauthorized")
+        return _error(
+            401, "missing or wrong engine secret (LORAMUX_ENGINE_SERVER_SECRET)", "unauthorized"
+        )
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -13,17 +13,18 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr, ValidationError
 
 from loramux.platform.settings import Settings
+from loramux.platform.settings_names import env_name
 from tests.deploy.processes import ROLES, Process, SecretRef
 
 PREFIX = "LORAMUX_"
 
 
-def env_name(field: str) -> str:
-    return PREFIX + field.upper()
+def field_of_env_name() -> dict[str, str]:
+    return {env_name(field): field for field in Settings.model_fields}
 
 
 def known_settings() -> set[str]:
-    return {env_name(field) for field in Settings.model_fields}
+    return set(field_of_env_name())
 
 
 def secret_settings() -> set[str]:
@@ -60,20 +61,20 @@ REQUIRED: dict[str, set[str]] = {
         "LORAMUX_REDIS_URL",
         "LORAMUX_CELERY_BROKER_URL",
         "LORAMUX_ENGINE_MODE",
-        "LORAMUX_ENGINE_SECRET",
+        "LORAMUX_ENGINE_SERVER_SECRET",
         "LORAMUX_ADMIN_TOKEN",
     },
     "engine": _STORE
     | _MODEL
     | {
-        "LORAMUX_DEVICE",
+        "LORAMUX_ENGINE_DEVICE",
         "LORAMUX_DATA_DIR",
         "LORAMUX_REDIS_URL",
-        "LORAMUX_ENGINE_SECRET",
-        "LORAMUX_ENGINE_HOST",
-        "LORAMUX_ENGINE_PORT",
-        "LORAMUX_ENGINE_ADVERTISE_URL",
-        "LORAMUX_ENGINE_ID",
+        "LORAMUX_ENGINE_SERVER_SECRET",
+        "LORAMUX_ENGINE_SERVER_HOST",
+        "LORAMUX_ENGINE_SERVER_PORT",
+        "LORAMUX_ENGINE_SERVER_ADVERTISE_URL",
+        "LORAMUX_ENGINE_SERVER_ID",
     },
     "worker": _STORE | {"LORAMUX_DATABASE_URL", "LORAMUX_REDIS_URL", "LORAMUX_CELERY_BROKER_URL"},
     "beat": _STORE | {"LORAMUX_DATABASE_URL", "LORAMUX_REDIS_URL", "LORAMUX_CELERY_BROKER_URL"},
@@ -86,7 +87,7 @@ REQUIRED_VALUES: dict[str, dict[str, str]] = {
         "LORAMUX_STORE_BACKEND": "s3",
         "LORAMUX_HOST": "0.0.0.0",
     },
-    "engine": {"LORAMUX_STORE_BACKEND": "s3", "LORAMUX_ENGINE_HOST": "0.0.0.0"},
+    "engine": {"LORAMUX_STORE_BACKEND": "s3", "LORAMUX_ENGINE_SERVER_HOST": "0.0.0.0"},
     "worker": {"LORAMUX_STORE_BACKEND": "s3"},
     "beat": {"LORAMUX_STORE_BACKEND": "s3"},
 }
@@ -96,7 +97,7 @@ SHARED = (
     _STORE
     | _MODEL
     | CREDENTIAL_URLS
-    | {"LORAMUX_ENGINE_SECRET", "LORAMUX_ENGINE_HEARTBEAT_S", "LORAMUX_S3_REGION"}
+    | {"LORAMUX_ENGINE_SERVER_SECRET", "LORAMUX_ENGINE_SERVER_HEARTBEAT_S", "LORAMUX_S3_REGION"}
 )
 
 
@@ -108,7 +109,7 @@ def _settings_problems(process: Process) -> list[str]:
     """Does the settings model accept this environment, validators included?"""
     fields = {
         # A key of a Secret the chart does not render: any string stands in for it.
-        name.removeprefix(PREFIX).lower(): f"<{value.secret}/{value.key}>"
+        field_of_env_name()[name]: f"<{value.secret}/{value.key}>"
         if isinstance(value, SecretRef)
         else value
         for name, value in process.env.items()

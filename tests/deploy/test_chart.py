@@ -93,7 +93,8 @@ def test_renders_every_workload_and_object(renderer):
 
 @each_renderer
 @pytest.mark.parametrize(
-    ("component", "port_setting"), [("platform", "LORAMUX_PORT"), ("engine", "LORAMUX_ENGINE_PORT")]
+    ("component", "port_setting"),
+    [("platform", "LORAMUX_PORT"), ("engine", "LORAMUX_ENGINE_SERVER_PORT")],
 )
 def test_probes_check_healthz_and_readyz_on_the_serving_port(renderer, component, port_setting):
     workload = one(
@@ -142,14 +143,14 @@ def test_each_engine_has_one_gpu_and_advertises_its_stable_dns_name(renderer):
     variables = env(engines)
     assert variables["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     service = one(rendered, "Service", "engine")["metadata"]["name"]
-    assert variables["LORAMUX_ENGINE_ADVERTISE_URL"]["value"] == (
+    assert variables["LORAMUX_ENGINE_SERVER_ADVERTISE_URL"]["value"] == (
         f"http://$(POD_NAME).{service}.{NAMESPACE}.svc.cluster.local:8200"
     )
-    assert variables["LORAMUX_ENGINE_PORT"]["value"] == "8200"
-    assert variables["LORAMUX_ENGINE_ID"]["value"] == "$(POD_NAME)"
+    assert variables["LORAMUX_ENGINE_SERVER_PORT"]["value"] == "8200"
+    assert variables["LORAMUX_ENGINE_SERVER_ID"]["value"] == "$(POD_NAME)"
     # Kubernetes expands $(POD_NAME) only from variables defined before it.
-    assert names.index("POD_NAME") < names.index("LORAMUX_ENGINE_ADVERTISE_URL")
-    assert names.index("POD_NAME") < names.index("LORAMUX_ENGINE_ID")
+    assert names.index("POD_NAME") < names.index("LORAMUX_ENGINE_SERVER_ADVERTISE_URL")
+    assert names.index("POD_NAME") < names.index("LORAMUX_ENGINE_SERVER_ID")
 
 
 @each_renderer

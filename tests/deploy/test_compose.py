@@ -56,9 +56,9 @@ def test_each_engine_advertises_its_own_service_name_and_keeps_its_own_data(serv
     engines = by_role(services, "engine")
     for name, engine in engines.items():
         env = engine["environment"]
-        url = urlsplit(env["LORAMUX_ENGINE_ADVERTISE_URL"])
-        assert (url.hostname, str(url.port)) == (name, env["LORAMUX_ENGINE_PORT"]), name
-        assert env["LORAMUX_ENGINE_ID"] == name
+        url = urlsplit(env["LORAMUX_ENGINE_SERVER_ADVERTISE_URL"])
+        assert (url.hostname, str(url.port)) == (name, env["LORAMUX_ENGINE_SERVER_PORT"]), name
+        assert env["LORAMUX_ENGINE_SERVER_ID"] == name
     data = [next(v for v in e["volumes"] if v.endswith(":/data")) for e in engines.values()]
     assert len(set(data)) == len(data)
 
@@ -115,7 +115,7 @@ def test_health_checks_hit_the_serving_ports(services):
         platform["healthcheck"]["test"]
     )
     for name, engine in by_role(services, "engine").items():
-        port = engine["environment"]["LORAMUX_ENGINE_PORT"]
+        port = engine["environment"]["LORAMUX_ENGINE_SERVER_PORT"]
         assert f"127.0.0.1:{port}/readyz" in " ".join(engine["healthcheck"]["test"]), name
     assert platform["ports"] == [f"8000:{platform['environment']['LORAMUX_PORT']}"]
 

@@ -122,7 +122,7 @@ def test_compose_refuses_to_start_without_a_secret():
 
 def test_a_misspelled_setting_in_the_chart_is_reported(tmp_path):
     chart = broken_chart(
-        tmp_path, "configmap.yaml", "LORAMUX_KV_CACHE_BYTES:", "LORAMUX_KV_CACHE_BYTE:"
+        tmp_path, "configmap.yaml", "LORAMUX_ENGINE_KV_CACHE_BYTES:", "LORAMUX_KV_CACHE_BYTE:"
     )
     found = chart_problems(chart, INSTALL_VALUES)
     assert any("LORAMUX_KV_CACHE_BYTE is not a setting" in line for line in found), found
@@ -132,11 +132,11 @@ def test_a_setting_missing_from_the_chart_is_reported(tmp_path):
     chart = broken_chart(
         tmp_path,
         "engine-statefulset.yaml",
-        '"LORAMUX_REDIS_URL" "LORAMUX_ENGINE_SECRET"',
+        '"LORAMUX_REDIS_URL" "LORAMUX_ENGINE_SERVER_SECRET"',
         '"LORAMUX_REDIS_URL"',
     )
     found = chart_problems(chart, INSTALL_VALUES)
-    assert any("the engine needs LORAMUX_ENGINE_SECRET" in line for line in found), found
+    assert any("the engine needs LORAMUX_ENGINE_SERVER_SECRET" in line for line in found), found
 
 
 def test_a_secret_in_the_chart_configmap_is_reported(tmp_path):
@@ -144,10 +144,10 @@ def test_a_secret_in_the_chart_configmap_is_reported(tmp_path):
         tmp_path,
         "configmap.yaml",
         "  LORAMUX_DATA_DIR: /data\n",
-        "  LORAMUX_DATA_DIR: /data\n  LORAMUX_ENGINE_SECRET: {{ .Values.secrets.engineSecret | quote }}\n",
+        "  LORAMUX_DATA_DIR: /data\n  LORAMUX_ENGINE_SERVER_SECRET: {{ .Values.secrets.engineSecret | quote }}\n",
     )
     found = chart_problems(chart, INSTALL_VALUES)
-    assert any("holds the secret LORAMUX_ENGINE_SECRET" in line for line in found), found
+    assert any("holds the secret LORAMUX_ENGINE_SERVER_SECRET" in line for line in found), found
 
 
 def test_a_chart_reading_a_key_its_secret_lacks_is_reported(tmp_path):
@@ -172,12 +172,13 @@ def test_a_setting_missing_from_compose_is_reported():
 def test_a_secret_written_into_compose_is_reported():
     found = compose_problems(
         broken_compose(
-            "LORAMUX_ENGINE_SECRET: ${ENGINE_SECRET:?set ENGINE_SECRET in deploy/.env}",
-            "LORAMUX_ENGINE_SECRET: hunter2",
+            "LORAMUX_ENGINE_SERVER_SECRET: ${ENGINE_SECRET:?set ENGINE_SECRET in deploy/.env}",
+            "LORAMUX_ENGINE_SERVER_SECRET: hunter2",
         )
     )
     assert any(
-        "LORAMUX_ENGINE_SECRET must come from a Secret / deploy/.env" in line for line in found
+        "LORAMUX_ENGINE_SERVER_SECRET must come from a Secret / deploy/.env" in line
+        for line in found
     ), found
 
 
@@ -193,8 +194,8 @@ def test_an_invalid_setting_value_in_compose_is_reported():
 def test_engines_on_another_model_than_the_platform_are_reported():
     found = compose_problems(
         broken_compose(
-            "      LORAMUX_ENGINE_ID: engine-2\n",
-            "      LORAMUX_ENGINE_ID: engine-2\n      LORAMUX_MODEL_ID: another-model\n",
+            "      LORAMUX_ENGINE_SERVER_ID: engine-2\n",
+            "      LORAMUX_ENGINE_SERVER_ID: engine-2\n      LORAMUX_MODEL_ID: another-model\n",
         )
     )
     assert any("LORAMUX_MODEL_ID differs between processes" in line for line in found), found

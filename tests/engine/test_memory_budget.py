@@ -72,7 +72,7 @@ def test_cuda_takes_a_share_of_the_free_memory_less_headroom():
 
 
 def test_cuda_with_no_room_after_the_weights_says_what_to_set():
-    with pytest.raises(ValueError, match="LORAMUX_KV_CACHE_BYTES"):
+    with pytest.raises(ValueError, match="LORAMUX_ENGINE_KV_CACHE_BYTES"):
         mb.cuda_budget(free_bytes=GIB, activations=GIB // 2)
 
 
@@ -153,7 +153,7 @@ def test_start_logs_an_explicit_budget_and_what_it_holds(tiny_model_dir, caplog)
     budget, holds = _log_lines(caplog)
     assert (
         budget
-        == "KV + adapter budget 16 MiB on cpu, set by kv_cache_bytes (LORAMUX_KV_CACHE_BYTES)"
+        == "KV + adapter budget 16 MiB on cpu, set by kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES)"
     )
     assert holds.startswith(
         f"it holds {plan.kv_blocks:,} KV blocks of 16 tokens = {plan.kv_tokens:,} tokens "
@@ -188,7 +188,7 @@ def test_start_logs_a_machine_sized_budget_and_a_batch_that_does_not_fit(
     budget, holds = _log_lines(caplog)
     assert budget == (
         "KV + adapter budget 614 MiB on cpu, sized to the machine: 15% of 4 GiB available RAM "
-        "(kv_cache_bytes / LORAMUX_KV_CACHE_BYTES overrides it)"
+        "(kv_cache_bytes / LORAMUX_ENGINE_KV_CACHE_BYTES overrides it)"
     )
     assert f"{plan.adapters_beside_full_batch:,} fit beside a full batch (16 requests" in holds
 

@@ -175,6 +175,6 @@ def test_an_engine_whose_adapters_thrash_says_so(tiny_model_dir, three_adapters,
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith("adapters are thrashing: per minute over the last 60 s, 30 adapter")
     assert warning.endswith(
-        "raise kv_cache_bytes (LORAMUX_KV_CACHE_BYTES; now 16 MiB, set by kv_cache_bytes), "
+        "raise kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES; now 16 MiB, set by kv_cache_bytes), "
         "or lower max_num_seqs (1)"
     )

@@ -44,12 +44,12 @@ def test_a_copied_setting_has_the_engines_default(field, setting):
 def test_settings_reach_the_engine(tmp_path, monkeypatch):
     for name, value in {
         "LORAMUX_MAX_ADAPTER_RANK": "128",
-        "LORAMUX_MAX_NUM_SEQS": "7",
-        "LORAMUX_MAX_PREFILL_CHUNK": "96",
-        "LORAMUX_MAX_ADAPTERS_PER_STEP": "3",
-        "LORAMUX_ENABLE_PREFIX_CACHING": "false",
-        "LORAMUX_DTYPE": "bfloat16",
-        "LORAMUX_ADAPTER_DISK_CACHE_BYTES": str(1 << 30),
+        "LORAMUX_ENGINE_MAX_NUM_SEQS": "7",
+        "LORAMUX_ENGINE_MAX_PREFILL_CHUNK": "96",
+        "LORAMUX_ENGINE_MAX_ADAPTERS_PER_STEP": "3",
+        "LORAMUX_ENGINE_ENABLE_PREFIX_CACHING": "false",
+        "LORAMUX_ENGINE_DTYPE": "bfloat16",
+        "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES": str(1 << 30),
     }.items():
         monkeypatch.setenv(name, value)
     config = engine_config(
@@ -68,7 +68,7 @@ def test_settings_reach_the_engine(tmp_path, monkeypatch):
 
 
 def test_without_a_disk_cache_setting_there_is_no_disk_tier(tmp_path, monkeypatch):
-    monkeypatch.delenv("LORAMUX_ADAPTER_DISK_CACHE_BYTES", raising=False)
+    monkeypatch.delenv("LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES", raising=False)
     config = engine_config(
         Settings(data_dir=tmp_path), ResolvedBaseModel(path=tmp_path, model_id="m")
     )

@@ -18,7 +18,7 @@ _ENV_VARS = (
     "LORAMUX_STORE_BACKEND",
     "LORAMUX_S3_BUCKET",
     "LORAMUX_MODEL",
-    "LORAMUX_KV_CACHE_BYTES",  # the test run sets a small one (tests/fixtures/engine_budget.py)
+    "LORAMUX_ENGINE_KV_CACHE_BYTES",  # the test run sets a small one (tests/fixtures/engine_budget.py)
 )
 
 
@@ -81,7 +81,7 @@ def test_the_engine_budget_is_sized_to_the_machine_unless_set(tmp_path, monkeypa
     base = ResolvedBaseModel(path=tmp_path, model_id="m")
     assert Settings(data_dir=tmp_path).kv_cache_bytes is None
     assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes is None
-    monkeypatch.setenv("LORAMUX_KV_CACHE_BYTES", str(64 << 20))
+    monkeypatch.setenv("LORAMUX_ENGINE_KV_CACHE_BYTES", str(64 << 20))
     assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes == 64 << 20
     with pytest.raises(ValidationError, match="kv_cache_bytes"):
         Settings(data_dir=tmp_path, kv_cache_bytes=0)

@@ -41,7 +41,7 @@ def test_idle_engine(client, admin, context):
     assert body["adapters"] == [] and body["tenants"] == []
     assert body["ttft"] == {"samples": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None}
     assert body["latency_window_s"] > 0 and body["taken_at"]
-    # What the budget holds (the test run sets LORAMUX_KV_CACHE_BYTES) and no memory pressure.
+    # What the budget holds (the test run sets LORAMUX_ENGINE_KV_CACHE_BYTES) and no memory pressure.
     settings = context.settings
     memory = body["memory"]
     assert memory["budget_bytes"] == settings.kv_cache_bytes

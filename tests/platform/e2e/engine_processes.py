@@ -63,10 +63,10 @@ def engine_processes(
             process_env = {
                 **os.environ,
                 **env,
-                "LORAMUX_ENGINE_ID": engine_id,
-                "LORAMUX_ENGINE_HOST": "127.0.0.1",
-                "LORAMUX_ENGINE_PORT": str(port),
-                "LORAMUX_ENGINE_ADVERTISE_URL": url,
+                "LORAMUX_ENGINE_SERVER_ID": engine_id,
+                "LORAMUX_ENGINE_SERVER_HOST": "127.0.0.1",
+                "LORAMUX_ENGINE_SERVER_PORT": str(port),
+                "LORAMUX_ENGINE_SERVER_ADVERTISE_URL": url,
                 "LORAMUX_DATA_DIR": str(log_dir / engine_id),
             }
             with log.open("wb") as out:

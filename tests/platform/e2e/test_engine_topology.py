@@ -61,10 +61,10 @@ def topology(tmp_path, tiny_model_dir, postgres_database_url, redis_url, s3_endp
     }
     engine_env = {
         **shared,
-        "LORAMUX_DEVICE": "cpu",
-        "LORAMUX_KV_CACHE_BYTES": str(32 << 20),
-        "LORAMUX_ENGINE_SECRET": SECRET,
-        "LORAMUX_ENGINE_HEARTBEAT_S": str(HEARTBEAT_S),
+        "LORAMUX_ENGINE_DEVICE": "cpu",
+        "LORAMUX_ENGINE_KV_CACHE_BYTES": str(32 << 20),
+        "LORAMUX_ENGINE_SERVER_SECRET": SECRET,
+        "LORAMUX_ENGINE_SERVER_HEARTBEAT_S": str(HEARTBEAT_S),
     }
     broker = _redis_db(redis_url, 6)
     worker_env = {

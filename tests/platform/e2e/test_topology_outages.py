@@ -60,10 +60,10 @@ def topology(tmp_path, tiny_model_dir, s3_endpoint, s3_bucket) -> Iterator[Topol
             "LORAMUX_MODEL": str(tiny_model_dir),
             **{f"LORAMUX_{name.upper()}": value for name, value in store.items()},
             "LORAMUX_REDIS_URL": redis_server.url,
-            "LORAMUX_DEVICE": "cpu",
-            "LORAMUX_KV_CACHE_BYTES": str(32 << 20),
-            "LORAMUX_ENGINE_SECRET": SECRET,
-            "LORAMUX_ENGINE_HEARTBEAT_S": str(HEARTBEAT_S),
+            "LORAMUX_ENGINE_DEVICE": "cpu",
+            "LORAMUX_ENGINE_KV_CACHE_BYTES": str(32 << 20),
+            "LORAMUX_ENGINE_SERVER_SECRET": SECRET,
+            "LORAMUX_ENGINE_SERVER_HEARTBEAT_S": str(HEARTBEAT_S),
         }
         settings = Settings(
             data_dir=tmp_path / "platform",

@@ -141,7 +141,7 @@ def test_the_internal_api_needs_the_secret(running_engine):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         refused = httpx.get(f"{running_engine.url}/v1/engine/info", headers=headers)
         assert refused.status_code == 401
-        assert "LORAMUX_ENGINE_SECRET" in refused.json()["error"]["message"]
+        assert "LORAMUX_ENGINE_SERVER_SECRET" in refused.json()["error"]["message"]
     assert httpx.get(f"{running_engine.url}/healthz").status_code == 200
     assert httpx.get(f"{running_engine.url}/readyz").json() == {"status": "ready"}
     metrics = httpx.get(f"{running_engine.url}/metrics")

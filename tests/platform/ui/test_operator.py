@@ -133,11 +133,11 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
     engine_row.wait_for()
     assert "up" in engine_row.inner_text() and "in process" in engine_row.inner_text()
     assert page.text_content("#engines-sub").startswith("1 of 1 up")
-    # What the memory budget holds (the test run sets LORAMUX_KV_CACHE_BYTES to 256 MiB:
+    # What the memory budget holds (the test run sets LORAMUX_ENGINE_KV_CACHE_BYTES to 256 MiB:
     # SmolLM2's full batch of 64 x 512 tokens does not fit it) and whether memory is the limit.
     memory = _admin_get(ui_platform, "/admin/engine")["memory"]
     assert page.text_content("#memory-budget") == "256 MB"
-    assert page.text_content("#memory-source") == "set by LORAMUX_KV_CACHE_BYTES"
+    assert page.text_content("#memory-source") == "set by LORAMUX_ENGINE_KV_CACHE_BYTES"
     kv = f"{memory['kv_blocks']:,} blocks · {memory['kv_tokens']:,} tokens"
     assert page.text_content("#memory-kv") == kv
     assert page.text_content("#memory-batch-label").endswith("(64 requests × 512 tokens)")
@@ -189,7 +189,7 @@ def test_engine_panel_says_when_adapters_thrash(page, ui_platform, shots):
     notice.wait_for()
     assert notice.inner_text() == (
         "Adapters are thrashing: 42 re-loads a minute. Memory, not compute, is the limit: "
-        "raise LORAMUX_KV_CACHE_BYTES or lower LORAMUX_MAX_NUM_SEQS."
+        "raise LORAMUX_ENGINE_KV_CACHE_BYTES or lower LORAMUX_ENGINE_MAX_NUM_SEQS."
     )
     assert page.text_content("#memory-budget") == "256 MB"
     assert page.text_content("#memory-source") == (

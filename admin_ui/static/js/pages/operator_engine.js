@@ -112,7 +112,7 @@ function showMemory(memory) {
   fill($("#memory-budget"), bytes(memory.budget_bytes));
   fill(
     $("#memory-source"),
-    memory.source === "set" ? "set by LORAMUX_KV_CACHE_BYTES" : memory.detail,
+    memory.source === "set" ? "set by LORAMUX_ENGINE_KV_CACHE_BYTES" : memory.detail,
   );
   fill($("#memory-kv"), `${count(memory.kv_blocks)} blocks · ${count(memory.kv_tokens)} tokens`);
   fill($("#memory-rank-label"), `One rank-${memory.rank} adapter`);
@@ -145,8 +145,8 @@ function showResidency(residency) {
     notice,
     residency.thrashing
       ? `Adapters are thrashing: ${rate(residency.adapter_reloads_per_min)} re-loads a minute. ` +
-          "Memory, not compute, is the limit: raise LORAMUX_KV_CACHE_BYTES or lower " +
-          "LORAMUX_MAX_NUM_SEQS."
+          "Memory, not compute, is the limit: raise LORAMUX_ENGINE_KV_CACHE_BYTES or lower " +
+          "LORAMUX_ENGINE_MAX_NUM_SEQS."
       : "",
   );
   const pressed = residency.preemptions_per_min + residency.adapter_room_wait_steps_per_min > 0;
