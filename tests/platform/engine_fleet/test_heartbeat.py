@@ -7,8 +7,10 @@ thread), so the timings are the heartbeat's, not the machine's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import redis.asyncio
@@ -61,14 +63,23 @@ async def _live(registry: EngineRegistry) -> dict[str, EngineRecord]:
     return {r.engine_id: r for r in await registry.live()}
 
 
+@contextlib.asynccontextmanager
+async def beating(redis_url: str) -> AsyncIterator[tuple[EngineRegistry, EngineThread]]:
+    """An engine thread's heartbeat running in a registry of its own, for the block."""
+    registry = _registry(redis_url, f"hb-{uuid.uuid4().hex[:8]}")
+    thread = EngineThread()
+    heartbeat = Heartbeat(registry, thread.read_record)
+    await heartbeat.beat(patient=True)
+    task = asyncio.create_task(heartbeat.run())
+    try:
+        yield registry, thread
+    finally:
+        task.cancel()
+
+
 def test_a_busy_engine_keeps_beating_with_its_last_figures(redis_url):
     async def go():
-        registry = _registry(redis_url, f"hb-{uuid.uuid4().hex[:8]}")
-        thread = EngineThread()
-        heartbeat = Heartbeat(registry, thread.read_record)
-        await heartbeat.beat(patient=True)
-        beating = asyncio.create_task(heartbeat.run())
-        try:
+        async with beating(redis_url) as (registry, thread):
             await asyncio.sleep(2 * HEARTBEAT_S)
             before = (await _live(registry))["engine-h"]
             reads = thread.reads
@@ -80,8 +91,6 @@ def test_a_busy_engine_keeps_beating_with_its_last_figures(redis_url):
             thread.free()
             await asyncio.sleep(3 * HEARTBEAT_S)
             after = (await _live(registry))["engine-h"]
-        finally:
-            beating.cancel()
         assert all(record is not None for record in seen), "the busy engine left the registry"
         # The figures of before the step, each beat with a newer time.
         assert {record.running for record in seen} <= {before.running, reads}
@@ -95,20 +104,13 @@ def test_a_busy_engine_keeps_beating_with_its_last_figures(redis_url):
 
 def test_an_engine_thread_silent_too_long_leaves_the_registry(redis_url, caplog):
     async def go():
-        registry = _registry(redis_url, f"hb-{uuid.uuid4().hex[:8]}")
-        thread = EngineThread()
-        heartbeat = Heartbeat(registry, thread.read_record)
-        await heartbeat.beat(patient=True)
-        beating = asyncio.create_task(heartbeat.run())
-        try:
+        async with beating(redis_url) as (registry, thread):
             thread.busy()
             await asyncio.sleep((STALE_HEARTBEATS + 5) * HEARTBEAT_S)
             gone = "engine-h" not in await _live(registry)
             thread.free()
             await asyncio.sleep(3 * HEARTBEAT_S)
             back = "engine-h" in await _live(registry)
-        finally:
-            beating.cancel()
         return gone, back
 
     with caplog.at_level(logging.ERROR, logger="loramux.platform.engine_fleet.heartbeat"):
