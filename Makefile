@@ -31,11 +31,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # On a CUDA machine, first: the GPU tests, the kernel benchmark and the GPU presets within a
-# budget (benchmarks/gpu_check.py). It uses the machine's own Python (torch, triton,
+# budget (loramux.benchmarks.gpu_check). It uses the machine's own Python (torch, triton,
 # transformers, peft), with loramux installed by `pip install --no-deps -e .`: no set-up.
 GPU_CHECK_ARGS ?=
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	$(PYTHON) -m loramux.benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 system-deps:
 	@bash deploy/system-deps.sh

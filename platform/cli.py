@@ -22,7 +22,9 @@ ENGINE_HELP = (
 BENCH_HELP = (
     "Serve a preset workload and report it against its baseline in the same run: "
     "transformers + PEFT (latency percentiles, throughput, SLO attainment, tenant shares, "
-    "plots), or for lora-overhead the same engine serving the base model alone."
+    "plots; engine-vs-peft: tokens/s and greedy agreement), for lora-overhead the same "
+    "engine serving the base model alone, for adapter-churn the same trace with every "
+    "adapter resident; or the soak."
 )
 
 
@@ -57,20 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run ``benchmarks/bench.py`` of the source checkout this package is installed from."""
-    import runpy
-    from pathlib import Path
+    from loramux.benchmarks.bench import main
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
-    if not script.is_file():
-        print(
-            "loramux bench needs the source checkout (benchmarks/ is not part of the installed "
-            "package): clone the repository and run `make` there.",
-            file=sys.stderr,
-        )
-        return 2
-    bench = runpy.run_path(str(script), run_name="loramux_bench")
-    return bench["main"](args.args)
+    return main(args.args)
 
 
 def _serve(args: argparse.Namespace) -> int:

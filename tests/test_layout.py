@@ -18,7 +18,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Folders whose every .py-holding subfolder must be a listed package.
-CODE_FOLDERS = ("engine", "kernels", "platform")
+CODE_FOLDERS = ("engine", "kernels", "platform", "benchmarks")
 
 # Never copied into the throwaway build tree (large, or build outputs).
 _BUILD_COPY_IGNORE = shutil.ignore_patterns(
@@ -33,7 +33,6 @@ _BUILD_COPY_IGNORE = shutil.ignore_patterns(
     "dist",
     "test-artifacts",
     "tests",
-    "benchmarks",
 )
 
 
@@ -83,6 +82,7 @@ def test_package_dir_maps_the_code_folders():
     assert package_dir["loramux.engine"] == "engine"
     assert package_dir["loramux.kernels"] == "kernels"
     assert package_dir["loramux.platform"] == "platform"
+    assert package_dir["loramux.benchmarks"] == "benchmarks"
 
 
 def _dotted_name(folder: Path, package_dir: dict[str, str]) -> str:
@@ -159,12 +159,14 @@ def test_wheel_ships_the_package_files(tmp_path):
         "loramux/kernels/lora.py",
         "loramux/migrations/__init__.py",
         "loramux/admin_ui/__init__.py",
+        "loramux/benchmarks/bench.py",
     ):
         assert required in names, f"{required} missing from the wheel"
     assert "loramux/platform/__init__.py" not in names
     assert not any(name.startswith("platform/") for name in names), "bare platform/ shipped"
+    assert not any(name.startswith("loramux/benchmarks/results/") for name in names)
 
-    # Every module of the three code folders ships at its import path.
+    # Every module of the code folders ships at its import path.
     for top in CODE_FOLDERS:
         for py_file in (REPO_ROOT / top).rglob("*.py"):
             if "__pycache__" in py_file.parts:

@@ -1,0 +1,51 @@
+"""Where the benchmarks write their results and cache their models, and how they write.
+
+From a source checkout, results go to its ``benchmarks/results/`` (where the recorded
+results are committed) and models and adapters are cached in its
+``.loramux/bench-cache/``. An installed loramux has no results folder: a run then needs
+``--out DIR`` and says so, and it caches under ``./.loramux/bench-cache/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The source checkout this package runs from (None for an installed package).
+CHECKOUT = PACKAGE_DIR.parent if (PACKAGE_DIR.parent / "pyproject.toml").is_file() else None
+RESULTS_DIR = PACKAGE_DIR / "results"
+NO_RESULTS_DIR = (
+    "this loramux is installed without its source checkout, so there is no "
+    "benchmarks/results folder to write to: pass --out DIR"
+)
+
+
+def default_cache_dir() -> Path:
+    return (CHECKOUT or Path.cwd()) / ".loramux" / "bench-cache"
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """``--out`` (the results folder) and ``--cache-dir`` (models, adapters)."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR if RESULTS_DIR.is_dir() else None,
+        help="results folder (default: the checkout's benchmarks/results)",
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=default_cache_dir(), help="models and adapters"
+    )
+
+
+def check_output_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.out is None:
+        parser.error(NO_RESULTS_DIR)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path``, which never holds a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(text)
+    staging.replace(path)
