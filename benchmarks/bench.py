@@ -36,15 +36,20 @@ with 16 distinct adapters, in interleaved runs (``--repeats N``, default 3), and
 lora seconds / base seconds against the goal of at most 1.10, with each run's preemptions
 and adapter re-loads; ``--smoke`` runs it at 4 requests, 4 adapters, 8 tokens, 1 repeat.
 
-    python benchmarks/bench.py cpu-smoke [--out DIR] [--requests N] [--driver http]
-        [--sweep adapters|load [--sweep-values 1,4,16]]
-    python benchmarks/bench.py slora-s2 [--no-baseline] [--baseline-requests N] [--smoke]
-    python benchmarks/bench.py lora-overhead [--repeats N] [--requests N] [--smoke]
-    loramux bench cpu-smoke
+Three take options of their own (``loramux bench NAME -h``): the presets
+``engine-vs-peft`` (``engine_vs_peft``: the engine's tokens/s against PEFT's
+mixed-adapter ``generate``, ``--before REV`` for another revision's engine beside it) and
+``adapter-churn`` (``adapter_churn``: inter-token latency with small adapter tiers against
+every adapter resident), and ``soak`` (``soak``), a real ``loramux serve`` under steady
+load with adapter churn for about ten minutes, judged on memory growth, errors and billing.
 
-``loramux bench soak [--duration S ...]`` is not a workload preset but the soak
-(``soak.py``): a real ``loramux serve`` under steady load with adapter churn for about
-ten minutes, judged on memory growth, errors and billing.
+    loramux bench cpu-smoke [--out DIR] [--requests N] [--driver http]
+        [--sweep adapters|load [--sweep-values 1,4,16]]
+    loramux bench slora-s2 [--no-baseline] [--baseline-requests N] [--smoke]
+    loramux bench lora-overhead [--repeats N] [--requests N] [--smoke]
+    loramux bench engine-vs-peft [--before REV] [--profile] [--repeats N] [--quick]
+    loramux bench adapter-churn [--quick | --smoke] [--threads N] [--repeats N]
+    python -m loramux.benchmarks.bench PRESET ...     # the same
 """
 
 from __future__ import annotations
@@ -59,24 +64,31 @@ from pathlib import Path
 
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:  # siblings import as top-level modules
-    sys.path.insert(0, str(BENCH_DIR))
+from loramux.benchmarks import (
+    adapter_churn,
+    bench_gpu,
+    bench_sweeps,
+    engine_vs_peft,
+    lora_overhead,
+    soak,
+)
+from loramux.benchmarks.adapters import QKVO, cached_adapter
+from loramux.benchmarks.bench_gpu_report import markdown_lines
+from loramux.benchmarks.bench_presets import PRESETS, Baseline, Preset
+from loramux.benchmarks.bench_report import figures, ratios, render_markdown, write_plots
+from loramux.benchmarks.drivers import run_engine, run_http, run_peft_baseline
+from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.machine import machine_info
+from loramux.benchmarks.measures import memory_high_water
+from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.workload import WorkloadSpec, adapter_ranks, requests_with_prompts
 
-import bench_gpu  # noqa: E402
-import bench_sweeps  # noqa: E402
-import lora_overhead  # noqa: E402
-from adapter_churn import write_adapter  # noqa: E402
-from bench_gpu_report import markdown_lines  # noqa: E402
-from bench_presets import PRESETS, Baseline, Preset  # noqa: E402
-from bench_report import figures, ratios, render_markdown, write_plots  # noqa: E402
-from drivers import run_engine, run_http, run_peft_baseline  # noqa: E402
-from engine_vs_peft import machine_info, prepare_model, write_atomic  # noqa: E402
-from measures import memory_high_water  # noqa: E402
-from workload import WorkloadSpec, adapter_ranks, requests_with_prompts  # noqa: E402
-
-RESULTS_DIR = BENCH_DIR / "results"
-CACHE_DIR = BENCH_DIR.parent / ".loramux" / "bench-cache"
+# Runs with options of their own: ``loramux bench NAME [their options]``.
+OWN_OPTIONS = {
+    "engine-vs-peft": engine_vs_peft.main,
+    "adapter-churn": adapter_churn.main,
+    "soak": soak.main,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,12 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Serve one preset workload with loramux and with transformers + PEFT, "
         "in the same run, and report both (lora-overhead: one loramux engine with 16 "
         "adapters against itself with none).",
-        epilog="`loramux bench soak [-h]` runs the soak instead (benchmarks/soak.py).",
+        epilog=f"{', '.join(OWN_OPTIONS)} take options of their own: `loramux bench NAME -h`.",
     )
-    parser.add_argument("preset", choices=sorted(PRESETS), help="the workload to run")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    presets = sorted(set(PRESETS) - set(OWN_OPTIONS))
+    parser.add_argument("preset", choices=presets, help="the workload to run")
     parser.add_argument("--requests", type=int, help="override the preset's request count")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="models, adapters")
+    add_output_options(parser)
     parser.add_argument("--no-baseline", action="store_true", help="loramux only")
     parser.add_argument(
         "--driver",
@@ -138,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPU presets: write the weightless model folder into the cache and exit",
     )
     args = parser.parse_args(argv)
+    check_output_options(parser, args)
     preset = PRESETS[args.preset]
     gpu_preset = preset.device == "cuda"
     if preset.baseline is Baseline.BASE_MODEL:
@@ -172,10 +185,8 @@ def _values(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["soak"]:  # a server soak rather than a workload preset: its own options
-        import soak
-
-        return soak.main(argv[1:])
+    if argv[:1] and argv[0] in OWN_OPTIONS:
+        return OWN_OPTIONS[argv[0]](argv[1:])
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     if preset.baseline is Baseline.BASE_MODEL:  # the engine against itself: its own runner
@@ -272,7 +283,7 @@ def serve_engine(preset: Preset, spec: WorkloadSpec, *, prepared: Prepared) -> d
 
 def serve_http(preset: Preset, spec: WorkloadSpec, *, prepared: Prepared) -> dict:
     """loramux's figures for ``spec`` on the platform in-process, over its OpenAI API."""
-    from bench_server import serve_platform, setup_workload
+    from loramux.benchmarks.bench_server import serve_platform, setup_workload
 
     adapter_dirs = prepared.adapter_dirs(spec)
     requests, prompts = prepared.workload(spec)
@@ -321,14 +332,19 @@ def run_cpu_preset(preset: Preset, prepared: Prepared, args: argparse.Namespace)
 
 
 def _adapters(cache_dir: Path, model_dir: Path, model_config, spec: WorkloadSpec) -> list[Path]:
-    folder = cache_dir / "bench-adapters" / model_dir.name
-    paths = []
-    for k, rank in enumerate(adapter_ranks(spec)):
-        path = folder / f"a{k}-r{rank}-seed{spec.seed}"
-        if not (path / "adapter_model.safetensors").is_file():
-            write_adapter(path, model_dir, model_config, rank, seed=spec.seed * 100_003 + k)
-        paths.append(path)
-    return paths
+    """Workload adapter k: its rank on q/k/v/o, bf16 on disk, seed ``seed * 100003 + k``."""
+    return [
+        cached_adapter(
+            cache_dir,
+            model_dir,
+            model_config,
+            rank,
+            QKVO,
+            seed=spec.seed * 100_003 + k,
+            dtype=torch.bfloat16,
+        )
+        for k, rank in enumerate(adapter_ranks(spec))
+    ]
 
 
 if __name__ == "__main__":

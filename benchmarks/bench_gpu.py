@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from adapter_churn import read_counters
-from bench_gpu_model import (
-    ADAPTER_B_STD,
-    ADAPTER_TARGETS,
+
+from loramux.benchmarks.adapter_traffic import read_counters, traffic_between
+from loramux.benchmarks.adapters import ADAPTER_STD, QKVO
+from loramux.benchmarks.bench_gpu_model import (
     LLAMA_7B,
     SMOKE_MODEL,
     WARM_ADAPTER,
@@ -52,15 +52,21 @@ from bench_gpu_model import (
     random_adapter_state,
     random_model_dir,
 )
-from bench_gpu_report import agreement, judge, unjudged_reason
-from bench_presets import PRESETS, Preset
-from bench_report import figures, ratios
-from driver_engine import run_engine
-from driver_peft import adapter_names, serve_static_batches
-from driver_peft_swap import AdapterSwapper
-from engine_vs_peft import machine_info, prepare_model
-from measures import memory_high_water
-from workload import WorkloadRequest, WorkloadSpec, adapter_ranks, requests_with_prompts
+from loramux.benchmarks.bench_gpu_report import agreement, judge, unjudged_reason
+from loramux.benchmarks.bench_presets import PRESETS, Preset
+from loramux.benchmarks.bench_report import figures, ratios
+from loramux.benchmarks.driver_engine import exact_length_params, run_engine
+from loramux.benchmarks.driver_peft import adapter_names, serve_static_batches
+from loramux.benchmarks.driver_peft_swap import AdapterSwapper
+from loramux.benchmarks.machine import machine_info
+from loramux.benchmarks.measures import memory_high_water
+from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.workload import (
+    WorkloadRequest,
+    WorkloadSpec,
+    adapter_ranks,
+    requests_with_prompts,
+)
 
 MODEL_FOLDERS = {"gpu": "llama-7b-random", "smoke": "llama-tiny-random-smoke"}
 SMOKE_ENGINE = {
@@ -189,8 +195,7 @@ def serve_loramux(
         records = run_engine(engine, requests, prompts, names, tenants=tenants, token_ids=token_ids)
         result = figures(records, setup.preset, spec)
         result["peak_gpu_bytes"] = _peak_memory(setup.device)
-        after = read_counters(engine)
-        result["adapter_traffic"] = {key: after[key] - before[key] for key in after}
+        result["adapter_traffic"] = traffic_between(before, read_counters(engine))
     finally:
         engine.close()
         del engine
@@ -216,7 +221,7 @@ def _warm_up(engine, setup: GpuSetup, spec: WorkloadSpec) -> None:
     prompts = [
         [10 + (7 * i + j) % 1000 for j in range(WARM_PROMPT_LEN)] for i in range(len(warm) + 1)
     ]
-    engine.generate(prompts, _exact(4), adapters=[*warm, None])
+    engine.generate(prompts, exact_length_params(4), adapters=[*warm, None])
     for name in warm:
         engine.remove_adapter(name)
 
@@ -224,13 +229,7 @@ def _warm_up(engine, setup: GpuSetup, spec: WorkloadSpec) -> None:
 def _generate_one_token(engine, names: list[str]) -> None:
     """Bring every adapter in ``names`` onto the device (one 1-token request each)."""
     if names:
-        engine.generate([[7, 8, 9]] * len(names), _exact(1), adapters=names)
-
-
-def _exact(tokens: int):
-    from loramux.engine import SamplingParams
-
-    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
+        engine.generate([[7, 8, 9]] * len(names), exact_length_params(1), adapters=names)
 
 
 # --- baseline -----------------------------------------------------------------------------
@@ -360,7 +359,7 @@ def run_gpu_preset(setup: GpuSetup, args) -> dict:
         "mode": "smoke" if setup.smoke else "gpu",
         "workload": spec.to_json(),
         "adapter_ranks": adapter_ranks(spec),
-        "machine": {**machine_info(), "accelerator": _accelerator(setup.device)},
+        "machine": machine_info(setup.device),
         "model": _model_facts(setup),
         "adapters": _adapter_facts(setup),
         "engine_config": dataclasses.asdict(setup.engine_config()),
@@ -391,12 +390,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _accelerator(device: str) -> dict:
-    from kernels_gpu import machine_info as device_info
-
-    return device_info(torch.device(device))
-
-
 def _model_facts(setup: GpuSetup) -> dict:
     from loramux.engine.model.loader import RANDOM_WEIGHT_STD
 
@@ -425,9 +418,9 @@ def _adapter_facts(setup: GpuSetup) -> dict:
     if setup.preset.preload_adapters:
         source += "; every workload adapter brought onto the device before the clock starts"
     return {
-        "targets": list(ADAPTER_TARGETS),
+        "targets": list(QKVO),
         "a_std": "1/sqrt(in_features)",
-        "b_std": ADAPTER_B_STD,
+        "b_std": ADAPTER_STD,
         "lora_alpha": "2 * rank",
         "source": source,
     }

@@ -4,17 +4,15 @@ transformers + PEFT baseline built on the same random weights.
 * Model folders (``random_model_dir``): ``config.json`` (Llama-7B's shape, or a tiny one
   for the CPU smoke) and the tokenizer files copied from the SmolLM2 folder (its ids
   below 32,000 decode fine); the engine runs them with ``load_format="random"``.
-* Adapters (``random_adapter_state``): PEFT LoRA tensors on q/k/v/o (S-LoRA's setting)
-  made on the host from ``(seed, index)`` alone, A ~ N(0, 1/in), B ~ N(0, 0.02²),
-  ``lora_alpha = 2r``: a delta of 10-25% of a 7B projection's output, large enough at
+* Adapters (``random_adapter_state``, drawn by ``adapters.lora_tensors``): PEFT LoRA
+  tensors on q/k/v/o (S-LoRA's setting) made on the host from ``(seed, index)`` alone,
+  A ~ N(0, 1/in), B ~ N(0, 0.02²), ``lora_alpha = 2r``: a delta of 10-25% of a 7B projection's output, large enough at
   the smoke's tiny shapes to change greedy tokens. The engine gets them through a
   ``CallableSource`` whose fetch writes the two PEFT files (``random_adapter_source``),
   so its loader threads pay what a store fetch costs; the baseline gets the tensors.
 * Baseline model (``baseline_model``): transformers' ``LlamaForCausalLM`` built on the
   device in the run's dtype and filled by the engine's own ``fill_random_`` with the
   engine's seed, so both systems hold the same weights, wrapped in a ``PeftModel``.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
@@ -27,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from loramux.benchmarks.adapters import QKVO, adapter_config, lora_tensors, write_adapter
 
 LLAMA_7B = {
     "architectures": ["LlamaForCausalLM"],
@@ -65,8 +65,6 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-ADAPTER_B_STD = 0.02
 WARM_ADAPTER = "warm"  # the PeftModel's first adapter, before any of the workload's
 
 
@@ -104,40 +102,13 @@ def adapter_seed(seed: int, index: int) -> int:
     return seed * 1_000_003 + index
 
 
-def adapter_config(rank: int) -> dict:
-    """The PEFT ``adapter_config.json`` of a random adapter of ``rank``."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "lora_dropout": 0.0,
-        "target_modules": list(ADAPTER_TARGETS),
-        "bias": "none",
-        "use_rslora": False,
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-    }
-
-
 def random_adapter_state(
     model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """PEFT-named LoRA tensors of adapter ``index``: host tensors in ``dtype``, drawn in
-    a fixed order (layer, module, A then B) from ``adapter_seed(seed, index)``."""
-    generator = torch.Generator().manual_seed(adapter_seed(seed, index))
-    tensors = {}
-    for layer in range(model_config.num_layers):
-        for module in ADAPTER_TARGETS:
-            in_features, out_features = model_config.module_shape(module)
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            a = torch.empty(rank, in_features, dtype=dtype)
-            b = torch.empty(out_features, rank, dtype=dtype)
-            tensors[f"{prefix}.lora_A.weight"] = a.normal_(
-                0, in_features**-0.5, generator=generator
-            )
-            tensors[f"{prefix}.lora_B.weight"] = b.normal_(0, ADAPTER_B_STD, generator=generator)
-    return tensors
+    """PEFT-named LoRA tensors of adapter ``index`` on q/k/v/o (``adapters.lora_tensors``)."""
+    return lora_tensors(
+        model_config, rank, QKVO, seed=adapter_seed(seed, index), a_std=None, dtype=dtype
+    )
 
 
 class RandomAdapterFiles:
@@ -148,15 +119,10 @@ class RandomAdapterFiles:
         self.dtype = dtype
 
     def __call__(self, dest: Path) -> None:
-        from safetensors.torch import save_file
-
-        from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-
         state = random_adapter_state(
             self.model_config, self.rank, seed=self.seed, index=self.index, dtype=self.dtype
         )
-        save_file(state, str(dest / WEIGHTS_FILE), metadata={"format": "pt"})
-        (dest / CONFIG_FILE).write_text(json.dumps(adapter_config(self.rank)) + "\n")
+        write_adapter(dest, state, adapter_config(self.rank, QKVO))
 
 
 def random_adapter_source(model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype):
@@ -167,10 +133,10 @@ def random_adapter_source(model_config, rank: int, *, seed: int, index: int, dty
 
 
 def lora_config(rank: int):
-    """PEFT's ``LoraConfig`` for ``adapter_config(rank)``."""
+    """PEFT's ``LoraConfig`` for ``adapters.adapter_config`` on q/k/v/o."""
     from peft import LoraConfig
 
-    raw = adapter_config(rank)
+    raw = adapter_config(rank, QKVO)
     return LoraConfig(
         r=rank,
         lora_alpha=raw["lora_alpha"],

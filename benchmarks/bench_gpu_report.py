@@ -6,15 +6,13 @@
   (the CPU smoke; a workload other than the preset's). A goal is met only when every
   request was served;
 * ``markdown_lines``: what ``bench_report.render_markdown`` adds for a GPU run.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from bench_presets import Preset
+from loramux.benchmarks.bench_presets import Preset, judge_goals
 
 METRIC_UNITS = {"requests_per_s": "req/s", "output_tokens_per_s": "output tok/s"}
 
@@ -33,26 +31,17 @@ def agreement(loramux: dict[int, list[int]], baseline: dict[int, list[int]]) -> 
 
 def judge(preset: Preset, loramux: dict, unjudged: str | None) -> dict:
     """``{"references": [...], "goals": [...]}`` for loramux's figures of this run."""
+    references = [
+        {
+            **dataclasses.asdict(ref),
+            "loramux": loramux[ref.metric],
+            "ratio": loramux[ref.metric] / ref.value,
+        }
+        for ref in preset.references
+    ]
     failed = loramux["requests"]["failed"]
-    references = []
-    for ref in preset.references:
-        measured = loramux[ref.metric]
-        references.append(
-            {**dataclasses.asdict(ref), "loramux": measured, "ratio": measured / ref.value}
-        )
-    goals = []
-    for goal in preset.goals:
-        measured = loramux[goal.metric]
-        if unjudged is not None:
-            met, verdict = None, f"not judged: {unjudged}"
-        elif failed:
-            met, verdict = False, f"not met: {failed} request(s) failed"
-        else:
-            met = goal.met_by(measured)
-            verdict = "met" if met else "not met"
-        goals.append(
-            {**dataclasses.asdict(goal), "measured": measured, "met": met, "verdict": verdict}
-        )
+    failures = f"{failed} request(s) failed" if failed else None
+    goals = judge_goals(preset.goals, loramux, unjudged=unjudged, failed=failures)
     return {"references": references, "goals": goals}
 
 
@@ -73,10 +62,9 @@ def _gib(value: int | None) -> str:
 
 def _goal_text(goal: dict) -> str:
     unit = METRIC_UNITS.get(goal["metric"], goal["metric"])
-    op = ">" if goal["strict"] else "≥"
     why = f" ({goal['why']})" if goal["why"] else ""
     return (
-        f"**Goal: loramux {unit} {op} {goal['value']:g}{why}: measured "
+        f"**Goal: loramux {unit} {goal['relation']} {goal['value']:g}{why}: measured "
         f"{goal['measured']:.2f}, {goal['verdict']}.**"
     )
 

@@ -1,12 +1,22 @@
 """``loramux bench``'s presets: one workload each, where it runs, and what it is judged by.
 
-``cpu-smoke`` runs SmolLM2 on a 2-core CPU (``bench.run_cpu_preset``). ``lora-overhead``
-also runs SmolLM2 on the CPU, but its baseline is the same engine serving the same requests
-with no adapter rather than transformers + PEFT (``Baseline.BASE_MODEL``, served by
-``lora_overhead``): what 16 distinct adapters cost over the base model, judged by the goal
-that the LoRA run takes at most 1.10x the base run's seconds. The others run on a CUDA GPU
-at Llama-7B shapes with random bf16 weights (``bench_gpu``), each next to the published
-figure it is compared with and the goal it is judged by:
+On SmolLM2 on a 2-core CPU:
+
+* ``cpu-smoke`` (``bench.run_cpu_preset``): loramux and transformers + PEFT on a mixed
+  workload of two tenants;
+* ``engine-vs-peft`` (``engine_vs_peft``): the engine's tokens/s against PEFT's
+  mixed-adapter ``generate`` on 32 requests at once, judged by the goal of at least 5x;
+* ``lora-overhead`` (``lora_overhead``): the same engine serving the same requests with
+  no adapter is the baseline (``Baseline.BASE_MODEL``): what 16 distinct adapters cost
+  over the base model, judged by the goal that the LoRA run takes at most 1.10x the base
+  run's seconds;
+* ``adapter-churn`` (``adapter_churn``): inter-token latency with small adapter tiers and
+  1,000 adapters against the same trace with every adapter resident
+  (``Baseline.ALL_RESIDENT``), judged by the goal that the churn run's ITL P99 is at most
+  1.2x the all-resident run's.
+
+The others run on a CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``),
+each next to the published figure it is compared with and the goal it is judged by:
 
 * ``slora-s1`` / ``slora-s2``: S-LoRA's synthetic workloads (arrivals faster than any
   system here serves them, lengths uniform in [8, 512], ranks {8} or {64, 32, 16, 8},
@@ -16,16 +26,15 @@ figure it is compared with and the goal it is judged by:
 * ``punica-distinct``: Punica's "distinct" case, batch 32, every request its own rank-16
   adapter (all loaded before the clock starts, as in Punica), output tokens/s; Punica
   reports 1,053 tok/s on Llama2-7B, the goal is to beat it.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
-from workload import TenantSpec, WorkloadSpec
+from loramux.benchmarks.workload import TenantSpec, WorkloadSpec
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,40 @@ class Goal:
         return ">" if self.strict else "≥"
 
 
+def judge_goals(
+    goals: tuple[Goal, ...], figures: dict, *, unjudged: str | None, failed: str | None
+) -> list[dict]:
+    """Each goal with its measured figure (``figures[goal.metric]``) and verdict: ``met`` is
+    None with the reason when the run cannot be judged (``unjudged``), False when requests
+    failed (``failed`` says how many), else whether the figure meets the goal."""
+    judged = []
+    for goal in goals:
+        measured = figures[goal.metric]
+        if unjudged is not None:
+            met, verdict = None, f"not judged: {unjudged}"
+        elif failed is not None:
+            met, verdict = False, f"not met: {failed}"
+        else:
+            met = goal.met_by(measured)
+            verdict = "met" if met else "not met"
+        judged.append(
+            {
+                **dataclasses.asdict(goal),
+                "relation": goal.relation,
+                "measured": measured,
+                "met": met,
+                "verdict": verdict,
+            }
+        )
+    return judged
+
+
 class Baseline(Enum):
     """What a preset's loramux figures are compared with."""
 
     PEFT = "transformers + PEFT"  # the same workload under transformers + PEFT
     BASE_MODEL = "base model"  # the same engine serving the same requests with no adapter
+    ALL_RESIDENT = "all resident"  # the same engine and trace, every adapter on the device
 
 
 @dataclass(frozen=True)
@@ -121,6 +159,17 @@ PUNICA_REFERENCE = Reference(
     setting="Llama2-7B, distinct adapters, batch 32",
 )
 PUNICA_GOAL = Goal(metric="output_tokens_per_s", value=1053.0, strict=True, why="beat Punica")
+ENGINE_VS_PEFT_GOAL = Goal(
+    metric="ratio_engine_over_peft",
+    value=5.0,
+    why="the engine's tokens/s at least 5x transformers + PEFT's best batching",
+)
+CHURN_GOAL = Goal(
+    metric="ratio_itl_p99",
+    value=1.2,
+    at_most=True,
+    why="adapter churn costs at most 20% of the inter-token latency's P99",
+)
 LORA_OVERHEAD_GOAL = Goal(
     metric="lora_over_base_seconds",
     value=1.10,
@@ -184,6 +233,48 @@ PRESETS: dict[str, Preset] = {
             slo_ttft_s=2.0,
             slo_itl_s=0.5,
             engine={"kv_cache_bytes": 256 << 20, "max_num_seqs": 32},
+        ),
+        Preset(
+            name="engine-vs-peft",
+            description="SmolLM2-135M on this CPU: 32 chat requests at once over 16 adapters "
+            "(ranks 8 and 16, q/k/v/o or all seven modules; request i uses adapter i % 16), "
+            "128 new tokens each (fixed length, greedy), served by the engine and by "
+            "transformers + PEFT's mixed-adapter generate",
+            workload=WorkloadSpec(
+                num_requests=32,
+                rate=1e6,  # all at once: the driver adds every request before stepping
+                num_adapters=16,
+                popularity="distinct",
+                ranks=(8, 16),
+                output_len=(128, 128),
+                seed=0,
+            ),
+            engine={
+                "kv_cache_bytes": 512 << 20,
+                "max_num_seqs": 64,
+                "max_num_batched_tokens": 2048,
+            },
+            goals=(ENGINE_VS_PEFT_GOAL,),
+        ),
+        Preset(
+            name="adapter-churn",
+            description="SmolLM2-135M on this CPU: 1,000 registered adapters (ranks 8/16/32 on "
+            "q/k/v/o, bf16 on disk) of uniform popularity, 400 chat requests arriving as a "
+            "Poisson process at 2/s, 24 tokens each, served with host and device adapter "
+            "tiers far smaller than the adapters used, against the same trace with every "
+            "used adapter resident",
+            workload=WorkloadSpec(
+                num_requests=400,
+                rate=2.0,
+                num_adapters=1000,
+                popularity="uniform",
+                ranks=(8, 16, 32),
+                output_len=(24, 24),
+                seed=0,
+            ),
+            baseline=Baseline.ALL_RESIDENT,
+            engine={"max_num_seqs": 32, "max_model_len": 512},
+            goals=(CHURN_GOAL,),
         ),
         Preset(
             name="lora-overhead",

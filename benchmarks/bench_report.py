@@ -6,8 +6,6 @@ driver's clock (zero when the timed run starts, after model loading and warm-up)
 same rule for every system. ``write_plots`` draws latency CDFs and per-tenant shares
 (none, with a note, where matplotlib is missing); ``render_markdown`` the summary table,
 the ratios, and whatever lines a runner adds.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
@@ -15,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import bench_sweeps
-from bench_presets import Preset
-from measures import RequestRecord, summarize
-from workload import WorkloadSpec
+from loramux.benchmarks import bench_sweeps
+from loramux.benchmarks.bench_presets import Preset
+from loramux.benchmarks.measures import RequestRecord, summarize
+from loramux.benchmarks.workload import WorkloadSpec
 
 CDF_POINTS = 2001  # latency samples kept per kind in the report (quantiles beyond that)
 

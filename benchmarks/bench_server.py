@@ -5,8 +5,6 @@ a temporary data dir, the in-process engine) and runs the app under uvicorn in a
 a free port; ``setup_workload(...)`` creates the workload's tenants (priority, weight), one
 API key each, and uploads every adapter a tenant uses as ``a{k}`` through
 ``POST /v1/adapters`` (adapters belong to a tenant, so each gets its own copy).
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workload import WorkloadRequest, WorkloadSpec
+from loramux.benchmarks.workload import WorkloadRequest, WorkloadSpec
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -32,8 +30,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _ServerThread:
-    """An ASGI app under uvicorn in a daemon thread on a free port."""
+class ServerThread:
+    """An ASGI app under uvicorn in a daemon thread on a free port (the test suite's
+    in-process servers are these too)."""
 
     def __init__(self, app) -> None:
         import uvicorn
@@ -47,12 +46,12 @@ class _ServerThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> _ServerThread:
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the bench platform server did not start")
+                raise RuntimeError("the server thread did not start")
             time.sleep(0.05)
         return self
 
@@ -89,7 +88,7 @@ def serve_platform(model_dir: Path, **settings: Any) -> Iterator[RunningPlatform
         )
         context = build_context(config, log=lambda _: None)
         try:
-            with _ServerThread(create_app(context)) as server:
+            with ServerThread(create_app(context)) as server:
                 yield RunningPlatform(context=context, url=server.url)
         finally:
             context.rate_limiter.close()

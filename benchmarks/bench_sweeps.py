@@ -9,8 +9,6 @@ Everything else in the workload (seed, lengths, tenants, request count) is the p
 each point serves the same arrivals' pattern at its own scale. ``run_sweep`` takes the
 function that serves one spec and returns ``measures.summarize``-style figures (``bench``
 passes its engine driver), so this module does not know how a run is done.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from workload import WorkloadSpec
+from loramux.benchmarks.workload import WorkloadSpec
 
 SWEEPS: dict[str, tuple[float, ...]] = {
     "adapters": (1, 4, 16, 64),

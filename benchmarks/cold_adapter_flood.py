@@ -9,13 +9,14 @@ one's cold adapter waiting until its own requests end, since only requests of th
 waiting one's priority or lower are preempted for it.
 The times to first token of both, idle and under the flood, show whether a cold adapter
 waits a bounded time (the engine holds, moves and at last preempts KV blocks for it) or
-until the flood drains. Issue 14 measured 62 s for the cold adapter here before that.
+until the flood drains.
 
-    python benchmarks/cold_adapter_flood.py            # SmolLM2, 24 streams, ~2 minutes
-    python benchmarks/cold_adapter_flood.py --model DIR --streams 4 --warmup 5 --probes 1
+    python -m loramux.benchmarks.cold_adapter_flood            # SmolLM2, 24 streams
+    python -m loramux.benchmarks.cold_adapter_flood --model DIR --streams 4 --warmup 5 --probes 1
 
 It runs a real ``loramux serve`` on the embedded default (a fresh data dir) and writes
-``benchmarks/results/cold_adapter_flood_cpu.{json,md}``.
+``<out>/cold_adapter_flood_cpu.{json,md}``; the recorded
+``benchmarks/results/cold_adapter_flood_cpu.*`` is made with ``--warmup 90 --probes 5``.
 """
 
 from __future__ import annotations
@@ -31,18 +32,12 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO_ROOT / "benchmarks"
-for _path in (str(BENCH_DIR), str(REPO_ROOT)):  # siblings and tests.fixtures import by name
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.machine import machine_info
+from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.soak_server import expect, start_server
+from loramux.benchmarks.soak_tenants import Tenant, prepare_pool, upload
 
-from engine_vs_peft import machine_info, prepare_model, write_atomic  # noqa: E402
-from soak_server import expect, start_server  # noqa: E402
-from soak_tenants import Tenant, prepare_pool, upload  # noqa: E402
-
-RESULTS_DIR = BENCH_DIR / "results"
-CACHE_DIR = REPO_ROOT / ".loramux" / "bench-cache"
 FLOOD_PROMPT = "Tell me a very long story about the sea. " * 40  # ~400 tokens
 PROBE_PROMPT = "Hello there"
 
@@ -55,9 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--probes", type=int, default=3, help="cold adapters called in turn")
     parser.add_argument("--model", type=Path, help="HF-format model folder (default SmolLM2)")
     parser.add_argument("--adapter-host-bytes", type=int, default=1 << 30)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="models, adapters")
-    return parser.parse_args(argv)
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    check_output_options(parser, args)
+    return args
 
 
 def first_token_s(client: httpx.Client, headers: dict, model: str) -> float:

@@ -6,26 +6,27 @@ Rules (shared by every driver, see ``drivers.py``):
   ``arrival_s`` is taken from the workload, never measured;
 * every request is greedy and generates exactly ``output_len`` tokens: EOS is suppressed
   (``min_tokens = max_tokens = output_len``, ``ignore_eos``);
-* open loop: before each ``step()``, every request whose arrival time has come is added
-  (``sent_s`` is when ``add_request`` was called, so a late add is visible); when the
-  engine is idle and the next arrival lies in the future, the driver sleeps until it;
+* open loop: before each ``step()``, every request whose arrival time has come is added,
+  the clock read again after each add, so requests due together (a rate far above what
+  adding takes) all enter before the first step (``sent_s`` is when ``add_request`` was
+  called, so a late add is visible); when the engine is idle and the next arrival lies in
+  the future, the driver sleeps until it;
 * each token is stamped with the time ``step()`` returned it; ``finish_s`` is the stamp
   of the step that finished the request;
 * a request the engine refuses (``add_request`` raises) or fails (an output with
-  ``error``) gets ``error`` set and ``finish_s`` at that moment; the run goes on.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does): siblings import as
-top-level modules.
+  ``error``) gets ``error`` set and ``finish_s`` at that moment; the run goes on;
+* from the finished request's ``RequestMetrics``: ``scheduled_s`` (``sent_s`` plus the
+  engine's queue time) and ``cached_prompt_tokens``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from measures import RequestRecord
-from workload import WorkloadRequest
+from loramux.benchmarks.measures import RequestRecord, new_records
+from loramux.benchmarks.workload import WorkloadRequest
 
 
 def exact_length_params(output_len: int):
@@ -45,6 +46,7 @@ def run_engine(
     *,
     tenants: dict[str, tuple[int, float]] | None = None,
     token_ids: dict[int, list[int]] | None = None,
+    step: Callable[[], list] | None = None,
 ) -> list[RequestRecord]:
     """Serve ``requests`` on ``engine``; one record per request, in ``requests``' order.
 
@@ -53,22 +55,14 @@ def run_engine(
     tenant to ``(priority, weight)``: the weights are set on the engine before the run and
     each request is added with its tenant's priority (0 for a tenant not listed, and for
     all when ``tenants`` is None). ``token_ids``, when given, is filled with each request's
-    generated token ids (request index -> ids), for checking outputs.
+    generated token ids (request index -> ids), for checking outputs. ``step``, when given,
+    is called instead of ``engine.step`` (a caller timing or counting each step wraps it).
     """
     tenants = tenants or {}
     for tenant, (_, weight) in tenants.items():
         engine.set_tenant_weight(tenant, weight)
     run_id = uuid.uuid4().hex[:8]
-    records = {
-        r.index: RequestRecord(
-            index=r.index,
-            tenant=r.tenant,
-            adapter=r.adapter,
-            arrival_s=r.arrival_s,
-            prompt_tokens=len(prompts[r.index]),
-        )
-        for r in requests
-    }
+    records = new_records(requests, prompts)
     collected = token_ids if token_ids is not None else {}
     by_id: dict[str, int] = {}
     active: set[int] = set()  # added and not finished
@@ -102,9 +96,9 @@ def run_engine(
         by_id[request_id] = request.index
         active.add(request.index)
 
+    step = step or engine.step
     while True:
-        current = now()
-        while next_pending < len(pending) and pending[next_pending].arrival_s <= current:
+        while next_pending < len(pending) and pending[next_pending].arrival_s <= now():
             add(pending[next_pending])
             next_pending += 1
         if not active:
@@ -112,7 +106,7 @@ def run_engine(
                 break
             time.sleep(max(0.0, pending[next_pending].arrival_s - now()))
             continue
-        outputs = engine.step()
+        outputs = step()
         stamp = now()
         for out in outputs:
             index = by_id.get(out.request_id)
@@ -126,4 +120,13 @@ def run_engine(
             if out.finished:
                 record.finish_s = stamp
                 active.discard(index)
+                _engine_figures(record, out.metrics)
     return [records[r.index] for r in requests]
+
+
+def _engine_figures(record: RequestRecord, metrics) -> None:
+    if metrics is None:
+        return
+    record.cached_prompt_tokens = metrics.cached_prompt_tokens
+    if metrics.queue_time is not None and record.sent_s is not None:
+        record.scheduled_s = record.sent_s + metrics.queue_time

@@ -24,8 +24,6 @@ Rules:
 Every request asks for exactly ``output_len`` tokens through the platform's extensions
 (``min_tokens`` = ``max_tokens`` and ``ignore_eos``, sent in ``extra_body``), as the other
 drivers do; ``extra_body`` adds to (or overrides) them.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from measures import RequestRecord
-from workload import WorkloadRequest
+from loramux.benchmarks.measures import RequestRecord, new_records
+from loramux.benchmarks.workload import WorkloadRequest
 
 
 def _error_text(exc: Exception) -> str:
@@ -90,16 +88,7 @@ def run_http(
         )
         for tenant, key in api_keys.items()
     }
-    records = {
-        r.index: RequestRecord(
-            index=r.index,
-            tenant=r.tenant,
-            adapter=r.adapter,
-            arrival_s=r.arrival_s,
-            prompt_tokens=len(prompts[r.index]),
-        )
-        for r in requests
-    }
+    records = new_records(requests, prompts)
     texts = texts if texts is not None else {}
     reasons = finish_reasons if finish_reasons is not None else {}
     lock = threading.Lock()  # guards the shared texts / reasons dicts

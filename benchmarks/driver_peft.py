@@ -1,8 +1,8 @@
 """Serve a workload with transformers + PEFT: the static-batching baseline.
 
-One ``PeftModel`` holds every adapter (built by ``engine_vs_peft.build_peft``) and a
-batch mixes adapters with PEFT's ``generate(..., adapter_names=[...])``; a base-model
-request uses PEFT's ``"__base__"``. Prompts are left-padded (``engine_vs_peft._left_pad``).
+One ``PeftModel`` holds every adapter (``load_peft_model``) and a batch mixes adapters
+with PEFT's ``generate(..., adapter_names=[...])``; a base-model request uses PEFT's
+``"__base__"``. Prompts are left-padded, with an attention mask over the padding.
 ``serve_static_batches`` is the loop itself, on a model built elsewhere, with an optional
 hook that readies each batch's adapters before it runs (``driver_peft_swap``: the GPU
 baseline, which cannot hold every adapter at once).
@@ -23,20 +23,18 @@ Rules:
   request's last token, i.e. as if tokens were streamed out: a short request is not
   charged for the rest of its batch, but the next batch waits for the longest one;
 * a batch whose ``generate`` raises gets the error on all its records; the run goes on.
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from measures import RequestRecord
-from workload import WorkloadRequest
+
+from loramux.benchmarks.measures import RequestRecord, new_records
+from loramux.benchmarks.workload import WorkloadRequest
 
 BASE_ADAPTER = "__base__"  # PEFT's adapter_names entry for "no adapter"
 
@@ -47,20 +45,27 @@ def peft_adapter_name(k: int) -> str:
 
 
 def load_peft_model(model_dir: Path, adapter_dirs: Sequence[Path], *, device: str, dtype):
-    """The base model holding every adapter (or the bare base model when there is none)."""
-    from engine_vs_peft import AdapterSpec, build_peft
+    """The base model holding every adapter (or the bare base model when there is none);
+    workload adapter ``k`` is loaded as ``peft_adapter_name(k)``."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    if not adapter_dirs:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    else:
-        specs = []
-        for k, path in enumerate(adapter_dirs):
-            config = json.loads((Path(path) / "adapter_config.json").read_text())
-            targets = tuple(config.get("target_modules") or ())
-            specs.append(AdapterSpec(peft_adapter_name(k), Path(path), config["r"], targets))
-        model = build_peft(Path(model_dir), specs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if adapter_dirs:
+        model = PeftModel.from_pretrained(model, adapter_dirs[0], adapter_name=peft_adapter_name(0))
+        for k, path in enumerate(adapter_dirs[1:], start=1):
+            model.load_adapter(path, adapter_name=peft_adapter_name(k))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, prompt in enumerate(batch):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
 
 
 class _StepClock:
@@ -80,7 +85,6 @@ class _StepClock:
 
 @torch.inference_mode()
 def _generate(model, batch, names, pad_id: int, new_tokens: int, clock, device: str):
-    from engine_vs_peft import _left_pad
     from transformers import StoppingCriteriaList
 
     input_ids, attention_mask = _left_pad(batch, pad_id)
@@ -174,16 +178,7 @@ def serve_static_batches(
             before_batch(warm, [])
         _generate(model, [prompts[warm[0].index][:4]], names(warm), pad_id, 2, None, device)
 
-    records = {
-        r.index: RequestRecord(
-            index=r.index,
-            tenant=r.tenant,
-            adapter=r.adapter,
-            arrival_s=r.arrival_s,
-            prompt_tokens=len(prompts[r.index]),
-        )
-        for r in requests
-    }
+    records = new_records(requests, prompts)
     collected = token_ids if token_ids is not None else {}
     order = sorted(requests, key=lambda r: (r.arrival_s, r.index))
     t0 = time.perf_counter()

@@ -18,8 +18,6 @@ them all, so :class:`AdapterSwapper` is ``driver_peft.serve_static_batches``'s
   breaks without an adapter); so PEFT holds at most ``max(resident, the batch's
   distinct adapters + 1)`` at any time;
 * ``preload(indices)`` loads adapters before the clock starts (Punica's setting).
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from driver_peft import peft_adapter_name
-from workload import WorkloadRequest
+from loramux.benchmarks.driver_peft import peft_adapter_name
+from loramux.benchmarks.workload import WorkloadRequest
 
 # make_state(k) -> (PEFT LoraConfig, PEFT-named host tensors) of workload adapter k
 MakeState = Callable[[int], tuple[object, dict]]

@@ -17,14 +17,12 @@ errors are recorded on the request, never raised. The engine and PEFT drivers pr
 exactly ``output_len`` tokens per request (EOS suppressed); over HTTP the platform does
 not accept ``min_tokens``/``ignore_eos``, so a request may stop early at EOS. Each
 module's docstring gives its own rules and extras (``token_ids=``, ``texts=``...).
-
-Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
 """
 
 from __future__ import annotations
 
-from driver_engine import exact_length_params, run_engine
-from driver_http import run_http
-from driver_peft import BASE_ADAPTER, run_peft_baseline
+from loramux.benchmarks.driver_engine import exact_length_params, run_engine
+from loramux.benchmarks.driver_http import run_http
+from loramux.benchmarks.driver_peft import BASE_ADAPTER, run_peft_baseline
 
 __all__ = ["BASE_ADAPTER", "exact_length_params", "run_engine", "run_http", "run_peft_baseline"]

@@ -1,46 +1,35 @@
-"""The engine against transformers + PEFT mixed-adapter ``generate``, on the same prompts.
+"""``loramux bench engine-vs-peft``: the engine's tokens/s against transformers + PEFT's
+mixed-adapter ``generate``, on the same requests in the same process.
 
-The issue's CPU benchmark: SmolLM2-135M-Instruct, 32 concurrent requests over 16 LoRA
-adapters (request i uses adapter i % 16), 128 new tokens each, greedy. Both systems run
-in the same process, one after the other, on the same chat-templated prompt token ids:
+The workload is the preset's (``bench_presets``, drawn by ``workload.generate``):
+SmolLM2-135M-Instruct (``--model`` names another folder) in float32 on the CPU, 32
+requests at once, request i with adapter i % 16 (``ADAPTER_SHAPES``: ranks 8 and 16,
+q/k/v/o or all seven modules), chat-templated prompts (``prompts``), 128 new tokens each,
+greedy, EOS suppressed on both sides so every request generates exactly that many tokens:
 
-* engine: ``Engine.generate`` of all requests at once (continuous batching, every
-  adapter in the same forward pass);
-* baseline: one ``PeftModel`` holding all adapters, ``model.generate(...,
-  adapter_names=[...])`` (PEFT's mixed-adapter batching) with left padding, as one batch
-  of all requests and in batches of 8; the faster is the baseline.
+* engine: per run a fresh engine (empty prefix cache) with the preset's settings, warmed
+  up on other prompts, serving every request through the engine driver (continuous
+  batching, every adapter in the same forward pass);
+* baseline: one ``PeftModel`` holding every adapter, static mixed-adapter batches of all
+  the requests and of 8 (``--peft-batch-sizes``) through the PEFT driver; the faster is
+  the baseline.
 
-Output length is fixed on both sides the same way: EOS is suppressed until the last
-token (``min_tokens = max_tokens`` on the engine, ``min_new_tokens = max_new_tokens`` on
-PEFT), so every request generates exactly ``--max-tokens`` tokens and a greedy token
-sequence means the same thing on both sides.
+Per run: tokens, seconds to the last request's end, tokens/s, the cores this process got
+and the load average (``machine.Clock``); for the engine its TTFT median and max, cached
+prompt tokens and preemptions. ``--repeats N`` interleaves N runs of each and reports the
+best of each, so one run slowed by a neighbour does not decide it. The report: the ratio
+engine / baseline against the preset's goal (at least 5x), and each PEFT run's greedy
+agreement with the engine (left padding can flip a near-tie argmax in PEFT's batches, so
+it is reported, not asserted). ``--before REV`` also measures git revision REV's engine
+(``revisions``): every engine run is then a worker process, the two engines in alternating
+order, and the report adds its row, the after / before ratio and their agreement.
+``--profile`` runs the engine once more under cProfile and writes its top functions next
+to the JSON. ``--quick``: 8 requests, 4 adapters, 16 tokens.
 
-Reports tokens, wall seconds and tokens/s of each, the ratio engine / PEFT, and greedy
-agreement (requests whose tokens are identical; left padding can legitimately flip a
-near-tie argmax in PEFT's batches, so it is reported, not asserted). Writes a JSON and a
-markdown table with the machine to ``benchmarks/results/``.
+Writes ``<out>/engine_vs_peft_cpu[_quick].{json,md}``. The recorded results are made by
 
-    .venv/bin/python benchmarks/engine_vs_peft.py            # full size (several minutes)
-    .venv/bin/python benchmarks/engine_vs_peft.py --quick    # smoke run
-    .venv/bin/python benchmarks/engine_vs_peft.py --profile  # plus a cProfile of the engine
-    .venv/bin/python benchmarks/engine_vs_peft.py --repeats 3 --profile  # the recorded run
-
-The machine is shared: each timed part records the cores this process actually got
-(CPU seconds / wall seconds) and the load average, and ``--repeats`` interleaves runs
-and reports the best of each, so one run slowed by a neighbour does not decide it.
-
-``--before REV`` also measures the engine of git revision REV in the same run, on the
-same prompts and adapters, interleaved with this checkout's engine: REV is checked out
-into a temporary ``git worktree`` (removed afterwards, also on errors), and each engine
-run, before and after alike, is a worker process (``engine_vs_peft_worker.py``) whose
-``PYTHONPATH`` puts a ``loramux/`` first that links that tree's package folders as
-pyproject's ``package-dir`` maps them (the worker checks where ``loramux.engine`` came
-from); the two engines' order alternates from one repeat to the next. The report adds
-the before engine's row, the after / before tokens/s ratio, and whether their greedy
-tokens agree; "after" is this working tree, uncommitted changes included (the report
-says whether ``engine/`` or ``kernels/`` had any).
-
-    .venv/bin/python benchmarks/engine_vs_peft.py --repeats 3 --before HEAD~3
+    loramux bench engine-vs-peft --repeats 2 --before 932c3a3   # engine_vs_peft_cpu.{json,md}
+    loramux bench engine-vs-peft --profile    # and engine_vs_peft_cpu_engine_profile.txt
 """
 
 from __future__ import annotations
@@ -48,116 +37,52 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import datetime as dt
-import gc
+import dataclasses
 import io
 import json
-import os
-import platform
 import pstats
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import tomllib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-WORKER = Path(__file__).resolve().parent / "engine_vs_peft_worker.py"
-MODEL_NAME = "SmolLM2-135M-Instruct"
-QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_SEVEN = (*QKVO, "gate_proj", "up_proj", "down_proj")
-# Adapter i gets ADAPTER_SHAPES[i % 4]: mixed ranks and target sets.
+from loramux.benchmarks import revisions
+from loramux.benchmarks.adapters import ADAPTER_STD, ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
+from loramux.benchmarks.bench_presets import PRESETS
+from loramux.benchmarks.bench_report import run_duration
+from loramux.benchmarks.driver_peft import adapter_names, load_peft_model, serve_static_batches
+from loramux.benchmarks.drivers import run_engine
+from loramux.benchmarks.engine_vs_peft_report import agreement, render_markdown
+from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.machine import Clock, contention, machine_info
+from loramux.benchmarks.measures import percentiles
+from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.prompts import chat_prompts
+from loramux.benchmarks.workload import WorkloadSpec, generate
+
+PRESET = PRESETS["engine-vs-peft"]
+# Adapter i gets ADAPTER_SHAPES[i % 4] and seed 1000 + i.
 ADAPTER_SHAPES = ((8, QKVO), (16, QKVO), (8, ALL_SEVEN), (16, ALL_SEVEN))
-ADAPTER_STD = 0.02  # init std of A and B: a visible but not model-destroying change
-
-QUESTIONS = (
-    "What is the capital of France?",
-    "Give me three tips for sleeping better.",
-    "Explain photosynthesis to a ten-year-old.",
-    "Write a haiku about autumn leaves.",
-    "How do I boil an egg?",
-    "What causes the seasons on Earth?",
-    "Suggest a name for a grey cat.",
-    "Why is the sky blue?",
-    "Summarize the plot of Romeo and Juliet.",
-    "What is a prime number?",
-    "How can I learn to play the guitar?",
-    "Translate 'good morning' into Spanish.",
-    "What are the benefits of drinking water?",
-    "Describe a rainy day in two sentences.",
-    "How does a bicycle stay upright?",
-    "Give me a simple recipe for pancakes.",
-    "What is the difference between weather and climate?",
-    "Write a short thank-you note to a teacher.",
-    "How many legs does a spider have?",
-    "What should I pack for a weekend hike?",
-    "Explain what a computer program is.",
-    "Why do leaves change colour in the fall?",
-    "Tell me a fun fact about octopuses.",
-    "How do I make my houseplants grow better?",
-    "What is the tallest mountain in the world?",
-    "Write a two-line poem about the sea.",
-    "How do vaccines work?",
-    "What is the Pythagorean theorem?",
-    "Give me an idea for a birthday party.",
-    "Why do we need sleep?",
-    "What is the best way to save money?",
-    "Describe the taste of a lemon.",
-)
+ADAPTER_SEED = 1000
+QUICK = {"requests": 8, "adapters": 4, "max_tokens": 16}
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    name: str
-    path: Path
-    rank: int
-    targets: tuple[str, ...]
+@dataclass
+class Work:
+    """What every run of one invocation serves."""
 
+    spec: WorkloadSpec
+    model_dir: Path
+    adapters: list[AdapterSpec]
+    prompts: dict[int, list[int]]  # request index -> token ids
 
-class Clock:
-    """Wall seconds of a block, and how much CPU this process got meanwhile.
+    @property
+    def requests(self):
+        return generate(self.spec)
 
-    The CPU seconds over the wall seconds, against the torch thread count, shows whether
-    other processes competed for the cores during the measurement.
-    """
-
-    def __enter__(self) -> Clock:
-        self.load_before = os.getloadavg()[0]
-        self._cpu, self._wall = time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self._wall
-        self.cpu_seconds = time.process_time() - self._cpu
-        self.load_after = os.getloadavg()[0]
-
-    def summary(self) -> dict:
-        return {
-            "cpu_seconds": round(self.cpu_seconds, 2),
-            "cores_used": round(self.cpu_seconds / self.seconds, 2),
-            "loadavg_1m_before": round(self.load_before, 2),
-            "loadavg_1m_after": round(self.load_after, 2),
-        }
-
-    def to_json(self) -> dict:
-        """Every reading, unrounded (a worker process hands its clock back so)."""
-        names = ("seconds", "cpu_seconds", "load_before", "load_after")
-        return {name: getattr(self, name) for name in names}
-
-    @classmethod
-    def from_json(cls, raw: dict) -> Clock:
-        clock = cls()
-        for name, value in raw.items():
-            setattr(clock, name, float(value))
-        return clock
+    def engine_settings(self) -> dict:
+        return {**PRESET.engine, "max_num_seqs": max(64, self.spec.num_requests)}
 
 
 @dataclass
@@ -165,27 +90,20 @@ class RunResult:
     label: str
     tokens: list[list[int]]  # per request, in request order
     clock: Clock
+    seconds: float  # from the driver's start to the last request's end
     batch: str  # how the requests were batched
-    extra: dict = field(default_factory=dict)  # system-specific figures
-
-    @property
-    def seconds(self) -> float:
-        return self.clock.seconds
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
+    extra: dict = field(default_factory=dict)  # the system's own figures
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds
+        return sum(map(len, self.tokens)) / self.seconds
 
     def summary(self) -> dict:
         return {
             "label": self.label,
             "batch": self.batch,
             "requests": len(self.tokens),
-            "tokens": self.num_tokens,
+            "tokens": sum(map(len, self.tokens)),
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
             **self.clock.summary(),
@@ -193,755 +111,297 @@ class RunResult:
         }
 
 
-# --- setup ---------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=None, help="default 32 (8 with --quick)")
-    parser.add_argument("--adapters", type=int, default=None, help="default 16 (4 with --quick)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="default 128 (16 --quick)")
-    parser.add_argument("--quick", action="store_true", help="a small smoke run")
-    parser.add_argument(
-        "--peft-batch-sizes",
-        default=None,
-        help="comma-separated PEFT batch sizes to time; the fastest is the baseline "
-        "(default: all requests in one batch, and 8)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON result path; the markdown goes next to it "
-        "(default benchmarks/results/engine_vs_peft_cpu[_quick].json)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=REPO_ROOT / ".loramux" / "bench-cache",
-        help="where the converted model and the adapters are cached",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="interleaved runs of each system; the best is reported (all are recorded)",
-    )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
-    )
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="after the timed runs, run the engine once more under cProfile and write "
-        "the top functions next to the JSON",
-    )
-    parser.add_argument(
-        "--before",
-        metavar="REV",
-        help="also measure the engine of git revision REV (from a temporary worktree) in "
-        "the same run, interleaved with this checkout's; both then run in worker processes",
-    )
-    args = parser.parse_args(argv)
-    quick = args.quick
-    args.requests = args.requests or (8 if quick else 32)
-    args.adapters = args.adapters or (4 if quick else 16)
-    args.max_tokens = args.max_tokens or (16 if quick else 128)
-    if args.peft_batch_sizes is None:
-        sizes = [args.requests] + ([8] if args.requests > 8 else [])
-    else:
-        sizes = [int(s) for s in args.peft_batch_sizes.split(",") if s.strip()]
-    if not sizes or any(s < 1 for s in sizes):
-        parser.error("--peft-batch-sizes needs positive integers")
-    args.peft_batch_sizes = sizes
-    if args.repeats < 1 or (args.threads is not None and args.threads < 1):
-        parser.error("--repeats and --threads must be positive")
-    if args.out is None:
-        stem = "engine_vs_peft_cpu_quick" if quick else "engine_vs_peft_cpu"
-        args.out = RESULTS_DIR / f"{stem}.json"
-    if min(args.requests, args.adapters, args.max_tokens) < 1:
-        parser.error("--requests, --adapters and --max-tokens must be positive")
-    if args.before is not None:
-        try:
-            resolve_commit(args.before)
-        except RuntimeError as exc:
-            parser.error(str(exc))
-    return args
+# --- the systems ----------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 1024**2, 1)
-    except OSError:
-        pass
-    import peft
-    import transformers
+def _engine(work: Work):
+    """A fresh engine holding the work's adapters, warmed up on prompts of its own."""
+    from loramux.engine import Engine, EngineConfig, SamplingParams
 
-    uname = platform.uname()
-    return {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "processor": platform.processor() or None,
-        "cpu_model": cpu_model,
-        "uname": f"{uname.system} {uname.release} {uname.machine}",
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_count": os.cpu_count(),
-        "mem_total_gib": mem_gib,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-    }
-
-
-def prepare_model(cache_dir: Path) -> Path:
-    from loramux.engine.model.gguf_convert import convert_gguf_to_hf
-    from loramux.platform.base_model import embedded_gguf_path
-
-    return convert_gguf_to_hf(embedded_gguf_path(), cache_dir / MODEL_NAME, log=print)
-
-
-def prepare_adapters(
-    model_dir: Path, cache_dir: Path, count: int, shapes=ADAPTER_SHAPES
-) -> list[AdapterSpec]:
-    """``count`` PEFT adapters of mixed ranks and targets, built once and cached: adapter i
-    gets ``shapes[i % len(shapes)]`` (rank, target modules)."""
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.fixtures.models import build_peft_adapter
-
-    specs = []
-    for i in range(count):
-        rank, targets = shapes[i % len(shapes)]
-        tag = "qkvo" if targets == QKVO else "all7"
-        path = cache_dir / "adapters" / f"a{i:02d}-r{rank}-{tag}-std{ADAPTER_STD}-seed{1000 + i}"
-        if not (path / "adapter_model.safetensors").is_file():
-            print(f"building adapter {path.name} ...", flush=True)
-            tmp = path.with_name(path.name + ".partial")
-            build_peft_adapter(
-                model_dir, tmp, rank=rank, targets=targets, seed=1000 + i, std=ADAPTER_STD
-            )
-            tmp.rename(path)
-        specs.append(AdapterSpec(f"a{i:02d}", path, rank, targets))
-    return specs
-
-
-def make_prompts(tokenizer, count: int) -> list[list[int]]:
-    """``count`` different chat-templated prompts as token ids (shared by both systems)."""
-    prompts = []
-    for i in range(count):
-        question = QUESTIONS[i % len(QUESTIONS)]
-        if i >= len(QUESTIONS):
-            question = f"{question} (Answer #{i // len(QUESTIONS) + 1}.)"
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return prompts
-
-
-# --- the engine ----------------------------------------------------------------------
-def build_engine(model_dir: Path, adapters: list[AdapterSpec], max_num_seqs: int):
-    from loramux.engine import Engine, EngineConfig
-
-    engine = Engine(
-        EngineConfig(
-            model=str(model_dir),
-            kv_cache_bytes=512 * 1024**2,
-            max_num_seqs=max(64, max_num_seqs),
-            max_num_batched_tokens=2048,
-            device="cpu",
-            dtype="float32",
-        )
-    )
-    for spec in adapters:
+    settings = work.engine_settings()
+    config = EngineConfig(model=str(work.model_dir), device="cpu", dtype="float32", **settings)
+    engine = Engine(config)
+    names = [a.name for a in work.adapters]
+    for spec in work.adapters:
         engine.add_adapter(spec.name, spec.path)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate(["Hello there", "Warm up"], warm, adapters=(names * 2)[:2])
     return engine
 
 
-def engine_params(max_tokens: int):
-    from loramux.engine import SamplingParams
-
-    # min_tokens = max_tokens suppresses EOS until the end, exactly like PEFT's
-    # min_new_tokens = max_new_tokens: fixed length, same greedy choice at every step.
-    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
-
-
-def warm_up(engine, adapter_names) -> None:
-    """A tiny mixed-adapter generate on unrelated prompts (so the timed run gets no
-    prefix-cache hits from it)."""
-    from loramux.engine import SamplingParams
-
-    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.generate(["Hello there", "Warm up"], warm, adapters=(adapter_names * 2)[:2])
-
-
-def run_engine(engine, prompts, adapter_names, max_tokens: int) -> RunResult:
-    warm_up(engine, adapter_names)
-    params = engine_params(max_tokens)
-    with Clock() as clock:
-        outs = engine.generate(prompts, params, adapters=adapter_names)
-    result = RunResult("engine", [list(o.token_ids) for o in outs], clock, "all at once")
-    ttfts = sorted(
-        o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None
-    )
-    result.extra = {
-        "ttft_median_s": round(ttfts[len(ttfts) // 2], 3) if ttfts else None,
-        "ttft_max_s": round(ttfts[-1], 3) if ttfts else None,
-        "cached_prompt_tokens": sum(o.metrics.cached_prompt_tokens for o in outs),
-        "preemptions": engine.num_preemptions,
-    }
-    return result
-
-
-def profile_engine(engine, prompts, adapter_names, max_tokens: int, out_txt: Path) -> None:
-    # The prompts differ from the timed run's by one leading token so the prefix cache
-    # holds nothing for them; the cost profile is that of the timed run.
-    bos = prompts[0][0]
-    fresh = [[bos, *p] for p in prompts]
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    engine.generate(fresh, engine_params(max_tokens), adapters=adapter_names)
-    profiler.disable()
-    seconds = time.perf_counter() - start
-    buf = io.StringIO()
-    buf.write(f"engine.generate under cProfile: {seconds:.2f} s (profiling overhead included)\n\n")
-    stats = pstats.Stats(profiler, stream=buf).strip_dirs()
-    buf.write("=== by total time (self) ===\n")
-    stats.sort_stats("tottime").print_stats(30)
-    buf.write("=== by cumulative time ===\n")
-    stats.sort_stats("cumulative").print_stats(40)
-    out_txt.parent.mkdir(parents=True, exist_ok=True)
-    out_txt.write_text(buf.getvalue())
-
-
-# --- transformers + PEFT -------------------------------------------------------------
-def build_peft(model_dir: Path, adapters: list[AdapterSpec]):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapters[0].path, adapter_name=adapters[0].name)
-    for spec in adapters[1:]:
-        model.load_adapter(spec.path, adapter_name=spec.name)
-    model.eval()
-    return model
-
-
-def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
-
-
-@torch.inference_mode()
-def peft_generate(model, batch, names, pad_id: int, max_tokens: int) -> list[list[int]]:
-    input_ids, attention_mask = _left_pad(batch, pad_id)
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        adapter_names=list(names),
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        pad_token_id=pad_id,
-    )
-    return [row.tolist() for row in out[:, input_ids.shape[1] :]]
-
-
-def run_peft(model, prompts, adapter_names, pad_id: int, max_tokens: int, batch_size: int):
-    warm_names = (adapter_names * 2)[:2]
-    peft_generate(model, [[1, 2, 3, 4], [5, 6]], warm_names, pad_id, 2)  # warm-up
-    tokens: list[list[int]] = []
-    with Clock() as clock:
-        for i in range(0, len(prompts), batch_size):
-            tokens += peft_generate(
-                model,
-                prompts[i : i + batch_size],
-                adapter_names[i : i + batch_size],
-                pad_id,
-                max_tokens,
-            )
-    batches = -(-len(prompts) // batch_size)
-    label = f"PEFT batch {batch_size}"
-    return RunResult(label, tokens, clock, f"{batches} mixed-adapter batch(es) of {batch_size}")
-
-
-# --- another revision's engine (--before) -------------------------------------------------
-@dataclass(frozen=True)
-class Checkout:
-    """A source tree whose engine a worker process runs: ``pkg_root`` holds a ``loramux/``
-    that links the tree's package folders, to put first on the worker's PYTHONPATH."""
-
-    root: Path
-    pkg_root: Path
-    sha: str
-    rev: str | None = None  # as given to --before; None for this checkout (after)
-    modified: bool = False  # engine/ or kernels/ differ from ``sha`` (uncommitted changes)
-
-    @property
-    def label(self) -> str:
-        return "after" if self.rev is None else f"before, {self.sha[:7]}"
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(
-        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
-    return done.stdout.strip()
-
-
-def link_package(tree: Path, dest: Path) -> Path:
-    """``dest/loramux/<name>`` -> each folder ``tree``'s pyproject maps ``loramux.<name>``
-    to (its ``package-dir``); ``dest``, to put on ``sys.path`` ahead of the installed one."""
-    pyproject = tomllib.loads((tree / "pyproject.toml").read_text())
-    mapping = pyproject["tool"]["setuptools"]["package-dir"]
-    package = dest / "loramux"
-    package.mkdir(parents=True)
-    for name, folder in mapping.items():
-        top, _, sub = name.partition(".")
-        if top == "loramux" and sub and "." not in sub and (tree / folder).is_dir():
-            (package / sub).symlink_to((tree / folder).resolve(), target_is_directory=True)
-    if not (package / "engine").is_dir():
-        raise RuntimeError(f"{tree}'s pyproject maps no loramux.engine folder")
-    return dest
-
-
-def after_checkout(workdir: Path) -> Checkout:
-    """This working tree, as the after engine's source."""
-    modified = bool(_git("status", "--porcelain", "--", "engine", "kernels"))
-    return Checkout(
-        root=REPO_ROOT,
-        pkg_root=link_package(REPO_ROOT, workdir / "after"),
-        sha=_git("rev-parse", "HEAD"),
-        modified=modified,
-    )
-
-
-def resolve_commit(rev: str) -> str:
-    """The full sha of commit ``rev``; a RuntimeError naming it when there is none."""
+def serve_engine(work: Work, profiler: cProfile.Profile | None = None) -> RunResult:
+    """One timed run of every request on a fresh engine (under ``profiler`` if given)."""
+    engine = _engine(work)
+    token_ids: dict[int, list[int]] = {}
+    names = [a.name for a in work.adapters]
     try:
-        return _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    except RuntimeError:
-        raise RuntimeError(f"--before {rev!r} is not a commit of this repository") from None
-
-
-@contextlib.contextmanager
-def before_checkout(rev: str, workdir: Path) -> Iterator[Checkout]:
-    """Revision ``rev`` in a temporary ``git worktree`` under ``workdir``, removed on exit
-    (also when the body raises)."""
-    sha = resolve_commit(rev)
-    tree = workdir / "tree"
-    _git("worktree", "add", "--detach", "--quiet", str(tree), sha)
-    try:
-        yield Checkout(
-            root=tree,
-            pkg_root=link_package(tree, workdir / "before"),
-            sha=sha,
-            rev=rev,
-        )
+        with Clock() as clock, profiler or contextlib.nullcontext():
+            records = run_engine(engine, work.requests, work.prompts, names, token_ids=token_ids)
+        preemptions = engine.num_preemptions
     finally:
-        remove_worktree(tree)
-
-
-def remove_worktree(tree: Path) -> None:
-    try:
-        _git("worktree", "remove", "--force", str(tree))
-    except RuntimeError as exc:
-        print(f"{exc}; deleting {tree} and pruning", file=sys.stderr)
-        shutil.rmtree(tree, ignore_errors=True)
-        _git("worktree", "prune")
-
-
-def run_engine_worker(checkout: Checkout, job: dict, workdir: Path) -> RunResult:
-    """One engine run (``run_engine``) in a worker process importing ``checkout``'s loramux."""
-    job_path = workdir / "job.json"
-    result_path = workdir / "result.json"
-    result_path.unlink(missing_ok=True)
-    write_atomic(job_path, json.dumps({**job, "expect_root": str(checkout.root.resolve())}))
-    paths = [str(checkout.pkg_root), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(job_path), str(result_path)], env=env, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the {checkout.label} engine's worker exited {done.returncode}")
-    raw = json.loads(result_path.read_text())
-    run = RunResult(
-        f"engine ({checkout.label})", raw["tokens"], Clock.from_json(raw["clock"]), raw["batch"]
-    )
-    run.extra = {**raw["extra"], "imported_from": raw["imported_from"]["loramux.engine"]}
-    return run
-
-
-# --- the measurement -----------------------------------------------------------------
-def measure(args, model_dir, adapters, prompts, names, pad_id, checkouts=(), workdir=None):
-    """Interleaved runs: per repeat a fresh engine (empty prefix cache), then PEFT.
-
-    With ``checkouts`` (``--before``: the after and the before tree), each repeat runs
-    every checkout's engine in a worker process (its files in ``workdir``), in alternating
-    order, before PEFT.
-    Returns the engine runs by label, the PEFT runs by batch size, the profile's path.
-    """
-    model = build_peft(model_dir, adapters)
-    engine_runs: dict[str, list[RunResult]] = {}
-    peft_runs: dict[int, list[RunResult]] = {bs: [] for bs in args.peft_batch_sizes}
-    profile_path = None
-    job = {
-        "model_dir": str(model_dir),
-        "adapters": [
-            {"name": a.name, "path": str(a.path), "rank": a.rank, "targets": list(a.targets)}
-            for a in adapters
-        ],
-        "prompts": prompts,
-        "names": names,
-        "max_tokens": args.max_tokens,
-        "requests": args.requests,
-        "threads": torch.get_num_threads(),
+        engine.close()
+    ttft = percentiles([r.ttft_s for r in records if r.ttft_s is not None], (50, 100))
+    extra = {
+        "ttft_median_s": round(ttft["p50"], 3),
+        "ttft_max_s": round(ttft["p100"], 3),
+        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in records),
+        "preemptions": preemptions,
     }
-    for repeat in range(args.repeats):
-        if checkouts:
-            order = checkouts if repeat % 2 == 0 else checkouts[::-1]
-            for checkout in order:
-                run = run_engine_worker(checkout, job, workdir)
-                engine_runs.setdefault(checkout.label, []).append(run)
-                _report_run(run, repeat)
-        else:
-            engine = build_engine(model_dir, adapters, args.requests)
-            run = run_engine(engine, prompts, names, args.max_tokens)
-            engine_runs.setdefault("engine", []).append(run)
-            _report_run(run, repeat)
-            if args.profile and repeat == args.repeats - 1:
-                profile_path = _profile(args, engine, prompts, names)
-            del engine
-            gc.collect()
-        for batch_size in args.peft_batch_sizes:
-            run = run_peft(model, prompts, names, pad_id, args.max_tokens, batch_size)
-            peft_runs[batch_size].append(run)
-            _report_run(run, repeat)
-    if checkouts and args.profile:  # the after engine, in this process this time
-        engine = build_engine(model_dir, adapters, args.requests)
-        warm_up(engine, names)
-        profile_path = _profile(args, engine, prompts, names)
-    return engine_runs, peft_runs, profile_path
+    tokens = [token_ids[i] for i in range(len(records))]
+    return RunResult("engine", tokens, clock, run_duration(records), "all at once", extra)
 
 
-def _profile(args, engine, prompts, names) -> Path:
-    path = args.out.with_name(args.out.stem + "_engine_profile.txt")
-    profile_engine(engine, prompts, names, args.max_tokens, path)
+def run_job(job: dict) -> dict:
+    """``serve_engine`` in a worker: ``job`` holds the command's arguments and threads."""
+    torch.set_num_threads(job["threads"])
+    run = serve_engine(prepare(parse_args(job["argv"])))
+    return {**dataclasses.asdict(run), "clock": run.clock.to_json()}
+
+
+def serve_in_worker(checkout: revisions.Checkout, argv: list[str], workdir: Path) -> RunResult:
+    raw = revisions.run_in_worker(
+        checkout, {"argv": argv, "threads": torch.get_num_threads()}, workdir
+    )
+    raw["extra"]["imported_from"] = raw.pop("imported_from")["loramux.engine"]
+    raw["clock"] = Clock.from_json(raw["clock"])
+    return RunResult(**{**raw, "label": f"engine ({checkout.label})"})
+
+
+def profile_engine(work: Work, path: Path) -> None:
+    """The engine's run once more under cProfile; its top functions into ``path``."""
+    profiler = cProfile.Profile()
+    run = serve_engine(work, profiler)
+    text = io.StringIO()
+    text.write(f"engine run under cProfile: {run.seconds:.2f} s (profiling overhead included)\n\n")
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    text.write("=== by total time (self) ===\n")
+    stats.sort_stats("tottime").print_stats(30)
+    text.write("=== by cumulative time ===\n")
+    stats.sort_stats("cumulative").print_stats(40)
+    write_atomic(path, text.getvalue())
     print(f"profile written to {path}", flush=True)
-    return path
 
 
-def _report_run(run: RunResult, repeat: int) -> None:
-    c = run.clock.summary()
+def serve_peft(model, work: Work, batch_size: int) -> RunResult:
+    """One timed run of every request in static mixed-adapter batches of ``batch_size``."""
+    token_ids: dict[int, list[int]] = {}
+    with Clock() as clock:
+        records = serve_static_batches(
+            model,
+            work.requests,
+            work.prompts,
+            batch_size=batch_size,
+            device="cpu",
+            names_of=adapter_names,
+            token_ids=token_ids,
+        )
+    tokens = [token_ids[i] for i in range(len(records))]
+    batches = f"{-(-len(records) // batch_size)} mixed-adapter batch(es) of {batch_size}"
+    return RunResult(f"PEFT batch {batch_size}", tokens, clock, run_duration(records), batches)
+
+
+def measure(args, work: Work, checkouts=(), workdir: Path | None = None):
+    """Per repeat the engine (with ``--before``, each checkout's in a worker, their order
+    alternating), then PEFT at each batch size; the runs by label and by batch size."""
+    paths = [a.path for a in work.adapters]
+    model = load_peft_model(work.model_dir, paths, device="cpu", dtype=torch.float32)
+    engine_runs: dict[str, list[RunResult]] = {}
+    peft_runs: dict[int, list[RunResult]] = {size: [] for size in args.peft_batch_sizes}
+    for repeat in range(args.repeats):
+        order = checkouts if repeat % 2 == 0 else checkouts[::-1]
+        for run in [serve_in_worker(c, args.argv, workdir) for c in order] or [serve_engine(work)]:
+            engine_runs.setdefault(run.label, []).append(run)
+            _print_run(run, repeat)
+        for size in args.peft_batch_sizes:
+            peft_runs[size].append(serve_peft(model, work, size))
+            _print_run(peft_runs[size][-1], repeat)
+    return engine_runs, peft_runs
+
+
+def _print_run(run: RunResult, repeat: int) -> None:
+    s = run.summary()
     print(
-        f"[{repeat}] {run.label}: {run.num_tokens} tokens in {run.seconds:.2f} s = "
-        f"{run.tokens_per_s:.1f} tok/s (cores used {c['cores_used']}, load "
-        f"{c['loadavg_1m_before']} -> {c['loadavg_1m_after']})",
+        f"[{repeat}] {run.label}: {s['tokens']} tokens in {run.seconds:.2f} s = "
+        f"{run.tokens_per_s:.1f} tok/s (cores used {s['cores_used']}, load "
+        f"{s['loadavg_1m_before']} -> {s['loadavg_1m_after']})",
         flush=True,
     )
 
 
-# --- comparison and reporting ----------------------------------------------------------
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    prefixes = []
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        prefixes.append(n)
-    return {
-        "identical_requests": same,
-        "requests": len(a),
-        "fraction": round(same / len(a), 4),
-        "mean_common_prefix_tokens": round(sum(prefixes) / len(prefixes), 2),
-        "min_common_prefix_tokens": min(prefixes),
-    }
+# --- the command ------------------------------------------------------------------------------
 
 
-def render_markdown(report: dict) -> str:
-    cfg, m, eng = report["config"], report["machine"], report["engine"]
-    before = report.get("engine_before")
-    repeats = cfg["repeats"]
-    lines = [
-        "# Engine vs transformers + PEFT (mixed-adapter generate), CPU",
-        "",
-        f"{cfg['model']}, {cfg['requests']} concurrent requests over {cfg['adapters']} "
-        f"adapters (ranks {sorted(set(cfg['adapter_ranks']))}, targets q/k/v/o or all "
-        f"seven; request i uses adapter i % {cfg['adapters']}), {cfg['max_tokens']} new "
-        "tokens each (EOS suppressed), greedy, float32. Both measured in the same run on "
-        "the same prompt token ids"
-        + (f"; best of {repeats} interleaved runs each." if repeats > 1 else "."),
-        "",
-        "| system | batching | requests | tokens | wall s | tokens/s | cores used | "
-        f"greedy agreement with engine{' (after)' if before else ''} |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    if before:
-        agree = before["agreement_with_after"]
-        lines.append(
-            f"| loramux engine (before, {before['sha'][:7]}) | {before['batch']} "
-            f"| {before['requests']} | {before['tokens']} | {before['seconds']:.2f} "
-            f"| {before['tokens_per_s']:.1f} | {before['cores_used']} "
-            f"| {_agreement_text(agree)} |"
-        )
-    lines.append(
-        f"| loramux engine{' (after)' if before else ''} | {eng['batch']} | {eng['requests']} "
-        f"| {eng['tokens']} | {eng['seconds']:.2f} | {eng['tokens_per_s']:.1f} "
-        f"| {eng['cores_used']} | - |"
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="loramux bench engine-vs-peft", description=__doc__.split("\n\n")[0]
     )
-    for run in report["peft_runs"]:
-        agree = run["agreement_with_engine"]
-        mark = " (baseline)" if run["label"] == report["baseline"] else ""
-        lines.append(
-            f"| transformers + PEFT{mark} | {run['batch']} | {run['requests']} | "
-            f"{run['tokens']} | {run['seconds']:.2f} | {run['tokens_per_s']:.1f} | "
-            f"{run['cores_used']} | {_agreement_text(agree)} |"
-        )
-    ratio, target = report["ratio_engine_over_peft"], report["target_ratio"]
-    verdict = "met" if ratio >= target else "not met"
-    lines += [
-        "",
-        f"**Ratio engine{' (after)' if before else ''} / PEFT ({report['baseline']}): "
-        f"{ratio:.2f}x** (target >= {target:g}x: {verdict}).",
-        "",
-        f"Engine{' (after)' if before else ''}: TTFT median {eng['ttft_median_s']} s, max "
-        f"{eng['ttft_max_s']} s; preemptions {eng['preemptions']}; cached prompt tokens "
-        f"{eng['cached_prompt_tokens']}.",
-        "",
-        "*cores used* = this process's CPU seconds / wall seconds during the timed part "
-        f"(torch uses {m['torch_threads']} threads): well below {m['torch_threads']} means "
-        "other processes were competing for the cores while it was measured.",
-    ]
-    if before:
-        head = eng["checkout"]
-        changes = (
-            " with uncommitted changes in engine/ or kernels/"
-            if head["engine_or_kernels_modified"]
-            else ""
-        )
-        lines += [
-            "",
-            f"**Engine after / before: {report['ratio_after_over_before']:.2f}x tokens/s**; "
-            f"greedy tokens {_agreement_text(before['agreement_with_after'])}. Before: "
-            f"`{before['rev']}` = {before['sha'][:12]}; after: this checkout at "
-            f"{head['head'][:12]}{changes}. Both engines ran in {report['engines_in']}, in "
-            "alternating order, each importing loramux from its own tree (before: "
-            f"`{before['imported_from']}`).",
-        ]
-    if report["contended"]:
-        lines += [
-            "",
-            "**Warning: the machine was busy during the reported runs** (1-minute load "
-            f"average up to {report['reported_runs_max_loadavg_1m']} on {m['nproc']} "
-            "cores, this process's own threads included); absolute "
-            "figures are lower than on an idle machine and the ratio is noisier.",
-        ]
-    if repeats > 1:
-        lines += [
-            "",
-            "All runs in order, tokens/s (cores used): "
-            + (f"engine (before) {_runs_text(before['all_runs'])}; " if before else "")
-            + f"engine{' (after)' if before else ''} "
-            + _runs_text(eng["all_runs"])
-            + "; "
-            + "; ".join(f"{r['label']} " + _runs_text(r["all_runs"]) for r in report["peft_runs"])
-            + ".",
-        ]
-    lines += [
-        "",
-        f"Machine: {m['cpu_model'] or m['processor']}, {m['nproc']} cores "
-        f"(torch threads {m['torch_threads']}), {m['mem_total_gib']} GiB, {m['uname']}; "
-        f"Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
-        f"peft {m['peft']}. Date {m['date']}.",
-        "",
-        f"Command: `{report['command']}`",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _agreement_text(agree: dict) -> str:
-    return (
-        f"{agree['identical_requests']}/{agree['requests']} identical, mean common prefix "
-        f"{agree['mean_common_prefix_tokens']} tokens"
+    spec = PRESET.workload
+    defaults = {"requests": spec.num_requests, "adapters": spec.num_adapters}
+    defaults["max_tokens"] = spec.output_len[0]
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    for name, default in defaults.items():
+        flag, quick = "--" + name.replace("_", "-"), QUICK[name]
+        parser.add_argument(flag, type=int, help=f"default {default} ({quick} with --quick)")
+    parser.add_argument(
+        "--peft-batch-sizes",
+        help="comma-separated PEFT batch sizes; the fastest is the baseline (default: all "
+        "requests in one batch, and 8)",
     )
-
-
-def _brief(run: RunResult) -> dict:
-    return {
-        "tokens_per_s": round(run.tokens_per_s, 2),
-        "cores_used": run.clock.summary()["cores_used"],
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--profile", action="store_true", help="also a cProfile of the engine")
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also the engine of git revision REV (from a temporary worktree), interleaved "
+        "with this checkout's; both then run in worker processes",
+    )
+    parser.add_argument("--model", type=Path, help="HF-format model folder (default SmolLM2)")
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    check_output_options(parser, args)
+    sizes = {
+        name: getattr(args, name) or (QUICK if args.quick else defaults)[name] for name in QUICK
     }
+    if min(sizes.values()) < 1:
+        parser.error("--requests, --adapters and --max-tokens must be positive")
+    tokens = (sizes["max_tokens"],) * 2
+    args.spec = dataclasses.replace(
+        spec, num_requests=sizes["requests"], num_adapters=sizes["adapters"], output_len=tokens
+    )
+    if args.peft_batch_sizes is None:
+        args.peft_batch_sizes = [sizes["requests"]] + ([8] if sizes["requests"] > 8 else [])
+    else:
+        try:
+            args.peft_batch_sizes = [int(s) for s in args.peft_batch_sizes.split(",")]
+        except ValueError:
+            parser.error("--peft-batch-sizes needs comma-separated integers")
+    if min(args.peft_batch_sizes) < 1 or args.repeats < 1 or (args.threads or 1) < 1:
+        parser.error("--peft-batch-sizes, --repeats and --threads must be positive")
+    try:
+        if args.before is not None:
+            revisions.resolve_commit(args.before)
+    except RuntimeError as exc:
+        parser.error(str(exc))
+    args.argv, args.command = argv, " ".join(["loramux bench engine-vs-peft", *argv])
+    return args
 
 
-def _runs_text(runs: list[dict]) -> str:
-    return ", ".join(f"{r['tokens_per_s']:.1f} ({r['cores_used']})" for r in runs)
+def prepare(args) -> Work:
+    from transformers import AutoTokenizer
+
+    model_dir = args.model or prepare_model(args.cache_dir)
+    count = args.spec.num_adapters
+    adapters = prepare_adapters(args.cache_dir, model_dir, ADAPTER_SHAPES, count, seed=ADAPTER_SEED)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), args.spec.num_requests)
+    return Work(args.spec, model_dir, adapters, dict(enumerate(prompts)))
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.before is None:
-        return run_benchmark(args)
-    # SIGTERM as an exception, so the worktree is removed on the way out as on any error.
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:  # (main runs on the main thread: signal handlers can only be set there)
-        with tempfile.TemporaryDirectory(prefix="loramux-before-") as tmp:
-            workdir = Path(tmp)
-            with before_checkout(args.before, workdir) as before:
-                after = after_checkout(workdir)
-                print(
-                    f"before: {args.before} = {before.sha} (worktree {before.root}); after: "
-                    f"this checkout at {after.sha}"
-                    + (
-                        " with uncommitted changes in engine/ or kernels/" if after.modified else ""
-                    ),
-                    flush=True,
-                )
-                return run_benchmark(args, (after, before), workdir)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        return run(args)
+    with revisions.before_and_after(args.before) as (after, before, workdir):
+        changes = " with uncommitted changes in engine/ or kernels/" if after.modified else ""
+        print(f"before: {args.before} = {before.sha}; after: {after.sha}{changes}", flush=True)
+        return run(args, (after, before), workdir)
 
 
-def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
-def run_benchmark(args, checkouts: tuple[Checkout, ...] = (), workdir: Path | None = None) -> int:
+def run(args, checkouts: tuple = (), workdir: Path | None = None) -> int:
     """Prepare, measure, report; ``checkouts`` (after, before) with ``--before``."""
-    from transformers import AutoTokenizer
-
     machine = machine_info()
     print(f"machine: {machine}", flush=True)
-    model_dir = prepare_model(args.cache_dir)
-    adapters = prepare_adapters(model_dir, args.cache_dir, args.adapters)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = make_prompts(tokenizer, args.requests)
-    names = [adapters[i % len(adapters)].name for i in range(args.requests)]
-    pad_id = tokenizer.eos_token_id
-    print(
-        f"{args.requests} requests, {args.adapters} adapters, {args.max_tokens} tokens each; "
-        f"prompt lengths {min(map(len, prompts))}..{max(map(len, prompts))}",
-        flush=True,
-    )
+    work = prepare(args)
+    lengths = [len(p) for p in work.prompts.values()]
+    print(f"{args.spec}; prompts of {min(lengths)} to {max(lengths)} tokens", flush=True)
+    engine_runs, peft_runs = measure(args, work, checkouts, workdir)
+    report = build_report(args, work, machine, engine_runs, peft_runs, checkouts)
+    stem = args.out / ("engine_vs_peft_cpu_quick" if args.quick else "engine_vs_peft_cpu")
+    if args.profile:
+        profile = stem.with_name(stem.name + "_engine_profile.txt")
+        profile_engine(work, profile)
+        report["engine_profile"] = profile.name
+    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    markdown = render_markdown(report)
+    write_atomic(stem.with_suffix(".md"), markdown)
+    print(f"\n{markdown}\nwrote {stem}.json and {stem}.md")
+    return 0
 
-    engine_runs, peft_runs, profile_path = measure(
-        args, model_dir, adapters, prompts, names, pad_id, checkouts, workdir
-    )
-    after_runs = engine_runs[checkouts[0].label if checkouts else "engine"]
-    before_runs = engine_runs[checkouts[1].label] if checkouts else []
-    eng = _best(after_runs)
-    best_peft = [_best(runs) for runs in peft_runs.values()]
-    baseline = _best(best_peft)
-    reported = [eng, *best_peft]  # were the figures we report taken on a busy machine?
-    if before_runs:
-        reported.append(_best(before_runs))
-    max_load = max(max(r.clock.load_before, r.clock.load_after) for r in reported)
-    min_cores = min(r.clock.cpu_seconds / r.seconds for r in reported)
+
+def _entry(runs: list[RunResult], best: RunResult | None = None, **extra) -> dict:
+    """The best of ``runs`` with every run's tokens/s and cores used."""
+    best = best or max(runs, key=lambda r: r.tokens_per_s)
+    brief = [{"tokens_per_s": round(r.tokens_per_s, 2), **r.clock.summary()} for r in runs]
+    return {**best.summary(), "all_runs": brief, **extra}
+
+
+def build_report(args, work: Work, machine: dict, engine_runs, peft_runs, checkouts) -> dict:
+    labels = [f"engine ({c.label})" for c in checkouts] or ["engine"]
+    after_runs, *before = (engine_runs[label] for label in labels)
+    eng = max(after_runs, key=lambda r: r.tokens_per_s)
+    best_peft = [max(runs, key=lambda r: r.tokens_per_s) for runs in peft_runs.values()]
+    baseline = max(best_peft, key=lambda r: r.tokens_per_s)
+    old = max(before[0], key=lambda r: r.tokens_per_s) if before else None
+    busy = contention([r.clock.summary() for r in [eng, *best_peft, *filter(None, [old])]], machine)
+    ratio = round(eng.tokens_per_s / baseline.tokens_per_s, 3)
+    spec, goal = work.spec, PRESET.goals[0]
     report = {
         "benchmark": "engine_vs_peft",
         "config": {
-            "model": MODEL_NAME,
-            "requests": args.requests,
-            "adapters": args.adapters,
-            "adapter_ranks": [a.rank for a in adapters],
-            "adapter_targets": [list(a.targets) for a in adapters],
+            "model": work.model_dir.name,
+            "requests": spec.num_requests,
+            "adapters": spec.num_adapters,
+            "adapter_ranks": [a.rank for a in work.adapters],
+            "adapter_targets": [list(a.targets) for a in work.adapters],
             "adapter_init_std": ADAPTER_STD,
-            "max_tokens": args.max_tokens,
+            "max_tokens": spec.output_len[0],
             "dtype": "float32",
             "greedy": True,
             "fixed_length": "engine min_tokens=max_tokens; PEFT min_new_tokens=max_new_tokens",
-            "prompt_tokens": [len(p) for p in prompts],
-            "engine_config": {
-                "kv_cache_bytes": 512 * 1024**2,
-                "max_num_seqs": max(64, args.requests),
-                "max_num_batched_tokens": 2048,
-            },
+            "prompt_tokens": [len(work.prompts[i]) for i in range(spec.num_requests)],
+            "engine_config": work.engine_settings(),
             "peft_batch_sizes": args.peft_batch_sizes,
             "repeats": args.repeats,
+            "workload": spec.to_json(),
         },
         "machine": machine,
-        "engine": _engine_entry(eng, after_runs),
+        "engine": _entry(
+            after_runs, runs_identical=all(r.tokens == eng.tokens for r in after_runs)
+        ),
         "peft_runs": [
-            {
-                **best.summary(),
-                "all_runs": [_brief(r) for r in runs],
-                "agreement_with_engine": agreement(eng.tokens, best.tokens),
-            }
+            _entry(runs, best, agreement_with_engine=agreement(eng.tokens, best.tokens))
             for best, runs in zip(best_peft, peft_runs.values(), strict=True)
         ],
         "baseline": baseline.label,
-        "ratio_engine_over_peft": round(eng.tokens_per_s / baseline.tokens_per_s, 3),
-        "target_ratio": 5.0,
+        "ratio_engine_over_peft": ratio,
+        "target_ratio": goal.value,
+        "target_met": goal.met_by(ratio),
         "greedy_agreement": agreement(eng.tokens, baseline.tokens),
-        "reported_runs_max_loadavg_1m": round(max_load, 2),
-        "contended": max_load > machine["nproc"] + 0.5
-        or min_cores < 0.75 * torch.get_num_threads(),
-        "command": " ".join([".venv/bin/python", "benchmarks/engine_vs_peft.py", *sys.argv[1:]]),
+        "reported_runs_max_loadavg_1m": busy["max_loadavg_1m"],
+        "min_cores_used": busy["min_cores_used"],
+        "contended": busy["contended"],
+        "command": args.command,
     }
-    if checkouts:
-        after, before = checkouts
-        old = _best(before_runs)
+    if old is not None:
+        after, before_checkout = checkouts
         report["engine"]["checkout"] = {
             "head": after.sha,
             "engine_or_kernels_modified": after.modified,
         }
-        report["engine_before"] = {
-            **_engine_entry(old, before_runs),
-            "rev": before.rev,
-            "sha": before.sha,
-            "agreement_with_after": agreement(eng.tokens, old.tokens),
-        }
+        report["engine_before"] = _entry(
+            before[0],
+            old,
+            runs_identical=all(r.tokens == old.tokens for r in before[0]),
+            rev=before_checkout.rev,
+            sha=before_checkout.sha,
+            agreement_with_after=agreement(eng.tokens, old.tokens),
+        )
         report["ratio_after_over_before"] = round(eng.tokens_per_s / old.tokens_per_s, 3)
-        report["engines_in"] = "worker processes (engine_vs_peft_worker.py), one per run"
-    if profile_path is not None:
-        report["engine_profile"] = profile_path.name
-    write_atomic(args.out, json.dumps(report, indent=2) + "\n")
-    markdown = render_markdown(report)
-    write_atomic(args.out.with_suffix(".md"), markdown)
-    print()
-    print(markdown)
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
-    return 0
-
-
-def _best(runs: list[RunResult]) -> RunResult:
-    return max(runs, key=lambda r: r.tokens_per_s)
-
-
-def _engine_entry(best: RunResult, runs: list[RunResult]) -> dict:
-    return {
-        **best.summary(),
-        "all_runs": [_brief(r) for r in runs],
-        "runs_identical": all(r.tokens == best.tokens for r in runs),
-    }
+        report["engines_in"] = "worker processes (loramux.benchmarks.engine_worker), one per run"
+    return report
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -7,9 +7,9 @@ fit one call on a lent machine), so a section that fails or runs long costs only
 1. ``tests``: the GPU-marked tests (``pytest -m gpu``): the Triton kernels compiled for
    real, the adapter copy stream, evictions and reloads, CUDA graphs replayed, each
    against transformers + PEFT;
-2. ``kernels``: ``kernels_gpu.py --quick``, the kernels at Llama-7B shapes and the two
+2. ``kernels``: ``kernels_gpu --quick``, the kernels at Llama-7B shapes and the two
    kernel verdicts;
-3. ``punica-distinct`` and 4. ``slora-s2``: the GPU presets of ``bench.py`` (with
+3. ``punica-distinct`` and 4. ``slora-s2``: the GPU presets of ``loramux bench`` (with
    ``--no-baseline``: loramux's figures against the published ones; the PEFT baseline takes
    longer than a lent machine's call).
 
@@ -27,9 +27,11 @@ package needs into ``.loramux/bench-cache/random-models`` (the Llama-7B config a
 SmolLM2's tokenizer files, 3.5 MB) to carry there: the presets' model folder, and the
 tokenizer the GPU tests build their tiny model with (``LORAMUX_TEST_TOKENIZER_DIR``).
 
-    python benchmarks/gpu_check.py --prepare           # here, once: the folder to carry
+    python -m loramux.benchmarks.gpu_check --prepare    # here, once: the folder to carry
     make gpu-check GPU_CHECK_ARGS="--out $OUT --bundle"   # on the GPU machine
-    python benchmarks/gpu_check.py --smoke --out /tmp/gc  # on any CPU (plumbing)
+    python -m loramux.benchmarks.gpu_check --smoke --out /tmp/gc  # any CPU (plumbing)
+
+It needs the source checkout (the GPU tests are in its ``tests/``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -47,10 +48,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
-CACHE_DIR = REPO_ROOT / ".loramux" / "bench-cache"
+from loramux.benchmarks.files import CHECKOUT, RESULTS_DIR, default_cache_dir
+
+REPO_ROOT = CHECKOUT or Path.cwd()
+CACHE_DIR = default_cache_dir()
+BENCH = "loramux.benchmarks.bench"
+KERNELS = "loramux.benchmarks.kernels_gpu"
 # The presets' weightless Llama-7B folder: config.json and SmolLM2's tokenizer files.
 MODEL_FOLDER = CACHE_DIR / "random-models" / "llama-7b-random"
 GPU_TESTS = ("tests/engine/test_gpu_engine.py", "tests/engine/test_random_weights.py")
@@ -81,30 +84,22 @@ def _sections(results: Path) -> list[Section]:
         Section(
             "kernels",
             "LoRA shrink/expand, paged attention and a decode step at Llama-7B shapes",
-            (python, str(BENCH_DIR / "kernels_gpu.py"), "--quick", *out),
-            (python, str(BENCH_DIR / "kernels_gpu.py"), "--smoke", *out),
+            (python, "-m", KERNELS, "--quick", *out),
+            (python, "-m", KERNELS, "--smoke", *out),
             150.0,
         ),
         Section(
             "punica-distinct",
             "32 requests, each its own rank-16 adapter (Punica's case), loramux only",
-            (python, str(BENCH_DIR / "bench.py"), "punica-distinct", "--no-baseline", *out),
-            (
-                python,
-                str(BENCH_DIR / "bench.py"),
-                "punica-distinct",
-                "--smoke",
-                "--requests",
-                "8",
-                *out,
-            ),
+            (python, "-m", BENCH, "punica-distinct", "--no-baseline", *out),
+            (python, "-m", BENCH, "punica-distinct", "--smoke", "--requests", "8", *out),
             120.0,
         ),
         Section(
             "slora-s2",
             "S-LoRA's S2 workload, 1,000 adapters of ranks 8-64, loramux only",
-            (python, str(BENCH_DIR / "bench.py"), "slora-s2", "--no-baseline", *out),
-            (python, str(BENCH_DIR / "bench.py"), "slora-s2", "--smoke", "--requests", "8", *out),
+            (python, "-m", BENCH, "slora-s2", "--no-baseline", *out),
+            (python, "-m", BENCH, "slora-s2", "--smoke", "--requests", "8", *out),
             240.0,
         ),
     ]
@@ -154,24 +149,6 @@ def run_section(
     return result
 
 
-def _device() -> dict[str, str]:
-    import torch
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "missing"
-    return info
-
-
 def _markdown(report: dict) -> str:
     lines = [
         f"# GPU check ({'smoke, on the CPU' if report['smoke'] else report['device']['device']})",
@@ -194,7 +171,7 @@ def _markdown(report: dict) -> str:
 def prepare() -> int:
     """Write the weightless model folder (with the tokenizer) into the cache, to carry."""
     done = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "bench.py"), "slora-s2", "--prepare-only"],
+        [sys.executable, "-m", BENCH, "slora-s2", "--prepare-only"],
         cwd=REPO_ROOT,
         env=_environment(smoke=True),
     )
@@ -210,6 +187,8 @@ def prepare() -> int:
 
 def check(args: argparse.Namespace) -> int:
     import torch
+
+    from loramux.benchmarks.machine import accelerator_info
 
     if not args.smoke and not torch.cuda.is_available():
         print("gpu-check needs a CUDA GPU; `--smoke` runs its CPU form.", file=sys.stderr)
@@ -234,7 +213,7 @@ def check(args: argparse.Namespace) -> int:
         "started": started_at,
         "budget_s": budget,
         "seconds": round(time.monotonic() - started, 1),
-        "device": _device(),
+        "device": accelerator_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "sections": [dataclasses.asdict(o) for o in outcomes],
     }
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """GPU benchmark of loramux's Triton kernels at Llama-7B shapes, and of one decode step.
 
-The issue's GPU benchmark: at Llama-7B shapes (hidden 4096, 32 query heads and 8 or 32
+At Llama-7B shapes (hidden 4096, 32 query heads and 8 or 32
 KV heads of dim 128, intermediate 11008, bf16) it times
 
 * LoRA shrink and expand (``kernels_gpu_lora``): SGMV on prefill batches, BGMV/SGMV on
@@ -17,9 +17,9 @@ a float32 reference once per shape. Two targets get a verdict: the decode step w
 distinct rank-16 adapters at batch 64 costs ≤ 15% more than the base step; paged decode
 attention at batch 64 × 2048 context reaches ≥ 70% of the copy bandwidth.
 
-    python benchmarks/kernels_gpu.py                 # full grid on the GPU (a few minutes)
-    python benchmarks/kernels_gpu.py --quick         # a reduced grid
-    python benchmarks/kernels_gpu.py --smoke --out /tmp/x   # CPU plumbing check (seconds)
+    python -m loramux.benchmarks.kernels_gpu          # full grid on the GPU (a few minutes)
+    python -m loramux.benchmarks.kernels_gpu --quick  # a reduced grid
+    python -m loramux.benchmarks.kernels_gpu --smoke --out /tmp/x  # CPU plumbing (seconds)
 
 Writes ``kernels_gpu_<device>.json`` (every row, the machine, the measured ceilings) and
 ``.md`` (verdicts and tables) to ``--out`` (default ``benchmarks/results``), after every
@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import importlib
-import importlib.metadata
 import itertools
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -50,30 +46,41 @@ from pathlib import Path
 
 import torch
 
-# Siblings in benchmarks/ (the script's folder is on sys.path). None of them imports a
-# Triton kernel module at import time: the kernels are imported where they run, after
-# main() has chosen compiler or interpreter.
-from kernels_gpu_attention import (
+from loramux.benchmarks.files import add_output_options, check_output_options
+
+# None of these imports a Triton kernel module at import time: the kernels are imported
+# where they run, after main() has chosen compiler or interpreter.
+from loramux.benchmarks.kernels_gpu_attention import (
     DecodeAttentionCase,
     PrefillAttentionCase,
     run_decode_case,
     run_prefill_case,
 )
-from kernels_gpu_lora import LoRACase, run_lora_case
-from kernels_gpu_report import (
+from loramux.benchmarks.kernels_gpu_lora import LoRACase, run_lora_case
+from loramux.benchmarks.kernels_gpu_report import (
     attention_verdict,
     step_verdict,
     text_table,
     write_json,
     write_markdown,
 )
-from kernels_gpu_step import STEP_TOLERANCE, StepCase, fit_layers, llama_config, run_step_case
-from kernels_gpu_timing import BenchContext, Timer, device_slug, free_device_memory, measure_rates
-
+from loramux.benchmarks.kernels_gpu_step import (
+    STEP_TOLERANCE,
+    StepCase,
+    fit_layers,
+    llama_config,
+    run_step_case,
+)
+from loramux.benchmarks.kernels_gpu_timing import (
+    BenchContext,
+    Timer,
+    device_slug,
+    free_device_memory,
+    measure_rates,
+)
+from loramux.benchmarks.machine import machine_info
 from loramux.engine.model.config import ModelConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora")  # run order
 LORA_PROJECTIONS = ("qkv", "gate_up")
 LORA_OPS = ("shrink", "expand")
@@ -274,7 +281,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (plumbing)")
     mode.add_argument("--quick", action="store_true", help="a reduced grid on the GPU")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for results")
     parser.add_argument(
         "--layers",
         type=int,
@@ -287,7 +293,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(SECTIONS),
         help=f"comma-separated subset of {', '.join(SECTIONS)}",
     )
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    check_output_options(parser, args)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
@@ -304,29 +312,6 @@ def use_triton_interpreter() -> None:
 
     os.environ.setdefault(KERNELS_ENV, "triton")
     use_cpu_interpreter()
-
-
-def machine_info(device: torch.device) -> dict:
-    from loramux.engine.lora.backend import select_backend
-
-    info = {
-        "device": "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": importlib.metadata.version("triton"),
-        "python": platform.python_version(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "kernels": select_backend(device, torch.bfloat16).name,
-        "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info |= {
-            "capability": f"{props.major}.{props.minor}",
-            "sm_count": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2**30, 1),
-        }
-    return info
 
 
 def results_slug(device: torch.device, grid: Grid, sections: list[str]) -> str:
@@ -401,13 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             "step_tolerance": STEP_TOLERANCE[grid.dtype],
             "sections": args.sections,
         },
-        "command": " ".join(["python", "benchmarks/kernels_gpu.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m loramux.benchmarks.kernels_gpu", *(argv or sys.argv[1:])]),
         "sections": {},
         "seconds": {},  # wall time of each section, set-up and checks included
         "targets": _targets(grid, {}),
     }
     print(
-        f"{results['machine']['device']}: copy {results['rates']['copy_gbs']:.0f} GB/s, "
+        f"{results['machine']['accelerator']['device']}: copy {results['rates']['copy_gbs']:.0f} GB/s, "
         f"matmul {results['rates']['matmul_tflops']:.1f} TFLOP/s ({grid.name} grid)",
         flush=True,
     )

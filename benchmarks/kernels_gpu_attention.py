@@ -33,8 +33,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from kernels_gpu_timing import BenchContext, relative_error, run_case, timing_fields
 
+from loramux.benchmarks.kernels_gpu_timing import (
+    BenchContext,
+    relative_error,
+    run_case,
+    timing_fields,
+)
 from loramux.kernels.paged_attention import paged_attention_reference, plan_attention
 
 BASELINE_GATHER_BYTES = 16 << 30

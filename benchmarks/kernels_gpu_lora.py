@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from kernels_gpu_timing import BenchContext, relative_error, run_case, timing_fields
 
+from loramux.benchmarks.kernels_gpu_timing import (
+    BenchContext,
+    relative_error,
+    run_case,
+    timing_fields,
+)
 from loramux.engine.model.config import ModelConfig
 from loramux.kernels.lora import (
     lora_expand_slices_gather_bmm,

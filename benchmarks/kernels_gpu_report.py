@@ -1,10 +1,12 @@
-"""Tables, target verdicts and the JSON / markdown files of ``benchmarks/kernels_gpu.py``."""
+"""Tables, target verdicts and the JSON / markdown files of ``kernels_gpu``."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from loramux.benchmarks.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -167,13 +169,13 @@ def attention_verdict(rows: list[dict], shape: str) -> dict:
 
 
 def write_json(path: Path, results: dict) -> None:
-    _write_atomic(path, json.dumps(results, indent=2) + "\n")
+    write_atomic(path, json.dumps(results, indent=2) + "\n")
 
 
 def render_markdown(results: dict) -> str:
-    machine, rates, config = results["machine"], results["rates"], results["config"]
+    device, rates, config = results["machine"]["accelerator"], results["rates"], results["config"]
     lines = [
-        f"# Triton kernels on {machine['device']} ({config['grid']} grid)",
+        f"# Triton kernels on {device['device']} ({config['grid']} grid)",
         "",
     ]
     if config["grid"] == "smoke":
@@ -193,7 +195,7 @@ def render_markdown(results: dict) -> str:
         f"{config['tolerance']:g} (the torch baseline's: 3x that); the decode step's output "
         f"against the same step on the torch reference ops, below {config['step_tolerance']:g}.",
         "",
-        f"Machine: {_machine_text(machine)}.",
+        f"Machine: {_device_text(device)}.",
         "",
         f"Command: `{results['command']}`",
     ]
@@ -202,18 +204,11 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine_text(machine: dict) -> str:
+def _device_text(device: dict) -> str:
     keys = ("device", "capability", "sm_count", "memory_gib", "torch", "cuda", "triton")
-    parts = [f"{k} {machine[k]}" for k in keys if machine.get(k) is not None]
-    return ", ".join([*parts, f"Python {machine['python']}", f"date {machine['date']}"])
+    parts = [f"{k} {device[k]}" for k in keys if device.get(k) is not None]
+    return ", ".join([*parts, f"Python {device['python']}", f"date {device['date']}"])
 
 
 def write_markdown(path: Path, results: dict) -> None:
-    _write_atomic(path, render_markdown(results))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomic(path, render_markdown(results))

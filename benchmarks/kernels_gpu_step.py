@@ -47,10 +47,15 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from kernels_gpu_attention import shuffled_block_tables
-from kernels_gpu_lora import grouped_spans
-from kernels_gpu_timing import BenchContext, free_device_memory, relative_error, run_case
 
+from loramux.benchmarks.kernels_gpu_attention import shuffled_block_tables
+from loramux.benchmarks.kernels_gpu_lora import grouped_spans
+from loramux.benchmarks.kernels_gpu_timing import (
+    BenchContext,
+    free_device_memory,
+    relative_error,
+    run_case,
+)
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights, ModuleWeights
 from loramux.engine.lora.backend import KernelBackend, select_backend

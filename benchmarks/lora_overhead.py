@@ -6,9 +6,9 @@ Instruct in float32 on the CPU, one ``Engine`` built with the default ``EngineCo
 engine's defaults), 32 requests submitted at once, each generating exactly 64 tokens
 (greedy, ``min_tokens = max_tokens``, EOS ignored), prompts of random token ids of 16 to 96
 tokens (``workload.requests_with_prompts``, EOS ids avoided). Request i uses adapter
-i % 16; the adapters are built as ``engine_vs_peft``'s are, in the mix the issue names
-(:data:`ADAPTER_MIX`: ranks 8 and 16 alternating, q/k/v/o on most, all seven modules on
-some: 12 and 4 of 16, two of each rank), registered with ``add_adapter``.
+i % 16; the adapters (``adapters.prepare_adapters``, seeds 1000 + i as engine-vs-peft's)
+mix ranks and targets (:data:`ADAPTER_MIX`: ranks 8 and 16 alternating, q/k/v/o on 12 of
+16, all seven modules on 4, two of each rank), registered with ``add_adapter``.
 
 On the same engine instance: a warm-up (every adapter once and the base model once, a few
 tokens each), then ``--repeats`` pairs of runs, base then lora: *base* serves the requests
@@ -17,7 +17,7 @@ their own first token (the warm-up's too), so no run finds another run's blocks 
 prefix cache; each run's cached prompt tokens are reported to show it.
 
 Per run: wall seconds, tokens, tokens/s, CPU seconds and cores used (this process's CPU
-seconds / wall seconds, ``engine_vs_peft.Clock``), the 1-minute load, and the engine's
+seconds / wall seconds, ``machine.Clock``), the 1-minute load, and the engine's
 residency counters over the run (after minus before): preemptions, device adapter
 evictions, adapter re-loads and steps spent waiting for adapter room.
 
@@ -33,7 +33,8 @@ preset's goal (at most 1.10) is judged on the full workload only, not on ``--smo
 ``--requests`` override.
 
 ``--smoke`` runs the same code at 4 requests, 4 adapters, 8 tokens and 1 repeat (the test
-suite does). Import with ``benchmarks/`` on ``sys.path`` (as ``bench.py`` does).
+suite does). The recorded ``benchmarks/results/bench_lora-overhead.*`` is made by
+``loramux bench lora-overhead --repeats 7``.
 """
 
 from __future__ import annotations
@@ -45,24 +46,19 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_presets import Preset
-from bench_sweeps import pyplot
-from engine_vs_peft import (
-    ALL_SEVEN,
-    MODEL_NAME,
-    QKVO,
-    AdapterSpec,
-    Clock,
-    machine_info,
-    prepare_adapters,
-    prepare_model,
-    write_atomic,
-)
-from workload import WorkloadSpec, requests_with_prompts
+from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
+from loramux.benchmarks.bench_presets import Preset, judge_goals
+from loramux.benchmarks.bench_sweeps import pyplot
+from loramux.benchmarks.driver_engine import exact_length_params
+from loramux.benchmarks.files import write_atomic
+from loramux.benchmarks.machine import Clock, busy_warning, contention, machine_info, machine_text
+from loramux.benchmarks.models import MODEL_NAME, prepare_model
+from loramux.benchmarks.workload import WorkloadSpec, requests_with_prompts
 
 DEFAULT_REPEATS = 3
-# Adapter i gets ADAPTER_MIX[i % 8]: the issue's "ranks 8 and 16; q/k/v/o on most, all seven
-# modules on some" (of 16: 12 q/k/v/o, 4 all seven; each kind half rank 8, half rank 16).
+ADAPTER_SEED = 1000  # adapter i's seed is 1000 + i, as engine-vs-peft's: the cache is shared
+# Adapter i gets ADAPTER_MIX[i % 8]: ranks 8 and 16; q/k/v/o on most, all seven modules on
+# some (of 16: 12 q/k/v/o, 4 all seven; each kind half rank 8, half rank 16).
 ADAPTER_MIX = (
     (8, QKVO),
     (16, QKVO),
@@ -133,7 +129,9 @@ def prepare(spec: WorkloadSpec, cache_dir: Path, runs: int) -> Workload:
     model_dir = prepare_model(cache_dir)
     config = ModelConfig.from_pretrained(model_dir)
     avoid = frozenset(config.eos_token_ids)
-    adapters = prepare_adapters(model_dir, cache_dir, spec.num_adapters, ADAPTER_MIX)
+    adapters = prepare_adapters(
+        cache_dir, model_dir, ADAPTER_MIX, spec.num_adapters, seed=ADAPTER_SEED
+    )
     requests, prompts = requests_with_prompts(spec, vocab_size=config.vocab_size, avoid=avoid)
     markers = [t for t in range(config.vocab_size - 1, -1, -1) if t not in avoid][: runs + 1]
     return Workload(
@@ -176,19 +174,13 @@ def _delta(before: dict, after: dict) -> dict[str, int | None]:
 # --- the runs -------------------------------------------------------------------------------
 
 
-def _params(tokens: int):
-    from loramux.engine import SamplingParams
-
-    return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, ignore_eos=True)
-
-
 def warm_up(engine, work: Workload) -> None:
     """Every adapter once and the base model once, a few tokens each (prompts of run 0)."""
     prompts = work.prompts_of(0)
     count = len(work.adapters)
     batch = [prompts[k % len(prompts)] for k in range(count)] + [prompts[0]]
     names: list[str | None] = [spec.name for spec in work.adapters] + [None]
-    engine.generate(batch, _params(WARMUP_TOKENS), adapters=names)
+    engine.generate(batch, exact_length_params(WARMUP_TOKENS), adapters=names)
 
 
 def timed_run(engine, work: Workload, kind: str, run: int) -> dict:
@@ -197,7 +189,9 @@ def timed_run(engine, work: Workload, kind: str, run: int) -> dict:
     adapters = work.adapter_names if kind == "lora" else None
     before, source = read_counters(engine)
     with Clock() as clock:
-        outputs = engine.generate(prompts, _params(work.output_tokens), adapters=adapters)
+        outputs = engine.generate(
+            prompts, exact_length_params(work.output_tokens), adapters=adapters
+        )
     after, _ = read_counters(engine)
     tokens = sum(len(o.token_ids) for o in outputs)
     return {
@@ -308,27 +302,9 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def judge(preset: Preset, summary: dict, runs: list[dict], unjudged: str | None) -> list[dict]:
-    goals = []
     failed = sum(r["failed"] + r.get("short", 0) for r in runs)
-    for goal in preset.goals:
-        measured = summary[goal.metric]
-        if unjudged is not None:
-            met, verdict = None, f"not judged: {unjudged}"
-        elif failed:
-            met, verdict = False, f"not met: {failed} request(s) failed or ended short"
-        else:
-            met = goal.met_by(measured)
-            verdict = "met" if met else "not met"
-        goals.append(
-            {
-                **dataclasses.asdict(goal),
-                "relation": goal.relation,
-                "measured": measured,
-                "met": met,
-                "verdict": verdict,
-            }
-        )
-    return goals
+    failures = f"{failed} request(s) failed or ended short" if failed else None
+    return judge_goals(preset.goals, summary, unjudged=unjudged, failed=failures)
 
 
 def unjudged_reason(preset: Preset, spec: WorkloadSpec, smoke: bool) -> str | None:
@@ -337,18 +313,6 @@ def unjudged_reason(preset: Preset, spec: WorkloadSpec, smoke: bool) -> str | No
     if spec != preset.workload:
         return f"{spec.num_requests} requests, not the preset's {preset.workload.num_requests}"
     return None
-
-
-def contention(runs: list[dict], machine: dict) -> dict:
-    """Whether other processes competed for the cores during the runs."""
-    threads = machine["torch_threads"]
-    max_load = max(max(r["loadavg_1m_before"], r["loadavg_1m_after"]) for r in runs)
-    min_cores = min(r["cores_used"] for r in runs)
-    return {
-        "max_loadavg_1m": max_load,
-        "min_cores_used": min_cores,
-        "contended": max_load > (machine["nproc"] or threads) + 0.5 or min_cores < 0.75 * threads,
-    }
 
 
 # --- the report ---------------------------------------------------------------------------
@@ -512,20 +476,10 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "*cores used* = this process's CPU seconds / wall seconds during the run (torch "
         f"threads: {machine['torch_threads']}).",
     ]
-    if report["contended"]:
-        lines += [
-            "",
-            "**Warning: the machine was busy during the runs** (1-minute load average up to "
-            f"{report['max_loadavg_1m']} on {machine['nproc']} cores, this process's threads "
-            f"included; cores used as low as {report['min_cores_used']}): the figures are "
-            "noisier than on an idle machine.",
-        ]
+    lines += busy_warning(report, machine)
     lines += [
         "",
-        f"Machine: {machine['cpu_model'] or machine['processor']}, {machine['nproc']} cores "
-        f"(torch threads {machine['torch_threads']}), {machine['mem_total_gib']} GiB, "
-        f"{machine['uname']}; Python {machine['python']}, torch {machine['torch']}. "
-        f"Date {machine['date']}.",
+        machine_text(machine),
         "",
         f"Command: `{report['command']}`",
         "",

@@ -42,6 +42,11 @@ class RequestRecord:
     finish_s: float | None = None
     prompt_tokens: int = 0
     error: str | None = None
+    # What only the engine driver knows, from the engine's own account of the request:
+    # when it was first scheduled (seconds from the run's start) and the prompt tokens
+    # found in the prefix cache.
+    scheduled_s: float | None = None
+    cached_prompt_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -67,6 +72,20 @@ class RequestRecord:
     def e2e_s(self) -> float | None:
         """Finish time minus arrival; None without a finish time."""
         return self.finish_s - self.arrival_s if self.finish_s is not None else None
+
+
+def new_records(requests: Iterable, prompts: dict[int, list[int]]) -> dict[int, RequestRecord]:
+    """An empty record per ``workload.WorkloadRequest``, by request index."""
+    return {
+        r.index: RequestRecord(
+            index=r.index,
+            tenant=r.tenant,
+            adapter=r.adapter,
+            arrival_s=r.arrival_s,
+            prompt_tokens=len(prompts[r.index]),
+        )
+        for r in requests
+    }
 
 
 def _key(q: float) -> str:

@@ -17,8 +17,8 @@ two stable adapters (never deleted). Then, for ``--duration`` seconds (default 6
   uploads a new adapter, uploads a new version of a stable or a churned one, or deletes
   its oldest churned adapter (at most four live; names are reused after a delete), so the
   engine registers, loads, evicts and unloads adapters all along.
-  The uploads are PEFT adapters written by ``tests/fixtures/models.build_peft_adapter``
-  (ranks 4/8/16; q/v, q/k/v/o or all seven projections), built once and cached; the
+  The uploads are random PEFT adapters (``adapters``: ranks 4/8/16; q/v, q/k/v/o or all
+  seven projections), written once into the cache; the
   store is content-addressed, so re-uploading them adds no objects and the store stays
   flat: the data dir grows only by the database's rows;
 * **sampling** every ``--sample-interval`` seconds (default 10): the server's RSS, peak
@@ -60,11 +60,10 @@ leak keeps its slope, a cache filling up flattens. fds and threads get the same 
 The soak is about growth and errors, not speed: on a shared 2-core machine the figures
 for latency and throughput are whatever the neighbours left.
 
-    .venv/bin/python benchmarks/soak.py                  # 10 minutes on SmolLM2
-    .venv/bin/python benchmarks/soak.py --duration 10 --model DIR --out DIR   # a smoke
-    loramux bench soak [--duration S] ...
+    loramux bench soak           # 10 minutes on SmolLM2: benchmarks/results/soak_cpu.*
+    loramux bench soak --duration 10 --model DIR --out DIR   # a smoke
 
-Modules, one part of the soak each (siblings here, imported top-level):
+Modules, one part of the soak each:
 
 * ``soak.py``: the options, the run (server up, tenants, load, checks, verdict) and the
   report's files;
@@ -95,36 +94,34 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO_ROOT / "benchmarks"
-for _path in (str(BENCH_DIR), str(REPO_ROOT)):  # siblings and tests.fixtures import by name
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from engine_vs_peft import machine_info, prepare_model, write_atomic  # noqa: E402
-from soak_checks import check_billing, leftovers, read_database  # noqa: E402
-from soak_churn import MAX_CHURNED, Churner  # noqa: E402
-from soak_clients import KINDS, TARGETS, LoadClient  # noqa: E402
-from soak_ledger import Ledger  # noqa: E402
-from soak_plot import write_plot  # noqa: E402
-from soak_report import render_markdown  # noqa: E402
-from soak_sampling import MIB, Sampler  # noqa: E402
-from soak_server import Server, log_errors, start_server, stop_server  # noqa: E402
-from soak_tenants import (  # noqa: E402
+from loramux.benchmarks.adapters import AdapterSpec
+from loramux.benchmarks.files import (
+    CHECKOUT,
+    add_output_options,
+    check_output_options,
+    write_atomic,
+)
+from loramux.benchmarks.machine import machine_info
+from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.soak_checks import check_billing, leftovers, read_database
+from loramux.benchmarks.soak_churn import MAX_CHURNED, Churner
+from loramux.benchmarks.soak_clients import KINDS, TARGETS, LoadClient
+from loramux.benchmarks.soak_ledger import Ledger
+from loramux.benchmarks.soak_plot import write_plot
+from loramux.benchmarks.soak_report import render_markdown
+from loramux.benchmarks.soak_sampling import MIB, Sampler
+from loramux.benchmarks.soak_server import Server, log_errors, start_server, stop_server
+from loramux.benchmarks.soak_tenants import (
     STABLE_ADAPTERS,
     TENANTS,
     Catalog,
-    PoolAdapter,
     base_model_id,
     create_tenants,
     prepare_pool,
     upload_stable,
 )
-from soak_verdict import classify, judge, rate_bins  # noqa: E402
-from soak_worker import join_all  # noqa: E402
-
-RESULTS_DIR = BENCH_DIR / "results"
-CACHE_DIR = REPO_ROOT / ".loramux" / "bench-cache"
+from loramux.benchmarks.soak_verdict import classify, judge, rate_bins
+from loramux.benchmarks.soak_worker import join_all
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,9 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", type=Path, help="HF-format model folder (default SmolLM2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the clients and churn")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="models, adapters")
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    check_output_options(parser, args)
     if min(args.duration, args.rate, args.churn_interval, args.sample_interval) <= 0:
         parser.error("--duration, --rate, --churn-interval and --sample-interval must be > 0")
     if args.concurrency < 1 or not 0 <= args.warmup < 1:
@@ -171,7 +168,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return args.model if args.model is not None else prepare_model(args.cache_dir)
 
 
-def run_load(args, server: Server, catalog: Catalog, pool: list[PoolAdapter]) -> tuple:
+def run_load(args, server: Server, catalog: Catalog, pool: list[AdapterSpec]) -> tuple:
     """The clients, the churn and the sampler for ``args.duration`` seconds."""
     ledger, stop, sampling = Ledger(time.monotonic()), threading.Event(), threading.Event()
     sampler = Sampler(server, ledger, args.sample_interval, sampling)
@@ -189,7 +186,7 @@ def run_load(args, server: Server, catalog: Catalog, pool: list[PoolAdapter]) ->
     return ledger, sampler
 
 
-def run_soak(args, model_dir: Path, pool: list[PoolAdapter], root: Path) -> dict:
+def run_soak(args, model_dir: Path, pool: list[AdapterSpec], root: Path) -> dict:
     code = code_version()  # what the server is started from
     with start_server(args, model_dir, root) as server:
         print(f"loramux serve ready in {server.started_s:.1f} s at {server.url}", flush=True)
@@ -253,10 +250,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def code_version() -> dict:
     """The commit the server ran and how many files of the working tree differed from it
-    (other work in progress is served too)."""
+    (other work in progress is served too); an installed loramux has no commit to name."""
+    if CHECKOUT is None:
+        return {"commit": "none (installed package)", "changed_files": 0}
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", *args], cwd=CHECKOUT, capture_output=True, text=True)
         return done.stdout.strip()
 
     return {

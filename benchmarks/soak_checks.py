@@ -1,7 +1,7 @@
 """The soak's checks after the load: billing against what the API returned, request by
 request; the database once the server exited; what uploads and requests left behind.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
-from soak_ledger import Ledger, Outcome
-from soak_server import Server, expect
+
+from loramux.benchmarks.soak_ledger import Ledger, Outcome
+from loramux.benchmarks.soak_server import Server, expect
 
 BILLING_WAIT_S = 60.0  # a dropped stream's row is written once the server sees the client left
 USAGE_FIELDS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "cost_micro_usd")

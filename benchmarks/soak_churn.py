@@ -1,7 +1,7 @@
 """The soak's adapter churn: every few seconds one tenant in turn uploads a new adapter,
 uploads a new version of one, or deletes its oldest churned one.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import random
 from collections import Counter
 
 import httpx
-from soak_ledger import ChurnEvent, Ledger
-from soak_server import REQUEST_TIMEOUT_S, Server
-from soak_tenants import Catalog, Tenant, upload
-from soak_worker import Worker
+
+from loramux.benchmarks.soak_ledger import ChurnEvent, Ledger
+from loramux.benchmarks.soak_server import REQUEST_TIMEOUT_S, Server
+from loramux.benchmarks.soak_tenants import Catalog, Tenant, upload
+from loramux.benchmarks.soak_worker import Worker
 
 MAX_CHURNED = 4  # live churned adapters per tenant; past this the churn deletes the oldest
 CHURN_NAMES = 6  # churned names cycle through churn-0..5: a deleted name is uploaded again

@@ -2,7 +2,7 @@
 mid-stream after a half-close, tiny ``max_tokens``) over the base model, the stable
 adapters and the churned ones, each response recorded in the ledger.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
-from engine_vs_peft import QUESTIONS
-from soak_ledger import Ledger, Outcome
-from soak_server import REQUEST_TIMEOUT_S, Server
-from soak_tenants import Catalog, Tenant
-from soak_worker import Worker
+
+from loramux.benchmarks.prompts import QUESTIONS
+from loramux.benchmarks.soak_ledger import Ledger, Outcome
+from loramux.benchmarks.soak_server import REQUEST_TIMEOUT_S, Server
+from loramux.benchmarks.soak_tenants import Catalog, Tenant
+from loramux.benchmarks.soak_worker import Worker
 
 
 @dataclass(frozen=True)

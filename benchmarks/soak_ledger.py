@@ -1,7 +1,7 @@
 """The soak's ledger: every response the clients saw and every churn act, as the load's
 threads record them.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations

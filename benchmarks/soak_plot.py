@@ -1,7 +1,7 @@
 """The soak's plot: RSS with its fit, responses/s by class, fds and threads, adapter
 versions in the engine against their bound, and the churn acts, over the same minutes.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations

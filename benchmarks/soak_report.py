@@ -1,15 +1,15 @@
 """The soak's markdown report: the verdict and its checks, requests, churn, memory and
 resources, billing, shutdown and what is left.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from soak_checks import USAGE_FIELDS
-from soak_sampling import MIB
+from loramux.benchmarks.soak_checks import USAGE_FIELDS
+from loramux.benchmarks.soak_sampling import MIB
 
 
 def _mark(ok: bool) -> str:

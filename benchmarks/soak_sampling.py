@@ -1,7 +1,7 @@
 """The soak's sampling: the server's RSS, fds, threads and CPU time (``/proc``), its data
 dir and ``TMPDIR``, ``/admin/engine`` and ``/metrics``, every few seconds.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from soak_ledger import Ledger
-from soak_server import Server, expect
-from soak_worker import Worker
+
+from loramux.benchmarks.soak_ledger import Ledger
+from loramux.benchmarks.soak_server import Server, expect
+from loramux.benchmarks.soak_worker import Worker
 
 MIB = 1 << 20
 

@@ -1,7 +1,7 @@
 """The soak's server: one ``loramux serve`` subprocess on the embedded default in a fresh
 data dir, started, waited for, stopped with SIGTERM; its log and its admin token.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from bench_server import free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent  # the server runs from the checkout
+from loramux.benchmarks.bench_server import free_port
 
 # A start converts the model first when its cache is cold (~20 s, slower on a busy machine).
 STARTUP_TIMEOUT_S = 180.0
@@ -79,7 +78,7 @@ def start_server(args: argparse.Namespace, model_dir: Path, root: Path) -> Itera
     with (root / "serve.log").open("wb") as out:
         process = subprocess.Popen(
             [*command, "--data-dir", str(data_dir)],
-            cwd=REPO_ROOT,
+            cwd=root,
             env=server_env(args, model_dir, tmp_dir),
             stdin=subprocess.DEVNULL,
             stdout=out,

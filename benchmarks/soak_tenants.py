@@ -2,28 +2,25 @@
 uploads draw from, the stable adapters uploaded before the load, and the catalog of live
 adapter names the churn writes and the clients read.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from adapter_churn import model_key
-from bench_server import ADAPTER_FILES
-from soak_server import REQUEST_TIMEOUT_S, Server, expect
+
+from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
+from loramux.benchmarks.bench_server import ADAPTER_FILES
+from loramux.benchmarks.soak_server import REQUEST_TIMEOUT_S, Server, expect
 
 QV = ("q_proj", "v_proj")
-QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_SEVEN = (*QKVO, "gate_proj", "up_proj", "down_proj")
 # The adapters uploads draw from: small ranks over three target sets.
 POOL_SHAPES = ((4, QV), (8, QKVO), (16, QKVO), (4, ALL_SEVEN), (8, ALL_SEVEN), (16, QV))
-ADAPTER_STD = 0.02  # visible but not model-destroying (as the other benchmarks)
 
 # Three tenants: priorities, weights and prices differ; silver has a monthly budget and
 # rate limits far above what the soak sends, so every request takes and releases a budget
@@ -72,35 +69,9 @@ class Tenant:
         return {"Authorization": f"Bearer {self.key}"}
 
 
-@dataclass(frozen=True)
-class PoolAdapter:
-    path: Path
-    rank: int
-    targets: tuple[str, ...]
-
-    @property
-    def label(self) -> str:
-        return f"r{self.rank} {'/'.join(t.removesuffix('_proj') for t in self.targets)}"
-
-
-def prepare_pool(model_dir: Path, cache_dir: Path) -> list[PoolAdapter]:
-    """One PEFT adapter per ``POOL_SHAPES`` entry for ``model_dir``, built once and cached."""
-    from tests.fixtures.models import build_peft_adapter
-
-    folder = cache_dir / "soak-adapters" / model_key(model_dir)
-    pool = []
-    for i, (rank, targets) in enumerate(POOL_SHAPES):
-        tag = "+".join(t.removesuffix("_proj") for t in targets)
-        path = folder / f"p{i}-r{rank}-{tag}-std{ADAPTER_STD}-seed{7000 + i}"
-        if not (path / "adapter_model.safetensors").is_file():
-            print(f"building adapter {path.name} ...", flush=True)
-            partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-            build_peft_adapter(
-                model_dir, partial, rank=rank, targets=targets, seed=7000 + i, std=ADAPTER_STD
-            )
-            partial.rename(path)
-        pool.append(PoolAdapter(path, rank, targets))
-    return pool
+def prepare_pool(model_dir: Path, cache_dir: Path) -> list[AdapterSpec]:
+    """One adapter per ``POOL_SHAPES`` entry for ``model_dir``, written once into the cache."""
+    return prepare_adapters(cache_dir, model_dir, POOL_SHAPES, len(POOL_SHAPES), seed=7000)
 
 
 def create_tenants(server: Server) -> list[Tenant]:
@@ -119,12 +90,12 @@ def base_model_id(server: Server) -> str:
     return models[0]["id"]  # an operator sees the base model only
 
 
-def upload(client: httpx.Client, tenant: Tenant, name: str, adapter: PoolAdapter):
+def upload(client: httpx.Client, tenant: Tenant, name: str, adapter: AdapterSpec):
     files = [("files", (f, (adapter.path / f).read_bytes())) for f in ADAPTER_FILES]
     return client.post("/v1/adapters", data={"name": name}, files=files, headers=tenant.headers)
 
 
-def upload_stable(server: Server, tenants: list[Tenant], pool: list[PoolAdapter]) -> None:
+def upload_stable(server: Server, tenants: list[Tenant], pool: list[AdapterSpec]) -> None:
     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as client:
         for t, tenant in enumerate(tenants):
             for k in range(STABLE_ADAPTERS):

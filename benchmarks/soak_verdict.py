@@ -2,7 +2,7 @@
 lines fitted to RSS, fds and threads after the warm-up, the registration bound, and every
 check judged.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import signal
 from collections import Counter
 from dataclasses import asdict
 
-from soak_churn import MAX_CHURNED
-from soak_ledger import Ledger, Outcome
-from soak_tenants import STABLE_ADAPTERS, TENANTS
+from loramux.benchmarks.soak_churn import MAX_CHURNED
+from loramux.benchmarks.soak_ledger import Ledger, Outcome
+from loramux.benchmarks.soak_tenants import STABLE_ADAPTERS, TENANTS
 
 FD_SLACK = 8  # fds may vary by a few connections and files open at a sample
 THREAD_SLACK = 8  # thread pools (anyio's, the loader's) grow on demand up to their caps

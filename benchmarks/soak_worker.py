@@ -1,6 +1,6 @@
 """The soak's threads (clients, churn, sampler): a crash of one is kept and raised again.
 
-Part of the soak (``soak.py``); import with ``benchmarks/`` on ``sys.path``.
+Part of the soak (``soak.py``).
 """
 
 from __future__ import annotations

@@ -8,18 +8,13 @@ hold the batch's adapters and evict the least recently used beyond its bound.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the benchmarks import their siblings top-level
-    sys.path.insert(0, str(BENCH_DIR))
-
-from bench_gpu_model import (  # noqa: E402
-    ADAPTER_TARGETS,
+from loramux.benchmarks.adapters import QKVO
+from loramux.benchmarks.bench_gpu_model import (
     SMOKE_MODEL,
     WARM_ADAPTER,
     RandomAdapterFiles,
@@ -29,12 +24,11 @@ from bench_gpu_model import (  # noqa: E402
     random_adapter_state,
     random_model_dir,
 )
-from driver_peft_swap import AdapterSwapper  # noqa: E402
-from workload import WorkloadRequest  # noqa: E402
-
-from loramux.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from loramux.engine.lora.adapter import load_adapter  # noqa: E402
-from loramux.engine.model.config import ModelConfig  # noqa: E402
+from loramux.benchmarks.driver_peft_swap import AdapterSwapper
+from loramux.benchmarks.workload import WorkloadRequest
+from loramux.engine import Engine, EngineConfig, SamplingParams
+from loramux.engine.lora.adapter import load_adapter
+from loramux.engine.model.config import ModelConfig
 
 CONFIG = ModelConfig.from_hf_dict(SMOKE_MODEL)
 
@@ -65,7 +59,7 @@ def test_model_folder_has_the_config_and_a_tokenizer_but_no_weights(model_dir, t
 def test_adapter_files_parse_and_depend_only_on_seed_and_index(tmp_path):
     RandomAdapterFiles(CONFIG, 16, seed=3, index=5, dtype=torch.float32)(tmp_path)
     weights = load_adapter(tmp_path, CONFIG, name="a5", dtype=torch.float32)
-    assert set(weights.modules) == set(ADAPTER_TARGETS)
+    assert set(weights.modules) == set(QKVO)
     q_proj = weights.modules["q_proj"]
     assert (q_proj.rank, q_proj.scale) == (16, 2.0)  # lora_alpha = 2r
     state = random_adapter_state(CONFIG, 16, seed=3, index=5, dtype=torch.float32)

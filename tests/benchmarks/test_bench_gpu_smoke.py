@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "bench.py"
+MODULE = "loramux.benchmarks.bench"
 LATENCIES = ("ttft_s", "itl_s", "e2e_s")
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, "-m", MODULE, *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the benchmarks import their siblings top-level
-    sys.path.insert(0, str(BENCH_DIR))
-
-from bench_gpu_report import agreement, judge, unjudged_reason  # noqa: E402
-from bench_presets import PRESETS  # noqa: E402
-from bench_report import cdf_points  # noqa: E402
+from loramux.benchmarks.bench_gpu_report import agreement, judge, unjudged_reason
+from loramux.benchmarks.bench_presets import PRESETS
+from loramux.benchmarks.bench_report import cdf_points
 
 
 def test_cdf_points_keep_short_samples_and_thin_long_ones_to_quantiles():

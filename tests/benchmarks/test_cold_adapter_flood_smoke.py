@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_the_flood_benchmark_runs_and_reports(tmp_path, tiny_model_dir):
     command = [
         sys.executable,
-        str(REPO_ROOT / "benchmarks" / "cold_adapter_flood.py"),
+        *("-m", "loramux.benchmarks.cold_adapter_flood"),
         *("--streams", "2", "--flood-tokens", "40", "--warmup", "2", "--probes", "1"),
         *("--model", str(tiny_model_dir), "--cache-dir", str(tmp_path / "cache")),
         *("--out", str(tmp_path)),

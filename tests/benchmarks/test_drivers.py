@@ -13,25 +13,19 @@ before the arrival) and, where tokens are visible, the tokens a reference produc
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from loramux.benchmarks.drivers import exact_length_params, run_engine, run_http, run_peft_baseline
+from loramux.benchmarks.workload import WorkloadRequest
 from loramux.engine import Engine, EngineConfig
 from loramux.platform.settings import Settings
 from tests.engine.factories import build_engine
 from tests.engine.hf_reference import greedy_tokens
 from tests.platform.e2e.conftest import start_platform
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the benchmarks import their siblings top-level
-    sys.path.insert(0, str(BENCH_DIR))
-
-from drivers import exact_length_params, run_engine, run_http, run_peft_baseline  # noqa: E402
-from workload import WorkloadRequest  # noqa: E402
 
 ADAPTER_SHAPES = (
     {"rank": 4, "targets": ("q_proj", "v_proj"), "seed": 11},

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
+MODULE = "loramux.benchmarks.gpu_check"
 SECTIONS = ["tests", "kernels", "punica-distinct", "slora-s2"]
 
 
 def _gpu_check(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *argv],
+        [sys.executable, "-m", MODULE, *argv],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "kernels_gpu.py"
+MODULE = "loramux.benchmarks.kernels_gpu"
 SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora")
 KERNEL_SECTIONS = ("decode_attention", "prefill_attention", "lora")
 VERDICTS = (
@@ -33,7 +33,7 @@ def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]
     out = tmp_path_factory.mktemp("kernels_gpu")
     env = {**os.environ, "LORAMUX_KERNELS": "triton", "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        [sys.executable, "-m", MODULE, "--smoke", "--out", str(out)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -105,13 +105,12 @@ def test_markdown_states_both_target_verdicts(smoke_run):
         assert re.search(re.escape(verdict) + r" \(.*\): (PASS|FAIL)", markdown), verdict
 
 
-def test_a_mismatch_makes_the_exit_code_nonzero(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
-    kernels_gpu = importlib.import_module("kernels_gpu")
+def test_a_mismatch_makes_the_exit_code_nonzero(tmp_path):
+    kernels_gpu = importlib.import_module(MODULE)
     results = {
         "sections": {"lora": [{"matches": True}, {"matches": False}]},
         "targets": {},
-        "machine": {"device": "cpu", "python": "3", "date": "today"},
+        "machine": {"accelerator": {"device": "cpu", "python": "3", "date": "today"}},
         "rates": {"copy_gbs": 1.0, "matmul_tflops": 1.0},
         "config": {
             "grid": "smoke",

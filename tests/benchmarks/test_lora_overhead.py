@@ -17,14 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BENCH_DIR = REPO_ROOT / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the benchmarks import their siblings top-level
-    sys.path.insert(0, str(BENCH_DIR))
+from loramux.benchmarks import lora_overhead
+from loramux.benchmarks.bench import parse_args
+from loramux.benchmarks.bench_presets import PRESETS, Baseline, Goal
 
-import lora_overhead  # noqa: E402
-from bench import parse_args  # noqa: E402
-from bench_presets import PRESETS, Baseline, Goal  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 PRESET = PRESETS["lora-overhead"]
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.workload import (
+from loramux.benchmarks.workload import (
     TenantSpec,
     WorkloadRequest,
     WorkloadSpec,
