@@ -130,7 +130,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ):
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=what)
     parser.add_argument("--rate", type=float, help="Poisson arrivals per second")
-    parser.add_argument("--ranks", default="8,16,32", help="adapter i has rank ranks[i %% n]")
+    ranks = ",".join(map(str, FULL.ranks))
+    parser.add_argument("--ranks", default=ranks, help="adapter i has rank ranks[i %% n]")
     parser.add_argument("--max-num-seqs", type=int, default=PRESET.engine["max_num_seqs"])
     parser.add_argument("--seed", type=int, default=FULL.seed, help="trace and adapter seed")
     parser.add_argument("--threads", type=int, help="torch threads (default: cores - 1, min 1)")
@@ -151,8 +152,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if min([*counts, args.repeats, args.max_num_seqs, *args.ranks]) < 1 or args.rate <= 0:
         parser.error("sizes, --ranks, --rate, --repeats and --max-num-seqs must be positive")
     args.threads_given = args.threads is not None
-    args.threads = args.threads or max(1, available_cores() - 1)
-    if args.threads < 1:
+    if args.threads is None:
+        args.threads = max(1, available_cores() - 1)
+    elif args.threads < 1:
         parser.error("--threads must be positive")
     args.command = " ".join(["loramux bench adapter-churn", *argv])
     return args

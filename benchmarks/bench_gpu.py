@@ -34,7 +34,6 @@ its figures are not GPU figures and its goals are not judged.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,14 +51,15 @@ from loramux.benchmarks.bench_gpu_model import (
     random_adapter_state,
     random_model_dir,
 )
-from loramux.benchmarks.bench_gpu_report import agreement, judge, unjudged_reason
+from loramux.benchmarks.bench_gpu_report import judge, unjudged_reason
 from loramux.benchmarks.bench_presets import PRESETS, Preset
 from loramux.benchmarks.bench_report import figures, ratios
 from loramux.benchmarks.driver_engine import exact_length_params, run_engine
 from loramux.benchmarks.driver_peft import adapter_names, serve_static_batches
 from loramux.benchmarks.driver_peft_swap import AdapterSwapper
+from loramux.benchmarks.kernels_gpu_timing import free_device_memory
 from loramux.benchmarks.machine import machine_info
-from loramux.benchmarks.measures import memory_high_water
+from loramux.benchmarks.measures import agreement, memory_high_water
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.workload import (
     WorkloadRequest,
@@ -199,7 +199,7 @@ def serve_loramux(
     finally:
         engine.close()
         del engine
-        _free_memory(setup.device)
+        free_device_memory()
     return {"driver": "engine", **result}
 
 
@@ -302,7 +302,7 @@ def serve_baseline(setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, lis
     finally:
         swapper.close()
         del model, swapper
-        _free_memory(setup.device)
+        free_device_memory()
     result["gpu_bytes_held_before"] = held_before
     result["policy"] = baseline_policy(setup, len(served), len(requests))
     result["batch_size"] = p.baseline_batch
@@ -327,12 +327,6 @@ def _peak_memory(device: str) -> int | None:
 
 def _allocated_memory(device: str) -> int | None:
     return int(torch.cuda.memory_allocated()) if device.startswith("cuda") else None
-
-
-def _free_memory(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 # --- the run ------------------------------------------------------------------------------

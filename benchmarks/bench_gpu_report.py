@@ -1,6 +1,5 @@
-"""The GPU runner's own report parts: greedy agreement, references and goals, markdown.
+"""The GPU runner's own report parts: references and goals, markdown.
 
-* ``agreement``: of the requests both systems served, how many got identical tokens;
 * ``judge``: each published reference next to loramux's figure (with the ratio), and each
   goal with ``met`` True / False, or None with the reason when the run cannot be judged
   (the CPU smoke; a workload other than the preset's). A goal is met only when every
@@ -15,18 +14,6 @@ import dataclasses
 from loramux.benchmarks.bench_presets import Preset, judge_goals
 
 METRIC_UNITS = {"requests_per_s": "req/s", "output_tokens_per_s": "output tok/s"}
-
-
-def agreement(loramux: dict[int, list[int]], baseline: dict[int, list[int]]) -> dict:
-    """Identical token sequences over the requests both systems served."""
-    common = sorted(set(loramux) & set(baseline))
-    mismatched = [i for i in common if loramux[i] != baseline[i]]
-    return {
-        "compared": len(common),
-        "identical": len(common) - len(mismatched),
-        "fraction": (len(common) - len(mismatched)) / len(common) if common else None,
-        "mismatched_requests": mismatched[:20],
-    }
 
 
 def judge(preset: Preset, loramux: dict, unjudged: str | None) -> dict:
@@ -89,7 +76,7 @@ def markdown_lines(report: dict) -> list[str]:
         a = report["agreement"]
         lines += [
             "",
-            f"Greedy agreement (same weights in both): {a['identical']}/{a['compared']} "
+            f"Greedy agreement (same weights in both): {a['identical_requests']}/{a['requests']} "
             "requests with identical tokens.",
         ]
     lines += [

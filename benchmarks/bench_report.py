@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loramux.benchmarks import bench_sweeps
 from loramux.benchmarks.bench_presets import Preset
+from loramux.benchmarks.machine import machine_text
 from loramux.benchmarks.measures import RequestRecord, summarize
 from loramux.benchmarks.workload import WorkloadSpec
 
@@ -168,19 +169,8 @@ def _table(report: dict) -> list[str]:
 
 
 def _machine_line(report: dict) -> str:
-    machine = report["machine"]
-    accelerator = machine.get("accelerator") or {}
-    device = ""
-    if accelerator.get("device") not in (None, "cpu"):
-        device = (
-            f"{accelerator['device']} ({accelerator.get('memory_gib')} GiB, CUDA "
-            f"{accelerator.get('cuda')}, triton {accelerator.get('triton')}); "
-        )
-    return (
-        f"Machine: {device}{machine.get('cpu_model')}, {machine.get('nproc')} cores; torch "
-        f"{machine.get('torch')}, transformers {machine.get('transformers')}, peft "
-        f"{machine.get('peft')}; {machine.get('date')}. GPU figures: {report['gpu_figures']}."
-    )
+    libraries = ("torch", "transformers", "peft")
+    return f"{machine_text(report['machine'], libraries)} GPU figures: {report['gpu_figures']}."
 
 
 def render_markdown(report: dict, plots: list[Path], extra: Sequence[str] = ()) -> str:

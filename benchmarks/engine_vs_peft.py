@@ -53,10 +53,10 @@ from loramux.benchmarks.bench_presets import PRESETS
 from loramux.benchmarks.bench_report import run_duration
 from loramux.benchmarks.driver_peft import adapter_names, load_peft_model, serve_static_batches
 from loramux.benchmarks.drivers import run_engine
-from loramux.benchmarks.engine_vs_peft_report import agreement, render_markdown
+from loramux.benchmarks.engine_vs_peft_report import render_markdown
 from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
 from loramux.benchmarks.machine import Clock, contention, machine_info
-from loramux.benchmarks.measures import percentiles
+from loramux.benchmarks.measures import agreement, percentiles
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.prompts import chat_prompts
 from loramux.benchmarks.workload import WorkloadSpec, generate
@@ -88,7 +88,7 @@ class Work:
 @dataclass
 class RunResult:
     label: str
-    tokens: list[list[int]]  # per request, in request order
+    tokens: dict[int, list[int]]  # request index -> generated token ids
     clock: Clock
     seconds: float  # from the driver's start to the last request's end
     batch: str  # how the requests were batched
@@ -96,14 +96,14 @@ class RunResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return sum(map(len, self.tokens)) / self.seconds
+        return sum(map(len, self.tokens.values())) / self.seconds
 
     def summary(self) -> dict:
         return {
             "label": self.label,
             "batch": self.batch,
             "requests": len(self.tokens),
-            "tokens": sum(map(len, self.tokens)),
+            "tokens": sum(map(len, self.tokens.values())),
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
             **self.clock.summary(),
@@ -147,8 +147,7 @@ def serve_engine(work: Work, profiler: cProfile.Profile | None = None) -> RunRes
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in records),
         "preemptions": preemptions,
     }
-    tokens = [token_ids[i] for i in range(len(records))]
-    return RunResult("engine", tokens, clock, run_duration(records), "all at once", extra)
+    return RunResult("engine", token_ids, clock, run_duration(records), "all at once", extra)
 
 
 def run_job(job: dict) -> dict:
@@ -164,6 +163,7 @@ def serve_in_worker(checkout: revisions.Checkout, argv: list[str], workdir: Path
     )
     raw["extra"]["imported_from"] = raw.pop("imported_from")["loramux.engine"]
     raw["clock"] = Clock.from_json(raw["clock"])
+    raw["tokens"] = {int(i): ids for i, ids in raw["tokens"].items()}  # JSON keys are strings
     return RunResult(**{**raw, "label": f"engine ({checkout.label})"})
 
 
@@ -195,9 +195,8 @@ def serve_peft(model, work: Work, batch_size: int) -> RunResult:
             names_of=adapter_names,
             token_ids=token_ids,
         )
-    tokens = [token_ids[i] for i in range(len(records))]
     batches = f"{-(-len(records) // batch_size)} mixed-adapter batch(es) of {batch_size}"
-    return RunResult(f"PEFT batch {batch_size}", tokens, clock, run_duration(records), batches)
+    return RunResult(f"PEFT batch {batch_size}", token_ids, clock, run_duration(records), batches)
 
 
 def measure(args, work: Work, checkouts=(), workdir: Path | None = None):
@@ -399,7 +398,9 @@ def build_report(args, work: Work, machine: dict, engine_runs, peft_runs, checko
             agreement_with_after=agreement(eng.tokens, old.tokens),
         )
         report["ratio_after_over_before"] = round(eng.tokens_per_s / old.tokens_per_s, 3)
-        report["engines_in"] = "worker processes (loramux.benchmarks.engine_worker), one per run"
+        report["engines_in"] = (
+            "worker processes (python -m loramux.benchmarks.revisions), one per run"
+        )
     return report
 
 

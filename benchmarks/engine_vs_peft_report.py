@@ -1,26 +1,8 @@
-"""``loramux bench engine-vs-peft``'s markdown, and the greedy agreement it reports."""
+"""``loramux bench engine-vs-peft``'s markdown."""
 
 from __future__ import annotations
 
 from loramux.benchmarks.machine import busy_warning, machine_text
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """How many requests got identical tokens, and how long their common prefixes are."""
-    prefixes = []
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        prefixes.append(n)
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    return {
-        "identical_requests": same,
-        "requests": len(a),
-        "fraction": round(same / len(a), 4),
-        "mean_common_prefix_tokens": round(sum(prefixes) / len(prefixes), 2),
-        "min_common_prefix_tokens": min(prefixes),
-    }
 
 
 def _agreement_text(agree: dict) -> str:

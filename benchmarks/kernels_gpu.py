@@ -163,7 +163,13 @@ def _grids() -> dict[str, Grid]:
     smoke = Grid(
         name="smoke",
         dtype=torch.float32,
-        model=partial(llama_config, hidden=128, intermediate=192, heads=4, vocab=256),
+        model=partial(
+            llama_config,
+            hidden_size=128,
+            intermediate_size=192,
+            num_attention_heads=4,
+            vocab_size=256,
+        ),
         block_size=16,
         copy_bytes=16 << 20,
         matmul_size=256,

@@ -48,6 +48,7 @@ from functools import partial
 
 import torch
 
+from loramux.benchmarks.bench_gpu_model import LLAMA_7B
 from loramux.benchmarks.kernels_gpu_attention import shuffled_block_tables
 from loramux.benchmarks.kernels_gpu_lora import grouped_spans
 from loramux.benchmarks.kernels_gpu_timing import (
@@ -110,27 +111,11 @@ class _Setup:
     static: StaticDecode  # the engine's fixed-buffer decode path over the same memory
 
 
-def llama_config(
-    *,
-    num_layers: int,
-    kv_heads: int,
-    hidden: int = 4096,
-    intermediate: int = 11008,
-    heads: int = 32,
-    vocab: int = 32000,
-) -> ModelConfig:
-    """Llama-7B's shape by default (Llama-2-7B with 32 KV heads; 8 for a GQA variant)."""
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-    )
+def llama_config(*, num_layers: int, kv_heads: int, **shape) -> ModelConfig:
+    """Llama-7B's shape (``bench_gpu_model.LLAMA_7B``) with ``num_layers`` layers and
+    ``kv_heads`` KV heads (32, or 8 for a GQA variant); ``shape`` overrides HF fields."""
+    hf_config = {**LLAMA_7B, "num_hidden_layers": num_layers, "num_key_value_heads": kv_heads}
+    return ModelConfig.from_hf_dict({**hf_config, **shape})
 
 
 def _lora_row_width(config: ModelConfig) -> int:

@@ -156,10 +156,15 @@ def busy_warning(busy: dict, machine: dict) -> list[str]:
 
 
 def machine_text(machine: dict, libraries: tuple[str, ...] = ("torch",)) -> str:
-    """``Machine: CPU, cores (torch threads), memory, kernel; Python and libraries. Date.``"""
+    """``Machine: [accelerator;] CPU, cores (torch threads), memory, kernel; Python and
+    libraries. Date.``"""
     versions = "".join(f", {name} {machine[name]}" for name in libraries)
+    gpu, on_gpu = machine.get("accelerator") or {"device": "cpu"}, ""
+    if gpu["device"] != "cpu":
+        on_gpu = f"{gpu['device']} ({gpu.get('memory_gib')} GiB, CUDA {gpu['cuda']}, "
+        on_gpu += f"triton {gpu['triton']}); "
     return (
-        f"Machine: {machine['cpu_model'] or machine['processor']}, {machine['nproc']} cores "
-        f"(torch threads {machine['torch_threads']}), {machine['mem_total_gib']} GiB, "
+        f"Machine: {on_gpu}{machine['cpu_model'] or machine['processor']}, {machine['nproc']} "
+        f"cores (torch threads {machine['torch_threads']}), {machine['mem_total_gib']} GiB, "
         f"{machine['uname']}; Python {machine['python']}{versions}. Date {machine['date']}."
     )

@@ -23,7 +23,7 @@ import resource
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import pairwise, takewhile
 from typing import Any
 
 import numpy as np
@@ -184,6 +184,23 @@ def summarize(
         "slo": {"ttft_s": slo_ttft_s, "itl_s": slo_itl_s},
         "slo_attainment": attainment,
         "tenants": None if tenant_weights is None else _tenant_shares(ok, tenant_weights),
+    }
+
+
+def agreement(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict:
+    """Greedy agreement over the requests both systems served (request index -> token ids):
+    how many got identical tokens, their common prefixes, the first that differ."""
+    common = sorted(set(a) & set(b))
+    pairs = (zip(a[i], b[i], strict=False) for i in common)  # shorter sequence ends the prefix
+    prefixes = [sum(1 for _ in takewhile(lambda p: p[0] == p[1], pair)) for pair in pairs]
+    mismatched = [i for i in common if a[i] != b[i]]
+    return {
+        "identical_requests": len(common) - len(mismatched),
+        "requests": len(common),
+        "fraction": round(1 - len(mismatched) / len(common), 4) if common else None,
+        "mean_common_prefix_tokens": round(sum(prefixes) / len(prefixes), 2) if common else None,
+        "min_common_prefix_tokens": min(prefixes, default=None),
+        "mismatched_requests": mismatched[:20],
     }
 
 

@@ -2,13 +2,13 @@
 
 REV is checked out into a temporary ``git worktree`` (removed again on the way out, also
 when the run fails or gets SIGTERM). Each engine run, before and after alike, is a worker
-process (``python -m loramux.benchmarks.engine_worker``) whose ``PYTHONPATH`` starts with a
-folder whose ``loramux/`` links the tree's package folders as its ``pyproject.toml``'s
-``package-dir`` maps them; the worker checks that ``loramux.engine`` and ``loramux.kernels``
-came from that tree and refuses to run otherwise. The benchmark's own code is not linked:
-both engines are measured by this install's ``loramux.benchmarks``. "After" is this
-working tree, uncommitted changes included (``modified`` says whether ``engine/`` or
-``kernels/`` had any).
+process (``python -m loramux.benchmarks.revisions JOB.json RESULT.json``) whose
+``PYTHONPATH`` starts with a folder whose ``loramux/`` links the tree's package folders as
+its ``pyproject.toml``'s ``package-dir`` maps them; the worker checks that
+``loramux.engine`` and ``loramux.kernels`` came from that tree (exit 3 otherwise), then
+runs ``engine_vs_peft.run_job``. The benchmarks are not linked: both engines are measured
+by this install's ``loramux.benchmarks``. "After" is this working tree, uncommitted changes
+included (``modified`` says whether ``engine/`` or ``kernels/`` had any).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 
 from loramux.benchmarks.files import CHECKOUT, write_atomic
 
-WORKER = "loramux.benchmarks.engine_worker"
 NO_CHECKOUT = "--before needs the source checkout (a git repository); this loramux is installed"
 
 
@@ -131,14 +130,44 @@ def before_and_after(rev: str) -> Iterator[tuple[Checkout, Checkout, Path]]:
 
 
 def run_in_worker(checkout: Checkout, job: dict, workdir: Path) -> dict:
-    """``engine_worker``'s result for ``job``, run on ``checkout``'s loramux."""
+    """The worker's result for ``job``, run on ``checkout``'s loramux."""
     job_path, result_path = workdir / "job.json", workdir / "result.json"
     result_path.unlink(missing_ok=True)
     write_atomic(job_path, json.dumps({**job, "expect_root": str(checkout.root.resolve())}))
     paths = [str(checkout.pkg_root), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    command = [sys.executable, "-m", WORKER, str(job_path), str(result_path)]
+    command = [sys.executable, "-m", __name__, str(job_path), str(result_path)]
     done = subprocess.run(command, env=env, cwd=workdir, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the {checkout.label} engine's worker exited {done.returncode}")
     return json.loads(result_path.read_text())
+
+
+def imported_from() -> dict[str, str]:
+    import loramux.engine
+    import loramux.kernels
+
+    return {
+        name: str(Path(m.__file__).resolve())
+        for name, m in (("loramux.engine", loramux.engine), ("loramux.kernels", loramux.kernels))
+    }
+
+
+def worker(job_path: Path, result_path: Path) -> int:
+    """One engine run of the job in this process, which must import the job's tree's loramux."""
+    job = json.loads(job_path.read_text())
+    expect = Path(job["expect_root"]).resolve()
+    files = imported_from()  # before anything of the benchmarks imports the engine
+    print(f"worker: loramux.engine from {files['loramux.engine']}", flush=True)
+    stray = {name: f for name, f in files.items() if not Path(f).is_relative_to(expect)}
+    if stray:
+        print(f"worker: expected loramux from {expect}, got {stray}", file=sys.stderr)
+        return 3
+    from loramux.benchmarks.engine_vs_peft import run_job
+
+    write_atomic(result_path, json.dumps({**run_job(job), "imported_from": files}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker(*(Path(a) for a in sys.argv[1:])))

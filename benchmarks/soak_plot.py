@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loramux.benchmarks.bench_sweeps import pyplot
+
 
 def _series(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
     points = [(s["t_s"] / 60, s[key]) for s in samples if s.get(key) is not None]
@@ -17,11 +19,9 @@ def _series(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
 def write_plot(report: dict, path: Path) -> None:
     """RSS (with the fit and the warm-up), requests/s by class, fds and threads, adapter
     versions in the engine, and the churn acts, over the same minutes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     samples, verdict = report["samples"], report["verdict"]
     fig, axes = plt.subplots(
         5, 1, figsize=(11, 13), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.5, 1.5, 1]}

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.recorded import missing_keys
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("churn", "resident")
 
@@ -74,19 +76,10 @@ def test_adapter_lookups_add_up(report):
     assert report["resident"]["steps"]["with_device_load"]["samples"] == 0
 
 
-def _keys(value, prefix: str = "") -> set[str]:
-    if not isinstance(value, dict):
-        return set()
-    return {f"{prefix}{k}" for k in value} | {
-        key for k, v in value.items() for key in _keys(v, f"{prefix}{k}.")
-    }
-
-
 def test_the_report_keeps_every_key_of_the_recorded_results(report):
-    recorded = json.loads((REPO_ROOT / "benchmarks/results/adapter_churn_cpu.json").read_text())
     # lora_forms counts each step by the adapters it served, under names that changed with
     # the engine's LoRA path; what is counted is kept, the names are the engine's.
-    missing = {k for k in _keys(recorded) - _keys(report) if ".lora_forms." not in k}
+    missing = {k for k in missing_keys("adapter_churn_cpu.json", report) if ".lora_forms." not in k}
     assert not missing, sorted(missing)
 
 

@@ -79,8 +79,8 @@ def test_slora_smoke_reports_both_systems_on_the_same_weights(slora):
     assert report["ratios"]["requests_per_s"] > 0
     assert "the baseline over the first 8" in report["ratio_note"]
     # identical random weights in both, float32: token for token the same
-    assert report["agreement"]["compared"] == 8
-    assert report["agreement"]["identical"] == 8, report["agreement"]
+    assert report["agreement"]["requests"] == 8
+    assert report["agreement"]["identical_requests"] == 8, report["agreement"]
     engine = report["engine_config"]
     assert engine["load_format"] == "random" and engine["device"] == "cpu"
     assert engine["kv_cache_bytes"] == 16 << 20 and engine["adapter_host_bytes"] == 64 << 20
@@ -116,7 +116,7 @@ def test_punica_smoke_preloads_adapters_and_sweeps(punica):
     assert traffic["device_misses"] == 0 and traffic["loads"] == 0
     swaps = report["baseline"]["adapter_traffic"]
     assert swaps["preloaded"] == 8 and swaps["adapter_loads"] == 8  # none inside batches
-    assert report["agreement"]["identical"] == report["agreement"]["compared"] == 8
+    assert report["agreement"]["identical_requests"] == report["agreement"]["requests"] == 8
     (goal,) = report["goals"]
     assert (goal["metric"], goal["value"], goal["strict"]) == ("output_tokens_per_s", 1053.0, True)
     assert "| Punica | Llama2-7B, distinct adapters, batch 32 | 1053 output tok/s |" in markdown

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from loramux.benchmarks.bench_gpu_report import agreement, judge, unjudged_reason
+from loramux.benchmarks.bench_gpu_report import judge, unjudged_reason
 from loramux.benchmarks.bench_presets import PRESETS
 from loramux.benchmarks.bench_report import cdf_points
+from loramux.benchmarks.measures import agreement
 
 
 def test_cdf_points_keep_short_samples_and_thin_long_ones_to_quantiles():
@@ -20,8 +21,10 @@ def test_agreement_counts_identical_sequences_over_requests_both_served():
     loramux = {0: [1, 2], 1: [3, 4], 2: [5, 6], 3: [7]}
     baseline = {0: [1, 2], 1: [3, 9], 3: [7]}  # request 2 served by loramux only
     result = agreement(loramux, baseline)
-    assert (result["compared"], result["identical"]) == (3, 2)
+    assert (result["requests"], result["identical_requests"]) == (3, 2)
     assert result["mismatched_requests"] == [1]
+    assert result["min_common_prefix_tokens"] == 1  # request 1 agrees on its first token
+    assert result["mean_common_prefix_tokens"] == round((2 + 1 + 1) / 3, 2)
 
 
 def figures(requests_per_s: float, tokens_per_s: float, failed: int = 0) -> dict:

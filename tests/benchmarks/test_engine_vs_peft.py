@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.recorded import RESULTS, key_paths, missing_keys
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,20 +39,13 @@ def run(tmp_path_factory, tiny_model_dir) -> tuple[dict, str, Path]:
     return report, (out / "engine_vs_peft_cpu_quick.md").read_text(), out
 
 
-def _keys(value, prefix: str = "") -> set[str]:
-    if not isinstance(value, dict):
-        return set()
-    return {f"{prefix}{k}" for k in value} | {
-        key for k, v in value.items() for key in _keys(v, f"{prefix}{k}.")
-    }
-
-
 def test_the_report_keeps_every_key_of_the_recorded_results(run):
     report, _, _ = run
-    recorded = json.loads((REPO_ROOT / "benchmarks/results/engine_vs_peft_cpu.json").read_text())
-    assert not _keys(recorded) - _keys(report), sorted(_keys(recorded) - _keys(report))
-    for peft_run, recorded_run in zip(report["peft_runs"], recorded["peft_runs"], strict=False):
-        assert not _keys(recorded_run) - _keys(peft_run)
+    missing = missing_keys("engine_vs_peft_cpu.json", report)
+    assert not missing, sorted(missing)
+    recorded = json.loads((RESULTS / "engine_vs_peft_cpu.json").read_text())
+    for peft_run, recorded_run in zip(report["peft_runs"], recorded["peft_runs"], strict=True):
+        assert not key_paths(recorded_run) - key_paths(peft_run)
 
 
 def test_every_system_served_every_request_in_every_repeat(run):

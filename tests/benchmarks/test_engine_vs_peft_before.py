@@ -72,7 +72,7 @@ def test_each_worker_runs_the_engine_of_its_own_tree(tmp_path, tiny_model_dir):
     assert Path(old.extra["imported_from"]).is_relative_to(before.root)
     assert Path(new.extra["imported_from"]).is_relative_to(CHECKOUT / "engine")
     for run in (old, new):
-        assert [len(t) for t in run.tokens] == [4, 4]
+        assert {i: len(t) for i, t in run.tokens.items()} == {0: 4, 1: 4}
         assert run.seconds > 0 and run.clock.cpu_seconds > 0
     assert old.label == f"engine (before, {before.sha[:7]})" and new.label == "engine (after)"
     assert str(before.root) not in _worktrees()
