@@ -1,8 +1,13 @@
-"""``loramux bench PRESET``: one workload served by loramux and by transformers + PEFT.
+"""``loramux bench PRESET``: the command, and the runner of the workload presets.
 
-Both systems get the same requests (same arrivals, adapters, prompt token ids and output
-lengths, greedy, EOS suppressed so every request generates exactly its output length) in
-the same process, one after the other:
+The presets, and what each is compared with and judged by, are ``bench_presets``'s. The
+GPU presets run in ``bench_gpu`` (``--smoke``: on the CPU at tiny shapes;
+``--prepare-only``: write the weightless model folder a GPU machine needs and exit),
+``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``, ``adapter-churn`` and the soak
+(not a workload preset) take options of their own (``loramux bench NAME -h``) and run in
+their modules. This module runs the others (``cpu-smoke``): both systems get the same
+requests (same arrivals, adapters, prompt token ids and output lengths, greedy, EOS
+suppressed) in the same process, one after the other:
 
 * **loramux**: with ``--driver engine`` (the default) the engine in-process
   (``drivers.run_engine``), every adapter registered from its folder and loaded by the
@@ -17,31 +22,9 @@ the same process, one after the other:
 Each run writes ``<out>/bench_<preset>.json`` (workload spec and seed, machine, versions,
 every figure of both systems) and PNG plots (latency CDFs, per-tenant token share), and
 prints a markdown summary with the loramux / baseline ratios (``bench_report``).
-
 ``--sweep adapters`` / ``--sweep load`` (``bench_sweeps``) also run the preset's workload,
-loramux only, on the engine driver, at several numbers of adapters / offered loads, and add
-``sweeps`` to the JSON, a plot per sweep and a table per sweep to the markdown.
-
-Presets (``bench_presets.PRESETS``): ``cpu-smoke`` runs SmolLM2 on this 2-core CPU in a
-few minutes (this module); ``slora-s1``, ``slora-s2`` and ``punica-distinct`` run on a
-CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``), next to published
-figures and goals, and exit 2 without a GPU: their figures are not measured yet there.
-``--smoke`` runs a GPU preset's runner on the CPU at tiny shapes (the tests do);
-``--prepare-only`` writes its weightless model folder into the cache and exits (a GPU
-machine without the SmolLM2 package needs that folder carried over).
-
-``lora-overhead`` (``lora_overhead``) compares loramux with itself rather than with PEFT:
-one engine with default settings serves the same requests with the base model alone and
-with 16 distinct adapters, in interleaved runs (``--repeats N``, default 3), and reports
-lora seconds / base seconds against the goal of at most 1.10, with each run's preemptions
-and adapter re-loads; ``--smoke`` runs it at 4 requests, 4 adapters, 8 tokens, 1 repeat.
-
-Three take options of their own (``loramux bench NAME -h``): the presets
-``engine-vs-peft`` (``engine_vs_peft``: the engine's tokens/s against PEFT's
-mixed-adapter ``generate``, ``--before REV`` for another revision's engine beside it) and
-``adapter-churn`` (``adapter_churn``: inter-token latency with small adapter tiers against
-every adapter resident), and ``soak`` (``soak``), a real ``loramux serve`` under steady
-load with adapter churn for about ten minutes, judged on memory growth, errors and billing.
+loramux only, at several numbers of adapters / offered loads. The recorded
+``benchmarks/results/bench_cpu-smoke.*`` are made by ``loramux bench cpu-smoke``.
 
     loramux bench cpu-smoke [--out DIR] [--requests N] [--driver http]
         [--sweep adapters|load [--sweep-values 1,4,16]]

@@ -14,7 +14,7 @@ lengths, n_s their new tokens (T = Σ n_s queries), Hq / Hkv query / KV heads of
                                                (decode: p + 1 = L_s)
 
 Decode rows also give the achieved bandwidth (bytes / time) and its fraction of the
-measured copy bandwidth: the issue's target is ≥ 70% at batch 64 × 2048 context.
+measured copy bandwidth: the target is ≥ 70% at batch 64 × 2048 context.
 
 The baseline is ``paged_attention_reference`` with its plan built beforehand (as the
 runner does once per step): decodes gather every context into a padded batch and run
@@ -55,7 +55,7 @@ class DecodeAttentionCase:
     q_heads: int
     head_dim: int
     block_size: int
-    target: bool  # the target shape (batch 64 × 2048 on the GPU grid)
+    target: bool  # the target's shape (batch 64 × 2048 on the GPU grid)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ engine.
 
 Variants: the base step (``lora=None``), then LoRA steps with 1, ..., ``batch`` distinct
 adapters of rank ``rank`` (sequence i uses adapter ``i * n // batch``). Overhead =
-(LoRA step − base step) / base step; the issue's target: ≤ 15% with rank 16 and 64
+(LoRA step − base step) / base step; the target: ≤ 15% with rank 16 and 64
 distinct adapters at batch 64. ``build_step_ms`` is the host time of the step's LoRA
 metadata (the pool's table and the backend's step, once per step, outside the forward).
 

@@ -22,13 +22,11 @@ residency counters over the run (after minus before): preemptions, device adapte
 evictions, adapter re-loads and steps spent waiting for adapter room.
 
 The ratio is the median over repeats of each repeat's lora seconds / base seconds. A
-repeat's two runs follow each other (about half a minute), in an order that alternates from
-one repeat to the next (base first, then lora first, ...), so a machine whose speed drifts
-favours neither side within a pair, and the median drops the pair a burst of other work hit.
-On the shared 2-core machine the speed of whole runs moved by half within minutes
-(2026-11-26: base runs from 13.2 to 20.7 s in one report), which makes the best-over-best
-ratio depend on which minute each side's best run fell in; that ratio and the ratio of the
-medians are in the report too. The
+repeat's two runs follow each other, in an order that alternates from one repeat to the
+next (base first, then lora first, ...), so a machine whose speed drifts favours neither
+side within a pair, and the median drops the pair a burst of other work hit; on a shared
+machine whose speed moves within minutes the best-over-best ratio depends on which minute
+each side's best run fell in (it and the ratio of the medians are in the report too). The
 preset's goal (at most 1.10) is judged on the full workload only, not on ``--smoke`` or a
 ``--requests`` override.
 
