@@ -7,33 +7,23 @@ not asserted; the counts are, and the report keeps the recorded results' keys.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.commands import loramux
 from tests.benchmarks.recorded import missing_keys
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("churn", "resident")
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, tiny_model_dir) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("adapter_churn")
-    command = [sys.executable, "-m", "loramux.platform.cli", "bench", "adapter-churn", "--smoke"]
-    command += ["--model", str(tiny_model_dir), "--cache-dir", str(out / "cache")]
-    result = subprocess.run(
-        [*command, "--out", str(out)],
-        cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = ["bench", "adapter-churn", "--smoke", "--model", str(tiny_model_dir)]
+    result = loramux(*command, "--cache-dir", str(out / "cache"), "--out", str(out), timeout=300)
     return result, out
 
 

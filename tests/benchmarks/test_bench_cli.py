@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _loramux(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "loramux.platform.cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    return subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+from tests.benchmarks.commands import loramux
 
 
 def test_a_gpu_preset_without_a_gpu_says_so():
-    done = _loramux("bench", "slora-s2")
+    done = loramux("bench", "slora-s2")
     assert done.returncode == 2, done.stderr
     assert "needs a CUDA GPU" in done.stderr and "not measured yet" in done.stderr
 
 
 def test_cpu_smoke_reports_both_systems_and_their_ratio(tmp_path):
-    done = _loramux("bench", "cpu-smoke", "--requests", "6", "--out", str(tmp_path))
+    done = loramux("bench", "cpu-smoke", "--requests", "6", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
     for system in ("loramux", "baseline"):
@@ -43,7 +32,7 @@ def test_cpu_smoke_reports_both_systems_and_their_ratio(tmp_path):
 
 def test_cpu_smoke_over_http(tmp_path):
     """The same preset through a real platform server and the openai client, streaming."""
-    done = _loramux(
+    done = loramux(
         "bench",
         "cpu-smoke",
         "--requests",
@@ -63,7 +52,7 @@ def test_cpu_smoke_over_http(tmp_path):
 
 def _sweep(tmp_path: Path, kind: str, values: str) -> dict:
     """cpu-smoke with 6 requests, loramux only, swept over ``values``; the report."""
-    done = _loramux(
+    done = loramux(
         "bench",
         "cpu-smoke",
         "--requests",

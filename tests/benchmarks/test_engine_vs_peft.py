@@ -7,33 +7,22 @@ that the report keeps every key of the recorded results, so old and new results 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.commands import REPO_ROOT, loramux
 from tests.benchmarks.recorded import RESULTS, key_paths, missing_keys
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir) -> tuple[dict, str, Path]:
     out = tmp_path_factory.mktemp("engine_vs_peft")
-    command = [sys.executable, "-m", "loramux.platform.cli", "bench", "engine-vs-peft", "--quick"]
-    command += ["--requests", "3", "--adapters", "2", "--max-tokens", "4", "--repeats", "2"]
-    command += ["--peft-batch-sizes", "3,2", "--before", "HEAD", "--profile"]
-    command += ["--model", str(tiny_model_dir), "--cache-dir", str(out / "cache")]
-    done = subprocess.run(
-        [*command, "--out", str(out)],
-        cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = ["bench", "engine-vs-peft", "--quick", "--requests", "3", "--adapters", "2"]
+    command += ["--max-tokens", "4", "--repeats", "2", "--peft-batch-sizes", "3,2"]
+    command += ["--before", "HEAD", "--profile", "--model", str(tiny_model_dir)]
+    done = loramux(*command, "--cache-dir", str(out / "cache"), "--out", str(out))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((out / "engine_vs_peft_cpu_quick.json").read_text())
     return report, (out / "engine_vs_peft_cpu_quick.md").read_text(), out
