@@ -58,7 +58,7 @@ from loramux.benchmarks.adapters import QKVO, AdapterSpec, prepare_adapters
 from loramux.benchmarks.bench_gpu_model import SMOKE_MODEL, random_model_dir
 from loramux.benchmarks.bench_presets import PRESETS
 from loramux.benchmarks.drivers import run_engine
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.files import add_output_options, check_output_options, write_report
 from loramux.benchmarks.machine import Clock, available_cores, contention, machine_info
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.prompts import chat_prompts
@@ -382,10 +382,7 @@ def main(argv: list[str]) -> int:
         f"_threads{args.threads}" if args.threads_given else ""
     )
     stem = args.out / f"adapter_churn_{report['device']}{suffix}"
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
-    markdown = render_markdown(report)
-    write_atomic(stem.with_suffix(".md"), markdown)
-    print(f"\n{markdown}\nwrote {stem}.json and {stem}.md")
+    write_report(stem, report, render_markdown(report))
     return 0
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -60,7 +59,7 @@ from loramux.benchmarks.bench_gpu_report import markdown_lines
 from loramux.benchmarks.bench_presets import PRESETS, Baseline, Preset
 from loramux.benchmarks.bench_report import figures, ratios, render_markdown, write_plots
 from loramux.benchmarks.drivers import run_engine, run_http, run_peft_baseline
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.files import add_output_options, check_output_options, write_report
 from loramux.benchmarks.machine import machine_info
 from loramux.benchmarks.measures import memory_high_water
 from loramux.benchmarks.models import prepare_model
@@ -209,12 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench_{preset.name}{'-smoke' if args.smoke else ''}"
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     plots = write_plots(report, stem)
     plots += bench_sweeps.write_plots(report.get("sweeps") or {}, report["preset"], stem)
-    markdown = render_markdown(report, plots, extra)
-    write_atomic(stem.with_suffix(".md"), markdown)
-    print(markdown)
+    write_report(stem, report, render_markdown(report, plots, extra))
     return 0
 
 

@@ -22,7 +22,6 @@ It runs a real ``loramux serve`` on the embedded default (a fresh data dir) and 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.files import add_output_options, check_output_options, write_report
 from loramux.benchmarks.machine import machine_info
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.soak_server import expect, start_server
@@ -198,11 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         model=model_dir.name,
         args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "cold_adapter_flood_cpu.json", json.dumps(report, indent=2))
-    markdown = render(report)
-    write_atomic(args.out / "cold_adapter_flood_cpu.md", markdown)
-    print(markdown)
+    write_report(args.out / "cold_adapter_flood_cpu", report, render(report))
     return 0
 
 

@@ -39,7 +39,6 @@ import contextlib
 import cProfile
 import dataclasses
 import io
-import json
 import pstats
 import sys
 from dataclasses import dataclass, field
@@ -54,7 +53,12 @@ from loramux.benchmarks.bench_report import run_duration
 from loramux.benchmarks.driver_peft import adapter_names, load_peft_model, serve_static_batches
 from loramux.benchmarks.drivers import run_engine
 from loramux.benchmarks.engine_vs_peft_report import render_markdown
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.files import (
+    add_output_options,
+    check_output_options,
+    write_atomic,
+    write_report,
+)
 from loramux.benchmarks.machine import Clock, contention, machine_info
 from loramux.benchmarks.measures import agreement, percentiles
 from loramux.benchmarks.models import prepare_model
@@ -322,10 +326,7 @@ def run(args, checkouts: tuple = (), workdir: Path | None = None) -> int:
         profile = stem.with_name(stem.name + "_engine_profile.txt")
         profile_engine(work, profile)
         report["engine_profile"] = profile.name
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
-    markdown = render_markdown(report)
-    write_atomic(stem.with_suffix(".md"), markdown)
-    print(f"\n{markdown}\nwrote {stem}.json and {stem}.md")
+    write_report(stem, report, render_markdown(report))
     return 0
 
 

@@ -9,6 +9,7 @@ results are committed) and models and adapters are cached in its
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -49,3 +50,10 @@ def write_atomic(path: Path, text: str) -> None:
     staging = path.with_name(path.name + ".tmp")
     staging.write_text(text)
     staging.replace(path)
+
+
+def write_report(stem: Path, report: dict, markdown: str) -> None:
+    """``<stem>.json`` and ``<stem>.md``, then the markdown on stdout."""
+    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2, default=float) + "\n")
+    write_atomic(stem.with_suffix(".md"), markdown)
+    print(markdown)

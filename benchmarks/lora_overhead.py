@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_ad
 from loramux.benchmarks.bench_presets import Preset, judge_goals
 from loramux.benchmarks.bench_sweeps import pyplot
 from loramux.benchmarks.driver_engine import exact_length_params
-from loramux.benchmarks.files import write_atomic
+from loramux.benchmarks.files import write_report
 from loramux.benchmarks.machine import Clock, busy_warning, contention, machine_info, machine_text
 from loramux.benchmarks.models import MODEL_NAME, prepare_model
 from loramux.benchmarks.workload import WorkloadSpec, requests_with_prompts
@@ -360,11 +359,7 @@ def main(preset: Preset, args: argparse.Namespace, command: str) -> int:
     report = run_preset(preset, args, command)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench_{preset.name}{'-smoke' if report['smoke'] else ''}"
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
-    plots = write_plot(report, stem)
-    markdown = render_markdown(report, plots)
-    write_atomic(stem.with_suffix(".md"), markdown)
-    print(markdown)
+    write_report(stem, report, render_markdown(report, write_plot(report, stem)))
     return 0
 
 

@@ -83,7 +83,6 @@ Modules, one part of the soak each:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -99,7 +98,7 @@ from loramux.benchmarks.files import (
     CHECKOUT,
     add_output_options,
     check_output_options,
-    write_atomic,
+    write_report,
 )
 from loramux.benchmarks.machine import machine_info
 from loramux.benchmarks.models import prepare_model
@@ -240,11 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         report = run_soak(args, model_dir, pool, Path(root))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"soak_{device_name()}"
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2, default=float) + "\n")
     write_plot(report, stem.with_suffix(".png"))
-    markdown = render_markdown(report, stem.with_suffix(".png").name)
-    write_atomic(stem.with_suffix(".md"), markdown)
-    print(markdown)
+    write_report(stem, report, render_markdown(report, stem.with_suffix(".png").name))
     return 0 if report["verdict"]["passed"] else 1
 
 
