@@ -13,6 +13,14 @@ from loramux.platform.api.error_codes import ERROR_CODES, HTTP_EXCEPTION_CODES, 
 
 ROOT = Path(__file__).resolve().parents[3]
 _RAISERS = {"APIError": ("status_code", "message", "code"), "error_response": None}
+# The platform's own errors (services raise them): the statuses the API may give each kind.
+STATUSES_OF_KIND = {
+    "NotFound": {404},
+    "Conflict": {409},
+    "Invalid": {400, 422},
+    "QuotaExceeded": {402, 429},
+    "Unavailable": {503},
+}
 
 
 def _literal(node: ast.AST | None):
@@ -20,8 +28,9 @@ def _literal(node: ast.AST | None):
 
 
 def _error_sites() -> list[tuple[str, int, object, object]]:
-    """(file, line, status, code) of every APIError(...) and error_response(...) call in
-    the platform, with the literal values (None where not a literal)."""
+    """(file, line, status, code) of every APIError(...), error_response(...) and platform
+    error (``NotFound(...)`` ...) in the platform, with the literal values (None where not a
+    literal; for a platform error, the name of its kind stands for the statuses it allows)."""
     sites = []
     for path in sorted((ROOT / "platform").rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -29,19 +38,23 @@ def _error_sites() -> list[tuple[str, int, object, object]]:
             if not isinstance(node, ast.Call):
                 continue
             name = getattr(node.func, "id", getattr(node.func, "attr", None))
+            keywords = {k.arg: k.value for k in node.keywords}
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if name in STATUSES_OF_KIND:
+                sites.append((where, node.lineno, ast.Constant(name), keywords.get("code")))
+                continue
             if name not in _RAISERS:
                 continue
-            keywords = {k.arg: k.value for k in node.keywords}
             status = node.args[0] if node.args else keywords.get("status_code")
             code = keywords.get("code", node.args[2] if len(node.args) > 2 else None)
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
             sites.append((where, node.lineno, status, code))
     return sites
 
 
 def test_every_error_site_uses_a_code_of_the_table_with_its_status():
     sites = _error_sites()
-    assert len(sites) > 40  # the walk found them (APIError and error_response calls)
+    assert len(sites) > 40  # the walk found them (APIError, error_response, platform errors)
+    assert {_literal(s) for _, _, s, _ in sites} >= set(STATUSES_OF_KIND)
     checked = 0
     for where, _, status_node, code_node in sites:
         status, code = _literal(status_node), _literal(code_node)
@@ -49,7 +62,13 @@ def test_every_error_site_uses_a_code_of_the_table_with_its_status():
             continue  # a pass-through (status and code from variables): checked below
         assert code is not None, f"{where}: an error without a literal code"
         assert code in ERROR_CODES, f"{where}: code {code!r} is not in ERROR_CODES"
-        if status is not None:
+        if status in STATUSES_OF_KIND:  # a platform error: its code's status fits its kind
+            assert ERROR_CODES[code].status in STATUSES_OF_KIND[status], (
+                f"{where}: {status}(code={code!r}) would be answered with "
+                f"{ERROR_CODES[code].status}"
+            )
+            checked += 1
+        elif status is not None:
             assert ERROR_CODES[code].status == status, (
                 f"{where}: {code!r} answered with {status}, the table says "
                 f"{ERROR_CODES[code].status}"
