@@ -5,7 +5,9 @@ Rules (shared by every driver, see ``drivers.py``):
 * times are seconds from the run's start (``time.perf_counter() - t0``); a request's
   ``arrival_s`` is taken from the workload, never measured;
 * every request is greedy and generates exactly ``output_len`` tokens: EOS is suppressed
-  (``min_tokens = max_tokens = output_len``, ``ignore_eos``);
+  (``min_tokens = max_tokens = output_len``), as PEFT's ``min_new_tokens`` suppresses it.
+  Not ``ignore_eos``: that lets the engine emit EOS as a token where PEFT must pick the
+  next best, and greedy agreement with the baseline fell to 22/32;
 * open loop: before each ``step()``, every request whose arrival time has come is added,
   the clock read again after each add, so requests due together (a rate far above what
   adding takes) all enter before the first step (``sent_s`` is when ``add_request`` was
@@ -33,9 +35,7 @@ def exact_length_params(output_len: int):
     """Greedy sampling that produces exactly ``output_len`` tokens (EOS suppressed)."""
     from loramux.engine import SamplingParams
 
-    return SamplingParams(
-        max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True
-    )
+    return SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0)
 
 
 def run_engine(

@@ -22,8 +22,8 @@ Rules:
   exception's type and message, with ``finish_s`` at that moment.
 
 Every request asks for exactly ``output_len`` tokens through the platform's extensions
-(``min_tokens`` = ``max_tokens`` and ``ignore_eos``, sent in ``extra_body``), as the other
-drivers do; ``extra_body`` adds to (or overrides) them.
+(``min_tokens`` = ``max_tokens``, sent in ``extra_body``: EOS suppressed, as the other
+drivers do); ``extra_body`` adds to (or overrides) them.
 """
 
 from __future__ import annotations
@@ -118,7 +118,6 @@ def run_http(
                 stream_options={"include_usage": True},
                 extra_body={
                     "min_tokens": request.output_len,
-                    "ignore_eos": True,
                     **(extra_body or {}),
                 },
             )

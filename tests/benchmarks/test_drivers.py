@@ -7,7 +7,7 @@ before the arrival) and, where tokens are visible, the tokens a reference produc
 * engine: ``Engine.generate`` of the same prompts (exact-length greedy);
 * PEFT baseline: ``hf_reference.greedy_tokens`` (one request alone, no padding);
 * HTTP: a real platform server (embedded SQLite, adapters uploaded over HTTP); requests
-  ask for exact lengths (``min_tokens``/``ignore_eos``), so the reference is an
+  ask for exact lengths (``min_tokens`` = ``max_tokens``), so the reference is an
   exact-length engine run, and its text must match the stream's.
 """
 
@@ -196,7 +196,7 @@ def test_run_http_against_a_platform(platform, adapter_dirs, requests, prompts):
     assert_complete(records, requests, counts=counts)
     assert [texts[r.index] for r in requests] == [o.text for o in outs]
     assert [reasons[r.index] for r in requests] == [o.finish_reason for o in outs]
-    # min_tokens = max_tokens with ignore_eos: every request got exactly its output_len
+    # min_tokens = max_tokens (EOS suppressed): every request got exactly its output_len
     assert counts == {r.index: r.output_len for r in requests}
     for rec in records:
         assert rec.token_times_s[0] - rec.arrival_s > 0  # TTFT
