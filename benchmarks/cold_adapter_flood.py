@@ -180,9 +180,8 @@ Under the flood ({before["running"]} running, KV {before["usage"]:.0%} of
 |---|---|---|
 {rows}
 
-Median {statistics.median(cold):.2f} s for a cold adapter (issue 14 measured 62 s before
-KV blocks were held, moved and preempted for it), {statistics.median(base):.2f} s for the base
-model. Preemptions during the probes: {after["preemptions"] - before["preemptions"]}.
+Median {statistics.median(cold):.2f} s for a cold adapter, {statistics.median(base):.2f} s for
+the base model. Preemptions during the probes: {after["preemptions"] - before["preemptions"]}.
 """
 
 

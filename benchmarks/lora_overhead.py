@@ -76,11 +76,6 @@ COUNTER_WORDS = {
     "adapter_reloads": "adapter re-loads",
     "adapter_room_wait_steps": "adapter-room wait steps",
 }
-STATS_SOURCE = "engine.stats().residency"
-FALLBACK_SOURCE = (
-    "engine.num_preemptions and engine.lora_pool.evictions (this engine's stats() has no "
-    "residency counters: adapter re-loads and adapter-room waits are not available)"
-)
 
 
 @dataclass
@@ -144,28 +139,10 @@ def prepare(spec: WorkloadSpec, cache_dir: Path, runs: int) -> Workload:
 # --- the engine's counters ----------------------------------------------------------------
 
 
-def read_counters(engine) -> tuple[dict[str, int | None], str]:
-    """The residency counters now, and where they were read from.
-
-    ``engine.stats().residency`` with integer fields ``preemptions``, ``adapter_evictions``,
-    ``adapter_reloads`` and ``adapter_room_wait_steps`` where the engine has it; otherwise
-    (an engine from before those counters, whose ``residency`` maps adapters to tiers)
-    ``engine.num_preemptions`` and ``engine.lora_pool.evictions``, the other two None.
-    """
-    residency = getattr(engine.stats(), "residency", None)
-    if all(isinstance(getattr(residency, name, None), int) for name in COUNTERS):
-        return {name: getattr(residency, name) for name in COUNTERS}, STATS_SOURCE
-    counters = dict.fromkeys(COUNTERS)
-    counters["preemptions"] = engine.num_preemptions
-    counters["adapter_evictions"] = engine.lora_pool.evictions
-    return counters, FALLBACK_SOURCE
-
-
-def _delta(before: dict, after: dict) -> dict[str, int | None]:
-    return {
-        name: None if before[name] is None or after[name] is None else after[name] - before[name]
-        for name in COUNTERS
-    }
+def read_counters(engine) -> dict[str, int]:
+    """The engine's residency counters now (``engine.stats().residency``)."""
+    residency = engine.stats().residency
+    return {name: getattr(residency, name) for name in COUNTERS}
 
 
 # --- the runs -------------------------------------------------------------------------------
@@ -184,12 +161,12 @@ def timed_run(engine, work: Workload, kind: str, run: int) -> dict:
     """One run of every request, base (no adapter) or lora; its figures and counters."""
     prompts = work.prompts_of(run)
     adapters = work.adapter_names if kind == "lora" else None
-    before, source = read_counters(engine)
+    before = read_counters(engine)
     with Clock() as clock:
         outputs = engine.generate(
             prompts, exact_length_params(work.output_tokens), adapters=adapters
         )
-    after, _ = read_counters(engine)
+    after = read_counters(engine)
     tokens = sum(len(o.token_ids) for o in outputs)
     return {
         "kind": kind,
@@ -203,8 +180,7 @@ def timed_run(engine, work: Workload, kind: str, run: int) -> dict:
         "tokens_per_s": round(tokens / clock.seconds, 2),
         **clock.summary(),
         "cached_prompt_tokens": sum(o.metrics.cached_prompt_tokens for o in outputs),
-        "counters": _delta(before, after),
-        "counters_source": source,
+        "counters": {name: after[name] - before[name] for name in COUNTERS},
     }
 
 
@@ -232,7 +208,7 @@ def measure(work: Workload, repeats: int) -> tuple[list[dict], dict]:
             "kv_blocks_total": stats.kv_blocks_total,
             "kv_block_size": stats.kv_block_size,
             "max_model_len": engine.max_model_len,
-            "memory_plan": _memory_plan(engine),
+            "memory_plan": list(engine.memory_plan.describe()),
             # Which kernels ran: the backend, and on its torch backend which LoRA op.
             "kernels": engine.backend.name,
             "lora_op": getattr(engine.backend, "lora_op", None),
@@ -240,13 +216,6 @@ def measure(work: Workload, repeats: int) -> tuple[list[dict], dict]:
     finally:
         engine.close()
     return runs, config
-
-
-def _memory_plan(engine) -> list[str] | None:
-    """The start-up log's lines on what the KV + adapter budget holds, where the engine has
-    them (``Engine.memory_plan``, new beside the machine-sized default budget)."""
-    plan = getattr(engine, "memory_plan", None)
-    return None if plan is None else list(plan.describe())
 
 
 def _plain(value):
@@ -274,12 +243,7 @@ def summarize(runs: list[dict]) -> dict:
     pairs = [lora / base for base, lora in zip(seconds["base"], seconds["lora"], strict=True)]
     totals = {
         kind: {
-            name: (
-                None
-                if any(r["counters"][name] is None for r in runs if r["kind"] == kind)
-                else sum(r["counters"][name] for r in runs if r["kind"] == kind)
-            )
-            for name in COUNTERS
+            name: sum(r["counters"][name] for r in runs if r["kind"] == kind) for name in COUNTERS
         }
         for kind in ("base", "lora")
     }
@@ -345,7 +309,6 @@ def run_preset(preset: Preset, args: argparse.Namespace, command: str) -> dict:
         "engine_config": engine_config,
         "engine_config_note": "EngineConfig(model, device='cpu'); everything else the default",
         "runs": runs,
-        "counters_source": runs[0]["counters_source"],
         **summary,
         "goals": judge(preset, summary, runs, unjudged),
         "machine": machine,
@@ -407,10 +370,6 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
     return [path]
 
 
-def _counter(value: int | None) -> str:
-    return "n/a" if value is None else str(value)
-
-
 def render_markdown(report: dict, plots: list[Path]) -> str:
     machine, cfg = report["machine"], report["engine_config"]
     lines = [f"# loramux bench {report['preset']}", "", report["description"] + ".", ""]
@@ -426,8 +385,8 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         lines.append(
             f"| {run['run']} | {run['kind']} | {run['seconds']:.2f} | {run['tokens']} "
             f"| {run['tokens_per_s']:.1f} | {run['cores_used']} | {run['cached_prompt_tokens']} "
-            f"| {_counter(c['preemptions'])} | {_counter(c['adapter_evictions'])} "
-            f"| {_counter(c['adapter_reloads'])} | {_counter(c['adapter_room_wait_steps'])} |"
+            f"| {c['preemptions']} | {c['adapter_evictions']} | {c['adapter_reloads']} "
+            f"| {c['adapter_room_wait_steps']} |"
         )
     best, median = report["best_seconds"], report["median_seconds"]
     lines += [
@@ -437,7 +396,7 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "machine's speed favours neither side): "
         + ", ".join(f"{r:.3f}" for r in report["pair_ratios"])
         + f". Beside it: best lora run over best base run {best['lora']:.2f} / "
-        f"{best['base']:.2f} s = {report.get('best_lora_over_base_seconds', float('nan')):.3f}; "
+        f"{best['base']:.2f} s = {report['best_lora_over_base_seconds']:.3f}; "
         f"median runs {median['lora']:.2f} / {median['base']:.2f} s = "
         f"{report['median_lora_over_base_seconds']:.3f}.",
     ]
@@ -452,17 +411,17 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "",
         "Counters over all runs of each kind: "
         + "; ".join(
-            f"{kind}: " + ", ".join(f"{COUNTER_WORDS[k]} {_counter(v)}" for k, v in t.items())
+            f"{kind}: " + ", ".join(f"{COUNTER_WORDS[k]} {v}" for k, v in t.items())
             for kind, t in totals.items()
         )
-        + f". Read as differences of {report['counters_source']} before and after each run.",
+        + ". Read as differences of engine.stats().residency before and after each run.",
         "",
         f"Engine: one instance for every run, EngineConfig(model, device='cpu'), everything "
-        f"else the default: {_budget_text(cfg)}; adapter_host_bytes "
-        f"{_mib(cfg.get('adapter_host_bytes'))}, max_num_seqs "
-        f"{cfg.get('max_num_seqs')}, max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, "
-        f"dtype {cfg.get('dtype') or 'float32'}; kernels {cfg.get('kernels', '?')}, LoRA by "
-        f"the {cfg.get('lora_op') or 'backend'} op. A warm-up (each adapter and the base model "
+        f"else the default: {'; '.join(cfg['memory_plan'])}; adapter_host_bytes "
+        f"{_mib(cfg['adapter_host_bytes'])}, max_num_seqs {cfg['max_num_seqs']}, "
+        f"max_num_batched_tokens {cfg['max_num_batched_tokens']}, dtype "
+        f"{cfg['dtype'] or 'float32'}; kernels {cfg['kernels']}, LoRA by the "
+        f"{cfg['lora_op'] or 'backend'} op. A warm-up (each adapter and the base model "
         f"once, {WARMUP_TOKENS} tokens) ran first; every run's prompts have their own first "
         "token, so no run reuses another's prefix cache.",
         "",
@@ -479,16 +438,6 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "Plots: " + (", ".join(p.name for p in plots) or "none (matplotlib is not installed)"),
     ]
     return "\n".join(lines) + "\n"
-
-
-def _budget_text(cfg: dict) -> str:
-    """The KV + adapter budget: the engine's own account of it where it gives one."""
-    if cfg.get("memory_plan"):
-        return "; ".join(cfg["memory_plan"])
-    return (
-        f"kv_cache_bytes {_mib(cfg.get('kv_cache_bytes'))} ({cfg['kv_blocks_total']} blocks of "
-        f"{cfg['kv_block_size']} tokens, KV and resident adapters)"
-    )
 
 
 def _mib(value: int | None) -> str:

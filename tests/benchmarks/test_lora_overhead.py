@@ -81,43 +81,16 @@ def test_the_ratio_is_the_median_pair_with_best_and_median_runs_beside_it():
     assert goal["met"] is None and goal["verdict"].startswith("not judged")
 
 
-def test_counters_missing_from_the_fallback_total_none():
-    runs = [
-        _run("base", 1.0, adapter_reloads=None),
-        _run("lora", 1.0, adapter_reloads=None),
-    ]
-    totals = lora_overhead.summarize(runs)["counter_totals"]
-    assert totals["lora"]["adapter_reloads"] is None and totals["lora"]["preemptions"] == 0
-
-
-def test_counters_come_from_stats_residency_when_it_has_them():
+def test_counters_come_from_stats_residency():
     residency = SimpleNamespace(
         preemptions=2, adapter_evictions=5, adapter_reloads=4, adapter_room_wait_steps=7
     )
     engine = SimpleNamespace(stats=lambda: SimpleNamespace(residency=residency))
-    counters, source = lora_overhead.read_counters(engine)
-    assert source == lora_overhead.STATS_SOURCE
-    assert counters == {
+    assert lora_overhead.read_counters(engine) == {
         "preemptions": 2,
         "adapter_evictions": 5,
         "adapter_reloads": 4,
         "adapter_room_wait_steps": 7,
-    }
-
-
-def test_counters_fall_back_to_the_engines_attributes_without_them():
-    engine = SimpleNamespace(
-        stats=lambda: SimpleNamespace(residency={"a0": "device"}),  # adapter -> tier
-        num_preemptions=3,
-        lora_pool=SimpleNamespace(evictions=6),
-    )
-    counters, source = lora_overhead.read_counters(engine)
-    assert source == lora_overhead.FALLBACK_SOURCE
-    assert counters == {
-        "preemptions": 3,
-        "adapter_evictions": 6,
-        "adapter_reloads": None,
-        "adapter_room_wait_steps": None,
     }
 
 
@@ -160,11 +133,7 @@ def test_the_smoke_reports_both_kinds_of_run_with_their_counters(tmp_path):
         assert run["seconds"] > 0 and run["cores_used"] > 0
         assert run["cached_prompt_tokens"] == 0  # each run's prompts are its own
         assert set(run["counters"]) == set(lora_overhead.COUNTERS)
-        assert run["counters_source"] == report["counters_source"]
-        assert isinstance(run["counters"]["preemptions"], int)
-        assert isinstance(run["counters"]["adapter_evictions"], int)
-        if report["counters_source"] == lora_overhead.STATS_SOURCE:
-            assert all(isinstance(v, int) for v in run["counters"].values())
+        assert all(isinstance(v, int) for v in run["counters"].values())
     assert [a["rank"] for a in report["adapters"]] == [8, 16, 8, 16]
     assert report["lora_over_base_seconds"] > 0
     assert report["engine_config"]["device"] == "cpu" and report["engine_config"]["kv_blocks_total"]
@@ -176,5 +145,5 @@ def test_the_smoke_reports_both_kinds_of_run_with_their_counters(tmp_path):
     assert markdown in done.stdout
     assert "| preemptions | adapter evictions | adapter re-loads |" in markdown
     assert "**lora / base = " in markdown and "**Goal: lora / base seconds ≤ 1.1" in markdown
-    assert report["counters_source"] in markdown
+    assert "differences of engine.stats().residency" in markdown
     assert (tmp_path / "bench_lora-overhead-smoke_seconds.png").stat().st_size > 10_000
