@@ -1,15 +1,13 @@
-"""The soak's markdown report: the verdict and its checks, requests, churn, memory and
-resources, billing, shutdown and what is left.
-
-Part of the soak (``soak.py``).
-"""
+"""The soak's report: the markdown and the plot (RSS and its fit, responses/s by class,
+fds and threads, adapter versions against their bound, churn acts, over the same minutes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from loramux.benchmarks.soak_checks import USAGE_FIELDS
-from loramux.benchmarks.soak_sampling import MIB
+from loramux.benchmarks.bench_sweeps import pyplot
+from loramux.benchmarks.soak_server import MIB
+from loramux.benchmarks.soak_verdict import USAGE_FIELDS
 
 
 def _mark(ok: bool) -> str:
@@ -20,23 +18,26 @@ def _fmt(value, digits: int = 1) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
+def _table(header: str, rows: list[list]) -> list[str]:
+    """A markdown table; ``header`` is its cells joined by " | "."""
+    return [
+        f"| {header} |",
+        "|" + "---|" * (header.count(" | ") + 1),
+        *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
+    ]
+
+
 def render_markdown(report: dict, plot_name: str) -> str:
-    sections = (
-        _md_header(report),
-        _md_requests(report),
-        _md_churn(report),
-        _md_resources(report),
-        _md_billing(report),
-        _md_ending(report),
-        [f"![RSS, responses/s, fds and threads, churn acts over the run]({plot_name})", ""],
-    )
+    parts = (_md_header, _md_requests, _md_churn, _md_resources, _md_billing, _md_ending)
+    plot = f"![RSS, responses/s, fds and threads, churn acts over the run]({plot_name})"
+    sections = [*(part(report) for part in parts), [plot, ""]]
     return "\n".join(line for section in sections for line in section)
 
 
 def _md_header(report: dict) -> list[str]:
     c, m, v = report["config"], report["machine"], report["verdict"]
     loads = [s["load1"] for s in report["samples"]]
-    lines = [
+    return [
         "# Soak: loramux serve under steady load with adapter churn",
         "",
         f"{m['date']}, {m['cpu_model']} ({m['nproc']} cores), {m['mem_total_gib']} GiB; "
@@ -54,17 +55,18 @@ def _md_header(report: dict) -> list[str]:
         "",
         f"**Verdict: {'passed' if v['passed'] else 'FAILED'}.**",
         "",
-        "| check | result |",
-        "|---|---|",
+        *_table("check | result", [[name, _mark(ok)] for name, ok in v["checks"].items()]),
+        "",
     ]
-    lines += [f"| {name} | {_mark(ok)} |" for name, ok in v["checks"].items()]
-    return [*lines, ""]
 
 
 def _md_requests(report: dict) -> list[str]:
     counts, c = report["counts"], report["config"]
     statuses = sorted(counts["by_status"])
-    lines = [
+    by_kind = {**counts["by_kind"], "**all**": counts["by_status"]}
+    rows = [[kind, *(n.get(s, 0) for s in statuses)] for kind, n in by_kind.items()]
+    failed = (counts["failures"] + counts["unexpected_4xx"])[:10]
+    return [
         "## Requests",
         "",
         f"{counts['requests']} requests in {c['duration']:.0f} s "
@@ -74,18 +76,14 @@ def _md_requests(report: dict) -> list[str]:
         f"(expected): {counts['expected_404']}; 5xx, transport and stream errors: "
         f"{len(counts['failures'])}; other 4xx: {len(counts['unexpected_4xx'])}.",
         "",
-        "| kind | " + " | ".join(statuses) + " |",
-        "|---|" + "---|" * len(statuses),
-    ]
-    for kind, by_status in counts["by_kind"].items():
-        lines.append(f"| {kind} | " + " | ".join(str(by_status.get(s, 0)) for s in statuses) + " |")
-    lines.append("| **all** | " + " | ".join(str(counts["by_status"][s]) for s in statuses) + " |")
-    for o in (counts["failures"] + counts["unexpected_4xx"])[:10]:
-        lines.append(
+        *_table(" | ".join(["kind", *statuses]), rows),
+        *(
             f"- at {o['picked_s']:.1f} s: {o['kind']} on {o['tenant']}/{o['model']}: "
             f"{o['status']} {o['error']}"
-        )
-    return [*lines, ""]
+            for o in failed
+        ),
+        "",
+    ]
 
 
 def _md_churn(report: dict) -> list[str]:
@@ -120,27 +118,27 @@ def _md_churn(report: dict) -> list[str]:
 def _md_resources(report: dict) -> list[str]:
     v, samples = report["verdict"], report["samples"]
     first, last = samples[0], samples[-1]
-    lines = [
-        f"## Memory and resources (steady part: from {v['warmup_s']:.0f} s)",
-        "",
-        "| figure | at 0 s | steady start | end | min | max | slope /min | 2nd-half slope "
-        "/min | fitted rise | tolerance | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for key, label in (("rss_mib", "RSS (MiB)"), ("fds", "open fds"), ("threads", "threads")):
-        f = v["fits"][key]
+        f, tolerance = v["fits"][key], v["tolerances"][key]
         if f is None:
             continue
-        ok = f["fitted_rise"] <= v["tolerances"][key]
-        lines.append(
-            f"| {label} | {_fmt(first.get(key))} | {_fmt(f['first'])} | {_fmt(f['last'])} "
-            f"| {_fmt(f['min'])} | {_fmt(f['max'])} | {f['slope_per_min']:+.2f} "
-            f"| {_fmt(f['second_half_slope_per_min'], 2)} | {f['fitted_rise']:+.1f} "
-            f"| {v['tolerances'][key]:g} | {_mark(ok)} |"
+        levels = [_fmt(x) for x in (first.get(key), f["first"], f["last"], f["min"], f["max"])]
+        slopes = [f"{f['slope_per_min']:+.2f}", _fmt(f["second_half_slope_per_min"], 2)]
+        rise = f["fitted_rise"]
+        rows.append(
+            [label, *levels, *slopes, f"{rise:+.1f}", f"{tolerance:g}", _mark(rise <= tolerance)]
         )
     rss = v["fits"]["rss_mib"]
     parts = last.get("data_dir_parts_mib", {})
-    lines += [
+    return [
+        f"## Memory and resources (steady part: from {v['warmup_s']:.0f} s)",
+        "",
+        *_table(
+            "figure | at 0 s | steady start | end | min | max | slope /min | 2nd-half slope /min "
+            "| fitted rise | tolerance | verdict",
+            rows,
+        ),
         "",
         f"Peak RSS (VmHWM) {_fmt(last.get('hwm_mib'))} MiB. RSS scatter around the fit: "
         f"{_fmt(rss and rss['residual_std'], 2)} MiB (std). Server CPU time "
@@ -151,13 +149,15 @@ def _md_resources(report: dict) -> list[str]:
         "content-addressed and the churn re-uploads the same pool of adapters.",
         "",
     ]
-    return lines
 
 
 def _md_billing(report: dict) -> list[str]:
     b = report["billing"]
     done, cut = b["completed"], b["dropped"]
-    lines = [
+    rows = [[f, f"{done['returned'][f]:,}", f"{done['billed'][f]:,}"] for f in USAGE_FIELDS]
+    dropped = f"dropped streams ({cut['requests']}): completion tokens received / billed"
+    rows.append([dropped, f"{cut['tokens_received']:,}", f"{cut['tokens_billed']:,}"])
+    return [
         "## Billing",
         "",
         f"`/admin/usage?group_by=request` against what the API returned: {b['requests_billed']} "
@@ -166,16 +166,9 @@ def _md_billing(report: dict) -> list[str]:
         f"that no client saw; {b['requests_without_tokens']} delivered no token (a stream "
         "dropped after its first, empty chat chunk) and are not billed, as documented.",
         "",
-        f"| completed requests ({done['requests']}) | returned | billed |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {f} | {done['returned'][f]:,} | {done['billed'][f]:,} |" for f in USAGE_FIELDS]
-    lines += [
-        f"| dropped streams ({cut['requests']}): completion tokens received / billed "
-        f"| {cut['tokens_received']:,} | {cut['tokens_billed']:,} |",
+        *_table(f"completed requests ({done['requests']}) | returned | billed", rows),
         "",
     ]
-    return lines
 
 
 def _md_ending(report: dict) -> list[str]:
@@ -195,3 +188,109 @@ def _md_ending(report: dict) -> list[str]:
         f"{len(report['server_log_errors'])}; failed samples: {len(report['sample_errors'])}.",
         "",
     ]
+
+
+def _series(samples: list[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [(s["t_s"] / 60, s[key]) for s in samples if s.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def write_plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    samples, verdict = report["samples"], report["verdict"]
+    fig, axes = plt.subplots(
+        5, 1, figsize=(11, 13), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.5, 1.5, 1]}
+    )
+    _plot_memory(axes[0], samples, verdict)
+    _plot_rates(axes[1], report["rate_bins"], report["config"]["rate"])
+    _plot_resources(axes[2], samples)
+    _plot_adapters(axes[3], samples, verdict["registered_bound"])
+    _plot_churn(axes[4], report["churn_events"])
+    for ax in axes:
+        ax.axvspan(0, verdict["warmup_s"] / 60, color="0.92", zorder=0)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("minutes since the load started (grey: warm-up, left out of the fits)")
+    status = "passed" if verdict["passed"] else "FAILED"
+    fig.suptitle(
+        f"loramux serve soak: {report['config']['duration'] / 60:.1f} min, "
+        f"{report['counts']['requests']} requests, {len(report['churn_events'])} churn acts "
+        f"({status})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_memory(ax, samples: list[dict], verdict: dict) -> None:
+    """RSS and the fit; the y axis zooms on the steady level, the start (model loaded,
+    nothing served yet) is written in the corner; the host tier on its own axis."""
+    t, rss_mib = _series(samples, "rss_mib")
+    ax.plot(t, rss_mib, color="tab:blue", marker=".", label="server RSS")
+    fit_rss = verdict["fits"]["rss_mib"]
+    if fit_rss is not None:
+        slope = fit_rss["slope_per_min"]
+        ends = [fit_rss["from_s"] / 60, fit_rss["to_s"] / 60]
+        fitted = [fit_rss["intercept"] + slope * m for m in ends]
+        label = f"fit after warm-up: {slope:+.2f} MiB/min"
+        ax.plot(ends, fitted, color="black", linestyle="--", label=label)
+        ax.set_ylim(fit_rss["min"] - 80, max(rss_mib) + 40)
+        start = f"at 0 s: {rss_mib[0]:,.0f} MiB (before the first request)"
+        ax.text(0.01, 0.03, start, transform=ax.transAxes, fontsize=8)
+    ax.set_ylabel("RSS (MiB)")
+    host = ax.twinx()
+    host.step(*_series(samples, "host_mib"), where="post", color="tab:orange", alpha=0.5, lw=1)
+    host.plot(*_series(samples, "host_capacity_mib"), color="tab:orange", linestyle=":")
+    host.set_ylabel("host adapter tier (MiB; dotted: its bound)", color="tab:orange")
+    host.set_ylim(0, 4 * max(s.get("host_capacity_mib", 1) for s in samples))  # lower quarter
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def _plot_rates(ax, bins: list[dict], offered: float) -> None:
+    t = [b["t_s"] / 60 for b in bins]
+    width = (t[1] - t[0]) * 0.9 if len(t) > 1 else 0.1
+    bottom = [0.0] * len(bins)
+    for cls, color in (("ok", "tab:green"), ("4xx", "tab:olive"), ("failed", "tab:red")):
+        values = [b.get(cls, 0.0) for b in bins]
+        ax.bar(t, values, width=width, bottom=bottom, color=color, label=cls)
+        bottom = [a + b for a, b in zip(bottom, values, strict=True)]
+    ax.axhline(offered, color="0.4", linestyle=":", label=f"offered {offered}/s")
+    ax.set_ylabel("responses/s")
+    ax.legend(loc="lower right", fontsize=8, ncol=4)
+
+
+def _plot_resources(ax, samples: list[dict]) -> None:
+    ax.plot(*_series(samples, "fds"), color="tab:purple", marker=".", label="open fds")
+    ax.plot(*_series(samples, "threads"), color="tab:brown", marker=".", label="threads")
+    ax.set_ylabel("fds, threads")
+    ax.set_ylim(0, max(s.get("fds", 0) for s in samples) * 1.4)  # headroom for the legend
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
+
+
+def _plot_adapters(ax, samples: list[dict], bound: int) -> None:
+    """Adapter versions registered in the engine against their bound, and those resident
+    in host RAM and on the device (on an axis of their own: fds share none of it)."""
+    ax.plot(*_series(samples, "registered_adapters"), color="tab:cyan", label="registered")
+    ax.plot(*_series(samples, "host_adapters"), color="tab:orange", label="in host RAM")
+    ax.plot(*_series(samples, "device_adapters"), color="tab:green", label="on device")
+    ax.axhline(bound, color="tab:cyan", linestyle=":", label=f"registration bound ({bound})")
+    ax.set_ylabel("adapter versions")
+    top = max([bound, *(s.get("registered_adapters", 0) for s in samples)])
+    ax.set_ylim(0, top * 1.4)  # headroom for the legend
+    ax.legend(loc="upper left", fontsize=8, ncol=4)
+
+
+CHURN_COLORS = {"upload": "tab:green", "version": "tab:blue", "delete": "tab:red"}
+
+
+def _plot_churn(ax, events: list[dict]) -> None:
+    actions = list(CHURN_COLORS)
+    ax.eventplot(
+        [[e["started_s"] / 60 for e in events if e["action"] == a] for a in actions],
+        colors=list(CHURN_COLORS.values()),
+        lineoffsets=range(len(actions)),
+        linelengths=0.8,
+    )
+    ax.set_yticks(range(len(actions)), ["new adapter", "new version", "delete"])
+    ax.set_ylabel("churn")

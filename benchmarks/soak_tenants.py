@@ -1,9 +1,5 @@
-"""The soak's tenants and adapters: three tenants with keys, the pool of PEFT adapters the
-uploads draw from, the stable adapters uploaded before the load, and the catalog of live
-adapter names the churn writes and the clients read.
-
-Part of the soak (``soak.py``).
-"""
+"""The soak's tenants and adapters: three tenants with keys, the pool uploads draw from, the
+stable adapters, and the catalog of live names the churn writes and the clients read."""
 
 from __future__ import annotations
 
@@ -62,7 +58,7 @@ class Tenant:
     key: str
     stable: list[str] = field(default_factory=list)  # never deleted; new versions at times
     churned: list[str] = field(default_factory=list)  # live churned names, oldest first
-    fresh: str | None = None  # the churned name uploaded (or re-versioned) last
+    fresh: str | None = None  # the churned name uploaded (or re-versioned) last (while live)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -74,37 +70,31 @@ def prepare_pool(model_dir: Path, cache_dir: Path) -> list[AdapterSpec]:
     return prepare_adapters(cache_dir, model_dir, POOL_SHAPES, len(POOL_SHAPES), seed=7000)
 
 
-def create_tenants(server: Server) -> list[Tenant]:
-    tenants = []
-    with httpx.Client(base_url=server.url, headers=server.admin, timeout=60) as client:
-        for body in TENANTS:
-            made = expect(client.post("/admin/tenants", json=body), 201, f"tenant {body['name']}")
-            key = expect(client.post(f"/admin/tenants/{made['id']}/api-keys"), 201, "API key")
-            tenants.append(Tenant(body["name"], made["id"], key["key"]))
-    return tenants
-
-
-def base_model_id(server: Server) -> str:
-    with httpx.Client(base_url=server.url, headers=server.admin, timeout=60) as client:
-        models = expect(client.get("/v1/models"), 200, "listing models")["data"]
-    return models[0]["id"]  # an operator sees the base model only
-
-
 def upload(client: httpx.Client, tenant: Tenant, name: str, adapter: AdapterSpec):
     files = [("files", (f, (adapter.path / f).read_bytes())) for f in ADAPTER_FILES]
     return client.post("/v1/adapters", data={"name": name}, files=files, headers=tenant.headers)
 
 
-def upload_stable(server: Server, tenants: list[Tenant], pool: list[AdapterSpec]) -> None:
-    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as client:
-        for t, tenant in enumerate(tenants):
+def setup_tenants(server: Server, pool: list[AdapterSpec]) -> Catalog:
+    """The tenants, each with an API key and its stable adapters uploaded and ready."""
+    tenants = []
+    with httpx.Client(
+        base_url=server.url, headers=server.admin, timeout=REQUEST_TIMEOUT_S
+    ) as client:
+        for t, body in enumerate(TENANTS):
+            made = expect(client.post("/admin/tenants", json=body), 201, f"tenant {body['name']}")
+            key = expect(client.post(f"/admin/tenants/{made['id']}/api-keys"), 201, "API key")
+            tenant = Tenant(body["name"], made["id"], key["key"])
             for k in range(STABLE_ADAPTERS):
                 name = f"stable-{k}"
                 adapter = pool[(t * STABLE_ADAPTERS + k) % len(pool)]
-                body = expect(upload(client, tenant, name, adapter), 201, f"uploading {name}")
-                if body.get("status") != "ready":
-                    raise RuntimeError(f"{tenant.name}/{name} is {body.get('status')!r}")
+                done = expect(upload(client, tenant, name, adapter), 201, f"uploading {name}")
+                if done.get("status") != "ready":
+                    raise RuntimeError(f"{tenant.name}/{name} is {done.get('status')!r}")
                 tenant.stable.append(name)
+            tenants.append(tenant)
+        models = expect(client.get("/v1/models"), 200, "listing models")["data"]
+    return Catalog(tenants, models[0]["id"])  # an operator sees the base model only
 
 
 class Catalog:
@@ -141,9 +131,3 @@ class Catalog:
     def removed(self, tenant: Tenant, name: str) -> None:
         with self._lock:
             tenant.churned.remove(name)
-            if tenant.fresh == name:
-                tenant.fresh = None
-
-    def churned(self, tenant: Tenant) -> list[str]:
-        with self._lock:
-            return list(tenant.churned)

@@ -1,27 +1,149 @@
-"""The soak's verdict: responses classified by status, requests per second over time,
-lines fitted to RSS, fds and threads after the warm-up, the registration bound, and every
-check judged.
-
-Part of the soak (``soak.py``).
-"""
+"""The soak's checks and verdict: billing, the database and leftovers after the load;
+responses by status and over time, the fits, the registration bound, every check judged."""
 
 from __future__ import annotations
 
 import math
 import signal
+import sqlite3
+import time
 from collections import Counter
 from dataclasses import asdict
+from pathlib import Path
 
-from loramux.benchmarks.soak_churn import MAX_CHURNED
-from loramux.benchmarks.soak_ledger import Ledger, Outcome
+import httpx
+import numpy as np
+
+from loramux.benchmarks.soak_load import MAX_CHURNED, Ledger, Outcome
+from loramux.benchmarks.soak_server import Server, expect, listing, log_errors, redact, stop_server
 from loramux.benchmarks.soak_tenants import STABLE_ADAPTERS, TENANTS
+
+BILLING_WAIT_S = 60.0  # a dropped stream's row is written once the server sees the client left
+USAGE_FIELDS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "cost_micro_usd")
+
+
+def check_after_load(server: Server, ledger: Ledger) -> dict:
+    """Billing while the server runs; then SIGTERM, and what it left: files, database, log."""
+    billing = check_billing(server, ledger)
+    ending = {"shutdown": stop_server(server), "leftovers": leftovers(server)}
+    return {
+        "billing": billing,
+        "database": read_database(server.data_dir),
+        "ending": ending,
+        "server_log_errors": log_errors(server)[:50],
+        "server_log_tail": redact(server.log_tail(3000)),
+    }
+
+
+def check_billing(server: Server, ledger: Ledger) -> dict:
+    """Billing against what the API returned, request by request (see ``soak.py``), once
+    every dropped stream's row is there (or ``BILLING_WAIT_S`` passed)."""
+    returned = {o.request_id: o for o in ledger.outcomes if _tokens(o) is not None}
+    completed = [o for o in returned.values() if o.usage is not None]
+    cut = [o for o in returned.values() if o.usage is None]
+    dropped = {o.request_id for o in cut if o.delivered}
+    deadline = time.monotonic() + BILLING_WAIT_S
+    with httpx.Client(base_url=server.url, headers=server.admin, timeout=120) as client:
+        while True:
+            usage = client.get("/admin/usage", params={"group_by": "request"})
+            rows = {row["request_id"]: row for row in expect(usage, 200, "usage")["rows"]}
+            if dropped <= rows.keys() or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    mismatches = [m for rid, o in returned.items() if (m := _mismatch(o, rows.get(rid)))]
+    empty = sum(_tokens(o) == 0 for o in returned.values())
+    return {
+        "requests_returned": len(returned) - empty,  # those that delivered a token
+        "requests_without_tokens": empty,  # not billed, by design
+        "requests_billed": len(rows),
+        "billed_but_not_returned": sorted(set(rows) - set(returned))[:20],
+        "completed": {
+            "requests": len(completed),
+            "returned": {f: sum(o.usage[f] for o in completed) for f in USAGE_FIELDS},
+            "billed": {
+                f: sum(rows[o.request_id][f] for o in completed if o.request_id in rows)
+                for f in USAGE_FIELDS
+            },
+        },
+        "dropped": {
+            "requests": len(cut),
+            "tokens_received": sum(o.delivered for o in cut),
+            "tokens_billed": sum(
+                rows[o.request_id]["completion_tokens"] for o in cut if o.request_id in rows
+            ),
+        },
+        "mismatches": mismatches[:20],
+        "mismatch_count": len(mismatches),
+    }
+
+
+def _tokens(outcome: Outcome) -> int | None:
+    """Completion tokens the client got: its usage's, or those a dropped stream received
+    (None for a request that returned neither)."""
+    return outcome.delivered if outcome.usage is None else outcome.usage["completion_tokens"]
+
+
+def _mismatch(outcome: Outcome, row: dict | None) -> dict | None:
+    rid = outcome.request_id
+    if row is None:  # a request that delivered no token is not billed (by design)
+        return None if _tokens(outcome) == 0 else {"request_id": rid, "why": "not billed"}
+    if outcome.usage is not None:
+        billed = {f: row[f] for f in USAGE_FIELDS}
+        if billed != outcome.usage:
+            return {"request_id": rid, "returned": outcome.usage, "billed": billed}
+    elif row["completion_tokens"] != outcome.delivered or row["finish_reason"] != "abort":
+        return {
+            "request_id": rid,
+            "received": outcome.delivered,
+            "billed": row["completion_tokens"],
+            "finish_reason": row["finish_reason"],
+        }
+    return None
+
+
+def read_database(data_dir: Path) -> dict:
+    """After the server exited: adapter versions by status, provisional usage rows."""
+    db = sqlite3.connect(f"file:{data_dir / 'loramux.db'}?mode=ro", uri=True)
+    try:
+        versions = dict(db.execute("SELECT status, COUNT(*) FROM adapter_versions GROUP BY status"))
+        adapters = db.execute(
+            "SELECT SUM(deleted_at IS NULL), SUM(deleted_at IS NOT NULL) FROM adapters"
+        ).fetchone()
+        provisional = db.execute("SELECT COUNT(*) FROM usage_records WHERE NOT final").fetchone()
+    finally:
+        db.close()
+    return {
+        "versions_by_status": versions,
+        "stuck_versions": versions.get("uploading", 0) + versions.get("validating", 0),
+        "adapters_live": adapters[0] or 0,
+        "adapters_deleted": adapters[1] or 0,
+        "provisional_usage_rows": provisional[0],
+    }
+
+
+TORCH_CACHE_PREFIX = "torchinductor_"  # torch's per-user cache folder in TMPDIR, kept by design
+
+
+def leftovers(server: Server) -> list[str]:
+    """What uploads and requests left behind: anything in the upload workspace, anything
+    in the server's TMPDIR but torch's cache folder."""
+    uploads = [f"tmp/uploads/{name}" for name in listing(server.data_dir / "tmp" / "uploads")]
+    return uploads + [
+        f"TMPDIR/{name}"
+        for name in listing(server.tmp_dir)
+        if not name.startswith(TORCH_CACHE_PREFIX)
+    ]
+
 
 FD_SLACK = 8  # fds may vary by a few connections and files open at a sample
 THREAD_SLACK = 8  # thread pools (anyio's, the loader's) grow on demand up to their caps
 
 
-def is_failure(outcome: Outcome) -> bool:
-    return outcome.status in ("transport", "stream_error") or outcome.status.startswith("5")
+def response_class(outcome: Outcome) -> str:
+    """failed (5xx, a transport error or an error in a stream), ok (200) or 4xx."""
+    if outcome.status in ("transport", "stream_error") or outcome.status.startswith("5"):
+        return "failed"
+    return "ok" if outcome.status == "200" else "4xx"
 
 
 def classify(ledger: Ledger) -> dict:
@@ -38,27 +160,25 @@ def classify(ledger: Ledger) -> dict:
         )
 
     failures, expected_404, unexpected_4xx = [], 0, []
-    for o in ledger.outcomes:
-        if is_failure(o):
-            failures.append(o)
-        elif o.status == "404" and deleted_meanwhile(o):
-            expected_404 += 1
-        elif o.status.startswith("4"):
-            unexpected_4xx.append(o)
-    churn_failures = [e for e in ledger.events if not e.status.startswith("2")]
     by_kind: dict[str, Counter] = {}
     for o in ledger.outcomes:
         by_kind.setdefault(o.kind, Counter())[o.status] += 1
+        if response_class(o) == "failed":
+            failures.append(asdict(o))
+        elif o.status == "404" and deleted_meanwhile(o):
+            expected_404 += 1
+        elif o.status.startswith("4"):
+            unexpected_4xx.append(asdict(o))
     return {
         "requests": len(ledger.outcomes),
         "by_status": dict(Counter(o.status for o in ledger.outcomes)),
         "by_kind": {kind: dict(counts) for kind, counts in sorted(by_kind.items())},
         "by_target": dict(Counter(o.target for o in ledger.outcomes)),
         "expected_404": expected_404,
-        "failures": [asdict(o) for o in failures],
-        "unexpected_4xx": [asdict(o) for o in unexpected_4xx],
+        "failures": failures,
+        "unexpected_4xx": unexpected_4xx,
         "churn": dict(Counter(f"{e.action} {e.status}" for e in ledger.events)),
-        "churn_failures": [asdict(e) for e in churn_failures],
+        "churn_failures": [asdict(e) for e in ledger.events if not e.status.startswith("2")],
     }
 
 
@@ -67,8 +187,7 @@ def rate_bins(ledger: Ledger, width: float) -> list[dict]:
     over the time it covers)."""
     bins: dict[int, Counter] = {}
     for o in ledger.outcomes:
-        cls = "failed" if is_failure(o) else "ok" if o.status == "200" else "4xx"
-        bins.setdefault(int(o.finished_s // width), Counter())[cls] += 1
+        bins.setdefault(int(o.finished_s // width), Counter())[response_class(o)] += 1
     end_s = max((o.finished_s for o in ledger.outcomes), default=0.0)
     spans = {k: max(min(width, end_s - k * width), 1e-3) for k in bins}
     return [
@@ -79,8 +198,6 @@ def rate_bins(ledger: Ledger, width: float) -> list[dict]:
 
 def fit(samples: list[dict], key: str, since_s: float) -> dict | None:
     """A least-squares line through ``key`` over the samples from ``since_s`` on."""
-    import numpy as np
-
     points = [(s["t_s"], s[key]) for s in samples if key in s and s["t_s"] >= since_s]
     if len(points) < 3:
         return None
@@ -115,14 +232,14 @@ def registration_bound(args) -> int:
     return len(TENANTS) * (STABLE_ADAPTERS + MAX_CHURNED) + args.concurrency + in_grace
 
 
-def judge(args, samples: list[dict], counts: dict, billing: dict, db: dict, ending: dict) -> dict:
+def judge(args, samples: list[dict], counts: dict, checked: dict) -> dict:
+    billing, db, ending = checked["billing"], checked["database"], checked["ending"]
     since = args.warmup * args.duration
     registered = max((s.get("registered_adapters", 0) for s in samples), default=0)
+    bound = registration_bound(args)
     fits = {key: fit(samples, key, since) for key in ("rss_mib", "fds", "threads")}
     tolerances = {"rss_mib": args.rss_tolerance_mib, "fds": FD_SLACK, "threads": THREAD_SLACK}
-    growth = {
-        key: fits[key] is not None and fits[key]["fitted_rise"] > tolerances[key] for key in fits
-    }
+    steady = {key: fits[key] is None or fits[key]["fitted_rise"] <= tolerances[key] for key in fits}
     checks = {
         "no 5xx, transport or stream errors": not counts["failures"],
         "no unexpected 4xx": not counts["unexpected_4xx"],
@@ -132,11 +249,10 @@ def judge(args, samples: list[dict], counts: dict, billing: dict, db: dict, endi
         and billing["requests_billed"] == billing["requests_returned"],
         "no adapter version stuck uploading/validating": db["stuck_versions"] == 0,
         "no provisional usage row left": db["provisional_usage_rows"] == 0,
-        "RSS: no growth": not growth["rss_mib"],
-        "fds: no growth": not growth["fds"],
-        "threads: no growth": not growth["threads"],
-        "engine registrations within live adapters + requests": registered
-        <= registration_bound(args),
+        "RSS: no growth": steady["rss_mib"],
+        "fds: no growth": steady["fds"],
+        "threads: no growth": steady["threads"],
+        "engine registrations within live adapters + requests": registered <= bound,
         "nothing left in tmp/uploads or TMPDIR": not ending["leftovers"],
         "SIGTERM: graceful exit": ending["shutdown"]["graceful"]
         and ending["shutdown"]["exit_code"] in (0, -signal.SIGTERM),
@@ -144,7 +260,7 @@ def judge(args, samples: list[dict], counts: dict, billing: dict, db: dict, endi
     return {
         "warmup_s": since,
         "registered_max": registered,
-        "registered_bound": registration_bound(args),
+        "registered_bound": bound,
         "fits": fits,
         "tolerances": tolerances,
         "checks": checks,
