@@ -1,10 +1,7 @@
-"""The GPU runner's own report parts: references and goals, markdown.
+"""The GPU runner's own report parts: published references, goals, markdown.
 
-* ``judge``: each published reference next to loramux's figure (with the ratio), and each
-  goal with ``met`` True / False, or None with the reason when the run cannot be judged
-  (the CPU smoke; a workload other than the preset's). A goal is met only when every
-  request was served;
-* ``markdown_lines``: what ``bench_report.render_markdown`` adds for a GPU run.
+A goal is met only when every request was served; it is not judged (``met`` None, with
+the reason) for the CPU smoke or a workload other than the preset's.
 """
 
 from __future__ import annotations
@@ -45,15 +42,6 @@ def _gib(value: int | None) -> str:
     if value is None:
         return "—"
     return f"{value / 2**30:.1f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
-
-
-def _goal_text(goal: dict) -> str:
-    unit = METRIC_UNITS.get(goal["metric"], goal["metric"])
-    why = f" ({goal['why']})" if goal["why"] else ""
-    return (
-        f"**Goal: loramux {unit} {goal['relation']} {goal['value']:g}{why}: measured "
-        f"{goal['measured']:.2f}, {goal['verdict']}.**"
-    )
 
 
 def markdown_lines(report: dict) -> list[str]:
@@ -98,5 +86,11 @@ def markdown_lines(report: dict) -> list[str]:
                 f"| {ref['loramux']:.2f} {unit} | {ref['ratio']:.2f}x |"
             )
     for goal in report["goals"]:
-        lines += ["", _goal_text(goal)]
+        unit = METRIC_UNITS.get(goal["metric"], goal["metric"])
+        why = f" ({goal['why']})" if goal["why"] else ""
+        lines += [
+            "",
+            f"**Goal: loramux {unit} {goal['relation']} {goal['value']:g}{why}: measured "
+            f"{goal['measured']:.2f}, {goal['verdict']}.**",
+        ]
     return lines
