@@ -6,22 +6,20 @@ transformers + PEFT baseline built on the same random weights.
   below 32,000 decode fine); the engine runs them with ``load_format="random"``.
 * Adapters (``random_adapter_state``, drawn by ``adapters.lora_tensors``): PEFT LoRA
   tensors on q/k/v/o (S-LoRA's setting) made on the host from ``(seed, index)`` alone,
-  A ~ N(0, 1/in), B ~ N(0, 0.02²), ``lora_alpha = 2r``: a delta of 10-25% of a 7B projection's output, large enough at
-  the smoke's tiny shapes to change greedy tokens. The engine gets them through a
-  ``CallableSource`` whose fetch writes the two PEFT files (``random_adapter_source``),
-  so its loader threads pay what a store fetch costs; the baseline gets the tensors.
-* Baseline model (``baseline_model``): transformers' ``LlamaForCausalLM`` built on the
-  device in the run's dtype and filled by the engine's own ``fill_random_`` with the
-  engine's seed, so both systems hold the same weights, wrapped in a ``PeftModel``.
+  A ~ N(0, 1/in), B ~ N(0, 0.02²), ``lora_alpha = 2r``: a delta of 10-25% of a 7B
+  projection's output, large enough at the smoke's tiny shapes to change greedy tokens.
+  The engine fetches them through a ``CallableSource`` that writes the two PEFT files
+  (``random_adapter_source``), paying what a store fetch costs; the baseline gets the
+  tensors.
+* Baseline model (``baseline_model``): transformers' ``LlamaForCausalLM`` filled by the
+  engine's own ``fill_random_`` with the engine's seed: both systems hold the same weights.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -97,38 +95,23 @@ def random_model_dir(folder: Path, hf_config: dict, tokenizer_source) -> Path:
     return folder
 
 
-def adapter_seed(seed: int, index: int) -> int:
-    """The generator seed of workload adapter ``index`` (one stream per adapter)."""
-    return seed * 1_000_003 + index
-
-
 def random_adapter_state(
     model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """PEFT-named LoRA tensors of adapter ``index`` on q/k/v/o (``adapters.lora_tensors``)."""
+    """PEFT-named LoRA tensors of adapter ``index`` on q/k/v/o, one generator per adapter."""
     return lora_tensors(
-        model_config, rank, QKVO, seed=adapter_seed(seed, index), a_std=None, dtype=dtype
+        model_config, rank, QKVO, seed=seed * 1_000_003 + index, a_std=None, dtype=dtype
     )
 
 
-class RandomAdapterFiles:
-    """A ``CallableSource`` fetch: writes adapter ``index``'s two PEFT files into ``dest``."""
-
-    def __init__(self, model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype):
-        self.model_config, self.rank, self.seed, self.index = model_config, rank, seed, index
-        self.dtype = dtype
-
-    def __call__(self, dest: Path) -> None:
-        state = random_adapter_state(
-            self.model_config, self.rank, seed=self.seed, index=self.index, dtype=self.dtype
-        )
-        write_adapter(dest, state, adapter_config(self.rank, QKVO))
-
-
 def random_adapter_source(model_config, rank: int, *, seed: int, index: int, dtype: torch.dtype):
+    """A ``CallableSource`` whose fetch writes adapter ``index``'s two PEFT files."""
     from loramux.engine.lora.source import CallableSource
 
-    fetch = RandomAdapterFiles(model_config, rank, seed=seed, index=index, dtype=dtype)
+    def fetch(dest: Path) -> None:
+        state = random_adapter_state(model_config, rank, seed=seed, index=index, dtype=dtype)
+        write_adapter(dest, state, adapter_config(rank, QKVO))
+
     return CallableSource(fetch, description=f"random adapter {index} (rank {rank}, seed {seed})")
 
 
@@ -137,23 +120,8 @@ def lora_config(rank: int):
     from peft import LoraConfig
 
     raw = adapter_config(rank, QKVO)
-    return LoraConfig(
-        r=rank,
-        lora_alpha=raw["lora_alpha"],
-        lora_dropout=raw["lora_dropout"],
-        target_modules=raw["target_modules"],
-        bias=raw["bias"],
-    )
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+    fields = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias")
+    return LoraConfig(**{name: raw[name] for name in fields})
 
 
 def baseline_model(model_dir: Path, *, seed: int, dtype: torch.dtype, device: str, warm_rank: int):
@@ -167,8 +135,13 @@ def baseline_model(model_dir: Path, *, seed: int, dtype: torch.dtype, device: st
     hf_config = AutoConfig.from_pretrained(model_dir)
     # Allocated on the device in the dtype from the start (transformers' own init runs
     # there too, then is overwritten); never a host or float32 copy of the weights.
-    with torch.device(device), _default_dtype(dtype):
-        base = LlamaForCausalLM(hf_config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            base = LlamaForCausalLM(hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     fill_random_(base, seed=seed)
     model = get_peft_model(
         base, lora_config(warm_rank), adapter_name=WARM_ADAPTER, autocast_adapter_dtype=False

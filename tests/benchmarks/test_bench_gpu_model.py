@@ -17,7 +17,6 @@ from loramux.benchmarks.adapters import QKVO
 from loramux.benchmarks.bench_gpu_model import (
     SMOKE_MODEL,
     WARM_ADAPTER,
-    RandomAdapterFiles,
     baseline_model,
     lora_config,
     random_adapter_source,
@@ -56,9 +55,10 @@ def test_model_folder_has_the_config_and_a_tokenizer_but_no_weights(model_dir, t
     assert random_model_dir(model_dir, SMOKE_MODEL, lambda: pytest.fail("asked again")) == model_dir
 
 
-def test_adapter_files_parse_and_depend_only_on_seed_and_index(tmp_path):
-    RandomAdapterFiles(CONFIG, 16, seed=3, index=5, dtype=torch.float32)(tmp_path)
-    weights = load_adapter(tmp_path, CONFIG, name="a5", dtype=torch.float32)
+def test_adapter_files_parse_and_depend_only_on_seed_and_index():
+    source = random_adapter_source(CONFIG, 16, seed=3, index=5, dtype=torch.float32)
+    with source.materialize() as path:  # the fetch writes the two PEFT files
+        weights = load_adapter(path, CONFIG, name="a5", dtype=torch.float32)
     assert set(weights.modules) == set(QKVO)
     q_proj = weights.modules["q_proj"]
     assert (q_proj.rank, q_proj.scale) == (16, 2.0)  # lora_alpha = 2r
