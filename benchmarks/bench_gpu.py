@@ -1,22 +1,18 @@
 """The GPU runner of ``loramux bench``: ``slora-s1``, ``slora-s2`` and ``punica-distinct``.
 
-Both systems serve the preset's requests on one CUDA GPU at Llama-7B shapes with random
-bf16 weights (``bench_gpu_model``), one after the other in the same process:
+Both systems serve the preset's requests on one CUDA GPU at Llama-7B shapes with the
+same random bf16 weights (``bench_gpu_model``), one after the other in the same process:
 
-* **loramux**: the engine in-process with ``load_format="random"`` (weights drawn on the
-  device from the workload's seed) and the preset's ``engine`` settings; every adapter is
-  registered with a ``CallableSource`` whose fetch writes its PEFT files, generated from
-  (seed, adapter index), so the engine's loader threads fetch and parse each one on
-  demand, bounded by the host tier, like a store fetch. Before the clock starts, a
-  warm-up runs one request per rank of the mix (kernel compilation, CUDA graphs) on
-  adapters outside the workload; with ``preload_adapters`` every workload adapter is
-  then brought onto the device (Punica's setting);
-* **baseline**: transformers' ``LlamaForCausalLM`` with the same weights (filled by the
-  engine's own ``fill_random_`` from the same seed) under PEFT, static mixed-adapter
-  batches (``adapter_names=``) over the first ``baseline_requests`` requests, holding at
-  most ``baseline_resident`` adapters: each batch's missing adapters are loaded before
-  it runs and the least recently used evicted (``driver_peft_swap``), their tensors made
-  by as many threads as the engine's loader has, one batch ahead.
+* **loramux**: the engine in-process with ``load_format="random"`` and the preset's
+  ``engine`` settings; its loader threads fetch each adapter on demand from a
+  ``CallableSource``, bounded by the host tier, like a store fetch. Before the clock
+  starts, a warm-up runs one request per rank of the mix (kernel compilation, CUDA
+  graphs) on adapters outside the workload; with ``preload_adapters`` every workload
+  adapter is then brought onto the device (Punica's setting);
+* **baseline**: transformers + PEFT, static mixed-adapter batches over the first
+  ``baseline_requests`` requests, holding at most ``baseline_resident`` adapters,
+  swapped per batch with host tensors made one batch ahead by as many threads as the
+  engine's loader has (``driver_peft.AdapterSwapper``).
 
 Each system's clock starts after its warm-up; its duration ends with its last request.
 The report adds to ``bench``'s: the model and adapter settings, the engine's
@@ -55,8 +51,7 @@ from loramux.benchmarks.bench_gpu_report import judge, unjudged_reason
 from loramux.benchmarks.bench_presets import PRESETS, Preset
 from loramux.benchmarks.bench_report import figures, ratios
 from loramux.benchmarks.driver_engine import exact_length_params, run_engine
-from loramux.benchmarks.driver_peft import adapter_names, serve_static_batches
-from loramux.benchmarks.driver_peft_swap import AdapterSwapper
+from loramux.benchmarks.driver_peft import AdapterSwapper, adapter_names, serve_static_batches
 from loramux.benchmarks.kernels_gpu_timing import free_device_memory
 from loramux.benchmarks.machine import machine_info
 from loramux.benchmarks.measures import agreement, memory_high_water
@@ -68,7 +63,6 @@ from loramux.benchmarks.workload import (
     requests_with_prompts,
 )
 
-MODEL_FOLDERS = {"gpu": "llama-7b-random", "smoke": "llama-tiny-random-smoke"}
 SMOKE_ENGINE = {
     "kv_cache_bytes": 16 << 20,
     "adapter_host_bytes": 64 << 20,
@@ -81,6 +75,12 @@ SMOKE_REQUESTS, SMOKE_ADAPTERS, SMOKE_INPUT, SMOKE_OUTPUT = 12, 8, 24, 8
 SMOKE_BASELINE = {"baseline_batch": 4, "baseline_requests": 8}
 SMOKE_RESIDENT = 2  # fewer than a batch's adapters: the baseline evicts (unless preloading)
 WARM_PROMPT_LEN = 40  # spans several KV blocks
+ADAPTER_SOURCE = (
+    "PEFT LoRA on q/k/v/o generated from (seed, adapter index) by a CallableSource's "
+    "fetch, which writes the two PEFT files; the engine's loader threads fetch and parse "
+    "each on demand, bounded by the host tier"
+)
+PRELOAD = "every workload adapter brought onto the device before the clock starts"
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,16 @@ class GpuSetup:
     def dtype(self) -> torch.dtype:
         return self.engine_config().torch_dtype
 
+    def adapter_source(self, rank: int, index: int):
+        return random_adapter_source(
+            self.model_config, rank, seed=self.seed, index=index, dtype=self.dtype
+        )
+
+    def adapter_state(self, rank: int, index: int) -> dict[str, torch.Tensor]:
+        return random_adapter_state(
+            self.model_config, rank, seed=self.seed, index=index, dtype=self.dtype
+        )
+
     def workload(self, spec: WorkloadSpec) -> tuple[list[WorkloadRequest], dict[int, list[int]]]:
         avoid = frozenset(self.model_config.eos_token_ids)
         return requests_with_prompts(spec, vocab_size=self.model_config.vocab_size, avoid=avoid)
@@ -116,9 +126,9 @@ class GpuSetup:
 
 def model_folder(cache_dir: Path, *, smoke: bool) -> Path:
     """The weightless model folder (config.json + SmolLM2's tokenizer files), made once."""
-    mode = "smoke" if smoke else "gpu"
+    name = "llama-tiny-random-smoke" if smoke else "llama-7b-random"
     return random_model_dir(
-        cache_dir / "random-models" / MODEL_FOLDERS[mode],
+        cache_dir / "random-models" / name,
         SMOKE_MODEL if smoke else LLAMA_7B,
         lambda: prepare_model(cache_dir),
     )
@@ -127,23 +137,18 @@ def model_folder(cache_dir: Path, *, smoke: bool) -> Path:
 def smoke_preset(preset: Preset) -> Preset:
     """``preset`` at the smoke's sizes, on the smoke's engine settings."""
     spec = preset.workload
-
-    def capped(bounds: tuple[int, int], cap: int) -> tuple[int, int]:
-        return (min(bounds[0], cap), min(bounds[1], cap))
-
     workload = dataclasses.replace(
         spec,
         num_requests=min(spec.num_requests, SMOKE_REQUESTS),
         num_adapters=min(spec.num_adapters, SMOKE_ADAPTERS),
-        input_len=capped(spec.input_len, SMOKE_INPUT),
-        output_len=capped(spec.output_len, SMOKE_OUTPUT),
+        input_len=tuple(min(n, SMOKE_INPUT) for n in spec.input_len),
+        output_len=tuple(min(n, SMOKE_OUTPUT) for n in spec.output_len),
     )
-    resident = None if preset.preload_adapters else SMOKE_RESIDENT
     return dataclasses.replace(
         preset,
         workload=workload,
         engine=SMOKE_ENGINE,
-        baseline_resident=resident,
+        baseline_resident=None if preset.preload_adapters else SMOKE_RESIDENT,
         **SMOKE_BASELINE,
     )
 
@@ -168,9 +173,6 @@ def make_setup(
     )
 
 
-# --- loramux ------------------------------------------------------------------------------
-
-
 def serve_loramux(
     setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, list[int]] | None = None
 ) -> dict:
@@ -180,16 +182,22 @@ def serve_loramux(
     requests, prompts = setup.workload(spec)
     names = [f"a{k}" for k in range(spec.num_adapters)]
     tenants = {t.name: (t.priority, t.weight) for t in spec.tenants}
+    # warm-up adapters: one per rank of the mix, indices after the workload's
+    warm_ranks = list(dict.fromkeys(spec.ranks))
+    warm = [f"warm-r{rank}" for rank in warm_ranks]
     engine = Engine(setup.engine_config())
     try:
-        for k, rank in enumerate(adapter_ranks(spec)):
-            source = random_adapter_source(
-                setup.model_config, rank, seed=setup.seed, index=k, dtype=setup.dtype
-            )
-            engine.register_adapter(names[k], source)
-        _warm_up(engine, setup, spec)
-        if setup.preset.preload_adapters:
-            _generate_one_token(engine, names)
+        ranks = adapter_ranks(spec) + warm_ranks
+        for k, (name, rank) in enumerate(zip(names + warm, ranks, strict=True)):
+            engine.register_adapter(name, setup.adapter_source(rank, k))
+        warm_prompts = [
+            [10 + (7 * i + j) % 1000 for j in range(WARM_PROMPT_LEN)] for i in range(len(warm) + 1)
+        ]
+        engine.generate(warm_prompts, exact_length_params(4), adapters=[*warm, None])
+        for name in warm:
+            engine.remove_adapter(name)
+        if setup.preset.preload_adapters and names:  # onto the device: one token each
+            engine.generate([[7, 8, 9]] * len(names), exact_length_params(1), adapters=names)
         before = read_counters(engine)
         _reset_peak_memory(setup.device)
         records = run_engine(engine, requests, prompts, names, tenants=tenants, token_ids=token_ids)
@@ -203,70 +211,16 @@ def serve_loramux(
     return {"driver": "engine", **result}
 
 
-def _warm_up(engine, setup: GpuSetup, spec: WorkloadSpec) -> None:
-    """One request per rank of the mix on an adapter outside the workload, one on the base
-    model: kernels compile and graphs are captured before the clock starts."""
-    warm = []
-    for i, rank in enumerate(dict.fromkeys(spec.ranks)):
-        name = f"warm-r{rank}"
-        source = random_adapter_source(
-            setup.model_config,
-            rank,
-            seed=setup.seed,
-            index=spec.num_adapters + i,
-            dtype=setup.dtype,
-        )
-        engine.register_adapter(name, source)
-        warm.append(name)
-    prompts = [
-        [10 + (7 * i + j) % 1000 for j in range(WARM_PROMPT_LEN)] for i in range(len(warm) + 1)
-    ]
-    engine.generate(prompts, exact_length_params(4), adapters=[*warm, None])
-    for name in warm:
-        engine.remove_adapter(name)
-
-
-def _generate_one_token(engine, names: list[str]) -> None:
-    """Bring every adapter in ``names`` onto the device (one 1-token request each)."""
-    if names:
-        engine.generate([[7, 8, 9]] * len(names), exact_length_params(1), adapters=names)
-
-
-# --- baseline -----------------------------------------------------------------------------
-
-
-def baseline_policy(setup: GpuSetup, served: int, total: int) -> str:
-    p = setup.preset
-    resident = p.baseline_resident or setup.preset.workload.num_adapters
-    return (
-        f"transformers + PEFT, static mixed-adapter batches of {p.baseline_batch} "
-        f"(adapter_names=) in arrival order over the first {served} of the {total} requests; "
-        f"before each batch PEFT loads the batch's adapters it does not hold (add_adapter + "
-        f"set_peft_model_state_dict, host tensors made one batch ahead by "
-        f"{_loader_workers(setup)} threads) and deletes the least recently used beyond "
-        f"{resident}; that time counts against the batch"
-        + ("; every adapter loaded before the clock starts" if p.preload_adapters else "")
-    )
-
-
-def _loader_workers(setup: GpuSetup) -> int:
-    return setup.engine_config().adapter_load_workers
-
-
 def serve_baseline(setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, list[int]]) -> dict:
     """The baseline's figures over the first ``baseline_requests`` requests of ``spec``."""
     p = setup.preset
     requests, prompts = setup.workload(spec)
-    held_before = _allocated_memory(setup.device)  # what loramux's run left on the device
+    # what loramux's run left on the device
+    held_before = int(torch.cuda.memory_allocated()) if setup.device.startswith("cuda") else None
     served = sorted(requests, key=lambda r: (r.arrival_s, r.index))[: p.baseline_requests]
     ranks = adapter_ranks(spec)
-
-    def make_state(k: int):
-        state = random_adapter_state(
-            setup.model_config, ranks[k], seed=setup.seed, index=k, dtype=setup.dtype
-        )
-        return lora_config(ranks[k]), state
-
+    resident = p.baseline_resident or spec.num_adapters
+    workers = setup.engine_config().adapter_load_workers
     model = baseline_model(
         setup.model_dir,
         seed=setup.seed,
@@ -276,15 +230,15 @@ def serve_baseline(setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, lis
     )
     swapper = AdapterSwapper(
         model,
-        make_state,
-        resident=p.baseline_resident or spec.num_adapters,
-        workers=_loader_workers(setup),
+        lambda k: (lora_config(ranks[k]), setup.adapter_state(ranks[k], k)),
+        resident=resident,
+        workers=workers,
         held=[WARM_ADAPTER],
     )
     try:
-        if p.preload_adapters:
-            swapper.preload(r.adapter for r in served if r.adapter is not None)
-        preloaded = swapper.loads
+        if p.preload_adapters:  # every adapter loaded before the clock starts
+            swapper.before_batch(served, [])
+        preloaded = swapper.stats["adapter_loads"]
         _reset_peak_memory(setup.device)
         records = serve_static_batches(
             model,
@@ -298,18 +252,23 @@ def serve_baseline(setup: GpuSetup, spec: WorkloadSpec, token_ids: dict[int, lis
         )
         result = figures(records, p, spec)
         result["peak_gpu_bytes"] = _peak_memory(setup.device)
-        result["adapter_traffic"] = {**swapper.stats(), "preloaded": preloaded}
+        result["adapter_traffic"] = {**swapper.stats, "preloaded": preloaded}
     finally:
         swapper.close()
         del model, swapper
         free_device_memory()
     result["gpu_bytes_held_before"] = held_before
-    result["policy"] = baseline_policy(setup, len(served), len(requests))
+    result["policy"] = (
+        f"transformers + PEFT, static mixed-adapter batches of {p.baseline_batch} "
+        f"(adapter_names=) in arrival order over the first {len(served)} of the "
+        f"{len(requests)} requests; before each batch PEFT loads the batch's adapters it "
+        f"does not hold (add_adapter + set_peft_model_state_dict, host tensors made one "
+        f"batch ahead by {workers} threads) and deletes the least recently used beyond "
+        f"{resident}; that time counts against the batch"
+        + ("; every adapter loaded before the clock starts" if p.preload_adapters else "")
+    )
     result["batch_size"] = p.baseline_batch
     return result
-
-
-# --- memory -------------------------------------------------------------------------------
 
 
 def _reset_peak_memory(device: str) -> None:
@@ -319,17 +278,11 @@ def _reset_peak_memory(device: str) -> None:
 
 
 def _peak_memory(device: str) -> int | None:
+    """``torch.cuda.max_memory_allocated`` since the reset (None on the CPU)."""
     if not device.startswith("cuda"):
         return None
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated())
-
-
-def _allocated_memory(device: str) -> int | None:
-    return int(torch.cuda.memory_allocated()) if device.startswith("cuda") else None
-
-
-# --- the run ------------------------------------------------------------------------------
 
 
 def run_gpu_preset(setup: GpuSetup, args) -> dict:
@@ -346,7 +299,6 @@ def run_gpu_preset(setup: GpuSetup, args) -> dict:
     if not args.no_baseline:
         print(f"transformers + PEFT: the first {p.baseline_requests} requests ...", flush=True)
         baseline = serve_baseline(setup, spec, baseline_ids)
-    unjudged = unjudged_reason(PRESETS[p.name], spec.num_adapters, setup.smoke)
     return {
         "preset": p.name,
         "description": p.description,
@@ -355,7 +307,13 @@ def run_gpu_preset(setup: GpuSetup, args) -> dict:
         "adapter_ranks": adapter_ranks(spec),
         "machine": machine_info(setup.device),
         "model": _model_facts(setup),
-        "adapters": _adapter_facts(setup),
+        "adapters": {
+            "targets": list(QKVO),
+            "a_std": "1/sqrt(in_features)",
+            "b_std": ADAPTER_STD,
+            "lora_alpha": "2 * rank",
+            "source": ADAPTER_SOURCE + (f"; {PRELOAD}" if p.preload_adapters else ""),
+        },
         "engine_config": dataclasses.asdict(setup.engine_config()),
         "memory_high_water": memory_high_water(),
         "slo": {"ttft_s": p.slo_ttft_s, "itl_s": p.slo_itl_s},
@@ -364,7 +322,7 @@ def run_gpu_preset(setup: GpuSetup, args) -> dict:
         "ratios": ratios(loramux, baseline),
         "ratio_note": _ratio_note(baseline, spec),
         "agreement": None if baseline is None else agreement(loramux_ids, baseline_ids),
-        **judge(p, loramux, unjudged),
+        **judge(p, loramux, unjudged_reason(PRESETS[p.name], spec.num_adapters, setup.smoke)),
         "gpu_figures": "not measured yet (this run is the CPU smoke of the GPU runner)"
         if setup.smoke
         else f"measured on {torch.cuda.get_device_name()}",
@@ -400,21 +358,4 @@ def _model_facts(setup: GpuSetup) -> dict:
         "dtype": _dtype_name(setup.dtype),
         "device": setup.device,
         "folder": str(setup.model_dir),
-    }
-
-
-def _adapter_facts(setup: GpuSetup) -> dict:
-    source = (
-        "PEFT LoRA on q/k/v/o generated from (seed, adapter index) by a CallableSource's "
-        "fetch, which writes the two PEFT files; the engine's loader threads fetch and parse "
-        "each on demand, bounded by the host tier"
-    )
-    if setup.preset.preload_adapters:
-        source += "; every workload adapter brought onto the device before the clock starts"
-    return {
-        "targets": list(QKVO),
-        "a_std": "1/sqrt(in_features)",
-        "b_std": ADAPTER_STD,
-        "lora_alpha": "2 * rank",
-        "source": source,
     }

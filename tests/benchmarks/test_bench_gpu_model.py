@@ -23,7 +23,7 @@ from loramux.benchmarks.bench_gpu_model import (
     random_adapter_state,
     random_model_dir,
 )
-from loramux.benchmarks.driver_peft_swap import AdapterSwapper
+from loramux.benchmarks.driver_peft import AdapterSwapper
 from loramux.benchmarks.workload import WorkloadRequest
 from loramux.engine import Engine, EngineConfig, SamplingParams
 from loramux.engine.lora.adapter import load_adapter
@@ -111,7 +111,7 @@ def test_swapper_holds_each_batch_and_evicts_the_least_recently_used(model_dir):
     assert set(model.peft_config) == {WARM_ADAPTER, "a0", "a1"}
     swapper.before_batch(second, [])  # a1 used again; warm and a0 out; a2, a3 in
     assert set(model.peft_config) == {"a1", "a2", "a3"}
-    assert (swapper.loads, swapper.evictions) == (4, 2)
+    assert (swapper.stats["adapter_loads"], swapper.stats["adapter_evictions"]) == (4, 2)
     third = [request(6, 4), request(7, 5), request(8, 6), request(9, 7)]
     swapper.before_batch(third, [])  # more than the bound: the batch's own, and one
     assert set(model.peft_config) == {"a3", "a4", "a5", "a6", "a7"}
@@ -128,5 +128,5 @@ def test_swapper_holds_each_batch_and_evicts_the_least_recently_used(model_dir):
     loaded = model.base_model.model.model.layers[1].self_attn.v_proj.lora_A["a5"].weight
     expected = random_adapter_state(CONFIG, 8, seed=0, index=5, dtype=torch.float32)
     assert torch.equal(loaded, expected[key(1, "v_proj", "A")])
-    assert swapper.stats()["max_adapters_held"] == 5  # room is made before loading
+    assert swapper.stats["max_adapters_held"] == 5  # room is made before loading
     swapper.close()
