@@ -1,8 +1,10 @@
 """Paged attention: the Triton decode and prefill kernels against the torch reference.
 
-The cache holds random keys and values; each sequence's blocks are scattered over the
-cache in random order (a running engine's allocator hands out whatever is free). Every
-context is exactly ``context`` tokens long (decode: including the new token).
+A case is ``num_seqs`` sequences of ``prefix`` cached tokens and ``new_tokens`` new ones
+each; one new token is a decode batch (Triton's decode kernel), more a prefill batch
+(its prefill kernel). The cache holds random keys and values; each sequence's blocks are
+scattered over the cache in random order (a running engine's allocator hands out
+whatever is free).
 
 Bytes and FLOPs of the floor, with e the element size, B sequences, L_s their context
 lengths, n_s their new tokens (T = Σ n_s queries), Hq / Hkv query / KV heads of dim D:
@@ -34,12 +36,7 @@ from functools import partial
 
 import torch
 
-from loramux.benchmarks.kernels_gpu_timing import (
-    BenchContext,
-    relative_error,
-    run_case,
-    timing_fields,
-)
+from loramux.benchmarks.kernels_gpu_timing import BenchContext, kernel_row, run_case
 from loramux.kernels.paged_attention import paged_attention_reference, plan_attention
 
 BASELINE_GATHER_BYTES = 16 << 30
@@ -48,39 +45,19 @@ TARGET_COPY_FRACTION = 0.70
 
 
 @dataclass(frozen=True)
-class DecodeAttentionCase:
-    batch: int
-    context: int
-    kv_heads: int
-    q_heads: int
-    head_dim: int
-    block_size: int
-    target: bool  # the target's shape (batch 64 × 2048 on the GPU grid)
-
-
-@dataclass(frozen=True)
-class PrefillAttentionCase:
+class AttentionCase:
     num_seqs: int
-    new_tokens: int  # per sequence
+    new_tokens: int  # per sequence; 1: a decode batch
     prefix: int  # tokens already cached before them
     kv_heads: int
     q_heads: int
     head_dim: int
     block_size: int
-
-
-@dataclass
-class _PagedKV:
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor
-    tables: torch.Tensor  # [B, max_blocks] int32, 0-padded
-    table_lists: list[list[int]]
-    context_lens: list[int]
-    lens: torch.Tensor  # [B] int32
+    target: bool = False  # the decode target's shape (batch 64 × 2048 on the GPU grid)
 
     @property
-    def table_bytes(self) -> int:
-        return 4 * sum(map(len, self.table_lists))
+    def decode(self) -> bool:
+        return self.new_tokens == 1
 
 
 def shuffled_block_tables(context_lens: list[int], block_size: int) -> list[list[int]]:
@@ -92,197 +69,78 @@ def shuffled_block_tables(context_lens: list[int], block_size: int) -> list[list
     return [order[end - count : end] for end, count in zip(ends, counts, strict=True)]
 
 
-def padded_tables(table_lists: list[list[int]], device: torch.device) -> torch.Tensor:
-    """``[B, max_blocks]`` int32, 0-padded: the Triton kernels' block tables."""
-    width = max(map(len, table_lists))
-    rows = [t + [0] * (width - len(t)) for t in table_lists]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+def run_attention_case(case: AttentionCase, ctx: BenchContext) -> dict:
+    heads = {"q_heads": case.q_heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim}
+    if case.decode:
+        fields = {"batch": case.num_seqs, "context": case.prefix + 1, **heads}
+        fields["target"] = case.target
+    else:
+        shape = {"num_seqs": case.num_seqs, "new_tokens": case.new_tokens, "prefix": case.prefix}
+        fields = {**shape, **heads}
+    return run_case(fields, lambda: _measure(case, ctx))
 
 
-def random_paged_kv(
-    context_lens: list[int], kv_heads: int, head_dim: int, block_size: int, ctx: BenchContext
-) -> _PagedKV:
-    table_lists = shuffled_block_tables(context_lens, block_size)
-    shape = (sum(map(len, table_lists)), block_size, kv_heads, head_dim)
-    return _PagedKV(
-        k_cache=torch.randn(shape, dtype=ctx.dtype, device=ctx.device),
-        v_cache=torch.randn(shape, dtype=ctx.dtype, device=ctx.device),
-        tables=padded_tables(table_lists, ctx.device),
-        table_lists=table_lists,
-        context_lens=list(context_lens),
-        lens=torch.tensor(context_lens, dtype=torch.int32, device=ctx.device),
-    )
-
-
-def _reference_first_seqs(
-    query: torch.Tensor, kv: _PagedKV, query_lens: list[int], num_seqs: int, scale: float
-) -> torch.Tensor:
-    """float32 reference for the first ``num_seqs`` sequences, on a compacted cache copy."""
-    tables = kv.table_lists[:num_seqs]
-    blocks = torch.tensor([b for t in tables for b in t], device=kv.k_cache.device)
-    renumbered, next_block = [], 0
-    for table in tables:
-        renumbered.append(list(range(next_block, next_block + len(table))))
-        next_block += len(table)
-    rows = sum(query_lens[:num_seqs])
-    return paged_attention_reference(
-        query[:rows].float(),
-        kv.k_cache[blocks].float(),
-        kv.v_cache[blocks].float(),
-        renumbered,
-        kv.context_lens[:num_seqs],
-        query_lens[:num_seqs],
-        scale,
-    )
-
-
-def _attention_traffic(
-    kv: _PagedKV, queries: int, q_heads: int, head_dim: int, element_size: int, keys_seen: int
-) -> tuple[int, int]:
-    """(bytes, flops) by the module docstring; ``keys_seen`` = Σ_s Σ_i (p_i + 1)."""
-    kv_heads = kv.k_cache.shape[2]
-    kv_elements = 2 * sum(kv.context_lens) * kv_heads * head_dim
-    num_bytes = element_size * (kv_elements + 2 * queries * q_heads * head_dim) + kv.table_bytes
-    return num_bytes, 4 * q_heads * head_dim * keys_seen
-
-
-def _baseline_fits(kv: _PagedKV, ctx: BenchContext) -> bool:
-    gathered = 2 * sum(kv.context_lens) * kv.k_cache.shape[2] * kv.k_cache.shape[3]
-    return gathered * ctx.element_size <= BASELINE_GATHER_BYTES
-
-
-def run_decode_case(case: DecodeAttentionCase, ctx: BenchContext) -> dict:
-    fields = {
-        "batch": case.batch,
-        "context": case.context,
-        "q_heads": case.q_heads,
-        "kv_heads": case.kv_heads,
-        "head_dim": case.head_dim,
-        "target": case.target,
-    }
-    return run_case(fields, lambda: _measure_decode(case, ctx))
-
-
-def _measure_decode(case: DecodeAttentionCase, ctx: BenchContext) -> dict:
+def _measure(case: AttentionCase, ctx: BenchContext) -> dict:
     from loramux.kernels import attention_triton  # after the caller chose compiler or interpreter
 
-    kv = random_paged_kv(
-        [case.context] * case.batch, case.kv_heads, case.head_dim, case.block_size, ctx
-    )
-    query = torch.randn(case.batch, case.q_heads, case.head_dim, dtype=ctx.dtype, device=ctx.device)
-    scale = case.head_dim**-0.5
-    triton_fn = partial(
-        attention_triton.paged_decode_attention,
-        query,
-        kv.k_cache,
-        kv.v_cache,
-        kv.tables,
-        kv.lens,
-        scale,
-        max_context_len=case.context,
-    )
-    query_lens = [1] * case.batch
-    checked = min(case.batch, CHECK_SEQS)
-    expected = _reference_first_seqs(query, kv, query_lens, checked, scale)
-    errors = {"triton_rel_err": relative_error(triton_fn()[:checked], expected)}
-    triton_s = ctx.timer.median_s(triton_fn)
-    baseline_s = None
-    if _baseline_fits(kv, ctx):
-        plan = plan_attention(
-            kv.table_lists, kv.context_lens, query_lens, case.block_size, ctx.device
-        )
-        baseline_fn = partial(
-            paged_attention_reference,
-            query,
-            kv.k_cache,
-            kv.v_cache,
-            kv.table_lists,
-            kv.context_lens,
-            query_lens,
-            scale,
-            plan,
-        )
-        errors["baseline_rel_err"] = relative_error(baseline_fn()[:checked], expected)
-        baseline_s = ctx.timer.median_s(baseline_fn)
-    num_bytes, flops = _attention_traffic(
-        kv, case.batch, case.q_heads, case.head_dim, ctx.element_size, sum(kv.context_lens)
-    )
-    fraction = num_bytes / triton_s / ctx.rates.copy_bytes_per_s
-    return {
-        "num_splits": attention_triton.choose_num_splits(case.context, case.batch, case.kv_heads),
-        **timing_fields(ctx, triton_s, baseline_s, num_bytes, flops),
-        "achieved_gbs": num_bytes / triton_s / 1e9,
-        "copy_fraction": fraction,
-        "target_pass": fraction >= TARGET_COPY_FRACTION if case.target else None,
-        **errors,
-        "matches": ctx.matches(errors),
-    }
-
-
-def run_prefill_case(case: PrefillAttentionCase, ctx: BenchContext) -> dict:
-    fields = {
-        "num_seqs": case.num_seqs,
-        "new_tokens": case.new_tokens,
-        "prefix": case.prefix,
-        "q_heads": case.q_heads,
-        "kv_heads": case.kv_heads,
-        "head_dim": case.head_dim,
-    }
-    return run_case(fields, lambda: _measure_prefill(case, ctx))
-
-
-def _measure_prefill(case: PrefillAttentionCase, ctx: BenchContext) -> dict:
-    from loramux.kernels import attention_triton
-
-    context = case.prefix + case.new_tokens
-    kv = random_paged_kv(
-        [context] * case.num_seqs, case.kv_heads, case.head_dim, case.block_size, ctx
-    )
-    tokens = case.num_seqs * case.new_tokens
+    context, tokens = case.prefix + case.new_tokens, case.num_seqs * case.new_tokens
+    context_lens, query_lens = [context] * case.num_seqs, [case.new_tokens] * case.num_seqs
+    tables = shuffled_block_tables(context_lens, case.block_size)
+    shape = (sum(map(len, tables)), case.block_size, case.kv_heads, case.head_dim)
+    k_cache = torch.randn(shape, dtype=ctx.dtype, device=ctx.device)
+    v_cache = torch.randn(shape, dtype=ctx.dtype, device=ctx.device)
     query = torch.randn(tokens, case.q_heads, case.head_dim, dtype=ctx.dtype, device=ctx.device)
-    starts = torch.arange(
-        0, tokens + 1, case.new_tokens, dtype=torch.int32, device=ctx.device
-    )  # [S + 1] cumulative query rows
+    # Every sequence has as many blocks: the kernels' [B, max_blocks] tables need no padding.
+    table_tensor = torch.tensor(tables, dtype=torch.int32, device=ctx.device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=ctx.device)
     scale = case.head_dim**-0.5
-    triton_fn = partial(
-        attention_triton.paged_prefill_attention,
-        query,
-        kv.k_cache,
-        kv.v_cache,
-        kv.tables,
-        kv.lens,
-        starts,
-        scale,
-        case.new_tokens,
-    )
-    query_lens = [case.new_tokens] * case.num_seqs
+    # What both kernels read; the reference reads the query and the cache, then host lists.
+    paged = (query, k_cache, v_cache, table_tensor, lens)
+    if case.decode:
+        triton_fn = partial(
+            attention_triton.paged_decode_attention, *paged, scale, max_context_len=context
+        )
+    else:
+        # [S + 1] cumulative query rows
+        starts = torch.arange(0, tokens + 1, case.new_tokens, dtype=torch.int32, device=ctx.device)
+        triton_fn = partial(
+            attention_triton.paged_prefill_attention, *paged, starts, scale, case.new_tokens
+        )
+    kv_elements = 2 * sum(context_lens) * case.kv_heads * case.head_dim
+    baseline_fn = None
+    if kv_elements * ctx.dtype.itemsize <= BASELINE_GATHER_BYTES:
+        plan = plan_attention(tables, context_lens, query_lens, case.block_size, ctx.device)
+        baseline_fn = partial(
+            paged_attention_reference, *paged[:3], tables, context_lens, query_lens, scale, plan
+        )
+    # float32 reference for the first sequences, on a compacted copy of their blocks.
     checked = min(case.num_seqs, CHECK_SEQS)
-    expected = _reference_first_seqs(query, kv, query_lens, checked, scale)
-    rows = checked * case.new_tokens
-    errors = {"triton_rel_err": relative_error(triton_fn()[:rows], expected)}
-    triton_s = ctx.timer.median_s(triton_fn)
-    plan = plan_attention(kv.table_lists, kv.context_lens, query_lens, case.block_size, ctx.device)
-    baseline_fn = partial(
-        paged_attention_reference,
-        query,
-        kv.k_cache,
-        kv.v_cache,
-        kv.table_lists,
-        kv.context_lens,
-        query_lens,
+    blocks = torch.tensor(tables[:checked], device=ctx.device).flatten()
+    expected = paged_attention_reference(
+        query[: checked * case.new_tokens].float(),
+        k_cache[blocks].float(),
+        v_cache[blocks].float(),
+        torch.arange(len(blocks)).view(checked, -1).tolist(),
+        context_lens[:checked],
+        query_lens[:checked],
         scale,
-        plan,
     )
-    errors["baseline_rel_err"] = relative_error(baseline_fn()[:rows], expected)
-    baseline_s = ctx.timer.median_s(baseline_fn)
-    # Query i of a sequence sits at p_i = prefix + i and sees p_i + 1 keys.
+    # The floor by the module docstring; query i of a sequence sits at p_i = prefix + i.
     n = case.new_tokens
     keys_seen = case.num_seqs * (n * case.prefix + n * (n + 1) // 2)
-    num_bytes, flops = _attention_traffic(
-        kv, tokens, case.q_heads, case.head_dim, ctx.element_size, keys_seen
-    )
+    q_elements = 2 * tokens * case.q_heads * case.head_dim
+    num_bytes = ctx.dtype.itemsize * (kv_elements + q_elements) + 4 * table_tensor.numel()
+    flops = 4 * case.q_heads * case.head_dim * keys_seen
+    row = kernel_row(ctx, triton_fn, baseline_fn, expected, num_bytes, flops, checked * n)
+    if not case.decode:
+        return row
+    achieved = num_bytes / (row["triton_ms"] / 1e3)
+    fraction = achieved / ctx.rates.copy_bytes_per_s
+    splits = attention_triton.choose_num_splits(context, case.num_seqs, case.kv_heads)
     return {
-        **timing_fields(ctx, triton_s, baseline_s, num_bytes, flops),
-        **errors,
-        "matches": ctx.matches(errors),
+        "num_splits": splits,
+        **row,
+        "achieved_gbs": achieved / 1e9,
+        "copy_fraction": fraction,
+        "target_pass": fraction >= TARGET_COPY_FRACTION if case.target else None,
     }

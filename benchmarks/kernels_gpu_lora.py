@@ -25,17 +25,13 @@ rows, one bmm per slice). Both are checked once per case against the float32 ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from loramux.benchmarks.kernels_gpu_timing import (
-    BenchContext,
-    relative_error,
-    run_case,
-    timing_fields,
-)
+from loramux.benchmarks.kernels_gpu_timing import BenchContext, kernel_row, run_case
 from loramux.engine.model.config import ModelConfig
 from loramux.kernels.lora import (
     lora_expand_slices_gather_bmm,
@@ -57,16 +53,6 @@ class LoRACase:
     tokens_per_seq: int  # 1: a decode batch
     num_adapters: int
     ranks: tuple[int, ...]  # adapter a has rank ranks[a % len(ranks)]
-
-    @property
-    def rank_label(self) -> str:
-        if len(self.ranks) == 1:
-            return str(self.ranks[0])
-        return "mixed " + "/".join(map(str, self.ranks))
-
-    @property
-    def adapter_ranks(self) -> list[int]:
-        return [self.ranks[a % len(self.ranks)] for a in range(self.num_adapters)]
 
 
 def grouped_spans(num_seqs: int, tokens_per_seq: int, adapters: list) -> list[tuple]:
@@ -96,7 +82,7 @@ def _problem(case: LoRACase, config: ModelConfig, device: torch.device) -> _Prob
     modules = PROJECTIONS[case.projection]
     in_features = config.module_shape(modules[0])[0]
     widths = [config.module_shape(m)[1] for m in modules]
-    ranks = case.adapter_ranks
+    ranks = [case.ranks[a % len(case.ranks)] for a in range(case.num_adapters)]
     starts = [sum(ranks[:a]) for a in range(len(ranks))]
     rows = [list(range(start, start + r)) for start, r in zip(starts, ranks, strict=True)]
     spans = grouped_spans(case.num_seqs, case.tokens_per_seq, list(range(case.num_adapters)))
@@ -126,6 +112,7 @@ def lora_traffic(case: LoRACase, problem: _Problem, element_size: int) -> tuple[
 
 
 def run_lora_case(case: LoRACase, config: ModelConfig, ctx: BenchContext) -> dict:
+    ranks = "/".join(map(str, case.ranks))
     fields = {
         "projection": case.projection,
         "op": case.op,
@@ -133,26 +120,23 @@ def run_lora_case(case: LoRACase, config: ModelConfig, ctx: BenchContext) -> dic
         "num_seqs": case.num_seqs,
         "tokens": case.num_seqs * case.tokens_per_seq,
         "adapters": case.num_adapters,
-        "rank": case.rank_label,
+        "rank": ranks if len(case.ranks) == 1 else f"mixed {ranks}",
     }
     return run_case(fields, lambda: _measure(case, config, ctx))
 
 
 def _measure(case: LoRACase, config: ModelConfig, ctx: BenchContext) -> dict:
+    from loramux.kernels import lora_triton  # after the caller chose compiler or interpreter
+
     problem = _problem(case, config, ctx.device)
     kernel_name = "bgmv" if problem.batch.is_decode else "sgmv"
-    if case.op == "shrink":
-        triton_fn, baseline_fn, errors = _shrink(problem, kernel_name, ctx)
-    else:
-        triton_fn, baseline_fn, errors = _expand(problem, kernel_name, ctx)
-    triton_s = ctx.timer.median_s(triton_fn)
-    baseline_s = ctx.timer.median_s(baseline_fn)
-    num_bytes, flops = lora_traffic(case, problem, ctx.element_size)
+    kernel = getattr(lora_triton, f"lora_{case.op}_{kernel_name}")
+    inputs = _shrink if case.op == "shrink" else _expand
+    triton_fn, baseline_fn, expected = inputs(problem, kernel, ctx)
+    num_bytes, flops = lora_traffic(case, problem, ctx.dtype.itemsize)
     return {
         "kernel": kernel_name,
-        **timing_fields(ctx, triton_s, baseline_s, num_bytes, flops),
-        **errors,
-        "matches": ctx.matches(errors),
+        **kernel_row(ctx, triton_fn, baseline_fn, expected, num_bytes, flops),
     }
 
 
@@ -160,29 +144,20 @@ def _random(shape, ctx: BenchContext, std: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, dtype=ctx.dtype, device=ctx.device) * std
 
 
-def _shrink(problem: _Problem, kernel_name: str, ctx: BenchContext) -> tuple:
-    from loramux.kernels import lora_triton  # after the caller chose compiler or interpreter
-
-    kernel = getattr(lora_triton, f"lora_shrink_{kernel_name}")
+def _shrink(problem: _Problem, kernel: Callable, ctx: BenchContext) -> tuple:
+    """The Triton and baseline shrinks of random inputs, and the float32 reference."""
     batch, k = problem.batch, problem.in_features
     # A ~ N(0, 1/K) keeps y ~ N(0, 1) for x ~ N(0, 1).
     a_pools = [_random((problem.num_rows, k), ctx, k**-0.5) for _ in problem.widths]
     x = _random((batch.num_tokens, k), ctx)
     expected = lora_shrink_slices_reference(x.float(), [p.float() for p in a_pools], batch)
-    errors = {
-        "triton_rel_err": relative_error(kernel(x, a_pools, batch), expected),
-        "baseline_rel_err": relative_error(
-            lora_shrink_slices_gather_bmm(x, a_pools, batch), expected
-        ),
-    }
-    triton_fn = partial(kernel, x, a_pools, batch)
-    return triton_fn, partial(lora_shrink_slices_gather_bmm, x, a_pools, batch), errors
+    args = (x, a_pools, batch)
+    return partial(kernel, *args), partial(lora_shrink_slices_gather_bmm, *args), expected
 
 
-def _expand(problem: _Problem, kernel_name: str, ctx: BenchContext) -> tuple:
-    from loramux.kernels import lora_triton
-
-    kernel = getattr(lora_triton, f"lora_expand_{kernel_name}")
+def _expand(problem: _Problem, kernel: Callable, ctx: BenchContext) -> tuple:
+    """The Triton and baseline expands (each adding into its own copy of a random output,
+    which it returns), and the float32 reference."""
     batch, widths = problem.batch, problem.widths
     offsets = [sum(widths[:s]) for s in range(len(widths))]
     # B ~ N(0, 1/R) keeps the delta ~ N(0, c²) for y ~ N(0, 1): the same scale as out.
@@ -191,14 +166,14 @@ def _expand(problem: _Problem, kernel_name: str, ctx: BenchContext) -> tuple:
     out0 = _random((batch.num_tokens, sum(widths)), ctx)
     expected = out0.to(torch.float32, copy=True)  # .float() would alias a float32 out0
     lora_expand_slices_reference(expected, y.float(), [p.float() for p in b_pools], offsets, batch)
-    out_triton, out_baseline = out0.clone(), out0.clone()
-    kernel(out_triton, y, b_pools, offsets, batch)
-    lora_expand_slices_gather_bmm(out_baseline, y, b_pools, offsets, batch)
-    errors = {
-        "triton_rel_err": relative_error(out_triton, expected),
-        "baseline_rel_err": relative_error(out_baseline, expected),
-    }
     # Timed runs keep adding into the same buffers: the cost does not depend on the values.
-    triton_fn = partial(kernel, out_triton, y, b_pools, offsets, batch)
-    baseline_fn = partial(lora_expand_slices_gather_bmm, out_baseline, y, b_pools, offsets, batch)
-    return triton_fn, baseline_fn, errors
+    return (
+        partial(_add_into, kernel, out0.clone(), y, b_pools, offsets, batch),
+        partial(_add_into, lora_expand_slices_gather_bmm, out0.clone(), y, b_pools, offsets, batch),
+        expected,
+    )
+
+
+def _add_into(expand: Callable, out: torch.Tensor, *args) -> torch.Tensor:
+    expand(out, *args)
+    return out

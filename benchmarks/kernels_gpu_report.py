@@ -87,6 +87,12 @@ SECTION_TITLES = {
 }
 
 
+def _cells(section: str, rows: list[dict]) -> list[list[str]]:
+    """The header and each row's cells, as both tables show them."""
+    columns = SECTION_COLUMNS[section]
+    return [[c.header for c in columns], *([_cell(r, c) for c in columns] for r in rows)]
+
+
 def _cell(row: dict, column: Column) -> str:
     if column.key == "matches" and "error" in row:
         return "ERROR"
@@ -101,83 +107,79 @@ def _cell(row: dict, column: Column) -> str:
 
 
 def text_table(section: str, rows: list[dict]) -> str:
-    columns = SECTION_COLUMNS[section]
-    cells = [[c.header for c in columns], *([_cell(r, c) for c in columns] for r in rows)]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    cells = _cells(section, rows)
+    widths = [max(map(len, column)) for column in zip(*cells, strict=True)]
     lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in cells]
     errors = [f"  error: {r['error']}" for r in rows if "error" in r]
     return "\n".join([f"== {SECTION_TITLES[section]} ==", *lines, *errors])
 
 
 def markdown_table(section: str, rows: list[dict]) -> str:
-    columns = SECTION_COLUMNS[section]
-    lines = [
-        "| " + " | ".join(c.header for c in columns) + " |",
-        "|" + "---:|" * len(columns),
-        *("| " + " | ".join(_cell(r, c) for c in columns) + " |" for r in rows),
-    ]
+    header, *body = _cells(section, rows)
+    lines = ["| " + " | ".join(line) + " |" for line in (header, *body)]
+    lines.insert(1, "|" + "---:|" * len(header))
     errors = [f"- error: `{r['error']}`" for r in rows if "error" in r]
     return "\n".join(lines + (["", *errors] if errors else []))
 
 
-# --- target verdicts ------------------------------------------------------------------
-
-
-def _status(target_rows: list[dict]) -> str:
-    if not target_rows or any(r.get("target_pass") is None for r in target_rows):
-        return "NOT MEASURED"
-    return "PASS" if all(r["target_pass"] for r in target_rows) else "FAIL"
-
-
-def step_verdict(rows: list[dict], shape: str) -> dict:
-    """The decode-step target: LoRA overhead ≤ 15% on every target row (one per KV heads),
-    on the CUDA-graph path the engine takes for decode steps where it was captured."""
-    target = [r for r in rows if r.get("target")]
-    detail = "; ".join(
-        f"{r['kv_heads']} KV heads: eager {r['overhead_pct']:+.1f}% "
-        f"({r['step_ms']:.3f} vs {r['base_ms']:.3f} ms), CUDA graph "
-        f"{r['graph_overhead_pct']:+.1f}% ({r['graph_ms']:.3f} ms"
-        f"{'' if r.get('graph_captured') else ', not captured: no CUDA'})"
-        for r in target
-        if "overhead_pct" in r
+def _step_detail(row: dict) -> str:
+    """The decode-step target is judged on the CUDA-graph path the engine takes for decode
+    steps where it was captured."""
+    graph = "" if row.get("graph_captured") else ", not captured: no CUDA"
+    return (
+        f"{row['kv_heads']} KV heads: eager {row['overhead_pct']:+.1f}% "
+        f"({row['step_ms']:.3f} vs {row['base_ms']:.3f} ms), CUDA graph "
+        f"{row['graph_overhead_pct']:+.1f}% ({row['graph_ms']:.3f} ms{graph})"
     )
-    return {
-        "line": f"Verdict, decode step LoRA overhead ≤ 15% ({shape}): {_status(target)}",
-        "status": _status(target),
-        "detail": detail or "no target row measured",
-    }
 
 
-def attention_verdict(rows: list[dict], shape: str) -> dict:
-    """The attention target: ≥ 70% of the copy bandwidth on every target row."""
-    target = [r for r in rows if r.get("target")]
-    detail = "; ".join(
-        f"{r['kv_heads']} KV heads: {r['copy_fraction']:.0%} ({r['achieved_gbs']:.0f} GB/s)"
-        for r in target
-        if "copy_fraction" in r
+def _attention_detail(row: dict) -> str:
+    return (
+        f"{row['kv_heads']} KV heads: {row['copy_fraction']:.0%} ({row['achieved_gbs']:.0f} GB/s)"
     )
-    return {
-        "line": (
-            f"Verdict, paged decode attention ≥ 70% of copy bandwidth ({shape}): {_status(target)}"
-        ),
-        "status": _status(target),
-        "detail": detail or "no target row measured",
-    }
 
 
-# --- files ------------------------------------------------------------------------------
+# The two targets: the verdict's key, its section, its goal, the detail of a target row.
+TARGETS = (
+    ("decode_step_lora_overhead", "decode_step", "decode step LoRA overhead ≤ 15%", _step_detail),
+    (
+        "decode_attention_bandwidth",
+        "decode_attention",
+        "paged decode attention ≥ 70% of copy bandwidth",
+        _attention_detail,
+    ),
+)
 
 
-def write_json(path: Path, results: dict) -> None:
-    write_atomic(path, json.dumps(results, indent=2) + "\n")
+def target_verdicts(sections: dict[str, list[dict]], shapes: dict[str, str]) -> dict:
+    """Each target's verdict on its section's rows (``shapes``: the shape each judges):
+    PASS when every target row (one per KV heads) passes, NOT MEASURED while one has not
+    been judged; the detail describes each target row that has its measurement."""
+    verdicts = {}
+    for key, section, goal, detail in TARGETS:
+        target = [r for r in sections.get(section, []) if r.get("target")]
+        if not target or any(r.get("target_pass") is None for r in target):
+            status = "NOT MEASURED"
+        else:
+            status = "PASS" if all(r["target_pass"] for r in target) else "FAIL"
+        details = [detail(r) for r in target if r.get("target_pass") is not None]
+        verdicts[key] = {
+            "line": f"Verdict, {goal} ({shapes[section]}): {status}",
+            "status": status,
+            "detail": "; ".join(details) or "no target row measured",
+        }
+    return verdicts
+
+
+def write_results(paths: tuple[Path, Path], results: dict) -> None:
+    """The JSON (every field) and the markdown report (verdicts and tables)."""
+    write_atomic(paths[0], json.dumps(results, indent=2) + "\n")
+    write_atomic(paths[1], render_markdown(results))
 
 
 def render_markdown(results: dict) -> str:
     device, rates, config = results["machine"]["accelerator"], results["rates"], results["config"]
-    lines = [
-        f"# Triton kernels on {device['device']} ({config['grid']} grid)",
-        "",
-    ]
+    lines = [f"# Triton kernels on {device['device']} ({config['grid']} grid)", ""]
     if config["grid"] == "smoke":
         lines += [
             "Smoke run: tiny shapes, few iterations, Triton's interpreter on the CPU. It checks "
@@ -208,7 +210,3 @@ def _device_text(device: dict) -> str:
     keys = ("device", "capability", "sm_count", "memory_gib", "torch", "cuda", "triton")
     parts = [f"{k} {device[k]}" for k in keys if device.get(k) is not None]
     return ", ".join([*parts, f"Python {device['python']}", f"date {device['date']}"])
-
-
-def write_markdown(path: Path, results: dict) -> None:
-    write_atomic(path, render_markdown(results))

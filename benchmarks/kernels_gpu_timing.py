@@ -17,7 +17,6 @@ the op runs much faster, and the larger term says which resource bounds it.
 from __future__ import annotations
 
 import gc
-import re
 import statistics
 import time
 import traceback
@@ -29,6 +28,18 @@ import torch
 
 L2_FLUSH_BYTES = 256 << 20  # 5x an H100's L2
 BASELINE_SLACK = 3.0
+
+
+def host_median_s(fn: Callable[[], object], iters: int) -> float:
+    """Median ``perf_counter`` time of ``fn``, any CUDA work it queued included."""
+    times = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
 
 
 class Timer:
@@ -46,7 +57,7 @@ class Timer:
         for _ in range(self.warmup):
             fn()
         if self.device.type != "cuda":
-            return self._median_host(fn)
+            return host_median_s(fn, self.iters)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         torch.cuda.synchronize(self.device)
@@ -59,14 +70,6 @@ class Timer:
         torch.cuda.synchronize(self.device)  # also surfaces any launch error of fn
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) / 1e3
 
-    def _median_host(self, fn: Callable[[], object]) -> float:
-        times = []
-        for _ in range(self.iters):
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-        return statistics.median(times)
-
 
 @dataclass(frozen=True)
 class MachineRates:
@@ -76,11 +79,6 @@ class MachineRates:
     def floor_s(self, num_bytes: float, flops: float) -> float:
         return max(num_bytes / self.copy_bytes_per_s, flops / self.matmul_flops_per_s)
 
-    def bound(self, num_bytes: float, flops: float) -> str:
-        """Which ceiling sets the floor: "memory" or "compute"."""
-        by_bytes = num_bytes / self.copy_bytes_per_s
-        return "memory" if by_bytes >= flops / self.matmul_flops_per_s else "compute"
-
 
 def measure_rates(
     timer: Timer, dtype: torch.dtype, *, copy_bytes: int, matmul_size: int
@@ -89,15 +87,13 @@ def measure_rates(
     device = timer.device
     # Random data, never zeros: zero pages and zero operands can run faster than real data.
     source = torch.randn(copy_bytes // 4, dtype=torch.float32, device=device)
-    source_bytes = source.numel() * source.element_size()
     target = torch.empty_like(source)
     copy_s = timer.median_s(partial(target.copy_, source), flush_l2=False)
     a = torch.randn(matmul_size, matmul_size, dtype=dtype, device=device)
     b = torch.randn(matmul_size, matmul_size, dtype=dtype, device=device)
-    out = torch.empty_like(a)
-    mm_s = timer.median_s(partial(torch.mm, a, b, out=out), flush_l2=False)
+    mm_s = timer.median_s(partial(torch.mm, a, b, out=torch.empty_like(a)), flush_l2=False)
     return MachineRates(
-        copy_bytes_per_s=2 * source_bytes / copy_s,
+        copy_bytes_per_s=2 * source.numel() * source.element_size() / copy_s,
         matmul_flops_per_s=2 * matmul_size**3 / mm_s,
     )
 
@@ -112,11 +108,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def device_slug(name: str) -> str:
-    """``NVIDIA H100 80GB HBM3`` → ``nvidia-h100-80gb-hbm3`` (a file-name-safe device name)."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 @dataclass(frozen=True)
 class BenchContext:
     """What every section needs: where it runs, the timer, the ceilings, the tolerance."""
@@ -129,34 +120,42 @@ class BenchContext:
     # (same inputs, upcast) is below this: bf16 rounding lands near 3e-3, fp32 far below.
     tolerance: float
 
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
 
-    def matches(self, errors: dict[str, float]) -> bool:
-        """Triton within ``tolerance`` of the float32 reference, the baseline within
-        ``BASELINE_SLACK`` times that: torch's 16-bit paths round more intermediates (the
-        scores and probabilities of SDPA's math path, the delta before the add), and the
-        point of the baseline's check is that it computes the same function."""
-        triton_ok = errors["triton_rel_err"] < self.tolerance
-        baseline = errors.get("baseline_rel_err", 0.0)  # absent: too large to run
-        return triton_ok and baseline < BASELINE_SLACK * self.tolerance
-
-
-def timing_fields(
-    ctx: BenchContext, triton_s: float, baseline_s: float | None, num_bytes: int, flops: int
+def kernel_row(
+    ctx: BenchContext,
+    triton_fn: Callable[[], torch.Tensor],
+    baseline_fn: Callable[[], torch.Tensor] | None,
+    expected: torch.Tensor,
+    num_bytes: int,
+    flops: int,
+    rows: int | None = None,
 ) -> dict:
-    """The timing columns every kernel row shares (milliseconds; ratios unitless)."""
+    """The columns every kernel row shares (milliseconds; ratios unitless). Each callable
+    is checked once against ``expected`` (its first ``rows`` rows), then timed; no
+    ``baseline_fn``: too large to run. Triton matches within ``ctx.tolerance`` of the
+    float32 reference, the baseline within ``BASELINE_SLACK`` times that: torch's 16-bit
+    paths round more intermediates (the scores and probabilities of SDPA's math path, the
+    delta before the add), and its check is there to show it computes the same function.
+    """
+    errors = {"triton_rel_err": relative_error(triton_fn()[:rows], expected)}
+    if baseline_fn is not None:
+        errors["baseline_rel_err"] = relative_error(baseline_fn()[:rows], expected)
+    triton_s = ctx.timer.median_s(triton_fn)
+    baseline_s = None if baseline_fn is None else ctx.timer.median_s(baseline_fn)
     floor_s = ctx.rates.floor_s(num_bytes, flops)
+    memory_bound = num_bytes / ctx.rates.copy_bytes_per_s >= floor_s
+    baseline_ok = errors.get("baseline_rel_err", 0.0) < BASELINE_SLACK * ctx.tolerance
     return {
         "triton_ms": triton_s * 1e3,
         "baseline_ms": None if baseline_s is None else baseline_s * 1e3,
         "floor_ms": floor_s * 1e3,
-        "bound": ctx.rates.bound(num_bytes, flops),
+        "bound": "memory" if memory_bound else "compute",
         "triton_vs_floor": triton_s / floor_s,
         "speedup_vs_baseline": None if baseline_s is None else baseline_s / triton_s,
         "bytes": num_bytes,
         "flops": flops,
+        **errors,
+        "matches": errors["triton_rel_err"] < ctx.tolerance and baseline_ok,
     }
 
 
