@@ -1,41 +1,29 @@
 """``loramux bench adapter-churn``: inter-token latency under adapter churn, against the same
 trace with every adapter resident.
 
-The workload is the preset's (``bench_presets``, drawn by ``workload.generate``): 1,000
-registered adapters (ranks 8/16/32 on q/k/v/o, bf16 on disk, written once into the cache
-by ``adapters``), uniform popularity, 400 chat requests (``prompts``) arriving as a Poisson
+The preset's workload (``workload.generate``): 1,000 registered adapters (ranks 8/16/32 on
+q/k/v/o, bf16 on disk), uniform popularity, 400 chat requests arriving as a Poisson
 process at 2/s, 24 tokens each (EOS suppressed, greedy), SmolLM2-135M-Instruct in float32.
-Two runs in the same process on the same trace, each a fresh engine fed by the engine
-driver (open loop: a request is added when its arrival time comes, then the loop steps):
+Two runs on the same trace in one process, each a fresh engine fed open-loop by the
+engine driver:
 
-* **churn**: the host tier holds about ``--host-adapters`` adapters and the device pool
-  about ``--device-adapters`` (budgets from the adapters' real sizes), so nearly every
-  request's adapter is loaded from the cache folder by the engine's loader thread, copied
-  to the device and evicted again later;
-* **all resident**: the same settings but a device pool for every adapter the trace uses,
-  each requested once (untimed) before the trace.
+* **churn**: host and device tiers of about ``--host-adapters`` / ``--device-adapters``
+  adapters (budgets from the adapters' real sizes), so nearly every request's adapter is
+  loaded by the engine's loader thread, copied to the device and later evicted;
+* **all resident**: a device pool for every adapter the trace uses, each requested once
+  (untimed) before the trace.
 
-ITL samples are the gaps between consecutive tokens of a request, pooled over all
-requests; a request's wait for its adapter is queue time (in TTFT), not ITL. The verdict:
-churn ITL P99 at most 1.2x the all-resident ITL P99 (the preset's goal; reported, not
-asserted). Per run also TTFT and queue time, tokens/s, each tier's hits, loads and
-evictions (the engine's counters, ``adapter_traffic``), the steps' wall times by kind, and
-how many adapters each step served. The folder is probably in the page cache, so a load
-costs the parse (safetensors, bf16 -> float32, checks), not a disk read.
+ITL samples are the gaps between a request's consecutive tokens, pooled; the wait for an
+adapter is queue time (in TTFT), not ITL. The goal: churn ITL P99 at most 1.2x the
+all-resident ITL P99 (reported, not asserted). Also per run: TTFT, queue time, tokens/s,
+each tier's traffic (``adapter_traffic``), step wall times by kind and the adapters each
+step served. Torch gets cores - 1 threads by default, leaving the loader a core as a GPU
+server's host would; ``--threads 2`` on two cores shows the contended case.
 
-Threads: the loader parses on the CPU while the steps run, competing with torch's threads
-for the cores, which a GPU server (compute on the GPU, loads on spare host cores) does not
-see. By default torch gets cores - 1 threads in both runs, leaving the loader a core;
-``--threads`` overrides it (``--threads 2`` on two cores shows the contended case).
-
-``--quick``: 100 adapters, 60 requests; ``--smoke``: seconds on a tiny model (``--model``,
-or a weightless one the engine fills with random weights); ``--repeats N``: runs of each
-in alternating order, samples pooled. Writes
-``<out>/adapter_churn_<device>[_quick|_smoke][_threadsN].{json,md}`` (``_threadsN`` with
-``--threads``). The recorded results are made by
-
-    loramux bench adapter-churn              # adapter_churn_cpu.{json,md}
-    loramux bench adapter-churn --threads 2  # adapter_churn_cpu_threads2.{json,md}
+``--quick``: 100 adapters, 60 requests; ``--smoke``: seconds on a tiny model; ``--repeats
+N``: runs of each in alternating order, samples pooled. Writes
+``<out>/adapter_churn_<device>[_quick|_smoke][_threadsN].{json,md}``; the recorded results
+are ``loramux bench adapter-churn`` and ``loramux bench adapter-churn --threads 2``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``loramux bench adapter-churn``'s figures and markdown.
 
-``figures`` reduces one or more runs of a kind (churn or all resident) to its report entry:
-the engine driver's records give ITL (gaps between a request's tokens, pooled), TTFT and
-queue time (to the engine's first scheduling), all from the trace's arrival times, as
-percentiles in milliseconds (``measures.percentiles``); the step records give each step's
-wall time by kind; the engine's counters the adapter traffic. Runs of a kind are pooled:
-samples joined, counters summed.
+``figures`` reduces the runs of a kind (churn or all resident; samples joined, counters
+summed) to its report entry: ITL, TTFT and queue time from the driver's records as
+percentiles in milliseconds, step wall times by kind, and the engine's adapter traffic.
 """
 
 from __future__ import annotations

@@ -1,37 +1,23 @@
-"""``loramux bench PRESET``: the command, and the runner of the workload presets.
+"""``loramux bench PRESET``: the command, and the runner of the CPU workload presets.
 
-The presets, and what each is compared with and judged by, are ``bench_presets``'s. The
-GPU presets run in ``bench_gpu`` (``--smoke``: on the CPU at tiny shapes;
-``--prepare-only``: write the weightless model folder a GPU machine needs and exit),
-``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``, ``adapter-churn`` and the soak
-(not a workload preset) take options of their own (``loramux bench NAME -h``) and run in
-their modules. This module runs the others (``cpu-smoke``): both systems get the same
-requests (same arrivals, adapters, prompt token ids and output lengths, greedy, EOS
-suppressed) in the same process, one after the other:
+``bench_presets`` defines the presets and what each is judged by. The GPU presets run in
+``bench_gpu``, ``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``, ``adapter-churn``
+and ``soak`` take options of their own (``loramux bench NAME -h``). This module runs the
+others (``cpu-smoke``): loramux and transformers + PEFT serve the same requests (arrivals,
+adapters, prompt token ids, output lengths; greedy, EOS suppressed) in one process:
 
-* **loramux**: with ``--driver engine`` (the default) the engine in-process
-  (``drivers.run_engine``), every adapter registered from its folder and loaded by the
-  engine's tiers on demand; with ``--driver http`` the whole platform in-process
-  (``bench_server``: the embedded default, SQLite in a temporary data dir, uvicorn on a
-  free port), the workload's tenants created with their priority and weight, each tenant
-  uploading its own copy of every adapter it uses as ``a{k}``, and the requests streamed
-  over the OpenAI API (``drivers.run_http``); the report's ``loramux.driver`` says which;
-* **baseline**: transformers + PEFT with static batches and PEFT's mixed-adapter batching
-  (``drivers.run_peft_baseline``).
+* **loramux**, ``--driver engine`` (default): the engine in-process, every adapter loaded
+  by its tiers on demand; ``--driver http``: the whole platform in-process
+  (``bench_server``), each tenant uploading its own copy of the adapters it uses and
+  streaming over the OpenAI API; the report's ``loramux.driver`` says which;
+* **baseline**: transformers + PEFT, static mixed-adapter batches.
 
-Each run writes ``<out>/bench_<preset>.json`` (workload spec and seed, machine, versions,
-every figure of both systems) and PNG plots (latency CDFs, per-tenant token share), and
-prints a markdown summary with the loramux / baseline ratios (``bench_report``).
-``--sweep adapters`` / ``--sweep load`` (``bench_sweeps``) also run the preset's workload,
-loramux only, at several numbers of adapters / offered loads. The recorded
-``benchmarks/results/bench_cpu-smoke.*`` are made by ``loramux bench cpu-smoke``.
+It writes ``<out>/bench_<preset>.{json,md}`` and plots (``bench_report``); ``--sweep``
+(``bench_sweeps``) adds loramux-only runs at several adapter counts or loads.
 
-    loramux bench cpu-smoke [--out DIR] [--requests N] [--driver http]
-        [--sweep adapters|load [--sweep-values 1,4,16]]
-    loramux bench slora-s2 [--no-baseline] [--baseline-requests N] [--smoke]
-    loramux bench lora-overhead [--repeats N] [--requests N] [--smoke]
-    loramux bench engine-vs-peft [--before REV] [--profile] [--repeats N] [--quick]
-    loramux bench adapter-churn [--quick | --smoke] [--threads N] [--repeats N]
+    loramux bench cpu-smoke [--requests N] [--driver http] [--sweep adapters|load]
+    loramux bench slora-s2 [--no-baseline] [--smoke] [--prepare-only]
+    loramux bench lora-overhead [--repeats N] [--smoke]
     python -m loramux.benchmarks.bench PRESET ...     # the same
 """
 

@@ -1,31 +1,16 @@
 """``loramux bench``'s presets: one workload each, where it runs, and what it is judged by.
 
-On SmolLM2 on a 2-core CPU:
-
-* ``cpu-smoke`` (``bench.run_cpu_preset``): loramux and transformers + PEFT on a mixed
-  workload of two tenants;
-* ``engine-vs-peft`` (``engine_vs_peft``): the engine's tokens/s against PEFT's
-  mixed-adapter ``generate`` on 32 requests at once, judged by the goal of at least 5x;
-* ``lora-overhead`` (``lora_overhead``): the same engine serving the same requests with
-  no adapter is the baseline (``Baseline.BASE_MODEL``): what 16 distinct adapters cost
-  over the base model, judged by the goal that the LoRA run takes at most 1.10x the base
-  run's seconds;
-* ``adapter-churn`` (``adapter_churn``): inter-token latency with small adapter tiers and
-  1,000 adapters against the same trace with every adapter resident
-  (``Baseline.ALL_RESIDENT``), judged by the goal that the churn run's ITL P99 is at most
-  1.2x the all-resident run's.
-
-The others run on a CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``),
-each next to the published figure it is compared with and the goal it is judged by:
-
-* ``slora-s1`` / ``slora-s2``: S-LoRA's synthetic workloads (arrivals faster than any
-  system here serves them, lengths uniform in [8, 512], ranks {8} or {64, 32, 16, 8},
-  1,000 adapters of S-LoRA's power-law popularity, LoRA on q/k/v/o). S-LoRA reports
-  6.69 req/s on S2 with 1,000 adapters on an A100-80GB; scaled by memory bandwidth
-  (2.0 -> about 3.35 TB/s) parity on an H100 is about 11 req/s, and the goal is 12;
-* ``punica-distinct``: Punica's "distinct" case, batch 32, every request its own rank-16
-  adapter (all loaded before the clock starts, as in Punica), output tokens/s; Punica
-  reports 1,053 tok/s on Llama2-7B, the goal is to beat it.
+Each preset's ``description`` says what it serves, its ``baseline`` what loramux is
+compared with (transformers + PEFT; for ``lora-overhead`` the same engine with no adapter,
+for ``adapter-churn`` the same trace with every adapter resident), its ``goals`` what it
+is judged by and why. ``cpu-smoke``, ``engine-vs-peft``, ``adapter-churn`` and
+``lora-overhead`` run SmolLM2 on a CPU; ``slora-s1``, ``slora-s2`` and ``punica-distinct``
+run on a CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``), next to the
+published figure they are compared with. S-LoRA reports 6.69 req/s on S2 with 1,000
+adapters on an A100-80GB; scaled by memory bandwidth (2.0 -> about 3.35 TB/s) parity on an
+H100 is about 11 req/s, and the goal is 12. Punica reports 1,053 tok/s in its distinct
+case (batch 32, every request its own rank-16 adapter, all loaded before the clock
+starts); the goal is to beat it.
 """
 
 from __future__ import annotations

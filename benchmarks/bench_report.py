@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loramux.benchmarks import bench_sweeps
 from loramux.benchmarks.bench_presets import Preset
+from loramux.benchmarks.files import pyplot, save_figure
 from loramux.benchmarks.machine import machine_text
 from loramux.benchmarks.measures import RequestRecord, summarize
 from loramux.benchmarks.workload import WorkloadSpec
@@ -82,7 +83,7 @@ def ratios(loramux: dict, baseline: dict | None) -> dict:
 
 def write_plots(report: dict, stem: Path) -> list[Path]:
     """Latency CDFs of both systems, and each tenant's token share against its weight."""
-    plt = bench_sweeps.pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     systems = {"loramux": report["loramux"], "transformers + PEFT": report["baseline"]}
@@ -110,11 +111,7 @@ def write_plots(report: dict, stem: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{report['preset']}: latency CDFs")
-    fig.tight_layout()
-    path = stem.with_name(stem.name + "_latency_cdf.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(save_figure(fig, stem.with_name(stem.name + "_latency_cdf.png")))
 
     shares = report["loramux"].get("tenants") or {}
     if shares:
@@ -129,11 +126,7 @@ def write_plots(report: dict, stem: Path) -> list[Path]:
         ax.set_ylabel("share")
         ax.set_title(f"{report['preset']}: loramux token share per tenant")
         ax.legend()
-        fig.tight_layout()
-        path = stem.with_name(stem.name + "_tenant_share.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, stem.with_name(stem.name + "_tenant_share.png")))
     return paths
 
 

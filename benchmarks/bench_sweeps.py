@@ -14,10 +14,10 @@ passes its engine driver), so this module does not know how a run is done.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from loramux.benchmarks.files import pyplot, save_figure
 from loramux.benchmarks.workload import WorkloadSpec
 
 SWEEPS: dict[str, tuple[float, ...]] = {
@@ -69,19 +69,6 @@ def run_sweep(
     return {"kind": kind, "driver": "engine", "values": values, "points": points}
 
 
-def pyplot():
-    """matplotlib's pyplot on the file-only backend, or None (said on stderr) without it."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plots are drawn", file=sys.stderr)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def write_plots(sweeps: dict, preset: str, stem: Path) -> list[Path]:
     """One PNG per sweep next to ``stem``: ``<stem>_throughput_vs_adapters.png`` and
     ``<stem>_ttft_vs_load.png``."""
@@ -114,20 +101,10 @@ def write_plots(sweeps: dict, preset: str, stem: Path) -> list[Path]:
             ax.set_ylim(bottom=0)
             ax.set_title(f"{preset}: TTFT vs offered load")
         n = points[0]["figures"]["requests"]["total"] if points else 0
-        ax.annotate(
-            f"{n} requests per point, loramux engine driver",
-            xy=(0.01, 0.01),
-            xycoords="figure fraction",
-            fontsize=8,
-            color="gray",
-        )
         ax.grid(alpha=0.3)
         ax.legend()
-        fig.tight_layout()
         path = stem.with_name(stem.name + PLOT_SUFFIX[kind])
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, path, note=f"{n} requests per point, loramux engine driver"))
     return paths
 
 

@@ -1,22 +1,17 @@
 """Cold adapters under a KV flood: time to first token over HTTP, idle and flooded.
 
-One tenant keeps ``--streams`` long streams running on the base model (long prompts,
-``max_tokens`` that fill the context), so its requests hold nearly every KV block, the
-ones where a new adapter's device rows must go included. Meanwhile a second tenant uploads
-a fresh adapter (cold: in no tier yet) and calls it, and a third calls the base model. All
-three have the same priority: a flood of a higher priority would rightly keep the lower
-one's cold adapter waiting until its own requests end, since only requests of the
-waiting one's priority or lower are preempted for it.
-The times to first token of both, idle and under the flood, show whether a cold adapter
-waits a bounded time (the engine holds, moves and at last preempts KV blocks for it) or
-until the flood drains.
+One tenant keeps ``--streams`` long streams on the base model, holding nearly every KV
+block (those a new adapter's device rows need included). Meanwhile a second tenant uploads
+a fresh adapter (in no tier yet) and calls it, and a third calls the base model, all three
+at one priority (a higher-priority flood would rightly keep the cold adapter waiting). The
+two TTFTs, idle and flooded, show whether a cold adapter waits a bounded time (the engine
+holds, moves and at last preempts KV blocks for it) or until the flood drains.
+
+It runs a real ``loramux serve`` on the embedded default in a fresh data dir and writes
+``<out>/cold_adapter_flood_cpu.{json,md}``; the recorded result is ``--warmup 90 --probes 5``.
 
     python -m loramux.benchmarks.cold_adapter_flood            # SmolLM2, 24 streams
     python -m loramux.benchmarks.cold_adapter_flood --model DIR --streams 4 --warmup 5 --probes 1
-
-It runs a real ``loramux serve`` on the embedded default (a fresh data dir) and writes
-``<out>/cold_adapter_flood_cpu.{json,md}``; the recorded
-``benchmarks/results/cold_adapter_flood_cpu.*`` is made with ``--warmup 90 --probes 5``.
 """
 
 from __future__ import annotations

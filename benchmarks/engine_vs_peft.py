@@ -1,35 +1,26 @@
 """``loramux bench engine-vs-peft``: the engine's tokens/s against transformers + PEFT's
 mixed-adapter ``generate``, on the same requests in the same process.
 
-The workload is the preset's (``bench_presets``, drawn by ``workload.generate``):
-SmolLM2-135M-Instruct (``--model`` names another folder) in float32 on the CPU, 32
-requests at once, request i with adapter i % 16 (``ADAPTER_SHAPES``: ranks 8 and 16,
-q/k/v/o or all seven modules), chat-templated prompts (``prompts``), 128 new tokens each,
-greedy, EOS suppressed on both sides so every request generates exactly that many tokens:
+The preset's workload: SmolLM2-135M-Instruct (``--model``: another folder) in float32 on
+the CPU, 32 requests at once, request i with adapter i % 16 (``ADAPTER_SHAPES``: ranks 8
+and 16, q/k/v/o or all seven modules), chat prompts, 128 new tokens each, greedy, EOS
+suppressed on both sides. The engine: per run a fresh engine, warmed up on other prompts,
+serving every request through the engine driver. The baseline: one ``PeftModel`` holding
+every adapter, static mixed-adapter batches of all the requests and of 8
+(``--peft-batch-sizes``); the faster is the baseline.
 
-* engine: per run a fresh engine (empty prefix cache) with the preset's settings, warmed
-  up on other prompts, serving every request through the engine driver (continuous
-  batching, every adapter in the same forward pass);
-* baseline: one ``PeftModel`` holding every adapter, static mixed-adapter batches of all
-  the requests and of 8 (``--peft-batch-sizes``) through the PEFT driver; the faster is
-  the baseline.
-
-Per run: tokens, seconds to the last request's end, tokens/s, the cores this process got
-and the load average (``machine.Clock``); for the engine its TTFT median and max, cached
-prompt tokens and preemptions. ``--repeats N`` interleaves N runs of each and reports the
-best of each, so one run slowed by a neighbour does not decide it. The report: the ratio
-engine / baseline against the preset's goal (at least 5x), and each PEFT run's greedy
+Per run: tokens, seconds to the last request's end, tokens/s, cores used and load average
+(``machine.Clock``); for the engine TTFT median and max, cached prompt tokens and
+preemptions. ``--repeats N`` interleaves N runs of each and reports the best of each. The
+report: engine / baseline against the goal (at least 5x), and each PEFT run's greedy
 agreement with the engine (left padding can flip a near-tie argmax in PEFT's batches, so
-it is reported, not asserted). ``--before REV`` also measures git revision REV's engine
-(``revisions``): every engine run is then a worker process, the two engines in alternating
-order, and the report adds its row, the after / before ratio and their agreement.
-``--profile`` runs the engine once more under cProfile and writes its top functions next
-to the JSON. ``--quick``: 8 requests, 4 adapters, 16 tokens.
+it is reported, not asserted). ``--before REV`` also measures revision REV's engine
+(``revisions``: every engine run a worker process, the two in alternating order) and adds
+the after / before ratio; ``--profile`` writes a cProfile of one more engine run;
+``--quick``: 8 requests, 4 adapters, 16 tokens.
 
-Writes ``<out>/engine_vs_peft_cpu[_quick].{json,md}``. The recorded results are made by
-
-    loramux bench engine-vs-peft --repeats 2 --before 932c3a3   # engine_vs_peft_cpu.{json,md}
-    loramux bench engine-vs-peft --profile    # and engine_vs_peft_cpu_engine_profile.txt
+Writes ``<out>/engine_vs_peft_cpu[_quick].{json,md}``; the recorded results are
+``loramux bench engine-vs-peft --repeats 2 --before 932c3a3`` and ``--profile``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -57,3 +58,26 @@ def write_report(stem: Path, report: dict, markdown: str) -> None:
     write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2, default=float) + "\n")
     write_atomic(stem.with_suffix(".md"), markdown)
     print(markdown)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None (said on stderr) without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots are drawn", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, *, note: str | None = None, dpi: int = 110) -> Path:
+    """``fig`` laid out and written to ``path`` (a grey ``note`` in its lower left), closed."""
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=8, color="gray")
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path

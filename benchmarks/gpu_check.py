@@ -1,37 +1,27 @@
 """``make gpu-check``: everything only a GPU can tell about loramux, in one command.
 
-Whoever gets a CUDA machine runs this first. Its sections, in this order, each a
-subprocess with a time limit of its own inside one overall budget (``--budget-s``, sized to
-fit one call on a lent machine), so a section that fails or runs long costs only itself:
+Whoever gets a CUDA machine runs this first. Each section is a subprocess with its own
+time limit inside one budget (``--budget-s``, one call on a lent machine), so a section
+that fails or runs long costs only itself:
 
-1. ``tests``: the GPU-marked tests (``pytest -m gpu``): the Triton kernels compiled for
-   real, the adapter copy stream, evictions and reloads, CUDA graphs replayed, each
-   against transformers + PEFT;
-2. ``kernels``: ``kernels_gpu --quick``, the kernels at Llama-7B shapes and the two
-   kernel verdicts;
+1. ``tests``: the GPU-marked tests (Triton compiled for real, the adapter copy stream,
+   evictions and reloads, CUDA graphs replayed, each against transformers + PEFT);
+2. ``kernels``: ``kernels_gpu --quick``, the kernels at Llama-7B shapes and their verdicts;
 3. ``punica-distinct`` and 4. ``slora-s2`` (300 of its 2,000 requests, to fit): the GPU
-   presets of ``loramux bench`` (with ``--no-baseline``: loramux's figures against the
-   published ones; the PEFT baseline takes longer than a lent machine's call).
+   presets of ``loramux bench`` with ``--no-baseline`` (the PEFT baseline takes longer
+   than a lent machine's call).
 
-It writes ``gpu_check.json`` (each section's status, seconds, exit code, the device and
-versions) and ``gpu_check.md`` to ``--out``, every section's output to ``gpu_check.log``,
-and the sections' own results (``kernels_gpu_*``, ``bench_*``) under ``<out>/results``;
-``--bundle`` packs those into ``gpu_check_results.tar.gz`` instead (a lent machine hands
-back a few files, not a folder tree). Exit status 0 when every section passed, 1 when one
-failed, 2 with no GPU (outside ``--smoke``).
-
-``--smoke`` runs the same sections' CPU forms (the GPU tests collected, the kernels and
-the presets at tiny shapes on the CPU): the test suite does, so the command is known to
-work before a GPU is lent. ``--prepare`` writes what a GPU machine without the SmolLM2
-package needs into ``.loramux/bench-cache/random-models`` (the Llama-7B config and
-SmolLM2's tokenizer files, 3.5 MB) to carry there: the presets' model folder, and the
-tokenizer the GPU tests build their tiny model with (``LORAMUX_TEST_TOKENIZER_DIR``).
+It writes ``gpu_check.{json,md}`` (each section's status, seconds and exit code, the
+device and versions), ``gpu_check.log`` (every section's output) and the sections' results
+under ``<out>/results`` (``--bundle``: packed into ``gpu_check_results.tar.gz``, since a
+lent machine hands back files, not folders). Exit status 0 when every section passed, 1
+when one failed, 2 with no GPU. ``--smoke`` runs the sections' CPU forms (the suite
+does); ``--prepare`` writes what a GPU machine without the SmolLM2 package needs carried
+(``.loramux/bench-cache/random-models``: the Llama-7B config and SmolLM2's tokenizer,
+3.5 MB). It needs the source checkout (the GPU tests are in its ``tests/``).
 
     python -m loramux.benchmarks.gpu_check --prepare    # here, once: the folder to carry
     make gpu-check GPU_CHECK_ARGS="--out $OUT --bundle"   # on the GPU machine
-    python -m loramux.benchmarks.gpu_check --smoke --out /tmp/gc  # any CPU (plumbing)
-
-It needs the source checkout (the GPU tests are in its ``tests/``).
 """
 
 from __future__ import annotations

@@ -1,38 +1,24 @@
 """``loramux bench lora-overhead``: what serving distinct adapters costs over the base model.
 
-The workload is the preset's (``bench_presets.PRESETS["lora-overhead"]``): SmolLM2-135M-
-Instruct in float32 on the CPU, one ``Engine`` built with the default ``EngineConfig``
-(only ``model`` and ``device="cpu"`` set: KV cache, adapter budgets, batch limits are the
-engine's defaults), 32 requests submitted at once, each generating exactly 64 tokens
-(greedy, ``min_tokens = max_tokens``, EOS ignored), prompts of random token ids of 16 to 96
-tokens (``workload.requests_with_prompts``, EOS ids avoided). Request i uses adapter
-i % 16; the adapters (``adapters.prepare_adapters``, seeds 1000 + i as engine-vs-peft's)
-mix ranks and targets (:data:`ADAPTER_MIX`: ranks 8 and 16 alternating, q/k/v/o on 12 of
-16, all seven modules on 4, two of each rank), registered with ``add_adapter``.
+The preset's workload: SmolLM2-135M-Instruct in float32 on the CPU, one ``Engine`` with the
+default ``EngineConfig`` (only ``model`` and ``device="cpu"`` set), 32 requests submitted
+at once, exactly 64 tokens each (greedy, ``min_tokens = max_tokens``), prompts of 16 to 96
+random token ids (EOS ids avoided). Request i uses adapter i % 16 (:data:`ADAPTER_MIX`:
+ranks 8 and 16, q/k/v/o on 12 of 16 and all seven modules on 4).
 
-On the same engine instance: a warm-up (every adapter once and the base model once, a few
-tokens each), then ``--repeats`` pairs of runs, base then lora: *base* serves the requests
-with no adapter, *lora* the same requests each with its adapter. Every run's prompts get
-their own first token (the warm-up's too), so no run finds another run's blocks in the
-prefix cache; each run's cached prompt tokens are reported to show it.
+On one engine: a warm-up (every adapter and the base model once), then ``--repeats`` pairs
+of runs, *base* (no adapter) and *lora* (each request its adapter). Every run's prompts
+get their own first token, so no run finds another's blocks in the prefix cache (the
+report shows each run's cached prompt tokens). Per run: wall seconds, tokens/s, cores
+used, the load average and the engine's residency counters over the run.
 
-Per run: wall seconds, tokens, tokens/s, CPU seconds and cores used (this process's CPU
-seconds / wall seconds, ``machine.Clock``), the 1-minute load, and the engine's
-residency counters over the run (after minus before): preemptions, device adapter
-evictions, adapter re-loads and steps spent waiting for adapter room.
-
-The ratio is the median over repeats of each repeat's lora seconds / base seconds. A
-repeat's two runs follow each other, in an order that alternates from one repeat to the
-next (base first, then lora first, ...), so a machine whose speed drifts favours neither
-side within a pair, and the median drops the pair a burst of other work hit; on a shared
-machine whose speed moves within minutes the best-over-best ratio depends on which minute
-each side's best run fell in (it and the ratio of the medians are in the report too). The
-preset's goal (at most 1.10) is judged on the full workload only, not on ``--smoke`` or a
-``--requests`` override.
-
-``--smoke`` runs the same code at 4 requests, 4 adapters, 8 tokens and 1 repeat (the test
-suite does). The recorded ``benchmarks/results/bench_lora-overhead.*`` is made by
-``loramux bench lora-overhead --repeats 7``.
+The ratio is the median over repeats of lora seconds / base seconds. A pair's two runs
+follow each other in an order that alternates between repeats, so a drift in the
+machine's speed favours neither side, and the median drops a pair a burst of other work
+hit (best-over-best and median-over-median are reported beside it). The goal (at most
+1.10) is judged on the full workload only. ``--smoke``: 4 requests, 4 adapters, 8 tokens,
+1 repeat. The recorded ``bench_lora-overhead.*`` is ``loramux bench lora-overhead
+--repeats 7``.
 """
 
 from __future__ import annotations
@@ -45,9 +31,8 @@ from pathlib import Path
 
 from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
 from loramux.benchmarks.bench_presets import Preset, judge_goals
-from loramux.benchmarks.bench_sweeps import pyplot
 from loramux.benchmarks.driver_engine import exact_length_params
-from loramux.benchmarks.files import write_report
+from loramux.benchmarks.files import pyplot, save_figure, write_report
 from loramux.benchmarks.machine import Clock, busy_warning, contention, machine_info, machine_text
 from loramux.benchmarks.models import MODEL_NAME, prepare_model
 from loramux.benchmarks.workload import WorkloadSpec, requests_with_prompts
@@ -353,21 +338,13 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
         f"{report['preset']}: lora / base = {report['lora_over_base_seconds']:.3f} "
         "(median of the pairs)"
     )
-    ax.annotate(
-        f"{report['workload']['num_requests']} requests x {report['workload']['output_len'][0]} "
-        "tokens per run, one engine, pairs in alternating order (base, lora; lora, base; ...)",
-        xy=(0.01, 0.01),
-        xycoords="figure fraction",
-        fontsize=8,
-        color="gray",
-    )
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper center", ncol=2)
-    fig.tight_layout()
-    path = stem.with_name(stem.name + "_seconds.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    note = (
+        f"{report['workload']['num_requests']} requests x {report['workload']['output_len'][0]} "
+        "tokens per run, one engine, pairs in alternating order (base, lora; lora, base; ...)"
+    )
+    return [save_figure(fig, stem.with_name(stem.name + "_seconds.png"), note=note)]
 
 
 def render_markdown(report: dict, plots: list[Path]) -> str:

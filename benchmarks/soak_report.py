@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loramux.benchmarks.bench_sweeps import pyplot
+from loramux.benchmarks.files import pyplot, save_figure
 from loramux.benchmarks.soak_server import MIB
 from loramux.benchmarks.soak_verdict import USAGE_FIELDS
 
@@ -218,9 +218,7 @@ def write_plot(report: dict, path: Path) -> None:
         f"{report['counts']['requests']} requests, {len(report['churn_events'])} churn acts "
         f"({status})"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def _plot_memory(ax, samples: list[dict], verdict: dict) -> None:
