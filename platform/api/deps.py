@@ -75,16 +75,16 @@ LAST_USED_RESOLUTION = timedelta(minutes=1)
 def _touch_api_key(session: Session, key: ApiKey) -> None:
     """Record that ``key`` was used now, unless that was already recorded within a minute.
 
-    Its own short transaction (on the request session's database), so the row is never
-    locked for the length of a request; the condition is in the UPDATE, so callers racing
-    on one key write it once.
+    A write transaction of its own on ``session`` (which holds no other), so the row is
+    never locked for the length of a request; the condition is in the UPDATE, so callers
+    racing on one key write it once.
     """
     now = utc_now()
     stale = now - LAST_USED_RESOLUTION
     if key.last_used_at is not None and key.last_used_at > stale:
         return  # fresh enough: no write at all
-    with Session(session.get_bind()) as own, own.begin():
-        own.execute(
+    with session.begin():
+        session.execute(
             update(ApiKey)
             .where(
                 ApiKey.id == key.id,
@@ -95,16 +95,25 @@ def _touch_api_key(session: Session, key: ApiKey) -> None:
 
 
 def current_tenant(session: SessionDep, token: BearerDep) -> Tenant:
-    """The live tenant owning a live API key; 401 otherwise (same message either way)."""
-    row = session.execute(
-        select(ApiKey, Tenant)
-        .join(Tenant, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.key_hash == api_key_hash(token))
-    ).first()
-    if row is None or row.ApiKey.revoked_at is not None or row.Tenant.deleted_at is not None:
-        raise APIError(401, "Invalid or revoked API key.", code="invalid_api_key")
-    _touch_api_key(session, row.ApiKey)
-    return row.Tenant
+    """The live tenant owning a live API key; 401 otherwise (same message either way).
+
+    The key is read and touched on a short session of its own before the request's session
+    holds a connection, and the tenant is then attached to the request's session without a
+    query: holding the request's connection while the touch waited for a second one let a
+    burst of requests (as many as the pool has connections) take every connection and wait
+    on each other until the pool timed out, failing them all with 503s.
+    """
+    with Session(session.get_bind(), expire_on_commit=False) as own:
+        with own.begin():
+            row = own.execute(
+                select(ApiKey, Tenant)
+                .join(Tenant, ApiKey.tenant_id == Tenant.id)
+                .where(ApiKey.key_hash == api_key_hash(token))
+            ).first()
+        if row is None or row.ApiKey.revoked_at is not None or row.Tenant.deleted_at is not None:
+            raise APIError(401, "Invalid or revoked API key.", code="invalid_api_key")
+        _touch_api_key(own, row.ApiKey)
+    return session.merge(row.Tenant, load=False)
 
 
 CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
