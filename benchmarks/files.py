@@ -79,5 +79,7 @@ def save_figure(fig, path: Path, *, note: str | None = None, dpi: int = 110) -> 
         fig.text(0.01, 0.01, note, fontsize=8, color="gray")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    import matplotlib.pyplot as plt  # a figure exists, so pyplot() has set it up
+
+    plt.close(fig)
     return path

@@ -1,8 +1,8 @@
 """Tenants' API keys: issue (the secret is returned once), list, revoke.
 
 Only ``api_key_hash(secret)`` (SHA-256 hex) and a short display prefix are stored; the
-secret itself never reaches the database. ``loramux.platform.api.deps.current_tenant``
-authenticates with the same hash and refuses revoked keys and deleted tenants.
+secret itself never reaches the database. Requests authenticate with the same hash, which
+refuses revoked keys and deleted tenants.
 """
 
 from __future__ import annotations
