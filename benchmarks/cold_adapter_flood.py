@@ -120,6 +120,19 @@ def kv_state(client: httpx.Client, admin: dict) -> dict:
     return {"running": engine["running_requests"], **engine["kv_cache"]}
 
 
+def flooded_state(client: httpx.Client, admin: dict, within_s: float = 30.0) -> dict:
+    """The engine's state once flood streams are running: a stream that just ended leaves
+    a gap before its thread's next one is admitted, and a probe must start under the flood."""
+    deadline = time.monotonic() + within_s
+    while True:
+        state = kv_state(client, admin)
+        if state["running"] >= 1:
+            return state
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no flood stream was running within {within_s:.0f} s")
+        time.sleep(0.02)
+
+
 def measure(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
     adapter = prepare_pool(model_dir, args.cache_dir)[4]  # rank 8 on all seven modules
     with (
@@ -139,7 +152,7 @@ def measure(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
         probes = []
         with flood:
             time.sleep(args.warmup)
-            before = kv_state(client, server.admin)
+            before = flooded_state(client, server.admin)
             for i in range(args.probes):
                 probes.append(
                     {
