@@ -35,6 +35,7 @@ from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import ErrorKind, FinishReason, RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine.tenant_share import TenantShareStats, merge_tenants
 
 __all__ = [
     "CONFIG_FILE",
@@ -61,12 +62,14 @@ __all__ = [
     "RequestOutput",
     "ResidencyStats",
     "SamplingParams",
+    "TenantShareStats",
     "TierStats",
     "TokenLogprobs",
     "convert_gguf_to_hf",
     "extract_gguf_metadata",
     "is_converted",
     "load_adapter",
+    "merge_tenants",
     "parse_lora_tensor_name",
     "read_adapter_config",
 ]

@@ -57,6 +57,7 @@ from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
+from loramux.engine.tenant_share import TenantShare, TenantShareStats
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ class Engine:
         self._prefix_stats = (0, 0)
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
         self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
+        self.tenant_share = TenantShare()  # tokens served per tenant, as steps serve them
         # What the budget holds, logged now; evictions, re-loads and room waits watched.
         self.memory_plan = plan_memory(
             budget,
@@ -430,6 +432,8 @@ class Engine:
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
         step = run_isolated(self.runner.execute, plan)
         outputs = failures + self._fail_in_step(step)
+        # Counted as served, before update() finishes some of them (tenant_share.py).
+        self.metrics.count_served(self.tenant_share.record_step(plan.scheduled))
         updates = self.scheduler.update(plan, step.sampled, time.monotonic())
         for seq, text in updates:
             self._observe_token(seq)
@@ -528,6 +532,13 @@ class Engine:
         self.metrics.prefix_cache_queries.inc(queries - old_q)
         self.metrics.prefix_cache_hits.inc(hits - old_h)
         self._prefix_stats = (queries, hits)
+        self.metrics.set_tenants(self._tenant_stats())
+
+    def _tenant_stats(self) -> dict[str | None, TenantShareStats]:
+        scheduler = self.scheduler
+        return self.tenant_share.snapshot(
+            scheduler.waiting, scheduler.running, scheduler.fair.weights
+        )
 
     def _residency_counts(self) -> ResidencyCounts:
         tiers = self.tiers
@@ -561,6 +572,8 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             residency=self.residency_watch.stats(self._residency_counts()),
             memory=self.memory_plan,
+            tenants=self._tenant_stats(),
+            share_window_s=self.tenant_share.window_s,
         )
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:

@@ -1,8 +1,17 @@
-"""Prometheus metrics of one engine, in its own registry (no process-wide globals)."""
+"""Prometheus metrics of one engine, in its own registry (no process-wide globals).
+
+Per-tenant series carry a ``tenant`` label (the platform's tenant id; the empty string for
+requests without a tenant): their number is bounded by the tenants the platform admits,
+and each tenant adds six series, so a platform of a few thousand tenants stays well within
+what Prometheus handles. A tenant's series stay once seen, so its gauges read 0 when it
+has no work rather than its last value.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from loramux.engine.tenant_share import TenantShareStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -108,3 +117,62 @@ class EngineMetrics:
             "Requests failed alone because they made an engine step fail.",
             registry=r,
         )
+        # Per tenant (tenant_share.py): tokens as each step serves them, queue depth, and the
+        # share of the last 30 s's service next to the weight's share; compare the two.
+        self.tenant_served_tokens = Counter(
+            "loramux_tenant_served_tokens",
+            "Tokens served to the tenant, counted in the step that serves them: prompt "
+            "tokens computed (prefix-cache hits not, recompute after preemption too) and "
+            "output tokens generated.",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_queued_requests = Gauge(
+            "loramux_tenant_queued_requests",
+            "The tenant's requests waiting.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_running_requests = Gauge(
+            "loramux_tenant_running_requests",
+            "The tenant's requests running.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_share = Gauge(
+            "loramux_tenant_share",
+            "The tenant's fraction of the service (prompt tokens x1, output tokens x2, as "
+            "the fair-share scheduler weighs them) over the last 30 s; 0 when none was served.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_weight = Gauge(
+            "loramux_tenant_weight", "The tenant's fair-share weight.", ["tenant"], registry=r
+        )
+        self.tenant_weight_share = Gauge(
+            "loramux_tenant_weight_share",
+            "The tenant's weight / the summed weights of the tenants with requests queued or "
+            "running: the share it should get while backlogged; 0 when it has no work.",
+            ["tenant"],
+            registry=r,
+        )
+
+    def count_served(self, served: dict[str | None, tuple[int, int]]) -> None:
+        """Add one step's (prompt, output) tokens per tenant."""
+        for tenant, (prompt, output) in served.items():
+            label = _tenant_label(tenant)
+            self.tenant_served_tokens.labels(label, "prompt").inc(prompt)
+            self.tenant_served_tokens.labels(label, "output").inc(output)
+
+    def set_tenants(self, tenants: dict[str | None, TenantShareStats]) -> None:
+        for tenant, stats in tenants.items():
+            label = _tenant_label(tenant)
+            self.tenant_queued_requests.labels(label).set(stats.queued_requests)
+            self.tenant_running_requests.labels(label).set(stats.running_requests)
+            self.tenant_share.labels(label).set(stats.share or 0.0)
+            self.tenant_weight.labels(label).set(stats.weight)
+            self.tenant_weight_share.labels(label).set(stats.weight_share or 0.0)
+
+
+def _tenant_label(tenant: str | None) -> str:
+    return "" if tenant is None else tenant

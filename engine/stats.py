@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from loramux.engine.lora.tiers import AdapterTiers, Tier
 from loramux.engine.memory_budget import MemoryPlan
 from loramux.engine.residency import ResidencyStats
+from loramux.engine.tenant_share import DEFAULT_SHARE_WINDOW_S, TenantShareStats
 
 DEFAULT_WINDOW_S = 300.0  # percentiles cover the last five minutes...
 DEFAULT_MAX_SAMPLES = 4096  # ...or this many samples, whichever is fewer
@@ -112,11 +113,15 @@ class EngineStats:
     # over the last minute (residency.py).
     residency: ResidencyStats = field(default_factory=ResidencyStats)
     memory: MemoryPlan | None = None  # what the KV + adapter budget holds (memory_budget.py)
+    # Per tenant: tokens served, queue depth, share of the recent window next to the weight's
+    # share (tenant_share.py); the default tenant None too.
+    tenants: dict[str | None, TenantShareStats] = field(default_factory=dict)
+    share_window_s: float = DEFAULT_SHARE_WINDOW_S  # how far back ``share`` looks
 
     @property
     def tenant_ids(self) -> list[str]:
         """Tenants the engine holds scheduling for (the default tenant ``None`` left out)."""
-        known = {*self.tenant_priorities, *self.tenant_weights}
+        known = {*self.tenant_priorities, *self.tenant_weights, *self.tenants}
         return sorted(tenant for tenant in known if tenant is not None)
 
 
