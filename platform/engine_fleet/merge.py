@@ -1,13 +1,22 @@
 """Several engines' snapshots as one (``GET /admin/engine``'s merged view, routing's
 residency): counts, rates, budgets and bytes summed, each adapter at the fastest tier any
 engine holds it in, latency percentiles the worst engine's (percentiles of a union are not
-derivable from the parts' percentiles)."""
+derivable from the parts' percentiles). Per tenant, tokens served and requests queued and
+running are summed and the shares recomputed from the summed window tokens: a tenant's
+share of the fleet, not of any one engine."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from loramux.engine import EngineStats, LatencySummary, MemoryPlan, ResidencyStats, TierStats
+from loramux.engine import (
+    EngineStats,
+    LatencySummary,
+    MemoryPlan,
+    ResidencyStats,
+    TierStats,
+    merge_tenants,
+)
 
 _TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
 
@@ -107,4 +116,6 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         window_s=max(p.window_s for p in parts),
         tenant_priorities={k: v for p in parts for k, v in p.tenant_priorities.items()},
         tenant_weights={k: v for p in parts for k, v in p.tenant_weights.items()},
+        tenants=merge_tenants([p.tenants for p in parts]),
+        share_window_s=max(p.share_window_s for p in parts),
     )

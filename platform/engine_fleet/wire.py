@@ -2,7 +2,8 @@
 
 Requests carry ``SamplingParams``; a generate stream is one JSON line per
 ``RequestOutput``; ``EngineStats`` answers the stats call (an older engine's, without the
-memory plan and residency counts, still parses: those take their defaults). Decoding rebuilds the engine's
+memory plan, residency counts or per-tenant service, still parses: those take their
+defaults). Decoding rebuilds the engine's
 own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
 TypeError naming it).
 """
@@ -20,6 +21,7 @@ from loramux.engine import (
     RequestOutput,
     ResidencyStats,
     SamplingParams,
+    TenantShareStats,
     TierStats,
     TokenLogprobs,
 )
@@ -56,6 +58,7 @@ def stats_to_json(stats: EngineStats) -> dict[str, Any]:
     # JSON object keys are strings: the default tenant (None) travels in a pair list.
     data["tenant_priorities"] = list(stats.tenant_priorities.items())
     data["tenant_weights"] = list(stats.tenant_weights.items())
+    data["tenants"] = [[tenant, dataclasses.asdict(t)] for tenant, t in stats.tenants.items()]
     return data
 
 
@@ -68,6 +71,9 @@ def stats_from_json(data: dict[str, Any]) -> EngineStats:
         fields[latency] = LatencySummary(**data[latency])
     fields["tenant_priorities"] = {tenant: value for tenant, value in data["tenant_priorities"]}
     fields["tenant_weights"] = {tenant: value for tenant, value in data["tenant_weights"]}
+    fields["tenants"] = {
+        tenant: TenantShareStats(**value) for tenant, value in data.get("tenants", [])
+    }
     residency = data.get("residency")
     if "adapter_residency" not in data:
         # An engine from before the memory figures: "residency" was adapter -> tier.

@@ -13,6 +13,7 @@ from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine.tenant_share import TenantShareStats, with_shares
 from loramux.platform.engine_fleet import wire
 
 
@@ -89,8 +90,20 @@ def test_engine_stats_round_trip_with_the_default_tenant():
             thrashing=False,
         ),
         memory=MEMORY,
+        tenants=with_shares(
+            {
+                None: TenantShareStats(5, 0, 5, 0, queued_requests=0, running_requests=1, weight=1),
+                "t1": TenantShareStats(
+                    90, 30, 9, 3, queued_requests=5, running_requests=2, weight=2
+                ),
+            }
+        ),
+        share_window_s=30.0,
     )
-    assert wire.stats_from_json(_through_json(wire.stats_to_json(stats))) == stats
+    assert stats.tenants["t1"].share == 0.75  # 9 + 2 * 3 of 5 + 15, output tokens count 2
+    back = wire.stats_from_json(_through_json(wire.stats_to_json(stats)))
+    assert back == stats
+    assert back.tenants["t1"].weight_share == pytest.approx(2 / 3)
 
 
 MEMORY = MemoryPlan(
@@ -138,3 +151,4 @@ def test_an_older_engines_stats_still_parse():
     stats = wire.stats_from_json(old)
     assert stats.adapter_residency == {"a": "device"}
     assert stats.residency == ResidencyStats() and stats.memory is None
+    assert stats.tenants == {}  # an engine from before the per-tenant service

@@ -1,0 +1,70 @@
+"""Several engines' snapshots as one: each tenant's tokens and requests summed, its share
+recomputed over the fleet's window tokens (not averaged over the engines' shares)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loramux.engine import EngineStats, LatencySummary, TenantShareStats, TierStats
+from loramux.engine.tenant_share import with_shares
+from loramux.platform.engine_fleet.merge import merge_stats
+
+NO_LATENCY = LatencySummary(samples=0, p50=None, p90=None, p99=None)
+NO_TIER = TierStats(adapters=(), bytes=0, capacity_bytes=100)
+
+
+def _engine(**tenants: tuple[int, int, int, int, float]) -> EngineStats:
+    """An engine whose tenants have (window prompt, window output, queued, running, weight);
+    since the start each was served ten times its window."""
+    return EngineStats(
+        running_requests=sum(t[3] for t in tenants.values()),
+        waiting_requests=sum(t[2] for t in tenants.values()),
+        kv_blocks_used=0,
+        kv_blocks_usable=8,
+        kv_blocks_total=8,
+        kv_block_size=16,
+        device=NO_TIER,
+        host=NO_TIER,
+        adapter_residency={},
+        ttft=NO_LATENCY,
+        itl=NO_LATENCY,
+        window_s=300.0,
+        tenant_priorities={name: 0 for name in tenants},
+        tenant_weights={name: t[4] for name, t in tenants.items()},
+        tenants=with_shares(
+            {
+                name: TenantShareStats(
+                    served_prompt_tokens=10 * prompt,
+                    served_output_tokens=10 * output,
+                    window_prompt_tokens=prompt,
+                    window_output_tokens=output,
+                    queued_requests=queued,
+                    running_requests=running,
+                    weight=weight,
+                )
+                for name, (prompt, output, queued, running, weight) in tenants.items()
+            }
+        ),
+    )
+
+
+def test_tenants_tokens_and_queues_add_up_and_shares_are_the_fleets():
+    # Engine a mostly serves light, engine b only heavy: each alone is lopsided.
+    a = _engine(light=(60, 30, 4, 2, 1.0), heavy=(0, 0, 1, 0, 3.0))
+    b = _engine(heavy=(180, 90, 3, 6, 3.0), light=(0, 0, 0, 0, 1.0))
+    assert a.tenants["light"].share == 1.0 and b.tenants["heavy"].share == 1.0
+
+    merged = merge_stats([a, b]).tenants
+    light, heavy = merged["light"], merged["heavy"]
+    assert (light.served_prompt_tokens, light.served_output_tokens) == (600, 300)
+    assert (heavy.window_prompt_tokens, heavy.window_output_tokens) == (180, 90)
+    assert (light.queued_requests, light.running_requests) == (4, 2)
+    assert (heavy.queued_requests, heavy.running_requests) == (4, 6)
+    assert light.share == pytest.approx(0.25) and heavy.share == pytest.approx(0.75)
+    assert (light.weight_share, heavy.weight_share) == (0.25, 0.75)
+
+
+def test_a_tenant_one_engine_never_saw_is_kept():
+    merged = merge_stats([_engine(solo=(10, 5, 1, 1, 2.0)), _engine()]).tenants
+    assert set(merged) == {"solo"}
+    assert merged["solo"].share == 1.0 and merged["solo"].weight == 2.0
