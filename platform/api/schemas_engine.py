@@ -147,12 +147,57 @@ class TierOut(BaseModel):
 
 
 class EngineTenantOut(BaseModel):
-    """A tenant's scheduling as the engine holds it (what the platform last pushed)."""
+    """A tenant's scheduling as the engine holds it (what the platform last pushed), and
+    the service it gets: tokens served, requests queued, and its share of the recent
+    service next to the share its weight asks for."""
 
     tenant_id: str
     tenant_name: str | None
     priority: int | None
     weight: float | None
+    served_prompt_tokens: int = Field(
+        0,
+        description="Prompt tokens computed for it since the engines started (prefix-cache "
+        "hits not; recompute after a preemption too), counted as each step computes them.",
+    )
+    served_output_tokens: int = Field(
+        0, description="Output tokens generated for it since the engines started."
+    )
+    queued_requests: int = Field(0, description="Its requests waiting in the engines' queues.")
+    running_requests: int = Field(0, description="Its requests running.")
+    share: float | None = Field(
+        None,
+        description="Its fraction, 0-1, of the service over the last `share_window_s` seconds "
+        "(prompt tokens count 1, output tokens 2, as the fair-share scheduler weighs them); "
+        "null when no tenant was served in that window.",
+    )
+    weight_share: float | None = Field(
+        None,
+        description="Its weight / the summed weights of the tenants with requests queued or "
+        "running: the share it should get while backlogged (among tenants of equal "
+        "priority); null while it has no request.",
+    )
+
+    @classmethod
+    def from_stats(cls, tenant_id: str, name: str | None, stats: EngineStats) -> EngineTenantOut:
+        service = stats.tenants.get(tenant_id)
+        figures = {}
+        if service is not None:
+            figures = {
+                "served_prompt_tokens": service.served_prompt_tokens,
+                "served_output_tokens": service.served_output_tokens,
+                "queued_requests": service.queued_requests,
+                "running_requests": service.running_requests,
+                "share": service.share,
+                "weight_share": service.weight_share,
+            }
+        return cls(
+            tenant_id=tenant_id,
+            tenant_name=name,
+            priority=stats.tenant_priorities.get(tenant_id),
+            weight=stats.tenant_weights.get(tenant_id),
+            **figures,
+        )
 
 
 class EngineRowOut(BaseModel):
@@ -243,6 +288,7 @@ class EngineSnapshotOut(BaseModel):
     ttft: LatencyOut = Field(description="Arrival to first token.")
     itl: LatencyOut = Field(description="Gap between consecutive tokens.")
     tenants: list[EngineTenantOut]
+    share_window_s: float = Field(description="How far back each tenant's `share` looks.")
     memory: MemoryOut | None = Field(
         description="What the KV + adapter budget holds (engines' budgets added up; null "
         "from an engine too old to say)."
@@ -290,14 +336,10 @@ class EngineSnapshotOut(BaseModel):
             ttft=LatencyOut.from_summary(stats.ttft),
             itl=LatencyOut.from_summary(stats.itl),
             tenants=[
-                EngineTenantOut(
-                    tenant_id=tid,
-                    tenant_name=tenant_names.get(tid),
-                    priority=stats.tenant_priorities.get(tid),
-                    weight=stats.tenant_weights.get(tid),
-                )
+                EngineTenantOut.from_stats(tid, tenant_names.get(tid), stats)
                 for tid in stats.tenant_ids
             ],
+            share_window_s=stats.share_window_s,
             memory=MemoryOut.from_plan(stats.memory),
             residency=ResidencyOut.from_stats(stats.residency),
             engines=[EngineRowOut.from_report(report) for report in engines],

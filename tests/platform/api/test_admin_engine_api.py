@@ -83,6 +83,7 @@ def test_after_requests_names_adapters_tenants_and_latency(
     files = [("files", (f, (adapter_dir / f).read_bytes())) for f in FILES]
     uploaded = client.post("/v1/adapters", data={"name": "support"}, files=files, headers=auth)
     assert uploaded.status_code == 201, uploaded.text
+    prompt_tokens = 0
     for model in ("support", "support"):
         done = client.post(
             "/v1/completions",
@@ -90,6 +91,7 @@ def test_after_requests_names_adapters_tenants_and_latency(
             headers=auth,
         )
         assert done.status_code == 200, done.text
+        prompt_tokens += done.json()["usage"]["prompt_tokens"]
     patched = client.patch(f"/admin/tenants/{tenant['id']}", json={"priority": 8}, headers=admin)
     assert patched.status_code == 200, patched.text
 
@@ -112,10 +114,57 @@ def test_after_requests_names_adapters_tenants_and_latency(
     assert body["device"]["count"] == 1 and body["device"]["bytes"] > 0
     assert body["device"]["adapters"] == body["adapters"]
     assert [a["adapter"] for a in body["host"]["adapters"]] == ["support"]
-    # What the platform pushed: the priority as changed, the weight as created.
+    # What the platform pushed: the priority as changed, the weight as created; and what
+    # the tenant was served: every token, all of the recent service (the only tenant).
     assert body["tenants"] == [
-        {"tenant_id": tenant["id"], "tenant_name": "acme", "priority": 8, "weight": 2.0}
+        {
+            "tenant_id": tenant["id"],
+            "tenant_name": "acme",
+            "priority": 8,
+            "weight": 2.0,
+            "served_prompt_tokens": prompt_tokens,
+            "served_output_tokens": 2 * MAX_TOKENS,
+            "queued_requests": 0,
+            "running_requests": 0,
+            "share": 1.0,
+            "weight_share": None,  # no request now
+        }
     ]
+    assert body["share_window_s"] == 30.0
+
+
+def test_each_tenants_share_is_its_service_over_everyones(client, admin, context, new_tenant):
+    """Two tenants served one after the other: each one's share is its prompt tokens plus
+    twice its output tokens, over both tenants' (the weighing the fair share uses)."""
+    served = {}
+    for name, weight, max_tokens in (("light", 1.0, 3), ("heavy", 3.0, 9)):
+        tenant = new_tenant(name=name, weight=weight)
+        key = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin).json()["key"]
+        done = client.post(
+            "/v1/completions",
+            json={
+                "model": context.base_model.model_id,
+                "prompt": "Count:",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            },
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert done.status_code == 200, done.text
+        usage = done.json()["usage"]
+        served[tenant["id"]] = (usage["prompt_tokens"], usage["completion_tokens"])
+        assert usage["completion_tokens"] == max_tokens
+
+    tenants = {
+        t["tenant_id"]: t for t in client.get("/admin/engine", headers=admin).json()["tenants"]
+    }
+    service = {tid: prompt + 2 * output for tid, (prompt, output) in served.items()}
+    for tid, (prompt, output) in served.items():
+        row = tenants[tid]
+        assert (row["served_prompt_tokens"], row["served_output_tokens"]) == (prompt, output)
+        assert row["share"] == pytest.approx(service[tid] / sum(service.values()))
+        assert row["queued_requests"] == row["running_requests"] == 0
+    assert sorted(row["weight"] for row in tenants.values()) == [1.0, 3.0]
 
 
 def test_only_operators_may_look(client, tenant_key):
