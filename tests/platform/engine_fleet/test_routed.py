@@ -161,9 +161,13 @@ def test_requests_stick_to_their_adapters_engine_and_adapters_spread(cluster):
     for engine_id, host in cluster.hosts.items():
         held = set(asyncio.run(host_residency(host)))
         assert held == {n for n, e in engines_of.items() if e == {engine_id}}
-    assert stats.kv_blocks_total == sum(
-        asyncio.run(host_stats(h)).kv_blocks_total for h in cluster.hosts.values()
-    )
+    parts = [asyncio.run(host_stats(h)) for h in cluster.hosts.values()]
+    assert stats.kv_blocks_total == sum(part.kv_blocks_total for part in parts)
+    # The tenant's service is the fleet's: both engines served it, the merge adds them up.
+    acme = stats.tenants["acme"]
+    served = [part.tenants["acme"].served_output_tokens for part in parts]
+    assert min(served) >= 3 * GREEDY.max_tokens and acme.served_output_tokens == sum(served)
+    assert acme.served_prompt_tokens == sum(p.tenants["acme"].served_prompt_tokens for p in parts)
 
 
 async def host_residency(host: EngineHost) -> dict:

@@ -59,18 +59,22 @@ def test_priority_reaches_the_engine_and_billing_csv_adds_up(
 
     stored = _admin_get(ui_platform, f"/admin/tenants/{tenant.id}")
     assert (stored["priority"], stored["weight"]) == (8, 3.0)
-    assert _engine_scheduling(ui_platform, tenant.id) == {
-        "tenant_id": tenant.id,
-        "tenant_name": stored["name"],
-        "priority": 8,
-        "weight": 3.0,
-    }
+    scheduling = _engine_scheduling(ui_platform, tenant.id)
+    assert (scheduling["priority"], scheduling["weight"]) == (8, 3.0)
+    served = scheduling["served_prompt_tokens"] + scheduling["served_output_tokens"]
+    assert scheduling["served_output_tokens"] == 8 and scheduling["queued_requests"] == 0
 
-    # The engine panel shows the same.
+    # The engine panel shows the same, with what the tenant was served.
     page.click("nav >> text=Engine")
     row = page.locator(f"#engine-tenants tr[data-tenant-id='{tenant.id}']")
     row.wait_for()
-    assert row.locator("td").all_inner_texts()[1:] == ["8", "3"]
+    cells = row.locator("td").all_inner_texts()
+    assert cells[1:4] == ["8", "3", "–"]  # no request now: no weight share
+    assert cells[5].splitlines() == [
+        f"{served:,}",
+        f"{scheduling['served_prompt_tokens']:,} prompt · 8 output",
+    ]
+    assert cells[6].splitlines() == ["0", "0 running"]
     shots(page, "engine-holds-the-new-priority")
 
     # Usage charts and the billing export of this tenant for the last two weeks.
@@ -200,6 +204,69 @@ def test_engine_panel_says_when_adapters_thrash(page, ui_platform, shots):
     row = page.locator("#engines-table tbody tr[data-engine-id='local']")
     assert "42 re-loads/min · thrashing" in row.inner_text()
     shots(page, "engine-thrashing")
+
+
+def test_engine_panel_shows_each_tenants_share_next_to_its_weight(page, ui_platform, shots):
+    """Two backlogged tenants of weights 1 and 3: the platform's own snapshot, with their
+    service put in on its way to the page (a backlog on SmolLM2 would take minutes)."""
+    light = ui_platform.new_tenant(weight=1.0, priority=2)
+    heavy = ui_platform.new_tenant(weight=3.0, priority=2)
+    figures = {
+        light.id: dict(
+            served_prompt_tokens=1200,
+            served_output_tokens=1440,
+            queued_requests=12,
+            running_requests=2,
+            share=0.262,
+            weight_share=0.25,
+        ),
+        heavy.id: dict(
+            served_prompt_tokens=3600,
+            served_output_tokens=4310,
+            queued_requests=11,
+            running_requests=6,
+            share=0.738,
+            weight_share=0.75,
+        ),
+    }
+
+    def backlogged(route):
+        body = route.fetch().json()
+        for tenant in body["tenants"]:
+            tenant.update(figures.get(tenant["tenant_id"], {}))
+        route.fulfill(json=body)
+
+    page.route("**/admin/engine", backlogged)
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
+    page.click("nav >> text=Engine")
+    page.wait_for_selector("#updated-at[data-refreshes]")
+    shown = {}
+    for tenant in (light, heavy):
+        row = page.locator(f"#engine-tenants tr[data-tenant-id='{tenant.id}']")
+        shown[tenant.id] = [text.splitlines() for text in row.locator("td").all_inner_texts()[1:]]
+    assert shown[light.id] == [
+        ["2"],
+        ["1"],
+        ["25.0%"],
+        ["26.2%"],
+        ["2,640", "1,200 prompt · 1,440 output"],
+        ["12", "2 running"],
+    ]
+    assert shown[heavy.id] == [
+        ["2"],
+        ["3"],
+        ["75.0%"],
+        ["73.8%"],
+        ["7,910", "3,600 prompt · 4,310 output"],
+        ["11", "6 running"],
+    ]
+    # The bar reaches the share; the tick stands at the weight's share.
+    bar = page.locator(f"#engine-tenants tr[data-tenant-id='{heavy.id}'] .share-bar")
+    assert bar.locator("div").evaluate("el => el.style.width") == "73.8%"
+    assert bar.locator(".share-target").evaluate("el => el.style.left") == "75%"
+    assert "over the last 30 s" in page.text_content("#share-sub")
+    page.locator("#engine-tenants").scroll_into_view_if_needed()
+    shots(page, "engine-tenant-shares")
 
 
 def test_api_errors_show_next_to_their_fields(page, ui_platform, shots):

@@ -57,7 +57,25 @@ function showLatency(prefix, latency) {
   fill($(`#${prefix}-n`), count(latency.samples));
 }
 
-function showTenants(tenants) {
+function percent(value) {
+  return value === null || value === undefined ? "–" : `${(value * 100).toFixed(1)}%`;
+}
+
+// The share served over the window as a bar, with a tick where the weight's share is: while
+// tenants of one priority stay backlogged, the bar should reach the tick.
+function shareCell(tenant) {
+  const bar = h("div", { class: "share-bar", "aria-hidden": "true" }, h("div", {}));
+  bar.firstChild.style.width = `${Math.min(100, (tenant.share ?? 0) * 100)}%`;
+  if (tenant.weight_share !== null && tenant.weight_share !== undefined) {
+    const tick = h("span", { class: "share-target" });
+    tick.style.left = `${Math.min(100, tenant.weight_share * 100)}%`;
+    bar.append(tick);
+  }
+  const value = h("span", { class: "share-value" }, percent(tenant.share));
+  return h("td", { class: "share-col" }, value, bar);
+}
+
+function showTenants(tenants, windowS) {
   const byName = [...tenants].sort((a, b) =>
     (a.tenant_name || a.tenant_id).localeCompare(b.tenant_name || b.tenant_id),
   );
@@ -78,6 +96,14 @@ function showTenants(tenants) {
       ),
       h("td", { class: "num" }, tenant.priority ?? "–"),
       h("td", { class: "num" }, tenant.weight ?? "–"),
+      h("td", { class: "num" }, percent(tenant.weight_share)),
+      shareCell(tenant),
+      cell(
+        count(tenant.served_prompt_tokens + tenant.served_output_tokens),
+        `${count(tenant.served_prompt_tokens)} prompt · ` +
+          `${count(tenant.served_output_tokens)} output`,
+      ),
+      cell(count(tenant.queued_requests), `${count(tenant.running_requests)} running`),
     ),
   );
   fillRows(
@@ -85,6 +111,14 @@ function showTenants(tenants) {
     rows,
     "No tenants yet",
     "The engine hears each tenant's priority and weight when it is created or changed.",
+  );
+  fill(
+    $("#share-sub"),
+    "Current share: each tenant's part of the tokens served over the last " +
+      `${Math.round(windowS)} s ` +
+      "(output tokens count twice, as the fair-share scheduler weighs them). Weight share: its " +
+      "weight over those of the tenants with requests, the share it should get while " +
+      "backlogged (among tenants of one priority); the tick on each bar.",
   );
 }
 
@@ -254,7 +288,7 @@ function show(snapshot) {
   showTier($("#host-tier"), snapshot.host, "No adapter is held in RAM.");
   showMemory(snapshot.memory);
   showResidency(snapshot.residency);
-  showTenants(snapshot.tenants);
+  showTenants(snapshot.tenants, snapshot.share_window_s);
   showEngines(snapshot.engines);
   const time = new Date(snapshot.taken_at).toLocaleTimeString("en-GB");
   history.push({ time, running: snapshot.running_requests, waiting: snapshot.waiting_requests });
