@@ -33,6 +33,12 @@ from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.api.openapi_errors import install_error_docs
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
+from loramux.platform.services.load_shedding import (
+    LoadControl,
+    LoadMetrics,
+    QueueLimits,
+    ServiceRates,
+)
 from loramux.platform.services.metering import Meter
 from loramux.platform.services.running import RunningRequests
 from loramux.platform.services.tenants import push_all_scheduling
@@ -95,6 +101,14 @@ def create_app(
     app.state.adapter_runtime = AdapterRuntime(context)
     app.state.platform_metrics = PlatformMetrics()
     app.state.platform_metrics.watch_dependencies(context)
+    app.state.load_control = LoadControl(
+        QueueLimits(
+            total=context.settings.max_queued_requests,
+            per_tenant=context.settings.max_queued_requests_per_tenant,
+        ),
+        ServiceRates(slots=context.settings.max_num_seqs),
+        LoadMetrics(app.state.platform_metrics.registry),
+    )
     install_error_handlers(app)
     # The last added is the outermost: metrics see every request, the 413s included; the
     # input guard reads JSON bodies through the body limit's counting receive.

@@ -222,6 +222,28 @@ class Settings(BaseSettings):
         "at without being cut off, once request_body_timeout_s is spent.",
     )
 
+    # --- deadlines and load shedding ----------------------------------------------
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Every inference request's longest deadline, in seconds from its "
+        "admission; a tenant's default (request_timeout_s) and a request's `timeout` can only "
+        "shorten it. A request past its deadline is ended wherever it is (504 "
+        "deadline_exceeded; a stream's last event), billed for the tokens it sent.",
+    )
+    max_queued_requests: int = Field(
+        default=1024,
+        gt=0,
+        description="Most requests (each choice of `n` counts) admitted and not started yet, "
+        "across tenants; past it a request gets 429 queue_full with Retry-After at once.",
+    )
+    max_queued_requests_per_tenant: int = Field(
+        default=256,
+        gt=0,
+        description="The same, per tenant, unless the tenant has its own max_queued_requests.",
+    )
+
     # --- ending requests: shutdown and crashes -----------------------------------
     shutdown_timeout_s: float = Field(
         default=30.0,

@@ -25,7 +25,7 @@ from contextlib import aclosing
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -43,6 +43,7 @@ from loramux.platform.api.schemas_openai import (
 )
 from loramux.platform.db.models import Tenant
 from loramux.platform.engine_fleet.remote import EngineLost, EngineUnavailable
+from loramux.platform.services.deadlines import DeadlineExceeded
 from loramux.platform.services.engine_failures import EngineRequestFailed
 from loramux.platform.services.inference import InferenceService
 from loramux.platform.services.inference_job import Job, Tally, Target, new_request_id
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 CLIENT_CLOSED_REQUEST = 499  # what the log and metrics show for a client that left early
+DEADLINE_STATUS = ERROR_CODES["deadline_exceeded"].status
 
 
 def get_inference(context: ContextDep, request: Request) -> InferenceService:
@@ -60,6 +62,7 @@ def get_inference(context: ContextDep, request: Request) -> InferenceService:
         context,
         journal=getattr(state, "usage_journal", None),
         running=getattr(state, "running_requests", None),
+        load=getattr(state, "load_control", None),
     )
 
 
@@ -123,6 +126,9 @@ async def _respond(
             served = await _unless_disconnected(request.receive, _first(run, first))
         else:
             served = await _unless_disconnected(request.receive, _collect(run, tally))
+    except DeadlineExceeded as exc:
+        await _close(run, job)
+        return _deadline_response(exc, None if stream else render.response(tally))
     except BaseException:
         await _close(run, job)
         raise
@@ -142,10 +148,21 @@ async def _respond(
 
 async def _close(run: AsyncGenerator, job: Job) -> None:
     """End the run (aborting what still runs; its usage is written) and, if it never
-    started, give back what admission held."""
+    started, give back what admission held (its place in the queue too)."""
     await run.aclose()
+    if job.ticket is not None:
+        job.ticket.close()
     if not job.holds.settled:
         await run_in_threadpool(job.holds.settle, 0)
+
+
+def _deadline_response(exc: DeadlineExceeded, partial: dict[str, Any] | None) -> Response:
+    """504 ``deadline_exceeded``; a non-streamed request's body also carries the response
+    as far as it got (``partial``, with its ``usage``): what it is billed for."""
+    body: dict[str, Any] = {"error": error_detail(DEADLINE_STATUS, exc.message, exc.code)}
+    if partial is not None:
+        body["partial"] = partial
+    return JSONResponse(body, status_code=DEADLINE_STATUS)
 
 
 async def _first(run: AsyncIterator, first: list) -> None:
@@ -215,6 +232,8 @@ async def _stream(
     except _ENGINE_FAILURES as exc:
         error = _engine_error(exc)
         yield _sse({"error": error_detail(error.status_code, error.message, error.code)})
+    except DeadlineExceeded as exc:
+        yield _sse({"error": error_detail(DEADLINE_STATUS, exc.message, exc.code)})
     if include_usage and tally.usage is not None:
         yield _sse(render.usage_chunk(tally))
     yield _sse("[DONE]")
@@ -247,6 +266,7 @@ async def _complete(
         n=body.n,
         sampling=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
         default_max_tokens=16,  # OpenAI's default for completions
+        timeout=body.timeout,
     )
     render = CompletionRender(service.tokenizer, job, body.logprobs)
     return await _respond(
@@ -335,6 +355,7 @@ async def create_chat_completion(
         messages=[m.for_template() for m in body.messages],
         n=body.n,
         sampling=_sampling(body, max_tokens=max_tokens, logprobs=top_logprobs),
+        timeout=body.timeout,
     )
     render = ChatRender(service.tokenizer, job, top_logprobs)
     return await _respond(

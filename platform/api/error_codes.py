@@ -99,6 +99,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "invalid_adapter": ErrorCode(422, "The adapter was rejected; the message says why."),
     # 429
     "rate_limit_exceeded": ErrorCode(429, "Over a rate limit; retry after `Retry-After`."),
+    "queue_full": ErrorCode(
+        429, "Too many requests of the tenant (or of all) are queued; retry after `Retry-After`."
+    ),
     # 500: a fault of the server or of the tenant's own adapter
     "adapter_failed": ErrorCode(
         500, "The adapter raised or computed NaN/infinity on this request; it alone was stopped."
@@ -124,6 +127,16 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "engine_error": ErrorCode(
         503,
         "The engine running the request stopped; what was streamed is billed, nothing else.",
+    ),
+    "deadline_unattainable": ErrorCode(
+        503,
+        "The request's predicted time to first token already passes its deadline; nothing ran.",
+    ),
+    # 504
+    "deadline_exceeded": ErrorCode(
+        504,
+        "The request passed its deadline; the tokens sent before it (a stream's chunks, or "
+        "`partial` in the body) are billed.",
     ),
 }
 

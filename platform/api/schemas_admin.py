@@ -42,6 +42,7 @@ from loramux.platform.services.tenants import (
 
 MAX_USD = 1_000_000_000  # keeps every amount far inside a BIGINT of micro-dollars
 MAX_PER_MINUTE = 2**31 - 1  # the limit columns are 32-bit integers
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: anything longer is a typo
 
 
 def _whole_micro_usd(value: float) -> float:
@@ -60,6 +61,24 @@ Weight = Annotated[
     Field(gt=0, allow_inf_nan=False, description="Share among tenants of one priority (> 0)."),
 ]
 PerMinute = Annotated[int, Field(gt=0, le=MAX_PER_MINUTE)]
+TimeoutSeconds = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="Default deadline of the tenant's requests, in seconds (the server's "
+        "maximum still applies; a request's `timeout` can only shorten it).",
+    ),
+]
+QueueLimit = Annotated[
+    int,
+    Field(
+        gt=0,
+        le=MAX_PER_MINUTE,
+        description="Most of the tenant's requests queued at once (each choice counts).",
+    ),
+]
 Usd = Annotated[
     float, Field(ge=0, le=MAX_USD, allow_inf_nan=False), AfterValidator(_whole_micro_usd)
 ]
@@ -90,6 +109,8 @@ class TenantCreate(_Request):
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None
     monthly_budget_usd: Usd | None = None
+    request_timeout_s: TimeoutSeconds | None = None
+    max_queued_requests: QueueLimit | None = None
     input_price_per_mtok: Usd = 0.0
     cached_input_price_per_mtok: Usd | None = None
     output_price_per_mtok: Usd = 0.0
@@ -109,6 +130,8 @@ class TenantCreate(_Request):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             monthly_budget_micro_usd=_micro(self.monthly_budget_usd),
+            request_timeout_s=self.request_timeout_s,
+            max_queued_requests=self.max_queued_requests,
             price=price,
         )
 
@@ -135,7 +158,7 @@ _PRICE_FIELDS = {
 
 class TenantUpdate(_Request):
     """``PATCH /admin/tenants/{id}``: any subset of the fields. ``null`` clears a limit or
-    the budget (unlimited); a price field starts a new price list, effective now, and an
+    the budget (unlimited), or the deadline or queue limit (the server's apply); a price field starts a new price list, effective now, and an
     input price given without a cached-input price sets both."""
 
     # ``null`` is refused (``_not_null``) for all but the limits and the budget, so
@@ -146,6 +169,8 @@ class TenantUpdate(_Request):
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None
     monthly_budget_usd: Usd | None = None
+    request_timeout_s: TimeoutSeconds | None = None
+    max_queued_requests: QueueLimit | None = None
     input_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
     cached_input_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
     output_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
@@ -162,7 +187,15 @@ class TenantUpdate(_Request):
         sent = self.model_fields_set
         settings: dict[str, object] = {
             name: getattr(self, name)
-            for name in ("name", "priority", "weight", "requests_per_minute", "tokens_per_minute")
+            for name in (
+                "name",
+                "priority",
+                "weight",
+                "requests_per_minute",
+                "tokens_per_minute",
+                "request_timeout_s",
+                "max_queued_requests",
+            )
             if name in sent
         }
         if "monthly_budget_usd" in sent:
@@ -192,6 +225,8 @@ class TenantOut(BaseModel):
     requests_per_minute: int | None
     tokens_per_minute: int | None
     monthly_budget_usd: float | None
+    request_timeout_s: float | None  # null: the server's maximum applies
+    max_queued_requests: int | None  # null: the server's per-tenant limit applies
     input_price_per_mtok: float | None
     cached_input_price_per_mtok: float | None
     output_price_per_mtok: float | None
@@ -209,6 +244,8 @@ class TenantOut(BaseModel):
             requests_per_minute=tenant.requests_per_minute,
             tokens_per_minute=tenant.tokens_per_minute,
             monthly_budget_usd=_usd(tenant.monthly_budget_micro_usd),
+            request_timeout_s=tenant.request_timeout_s,
+            max_queued_requests=tenant.max_queued_requests,
             input_price_per_mtok=_usd(price and price.input_micro_usd_per_mtok),
             cached_input_price_per_mtok=_usd(price and price.cached_input_micro_usd_per_mtok),
             output_price_per_mtok=_usd(price and price.output_micro_usd_per_mtok),

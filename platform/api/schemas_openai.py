@@ -6,6 +6,8 @@ a ``top_p`` nor ``"5"`` an ``n``); ranges are checked once, by
 as OpenAI's own clients send fields a server may not know (``user``, ``metadata``...).
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions
 (send them with the client's ``extra_body``; benchmarks use the last two for exact lengths).
+``timeout`` (seconds) is loramux's too: the request's deadline, which can only shorten the
+tenant's default and the server's maximum (``services/deadlines.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # loramux: seconds this request may take in all; it can only shorten the tenant's
+    # default and the server's maximum (services/deadlines.py).
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @property
     def include_usage(self) -> bool:

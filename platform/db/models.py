@@ -84,7 +84,8 @@ class Tenant(Base):
     """A customer. Scheduling knobs (priority, weight), limits and an optional budget.
 
     ``priority``: 0-9, higher is served first. ``weight``: share among tenants of one
-    priority (> 0). Limits and budget are ``None`` when unlimited.
+    priority (> 0). Limits and budget are ``None`` when unlimited; the request deadline and
+    queue limit are ``None`` when the server's apply.
     """
 
     __tablename__ = "tenants"
@@ -105,6 +106,13 @@ class Tenant(Base):
             "monthly_budget_micro_usd IS NULL OR monthly_budget_micro_usd >= 0",
             name="monthly_budget_non_negative",
         ),
+        CheckConstraint(
+            "request_timeout_s IS NULL OR request_timeout_s > 0", name="request_timeout_positive"
+        ),
+        CheckConstraint(
+            "max_queued_requests IS NULL OR max_queued_requests > 0",
+            name="max_queued_requests_positive",
+        ),
     )
 
     id: Mapped[str] = _id_column()
@@ -114,6 +122,10 @@ class Tenant(Base):
     requests_per_minute: Mapped[int | None] = mapped_column(Integer)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     monthly_budget_micro_usd: Mapped[int | None] = mapped_column(BigInteger)
+    # Deadline of its requests (seconds; None: the server's maximum) and its own queue
+    # limit (None: the server's per-tenant one); see services/deadlines.py, load_shedding.py.
+    request_timeout_s: Mapped[float | None] = mapped_column(Float)
+    max_queued_requests: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = _created_at_column()
     updated_at: Mapped[datetime] = _updated_at_column()
     deleted_at: Mapped[datetime | None] = mapped_column(UtcDateTime())

@@ -37,8 +37,10 @@ from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
 from loramux.platform.errors import Invalid, PlatformError, QuotaExceeded
 from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
+from loramux.platform.services.deadlines import Deadline, request_deadline
 from loramux.platform.services.inference_job import Caller, Job, Target
 from loramux.platform.services.limit_holds import Holds, limits_reachable
+from loramux.platform.services.load_shedding import LoadControl, Ticket
 from loramux.platform.services.rollups import month_spend
 from loramux.platform.services.tenants import micro_usd_to_usd
 
@@ -112,13 +114,67 @@ class Admission:
         n: int,
         sampling: dict[str, Any],
         default_max_tokens: int | None,
+        timeout: float | None = None,
+        load: LoadControl | None = None,
     ) -> Job:
+        """The job, holding its place in ``load``'s queue (given back if anything after
+        refuses it); the queue and deadline checks come before the budget and rate limits,
+        so a request refused for load uses none of them."""
+        deadline = request_deadline(
+            self._context.settings.request_timeout_s, tenant.request_timeout_s, timeout
+        )
         if messages is not None:
             prompt = self.render_chat(messages)
         if prompt is None:
             raise TypeError("prepare needs a prompt or messages")
         prompt_tokens = self.count_prompt(prompt)
         caller = Caller.of(tenant)
+        ticket = None
+        if load is not None:
+            ticket = load.admit(
+                caller.tenant_id,
+                caller.priority,
+                n,
+                prompt_tokens,
+                deadline,
+                caller.max_queued_requests,
+            )
+        try:
+            return self._prepare(
+                session,
+                tenant,
+                caller,
+                target,
+                request_id=request_id,
+                prompt=prompt,
+                prompt_tokens=prompt_tokens,
+                n=n,
+                sampling=sampling,
+                default_max_tokens=default_max_tokens,
+                deadline=deadline,
+                ticket=ticket,
+            )
+        except BaseException:
+            if ticket is not None:
+                ticket.close()
+            raise
+
+    def _prepare(
+        self,
+        session: Session,
+        tenant: Tenant,
+        caller: Caller,
+        target: Target,
+        *,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_tokens: int,
+        n: int,
+        sampling: dict[str, Any],
+        default_max_tokens: int | None,
+        deadline: Deadline,
+        ticket: Ticket | None,
+    ) -> Job:
         check_budget(session, tenant)
         price = None
         if caller.monthly_budget_micro_usd is not None:
@@ -158,6 +214,8 @@ class Admission:
             prompt_tokens=prompt_tokens,
             params=params,
             holds=holds,
+            deadline=deadline,
+            ticket=ticket,
         )
 
     def _budget(self) -> TenantBudget:

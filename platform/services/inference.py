@@ -44,8 +44,10 @@ from loramux.platform.errors import NotFound, Unavailable
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.admission import Admission
+from loramux.platform.services.deadlines import DEADLINE_FINISH, DeadlineExceeded
 from loramux.platform.services.engine_failures import tenant_facing_error
 from loramux.platform.services.inference_job import Job, Tally, Target, stopped_output
+from loramux.platform.services.load_shedding import LoadControl
 from loramux.platform.services.metering import (
     Meter,
     Usage,
@@ -61,6 +63,7 @@ T = TypeVar("T")
 
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
 _STOP = object()  # the run was stopped (shutdown): end it now
+_EXPIRED = object()  # the run passed its deadline: end it with an error
 
 
 async def _in_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -68,15 +71,30 @@ async def _in_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs))
 
 
+class _Expired(Exception):
+    """The run's deadline passed (raised inside the service, turned into DeadlineExceeded)."""
+
+
 class _Merge:
-    """One run's choices as one queue of ``(index, output)``; ``stop`` ends it early."""
+    """One run's choices as one queue of ``(index, output)``; ``stop`` ends it early, and
+    so does ``expire``, which also aborts the choices' engine work at once."""
 
     def __init__(self, choices: int):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(range(choices))
+        self.pumps: list[asyncio.Task] = []
 
     def stop(self) -> None:
         self.queue.put_nowait((-1, _STOP))
+
+    def expire(self) -> None:
+        """The deadline passed: cancelling the pumps aborts the engine requests (their KV
+        blocks are freed now, not when the client next reads); what they had queued is still
+        handed out first, so the client gets, and is billed for, every token before the end.
+        """
+        for pump in self.pumps:
+            pump.cancel()
+        self.queue.put_nowait((-1, _EXPIRED))
 
 
 class InferenceService:
@@ -93,6 +111,7 @@ class InferenceService:
         *,
         journal: UsageJournal | None = None,
         running: RunningRequests | None = None,
+        load: LoadControl | None = None,
     ):
         if context.engine is None:
             raise Unavailable("No engine is running in this process.", code="engine_unavailable")
@@ -107,6 +126,7 @@ class InferenceService:
         )
         self._journal = journal
         self._running = running
+        self._load = load
 
     # --- resolving the model ----------------------------------------------------------
     async def resolve(
@@ -148,9 +168,10 @@ class InferenceService:
         n: int,
         sampling: dict[str, Any],
         default_max_tokens: int | None = None,
+        timeout: float | None = None,
     ) -> Job:
-        """Validate, check budget and limits, and reserve tokens: the job to run
-        (:meth:`Admission.prepare`, in a worker thread, off the event loop)."""
+        """Validate, check the queue, the deadline, budget and limits, and reserve tokens:
+        the job to run (:meth:`Admission.prepare`, in a worker thread, off the event loop)."""
         return await _in_thread(
             self.admission.prepare,
             session,
@@ -162,6 +183,8 @@ class InferenceService:
             n=n,
             sampling=sampling,
             default_max_tokens=default_max_tokens,
+            timeout=timeout,
+            load=self._load,
         )
 
     # --- running ----------------------------------------------------------------------
@@ -185,9 +208,19 @@ class InferenceService:
             async for item in self._merged(job, merge):
                 yield item
             tally.ended = True
+        except _Expired:
+            # What came before the deadline is the client's: a stream's chunks, or the
+            # partial response in a non-streamed request's error body. It is billed.
+            tally.ended = tally.expired = True
+            if self._load is not None:
+                state = "generating" if tally.completion_tokens else "queued"
+                self._load.expired(job.caller.tenant_id, state)
+            raise DeadlineExceeded(job.deadline, tally.completion_tokens) from None
         finally:
             if handle is not None:
                 self._running.discard(handle)
+            if job.ticket is not None:
+                job.ticket.close()
             await self._end(job, tally, time.monotonic() - started)
 
     async def _end(self, job: Job, tally: Tally, elapsed_s: float) -> None:
@@ -240,7 +273,11 @@ class InferenceService:
             finally:
                 await stream.aclose()
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(job.params))]
+        tasks = merge.pumps = [asyncio.create_task(pump(i)) for i in range(len(job.params))]
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, job.deadline.remaining()), merge.expire
+        )
+        started: set[int] = set()
         try:
             remaining = len(tasks)
             while remaining:
@@ -249,19 +286,32 @@ class InferenceService:
                     for stopped in sorted(merge.unfinished):
                         yield stopped, stopped_output(job, stopped)
                     return
+                if item is _EXPIRED:
+                    raise _Expired
                 if item is _DONE:
                     remaining -= 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    self._observe(job, index, item, first=index not in started)
+                    started.add(index)
                     if item.finished:
                         merge.unfinished.discard(index)
                     yield index, item
         finally:
+            timer.cancel()
             for task in tasks:
                 task.cancel()  # closing each choice's stream aborts it on the engine
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe(self, job: Job, index: int, out: RequestOutput, *, first: bool) -> None:
+        """A choice's first output takes it out of the queue; outputs feed the measured
+        rates that predict when a new request would start."""
+        if first and job.ticket is not None:
+            job.ticket.started(index)
+        if self._load is not None:
+            self._load.observe(out, first=first)
 
     def _usage_event(
         self, job: Job, tally: Tally, elapsed_s: float, finish: str | None = None
@@ -284,7 +334,11 @@ class InferenceService:
         """Write the request's one usage record, then settle its holds (refund the unused
         tokens, release the budget hold). With the database down, the journal writes it
         once the database is back, then settles; ``tally.usage`` stays None."""
-        finish = tally.choices[0].finish_reason or FinishReason.ABORT
+        finish = (
+            DEADLINE_FINISH
+            if tally.expired
+            else (tally.choices[0].finish_reason or FinishReason.ABORT)
+        )
         event = self._usage_event(job, tally, elapsed_s, str(finish))
         used = tally.prompt_tokens + tally.completion_tokens
         try:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from loramux.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from loramux.platform.db.models import Tenant
+from loramux.platform.services.deadlines import Deadline
 from loramux.platform.services.limit_holds import Holds
+from loramux.platform.services.load_shedding import Ticket
 from loramux.platform.services.metering import Usage
 
 
@@ -26,6 +28,8 @@ class Caller:
     requests_per_minute: int | None
     tokens_per_minute: int | None
     monthly_budget_micro_usd: int | None = None
+    request_timeout_s: float | None = None  # the tenant's default deadline
+    max_queued_requests: int | None = None  # the tenant's own queue limit
 
     @classmethod
     def of(cls, tenant: Tenant) -> Caller:
@@ -35,6 +39,8 @@ class Caller:
             tenant.requests_per_minute,
             tenant.tokens_per_minute,
             tenant.monthly_budget_micro_usd,
+            tenant.request_timeout_s,
+            tenant.max_queued_requests,
         )
 
 
@@ -60,6 +66,8 @@ class Job:
     prompt_tokens: int  # the prompt's length as the engine will tokenize it
     params: tuple[SamplingParams, ...]  # one per choice
     holds: Holds  # tokens/minute reserved and budget held, settled when the run ends
+    deadline: Deadline  # when the run is ended wherever it is (deadlines.py)
+    ticket: Ticket | None = None  # its place in the queue until each choice starts
 
     @property
     def reserved_tokens(self) -> int:
@@ -92,6 +100,7 @@ class Tally:
         self.choices = [Choice(prompt_tokens=job.prompt_tokens) for _ in job.params]
         self.streamed = streamed
         self.ended = False  # set by the run once it reached its end (the response follows)
+        self.expired = False  # set by the run when the deadline ended it
         self.usage: Usage | None = None  # set once the run has ended and was metered
 
     def deliver(self, index: int, out: RequestOutput) -> None:

@@ -39,6 +39,8 @@ TENANT_SETTINGS = frozenset(
         "requests_per_minute",
         "tokens_per_minute",
         "monthly_budget_micro_usd",
+        "request_timeout_s",
+        "max_queued_requests",
     }
 )
 SCHEDULING_SETTINGS = frozenset({"priority", "weight"})
@@ -128,6 +130,8 @@ class NewTenant:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     monthly_budget_micro_usd: int | None = None
+    request_timeout_s: float | None = None  # None: the server's maximum
+    max_queued_requests: int | None = None  # None: the server's per-tenant limit
     price: PriceSpec = field(default_factory=PriceSpec)
 
 
@@ -238,6 +242,8 @@ def create_tenant(session: Session, new: NewTenant) -> TenantView:
         requests_per_minute=new.requests_per_minute,
         tokens_per_minute=new.tokens_per_minute,
         monthly_budget_micro_usd=new.monthly_budget_micro_usd,
+        request_timeout_s=new.request_timeout_s,
+        max_queued_requests=new.max_queued_requests,
     )
     session.add(tenant)
     with _name_guard(session, new.name):

@@ -14,6 +14,7 @@ from loramux.platform.app import create_app
 from loramux.platform.context import PlatformContext, build_context
 from loramux.platform.db.models import AdapterStatus, Tenant
 from loramux.platform.settings import Settings
+from tests.platform.api.slowed_platform import slow_steps
 from tests.platform.db.factories import add_adapter, add_adapter_version
 
 
@@ -112,3 +113,27 @@ def store_ready_adapter(context: PlatformContext, tenant_id: str, name: str, ada
             weights_store_key=weights.key,
         )
         return version.id
+
+
+@pytest.fixture
+def slowed_platform(tmp_path, tiny_model_dir, postgres_database_url):
+    """``slowed_platform(**settings)``: a client of a fresh app whose engine steps are
+    slowed (``slowed_platform.slow_steps``), and its context."""
+    opened = []
+
+    def start(**settings):
+        manager = platform_context(tmp_path, tiny_model_dir, postgres_database_url, **settings)
+        context = manager.__enter__()
+        client = TestClient(create_app(context))
+        client.__enter__()
+        client.background = []  # threads of post_in_background
+        opened.append((manager, client))
+        slow_steps(context)
+        return client, context
+
+    yield start
+    for manager, client in reversed(opened):
+        for thread in client.background:
+            thread.join(30)
+        client.__exit__(None, None, None)
+        manager.__exit__(None, None, None)
