@@ -10,6 +10,14 @@ import { adapterCells } from "../lib/tables.js";
 
 const tenantId = pageData("tenantId");
 const base = `/admin/tenants/${encodeURIComponent(tenantId)}`;
+// The limits form's numbers; empty sends null (unlimited, or the server's setting).
+const LIMITS = [
+  "requests_per_minute",
+  "tokens_per_minute",
+  "monthly_budget_usd",
+  "request_timeout_s",
+  "max_queued_requests",
+];
 
 function showTenant(tenant) {
   document.title = `${tenant.name} · loramux`;
@@ -24,7 +32,7 @@ function showTenant(tenant) {
   fill($("#priority-value"), String(tenant.priority));
   setValue($("#weight"), tenant.weight);
   setValue($("#name"), tenant.name);
-  for (const name of ["requests_per_minute", "tokens_per_minute", "monthly_budget_usd"]) {
+  for (const name of LIMITS) {
     setValue($(`#${name}`), tenant[name]);
   }
   for (const name of [
@@ -90,14 +98,10 @@ function wireForms() {
     limits,
     $("#save-limits"),
     () => {
-      const { body, bad } = readNumbers(limits, [
-        "requests_per_minute",
-        "tokens_per_minute",
-        "monthly_budget_usd",
-      ]);
+      const { body, bad } = readNumbers(limits, LIMITS);
       return bad.length ? null : { name: limits.elements.name.value.trim(), ...body };
     },
-    (tenant) => `Saved limits and budget of ${tenant.name}.`,
+    (tenant) => `Saved limits, budget and deadline of ${tenant.name}.`,
   );
   const prices = $("#prices-form");
   saver(
