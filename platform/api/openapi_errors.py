@@ -12,8 +12,8 @@ so :func:`install_error_docs` rewrites the document once it is built, route by r
 - a route with parameters or a body can answer 422 (this API's shape replaces FastAPI's);
 - a route with a body can answer 408 (too slow) and 413 (too large);
 - inference routes (tag ``inference``) can answer 400, 402 (budget), 404 (model),
-  429 (rate limit), 500 (the request's adapter failed while it ran, alone) and 503
-  (engine);
+  429 (rate limit, queue full), 500 (the request's adapter failed while it ran, alone),
+  503 (engine; a deadline it cannot meet) and 504 (past its deadline);
 - a few routes have statuses only their services know (``ROUTE_STATUSES``).
 
 Derived from the dependency graph, a new route is documented without anyone remembering to.
@@ -42,14 +42,18 @@ DESCRIPTIONS = {
     409: "Conflict: the name is taken, or another upload of it is in progress.",
     413: "The request body is too large.",
     422: "Invalid parameters or body; the message names the field.",
-    429: "Rate limit exceeded; retry after the Retry-After header's seconds.",
+    429: "Rate limit exceeded, or too many requests queued (code queue_full); retry after "
+    "the Retry-After header's seconds.",
     500: "The request's adapter failed while it ran (code adapter_failed); only it stopped.",
     503: "A backend this request needs (the database, the engine, the limits store, the task "
-    "queue) cannot serve now; the code says which. Retry after the Retry-After header.",
+    "queue) cannot serve now, or the request could not start before its deadline "
+    "(deadline_unattainable); the code says which. Retry after the Retry-After header.",
+    504: "The request passed its deadline (code deadline_exceeded); a non-streamed body "
+    "carries the partial response under `partial`, billed as sent.",
 }
 
 TAG_STATUSES: dict[str, frozenset[int]] = {
-    "inference": frozenset({400, 402, 404, 429, 500, 503}),
+    "inference": frozenset({400, 402, 404, 429, 500, 503, 504}),
 }
 """Statuses every route of a tag (one router) can answer."""
 
