@@ -106,7 +106,11 @@ def create_app(
             total=context.settings.max_queued_requests,
             per_tenant=context.settings.max_queued_requests_per_tenant,
         ),
-        ServiceRates(slots=context.settings.max_num_seqs),
+        ServiceRates(
+            slots=context.engine.capacity
+            if context.engine is not None
+            else lambda: context.settings.max_num_seqs
+        ),
         LoadMetrics(app.state.platform_metrics.registry),
     )
     install_error_handlers(app)

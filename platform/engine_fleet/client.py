@@ -52,6 +52,8 @@ class EngineClient(Protocol):
 
     def not_ready_reason(self) -> str | None: ...  # None when requests can be served
 
+    def capacity(self) -> int: ...  # requests run at once, all engines together (now)
+
     def generate(
         self,
         prompt: str | Seq[int],
@@ -100,6 +102,9 @@ class LocalEngine(AsyncEngine):
 
     def not_ready_reason(self) -> str | None:
         return None if self.is_running else "the engine loop is not running"
+
+    def capacity(self) -> int:
+        return self.engine.config.max_num_seqs
 
     async def register_stored_adapter(self, name: str, adapter: StoredAdapter) -> None:
         await self.register_adapter(name, adapter.source(self._store))

@@ -154,6 +154,10 @@ class RoutedEngines:
         """The live engines serving this platform's base model (from the last read)."""
         return self._serving()
 
+    def capacity(self) -> int:
+        """The live engines' sequence slots together (as last read from the registry)."""
+        return sum(record.capacity for record in self._serving())
+
     def _serving(self) -> list[EngineRecord]:
         return [r for r in self._records if r.model_id == self._model_id and not self._down_now(r)]
 

@@ -18,8 +18,8 @@ take to get a slot, plus its own prefill,
     wait    = ahead × slot_seconds / slots
     prefill = first_token_seconds × max(1, prompt_tokens / mean_prompt_tokens)
 
-with ``slot_seconds`` (how long a request holds one of the engine's ``slots``, scheduled to
-finished), ``first_token_seconds`` (scheduled to first token) and ``mean_prompt_tokens``
+with ``slot_seconds`` (how long a request holds one of the ``slots``, scheduled to finished;
+the slots are every live engine's ``max_num_seqs`` together), ``first_token_seconds`` (scheduled to first token) and ``mean_prompt_tokens``
 measured by :class:`ServiceRates` from the engine's own request metrics, as moving averages.
 When that prediction already passes the deadline the request is refused at once with 503
 ``deadline_unattainable`` and the figures, instead of waiting to fail. Until a few requests
@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -70,8 +71,8 @@ class _Average:
 class ServiceRates:
     """How fast the engine serves, measured from the metrics on its outputs."""
 
-    def __init__(self, slots: int):
-        self.slots = slots  # requests the engine runs at once (its max_num_seqs)
+    def __init__(self, slots: Callable[[], int]):
+        self._slots = slots  # requests the engine(s) run at once: max_num_seqs, summed
         self.first_token_s = _Average()
         self.prompt_tokens = _Average()
         self.slot_s = _Average()
@@ -89,6 +90,10 @@ class ServiceRates:
             return
         if out.finish_reason in ("stop", "length"):  # aborted ones say little of the rate
             self.slot_s.add(max(0.0, m.finished_time - m.first_scheduled_time))
+
+    @property
+    def slots(self) -> int:
+        return max(1, self._slots())  # none live: routing refuses anyway
 
     @property
     def measured(self) -> bool:
