@@ -19,6 +19,14 @@ Policy, in order:
    back after being idle starts at the lowest counter among the active tenants, so it
    can't bank credit. Within a priority class, tenants thus share token throughput
    in proportion to their weights.
+
+   *The share* is served tokens as VTC counts them: prompt tokens computed (not those
+   found in the prefix cache) once and generated tokens twice, each token once however
+   often a preemption makes it computed again. That is what the counters equalize
+   (weighted), what ``tenant_share`` reports, and, for tenants whose requests have the
+   same prompt/output mix, the ratio of the output tokens they receive. A tenant is
+   charged when its tokens are scheduled, so the admissions of one step see each other:
+   slots freed together go to several tenants, not all to the one lowest at the start.
 3. A waiting sequence of a higher priority than some running ones may preempt them
    (lowest priority, latest arrival first) when blocks or sequence slots are short.
 4. **Adapter cap** (``max_adapters_per_step``): a step holds at most that many
@@ -41,14 +49,17 @@ Policy, in order:
    number of steps however long the running requests are.
 6. **Per-tenant KV share**: within a priority class, a tenant is entitled to the share
    of KV blocks and sequence slots its weight gives it among the tenants with requests
-   (``weight / sum of their weights``). A waiting sequence of a tenant that stays within
-   its share once admitted may preempt running sequences of tenants above theirs (the
-   most over-share tenant's latest first), so no tenant can hold all KV memory against
-   the others; when nobody else is waiting, a tenant may use everything.
+   (``weight / sum of their weights``; a slot share rounded up). A waiting sequence of a
+   tenant that stays within its share once admitted (for slots: that holds none) may
+   preempt running sequences of tenants above theirs whose VTC counter is not below its
+   own (the most over-share tenant's latest first), so no tenant can hold all KV memory
+   or every slot against the others; when nobody else is waiting, a tenant may use
+   everything. Finer slot preemption fought VTC admission (see ``_share_victim``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -147,6 +158,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_count = 0
         self.num_preemptions = 0
+        # request id -> tokens charged to its tenant so far (the most it ever computed)
+        self._charged: dict[str, int] = {}
 
     # --- queue -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -162,6 +175,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
+        self._charged.pop(seq.request_id, None)
 
     def waiting_in_order(self) -> list[Sequence]:
         """The waiting sequences in the order they would be admitted."""
@@ -202,6 +216,7 @@ class Scheduler:
 
         # 2./3./4. Waiting sequences.
         self.waiting.sort(key=self._waiting_order)
+        pending = list(self.waiting)
         starving = self._starving_sequence()
         admitted: list[Sequence] = []
         # The first sequence that finds no room stops admission for its priority class's
@@ -209,7 +224,8 @@ class Scheduler:
         # its class may still be admitted by their share (policy 6).
         stopped_class: int | None = None
         stopped_tenants: set[str | None] = set()
-        for seq in list(self.waiting):
+        while pending:
+            seq = pending.pop(0)
             if budget <= 0:
                 break
             if stopped_class is not None and seq.priority != stopped_class:
@@ -243,6 +259,8 @@ class Scheduler:
             budget = limits.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
             if seq.adapter_id is not None:
                 adapters.add(seq.adapter_id)
+            # Its tenant was charged for the chunk: the next freed slot may be another's.
+            pending.sort(key=self._waiting_order)
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -260,9 +278,10 @@ class Scheduler:
             n = min(n, self.limits.max_prefill_chunk)
         return n
 
-    @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledSequence:
-        return ScheduledSequence(seq, n, samples=seq.num_computed_tokens + n == seq.num_tokens)
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSequence:
+        item = ScheduledSequence(seq, n, samples=seq.num_computed_tokens + n == seq.num_tokens)
+        self._charge(item)
+        return item
 
     def _waiting_order(self, seq: Sequence):
         return (-seq.priority, self.fair.counter(seq.tenant), seq.metrics.arrival_time)
@@ -309,25 +328,39 @@ class Scheduler:
 
         ``seq``'s tenant must stay within its share of what is short (KV blocks, or else
         sequence slots) once admitted; the victim is the latest of the tenant most above its
-        share, among the running sequences of ``seq``'s priority and other tenants.
+        share, among the running sequences of ``seq``'s priority and other tenants whose
+        virtual counter is not below ``seq``'s tenant's (preempting against the VTC order
+        would only give the slot back to the tenant that is behind).
+
+        Slots are whole: a tenant's slot share is rounded up (one slot at least) and only a
+        tenant holding none preempts for one. Over time VTC admission divides the slots by
+        weight; finer preemption only churned: a tenant of weight 1 among 1:2:4:8 holds a
+        slot above its 0.53, was preempted by each freed-slot race and recomputed.
         """
         holders = [*self.running, *admitted]  # admitted this step hold blocks and slots too
         active = {s.tenant for s in (*self.waiting, *holders)}
         weights = {t: self.fair.weights.get(t, 1.0) for t in active}
         capacity = self.kv.limit if blocks_short else self.limits.max_num_seqs
         share = {t: capacity * w / sum(weights.values()) for t, w in weights.items()}
+        if not blocks_short:
+            share = {t: math.ceil(x) for t, x in share.items()}
         held = dict.fromkeys(active, 0)
         for s in holders:
             held[s.tenant] += len(self.kv.block_table(s.request_id)) if blocks_short else 1
-        needed = -(-seq.num_tokens // self.kv.block_size) if blocks_short else 1
-        if held[seq.tenant] + needed > share[seq.tenant]:
+        if blocks_short:
+            needed = -(-seq.num_tokens // self.kv.block_size)
+            if held[seq.tenant] + needed > share[seq.tenant]:
+                return None
+        elif held[seq.tenant] > 0:
             return None
+        counter = self.fair.counter(seq.tenant)
         candidates = [
             s
             for s in self.running
             if s.priority == seq.priority
             and s.tenant != seq.tenant
             and held[s.tenant] > share[s.tenant]
+            and self.fair.counter(s.tenant) >= counter
         ]
         if not candidates:
             return None
@@ -402,18 +435,35 @@ class Scheduler:
                 seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt
             )
             if not item.samples:
-                self.fair.charge(seq.tenant, item.num_tokens, 0)
                 continue
-            # The last computed token is the one whose logits made the new token: count
-            # it as output, the rest of the chunk as prompt.
-            self.fair.charge(seq.tenant, item.num_tokens - 1, 1)
             token_id, logprobs = sampled[seq.request_id]
             text = seq.append_token(token_id, logprobs, now)
             updates.append((seq, text))
             if seq.is_finished:
                 self.running.remove(seq)
                 self.kv.free(seq.request_id)
+                self._charged.pop(seq.request_id, None)
         return updates
+
+    def _charge(self, item: ScheduledSequence) -> None:
+        """Charge the tenant, when the step is scheduled, for the tokens of ``item`` that are
+        computed for the first time.
+
+        Charged when scheduled, not when computed, so that admission within one step sees
+        it: several slots freed at once went all to the tenant lowest at the step's start
+        (a weight-1 tenant took 7 of 8 slots, then waited for hundreds of steps). The last
+        token of a sampling chunk is the one whose logits make the new token: it counts as
+        output, the rest of the chunk as prompt. Tokens computed again after a preemption
+        are not charged: the scheduler chose to recompute them and the tenant received
+        nothing more (charging them made a tenant preempted by the share rule pay for it
+        in the share it got).
+        """
+        end = item.seq.num_computed_tokens + item.num_tokens
+        charged = self._charged.get(item.seq.request_id, 0)
+        self._charged[item.seq.request_id] = max(end, charged)
+        fresh = end - max(end - item.num_tokens, charged)
+        output = 1 if item.samples and fresh > 0 else 0
+        self.fair.charge(item.seq.tenant, max(0, fresh - output), output)
 
     def fail(self, seq: Sequence, error: str, kind: ErrorKind) -> None:
         """End a sequence the engine cannot serve, releasing whatever it held."""
