@@ -1,10 +1,11 @@
 """``loramux bench PRESET``: the command, and the runner of the CPU workload presets.
 
 ``bench_presets`` defines the presets and what each is judged by. The GPU presets run in
-``bench_gpu``, ``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``, ``adapter-churn``
-and ``soak`` take options of their own (``loramux bench NAME -h``). This module runs the
-others (``cpu-smoke``): loramux and transformers + PEFT serve the same requests (arrivals,
-adapters, prompt token ids, output lengths; greedy, EOS suppressed) in one process:
+``bench_gpu``, ``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``, ``adapter-churn``,
+``fairness-slo`` and ``soak`` take options of their own (``loramux bench NAME -h``). This
+module runs the others (``cpu-smoke``): loramux and transformers + PEFT serve the same
+requests (arrivals, adapters, prompt token ids, output lengths; greedy, EOS suppressed) in
+one process:
 
 * **loramux**, ``--driver engine`` (default): the engine in-process, every adapter loaded
   by its tiers on demand; ``--driver http``: the whole platform in-process
@@ -37,6 +38,7 @@ from loramux.benchmarks import (
     bench_gpu,
     bench_sweeps,
     engine_vs_peft,
+    fairness_slo,
     lora_overhead,
     soak,
 )
@@ -55,6 +57,7 @@ from loramux.benchmarks.workload import WorkloadSpec, adapter_ranks, requests_wi
 OWN_OPTIONS = {
     "engine-vs-peft": engine_vs_peft.main,
     "adapter-churn": adapter_churn.main,
+    "fairness-slo": fairness_slo.main,
     "soak": soak.main,
 }
 

@@ -90,6 +90,7 @@ class Baseline(Enum):
     PEFT = "transformers + PEFT"  # the same workload under transformers + PEFT
     BASE_MODEL = "base model"  # the same engine serving the same requests with no adapter
     ALL_RESIDENT = "all resident"  # the same engine and trace, every adapter on the device
+    NONE = "none"  # judged by its goals alone (fairness-slo)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,27 @@ LORA_OVERHEAD_GOAL = Goal(
     value=1.10,
     at_most=True,
     why="16 distinct adapters cost at most 10% over the base model on the same engine",
+)
+
+FAIRNESS_GOALS = (
+    Goal(
+        metric="share_max_deviation",
+        value=0.10,
+        at_most=True,
+        why="each backlogged tenant's share of output tokens within ±10% of its weight's",
+    ),
+    Goal(
+        metric="priority_ttft_p50_ratio",
+        value=1.5,
+        at_most=True,
+        why="the priority tenant's median TTFT under the flood at most 1.5x its idle one",
+    ),
+    Goal(
+        metric="priority_ttft_p99_ratio",
+        value=3.0,
+        at_most=True,
+        why="the priority tenant's P99 TTFT under the flood at most 3x its idle one",
+    ),
 )
 
 
@@ -296,6 +318,30 @@ PRESETS: dict[str, Preset] = {
             "adapters (power 0.3)",
             references=(SLORA_REFERENCE,),
             goals=(SLORA_GOAL,),
+        ),
+        Preset(
+            name="fairness-slo",
+            description="SmolLM2-135M on this CPU over HTTP (the platform in-process, 8 "
+            "slots): three tenants of priority 5 and weights 1, 2 and 4 each keep 6 streamed "
+            "completions busy (40 prompt and 48 output tokens each; 18 streams on 8 slots) "
+            "while a priority-9 tenant sends a short request (16 prompt, 8 output tokens) "
+            "every 2 s; every request carries its deadline (`timeout`), and its SLO is a "
+            "first token within the TTFT target and the end before the deadline",
+            workload=WorkloadSpec(
+                num_requests=1,  # closed loop: each stream sends its next request at once
+                rate=1.0,
+                input_len=(40, 40),
+                output_len=(48, 48),
+                tenants=(
+                    TenantSpec("w1", priority=5, weight=1.0),
+                    TenantSpec("w2", priority=5, weight=2.0),
+                    TenantSpec("w4", priority=5, weight=4.0),
+                    TenantSpec("priority", priority=9, weight=1.0),
+                ),
+            ),
+            baseline=Baseline.NONE,
+            engine={"max_num_seqs": 8},
+            goals=FAIRNESS_GOALS,
         ),
         Preset(
             name="punica-distinct",
