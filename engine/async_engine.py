@@ -137,9 +137,12 @@ class _EngineLoop:
     def add_request(
         self, stream: _Stream, request_id: str, prompt, params, adapter, priority, tenant
     ) -> None:
-        self.engine.add_request(
-            request_id, prompt, params, adapter=adapter, priority=priority, tenant=tenant
-        )
+        try:
+            self.engine.add_request(
+                request_id, prompt, params, adapter=adapter, priority=priority, tenant=tenant
+            )
+        finally:
+            self.engine.step_interrupt.taken(priority)  # announced by generate()
         self._streams[request_id] = stream  # only once the engine has accepted it
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -335,6 +338,8 @@ class AsyncEngine:
             add = partial(
                 loop.add_request, stream, request_id, prompt, params, adapter, priority, tenant
             )
+            # Before it queues behind the running step: a higher priority cuts that step short.
+            self.engine.note_arrival(priority)
             await asyncio.wrap_future(loop.submit(add))
             while not finished:
                 item = await stream.queue.get()

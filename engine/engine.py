@@ -53,10 +53,11 @@ from loramux.engine.residency import ResidencyCounts, ResidencyWatch
 from loramux.engine.runner import ModelRunner, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits
+from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits, SchedulerOutput
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
+from loramux.engine.step_interrupt import StepInterrupt, StepInterrupted
 from loramux.engine.tenant_share import TenantShare, TenantShareStats
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ class Engine:
             block_tables=self.kv.block_table,
             static_decode=self._static_decode() if static_decode else None,
         )
+        self.step_interrupt = StepInterrupt()  # a higher-priority arrival cuts a step short
         self.metrics = metrics or EngineMetrics()
         self.metrics.kv_blocks_total.set(num_blocks)
         self.tiers = AdapterTiers(
@@ -430,7 +432,16 @@ class Engine:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
-        step = run_isolated(self.runner.execute, plan)
+        try:
+            step = run_isolated(self._execute_interruptible(plan), plan)
+        except StepInterrupted:
+            # A request of higher priority arrived: nothing of this step is applied; the
+            # next plan runs it first (step_interrupt.py).
+            self.metrics.steps_interrupted.inc()
+            self._update_gauges()
+            return failures
+        finally:
+            self.step_interrupt.end()
         outputs = failures + self._fail_in_step(step)
         # Counted as served, before update() finishes some of them (tenant_share.py).
         self.metrics.count_served(self.tenant_share.record_step(plan.scheduled))
@@ -446,6 +457,25 @@ class Engine:
         )
         self._update_gauges()
         return outputs
+
+    def _execute_interruptible(self, plan: SchedulerOutput):
+        """The runner's execute, interruptible by a higher-priority arrival on its first
+        run only (a re-run that isolates a failure must finish: its parts sample)."""
+        self.step_interrupt.begin(max(item.seq.priority for item in plan.scheduled))
+        runs = 0
+
+        def execute(part: SchedulerOutput):
+            nonlocal runs
+            self.runner.interrupt = self.step_interrupt.check if runs == 0 else None
+            runs += 1
+            return self.runner.execute(part)
+
+        return execute
+
+    def note_arrival(self, priority: int) -> None:
+        """A request of ``priority`` is being submitted from another thread: if it outranks
+        the running step, the step is cut short for it (step_interrupt.py). Thread-safe."""
+        self.step_interrupt.arrived(priority)
 
     def _fail_in_step(self, step: IsolatedStep) -> list[RequestOutput]:
         """End the requests found to make the step fail; the others' tokens stand."""

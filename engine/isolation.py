@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from loramux.engine.runner import NonFiniteOutput
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.sequence import ErrorKind
+from loramux.engine.step_interrupt import StepInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ def run_isolated(execute: Execute, plan: SchedulerOutput) -> IsolatedStep:
     states = _GeneratorStates(plan.scheduled)
     try:
         return IsolatedStep(execute(plan))
+    except StepInterrupted:
+        raise  # not a failure: the engine drops the step (step_interrupt.py)
     except NonFiniteOutput as exc:
         if len({_adapter_key(plan, rid) for rid in exc.request_ids}) == 1:
             return IsolatedStep(exc.sampled, {rid: _reason(exc) for rid in exc.request_ids})

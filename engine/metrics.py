@@ -89,6 +89,12 @@ class EngineMetrics:
             registry=r,
         )
         self.preemptions = Counter("loramux_preemptions", "Sequences preempted.", registry=r)
+        self.steps_interrupted = Counter(
+            "loramux_steps_interrupted",
+            "Steps abandoned between layers for a request of higher priority (their work is "
+            "recomputed in the next step).",
+            registry=r,
+        )
         # With evictions{tier=device} and preemptions, these say when device memory, not
         # compute, is the limit (see residency.py).
         self.adapter_reloads = Counter(

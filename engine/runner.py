@@ -18,6 +18,8 @@ the non-finite rows' logits are zeroed first so that sampling them cannot fail.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from loramux.engine.lora.backend import KernelBackend
@@ -74,6 +76,8 @@ class ModelRunner:
         # Decode-only steps of up to its largest bucket run over its fixed buffers (CUDA
         # graphs on CUDA); every other step builds its tensors afresh.
         self.static_decode = static_decode
+        # Checked between layers of an eager step (engine/step_interrupt.py); set by the engine.
+        self.interrupt: Callable[[], None] | None = None
 
     @torch.inference_mode()
     def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
@@ -168,4 +172,4 @@ class ModelRunner:
         table = self.lora_pool.step_table(spans)
         lora = None if table is None else self.backend.lora_step(table, self.lora_pool)
         input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return self.model(input_tensor, attention, self.kv_caches, lora)
+        return self.model(input_tensor, attention, self.kv_caches, lora, self.interrupt)

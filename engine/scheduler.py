@@ -15,9 +15,10 @@ Policy, in order:
 2. **Waiting sequences** are admitted in order of priority (higher first), then the
    tenant's *virtual token counter* (lower first), then arrival. The counter is the
    VTC fair-share rule: each tenant's counter grows by the tokens served to it divided
-   by its weight (prompt tokens count 1, generated tokens 2), and a tenant that comes
-   back after being idle starts at the lowest counter among the active tenants, so it
-   can't bank credit. Within a priority class, tenants thus share token throughput
+   by its weight (prompt tokens count 1, generated tokens 2), and a tenant with nothing
+   queued that sends a request starts at the lowest counter among its priority class's
+   tenants with requests queued (else running), so neither idling nor asking for less
+   than its share banks credit. Within a priority class, tenants thus share token throughput
    in proportion to their weights.
 
    *The share* is served tokens as VTC counts them: prompt tokens computed (not those
@@ -55,6 +56,13 @@ Policy, in order:
    own (the most over-share tenant's latest first), so no tenant can hold all KV memory
    or every slot against the others; when nobody else is waiting, a tenant may use
    everything. Finer slot preemption fought VTC admission (see ``_share_victim``).
+7. **A step for a new higher priority**: the step that first schedules a request of a
+   higher priority than running ones leaves those lower-priority running sequences out
+   (they keep their slots and blocks and lose one step), so the new request's first step
+   costs what it does on an idle engine (``_urgent_priority``). With the engine cutting
+   the step in flight short when such a request arrives (``step_interrupt.py``), that is
+   how priority is protected: by preempting steps, not by reserving slots, which would idle
+   capacity whenever the high class is quiet.
 """
 
 from __future__ import annotations
@@ -127,9 +135,10 @@ class FairShare:
     def counter(self, tenant: str | None) -> float:
         return self.counters.get(tenant, 0.0)
 
-    def activate(self, tenant: str | None, active_tenants: set[str | None]) -> None:
-        """A tenant with no live requests joins: lift it to the lowest active counter."""
-        others = [self.counters.get(t, 0.0) for t in active_tenants if t != tenant]
+    def activate(self, tenant: str | None, peers: set[str | None]) -> None:
+        """A tenant with nothing queued joins: lift it to the lowest counter of ``peers``
+        (other than its own), never lower it."""
+        others = [self.counters.get(t, 0.0) for t in peers if t != tenant]
         floor = min(others) if others else self.counters.get(tenant, 0.0)
         self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
@@ -160,12 +169,19 @@ class Scheduler:
         self.num_preemptions = 0
         # request id -> tokens charged to its tenant so far (the most it ever computed)
         self._charged: dict[str, int] = {}
+        self._urgent_seen: set[str] = set()  # request ids policy 7 already made room for
 
     # --- queue -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        active = {s.tenant for s in (*self.waiting, *self.running)}
-        if seq.tenant not in active:
-            self.fair.activate(seq.tenant, active)
+        # VTC's lift, within the priority class: a tenant with nothing queued (idle, or
+        # only running what it had) joins at the lowest counter among the tenants with
+        # requests queued, else among those running. A tenant whose demand stayed below
+        # its share would otherwise have banked the difference and then taken more than
+        # its weight (a 1:2:4 run: the weight-4 tenant, queued 84% of the time, got 1.07x).
+        waiting = {s.tenant for s in self.waiting if s.priority == seq.priority}
+        if seq.tenant not in waiting:
+            running = {s.tenant for s in self.running if s.priority == seq.priority}
+            self.fair.activate(seq.tenant, waiting or running)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -176,6 +192,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
         self._charged.pop(seq.request_id, None)
+        self._urgent_seen.discard(seq.request_id)
 
     def waiting_in_order(self) -> list[Sequence]:
         """The waiting sequences in the order they would be admitted."""
@@ -195,9 +212,15 @@ class Scheduler:
         kv_moves = self._make_adapter_room(preempted)
 
         # 1. Running sequences, most important first; the least important are preempted
-        #    when blocks run short.
+        #    when blocks run short. Those below a newly arrived higher priority sit this
+        #    step out (policy 7).
         self.running.sort(key=lambda s: (-s.priority, s.metrics.arrival_time))
-        queue = list(self.running)
+        urgent = self._urgent_priority()
+        queue = [s for s in self.running if urgent is None or s.priority >= urgent]
+        # Sitting out, they still hold their adapters (the cap counts what runs next step).
+        adapters.update(
+            s.adapter_id for s in self.running if s not in queue and s.adapter_id is not None
+        )
         while queue and budget > 0:
             seq = queue.pop(0)
             n = self._chunk(seq, budget)
@@ -271,6 +294,34 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled, preempted=preempted, num_batched_tokens=tokens, kv_moves=kv_moves
         )
+
+    def _urgent_priority(self) -> int | None:
+        """Policy 7: the priority of a new arrival that outranks running sequences, if any.
+
+        A request of a higher priority than running ones, never scheduled yet and ready to
+        run (its adapter on the device, not capped out), gets a step of its own class: the
+        lower-priority running sequences sit that one step out (they keep their slots and
+        blocks). Its first step then costs what it costs on an idle engine instead of
+        carrying every lower-priority decode, which is most of what a flood adds to its
+        time to first token. Each request gets this once (``_urgent_seen``), so one that
+        cannot be admitted never stalls the others twice.
+        """
+        if not self.running:
+            return None
+        lowest = min(s.priority for s in self.running)
+        urgent = [
+            s
+            for s in self.waiting
+            if s.priority > lowest
+            and s.request_id not in self._urgent_seen
+            and s.metrics.first_scheduled_time is None
+            and s.adapter_blocked_since is None
+            and (s.adapter_id is None or self.adapter_ready(s.adapter_id))
+        ]
+        if not urgent:
+            return None
+        self._urgent_seen.update(s.request_id for s in urgent)
+        return max(s.priority for s in urgent)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
@@ -443,6 +494,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self.kv.free(seq.request_id)
                 self._charged.pop(seq.request_id, None)
+                self._urgent_seen.discard(seq.request_id)
         return updates
 
     def _charge(self, item: ScheduledSequence) -> None:

@@ -11,6 +11,7 @@ float32, RoPE, GQA, SwiGLU) so that logits match it on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -170,12 +171,15 @@ class LlamaForCausalLM(nn.Module):
         attention: StepAttention,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
         lora: StepLoRA | None = None,
+        interrupt: Callable[[], None] | None = None,  # raises to abandon the step
     ) -> torch.Tensor:  # hidden states [T, hidden]
         if self.rotary is None:
             self.rotary = RotaryEmbedding(self.config, input_ids.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(attention.positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            if interrupt is not None:
+                interrupt()  # between layers: see engine/step_interrupt.py
             x = layer(x, cos, sin, attention, kv_cache, lora)
         return self.model.norm(x)
 

@@ -408,6 +408,9 @@ def test_tokens_of_a_preempted_victim_go_back_to_the_budget():
     assert scheduled_tokens(sim.step()) == {"low": 12}
     sim.add("high", prompt_len=4, max_tokens=2, priority=1)
     sim.add("high2", prompt_len=4, max_tokens=2, priority=1)
+    # Their own first step (policy 7, which would leave low out of it) is taken as spent,
+    # as for requests that waited for an adapter: low runs first in the step.
+    sim.sched._urgent_seen.update({"high", "high2"})
     # low's next chunk takes the last free blocks; high preempts it, which frees both its
     # blocks and the 12 tokens of budget it had this step, so high2 fits as well.
     out = sim.step()
@@ -426,8 +429,9 @@ def test_high_priority_preempts_lower_when_slots_are_short():
     sim.add("high", prompt_len=4, max_tokens=2, priority=1)
     out = sim.step()
     assert [s.request_id for s in out.preempted] == ["low-new"]
-    assert set(scheduled_tokens(out)) == {"low-old", "high"}
+    assert set(scheduled_tokens(out)) == {"high"}  # low-old sits this step out (policy 7)
     assert len(sim.sched.running) == 2
+    assert set(scheduled_tokens(sim.step())) == {"low-old", "high"}
 
 
 # --- VTC fair share -----------------------------------------------------------------------
@@ -708,3 +712,33 @@ def test_engine_set_tenant_priority_reorders_waiting_requests(tiny_model_dir):
         order += [out.request_id for out in engine.step() if out.finished]
     # Without the change the order would be high, first, low (priority, then arrival).
     assert order == ["low", "high", "first"]
+
+
+def test_a_new_higher_priority_gets_a_step_of_its_own_once():
+    sim = Sim(limits(max_num_seqs=8))
+    for i in range(3):
+        sim.add(f"low-{i}", prompt_len=4, max_tokens=20, priority=0)
+    sim.add("mid", prompt_len=4, max_tokens=20, priority=5)
+    sim.step()
+    sim.step()
+    sim.add("high", prompt_len=6, max_tokens=4, priority=9)
+    out = sim.step()
+    assert scheduled_tokens(out) == {"high": 6}  # the others keep their slots and blocks
+    assert not out.preempted and len(sim.sched.running) == 5
+    assert set(scheduled_tokens(sim.step())) == {"low-0", "low-1", "low-2", "mid", "high"}
+    # A new arrival only outranking some running ones leaves out just those below it.
+    sim.add("mid2", prompt_len=4, max_tokens=2, priority=5)
+    assert set(scheduled_tokens(sim.step())) == {"mid", "high", "mid2"}
+    # Equal to the lowest running priority: nothing sits out.
+    sim.add("low-new", prompt_len=4, max_tokens=2, priority=0)
+    assert "low-0" in scheduled_tokens(sim.step())
+
+
+def test_a_higher_priority_that_cannot_be_admitted_stalls_the_others_once():
+    sim = Sim(limits(max_num_seqs=8, max_adapters_per_step=1, adapter_wait_steps=100))
+    sim.add("low", prompt_len=4, max_tokens=40, priority=0, adapter=1)
+    sim.step()
+    sim.add("high", prompt_len=4, max_tokens=2, priority=9, adapter=2)  # capped out
+    assert scheduled_tokens(sim.step()) == {}
+    for _ in range(3):
+        assert set(scheduled_tokens(sim.step())) == {"low"}
