@@ -14,7 +14,7 @@ Policy, in order:
    victim is the lowest priority, then the latest arrival.
 2. **Waiting sequences** are admitted in order of priority (higher first), then the
    tenant's *virtual token counter* (lower first), then arrival. The counter is the
-   VTC fair-share rule: each tenant's counter grows by the tokens served to it divided
+   VTC fair-share rule (``fair_share.py``): each tenant's counter grows by the tokens served to it divided
    by its weight (prompt tokens count 1, generated tokens 2), and a tenant with nothing
    queued that sends a request starts at the lowest counter among its priority class's
    tenants with requests queued (else running), so neither idling nor asking for less
@@ -71,11 +71,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loramux.engine.fair_share import FairShare
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence, SequenceStatus
-
-PROMPT_TOKEN_COST = 1.0
-OUTPUT_TOKEN_COST = 2.0
 
 
 @dataclass
@@ -120,33 +118,6 @@ class SchedulerLimits:
     adapter_wait_steps: int = 16
 
 
-class FairShare:
-    """Virtual token counters per tenant (VTC)."""
-
-    def __init__(self) -> None:
-        self.counters: dict[str | None, float] = {}
-        self.weights: dict[str | None, float] = {}
-
-    def set_weight(self, tenant: str | None, weight: float) -> None:
-        if not weight > 0:
-            raise ValueError(f"tenant weight must be > 0, got {weight}")
-        self.weights[tenant] = weight
-
-    def counter(self, tenant: str | None) -> float:
-        return self.counters.get(tenant, 0.0)
-
-    def activate(self, tenant: str | None, peers: set[str | None]) -> None:
-        """A tenant with nothing queued joins: lift it to the lowest counter of ``peers``
-        (other than its own), never lower it."""
-        others = [self.counters.get(t, 0.0) for t in peers if t != tenant]
-        floor = min(others) if others else self.counters.get(tenant, 0.0)
-        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
-
-    def charge(self, tenant: str | None, prompt_tokens: int, output_tokens: int) -> None:
-        cost = prompt_tokens * PROMPT_TOKEN_COST + output_tokens * OUTPUT_TOKEN_COST
-        self.counters[tenant] = self.counter(tenant) + cost / self.weights.get(tenant, 1.0)
-
-
 def _always_ready(adapter_id: int) -> bool:
     return True
 
@@ -167,8 +138,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_count = 0
         self.num_preemptions = 0
-        # request id -> tokens charged to its tenant so far (the most it ever computed)
-        self._charged: dict[str, int] = {}
         self._urgent_seen: set[str] = set()  # request ids policy 7 already made room for
 
     # --- queue -------------------------------------------------------------------
@@ -191,7 +160,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
-        self._charged.pop(seq.request_id, None)
+        self.fair.forget(seq.request_id)
         self._urgent_seen.discard(seq.request_id)
 
     def waiting_in_order(self) -> list[Sequence]:
@@ -331,7 +300,9 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSequence:
         item = ScheduledSequence(seq, n, samples=seq.num_computed_tokens + n == seq.num_tokens)
-        self._charge(item)
+        self.fair.charge_scheduled(
+            seq.tenant, seq.request_id, seq.num_computed_tokens, n, item.samples
+        )
         return item
 
     def _waiting_order(self, seq: Sequence):
@@ -493,29 +464,9 @@ class Scheduler:
             if seq.is_finished:
                 self.running.remove(seq)
                 self.kv.free(seq.request_id)
-                self._charged.pop(seq.request_id, None)
+                self.fair.forget(seq.request_id)
                 self._urgent_seen.discard(seq.request_id)
         return updates
-
-    def _charge(self, item: ScheduledSequence) -> None:
-        """Charge the tenant, when the step is scheduled, for the tokens of ``item`` that are
-        computed for the first time.
-
-        Charged when scheduled, not when computed, so that admission within one step sees
-        it: several slots freed at once went all to the tenant lowest at the step's start
-        (a weight-1 tenant took 7 of 8 slots, then waited for hundreds of steps). The last
-        token of a sampling chunk is the one whose logits make the new token: it counts as
-        output, the rest of the chunk as prompt. Tokens computed again after a preemption
-        are not charged: the scheduler chose to recompute them and the tenant received
-        nothing more (charging them made a tenant preempted by the share rule pay for it
-        in the share it got).
-        """
-        end = item.seq.num_computed_tokens + item.num_tokens
-        charged = self._charged.get(item.seq.request_id, 0)
-        self._charged[item.seq.request_id] = max(end, charged)
-        fresh = end - max(end - item.num_tokens, charged)
-        output = 1 if item.samples and fresh > 0 else 0
-        self.fair.charge(item.seq.tenant, max(0, fresh - output), output)
 
     def fail(self, seq: Sequence, error: str, kind: ErrorKind) -> None:
         """End a sequence the engine cannot serve, releasing whatever it held."""

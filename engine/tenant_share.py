@@ -38,7 +38,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from loramux.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, ScheduledSequence
+from loramux.engine.fair_share import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST
+from loramux.engine.scheduler import ScheduledSequence
 from loramux.engine.sequence import Sequence, SequenceStatus
 
 DEFAULT_SHARE_WINDOW_S = 30.0

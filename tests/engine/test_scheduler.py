@@ -557,7 +557,7 @@ def test_a_recomputed_sequence_is_charged_once():
     # 6 generated tokens (x2) and the 7 prompt tokens before the one whose logits made the
     # first of them (x1), as without the preemption: its recompute of 11 tokens is free.
     assert sim.sched.fair.counter("t") == pytest.approx(7 + 2 * 6)
-    assert not sim.sched._charged  # nothing kept for finished requests
+    assert not sim.sched.fair._charged  # nothing kept for finished requests
 
 
 def test_a_tenant_holding_a_slot_is_not_preempted_for_its_fractional_slot_share():
