@@ -50,8 +50,13 @@ def _whole_micro_usd(value: float) -> float:
     return value
 
 
+# Stripped before it is checked, so a name needs a character other than whitespace; the
+# pattern says so in /openapi.json too (a client reading minLength alone would send "\t").
 Name = Annotated[
-    str, StringConstraints(strip_whitespace=True, min_length=1, max_length=NAME_LENGTH)
+    str,
+    StringConstraints(
+        strip_whitespace=True, min_length=1, max_length=NAME_LENGTH, pattern=r"\S"
+    ),
 ]
 Priority = Annotated[
     int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0-9; higher is served first.")

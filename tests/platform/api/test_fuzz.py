@@ -433,6 +433,9 @@ def inject(case: Case, chance: random.Random) -> str | None:
 # --- making cases meaningful -----------------------------------------------------------------
 
 
+MIN_TIMEOUT_S = 600.0  # see within_contract
+
+
 def within_contract(case: Case) -> None:
     """Make a schema-valid case meet the rules JSON Schema cannot state.
 
@@ -444,8 +447,14 @@ def within_contract(case: Case) -> None:
       as one; integral floats at the top of a body are sent as ints.
     - A usage range starts no later than it ends (422 otherwise): ``start`` and ``end`` are
       swapped when drawn the wrong way round.
+    - A request's ``timeout`` is a deadline the server may not be able to meet: a tiny one
+      is answered 503 ``deadline_unattainable`` or 504 ``deadline_exceeded``, documented
+      5xx that say nothing of the server's health, so a positive case's is at least
+      ``MIN_TIMEOUT_S``.
     """
     body = _json_body(case)
+    if isinstance(body, dict) and isinstance(body.get("timeout"), int | float):
+        body["timeout"] = max(body["timeout"], MIN_TIMEOUT_S)
     if isinstance(body, dict):
         for name, value in body.items():
             if isinstance(value, float) and name.endswith(MONEY_FIELDS):

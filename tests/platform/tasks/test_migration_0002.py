@@ -23,6 +23,8 @@ LATER_ADDITIONS = {
     # 0006: unique per (period, grouping, version) instead of per (period, grouping)
     ("add_constraint", "billing_exports", "period_start,period_end,group_by,version"),
     ("remove_constraint", "billing_exports", "period_start,period_end,group_by"),
+    ("add_column", "tenants", "request_timeout_s"),  # 0007
+    ("add_column", "tenants", "max_queued_requests"),  # 0007
 }
 
 
