@@ -54,9 +54,7 @@ def _whole_micro_usd(value: float) -> float:
 # pattern says so in /openapi.json too (a client reading minLength alone would send "\t").
 Name = Annotated[
     str,
-    StringConstraints(
-        strip_whitespace=True, min_length=1, max_length=NAME_LENGTH, pattern=r"\S"
-    ),
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=NAME_LENGTH, pattern=r"\S"),
 ]
 Priority = Annotated[
     int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0-9; higher is served first.")
