@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 import time
 from collections.abc import Iterable
@@ -61,6 +62,8 @@ from loramux.engine.step_interrupt import StepInterrupt, StepInterrupted
 from loramux.engine.tenant_share import TenantShare, TenantShareStats
 
 logger = logging.getLogger(__name__)
+
+TENANT_GAUGES_EVERY_S = 1.0
 
 
 class EngineError(ValueError):
@@ -197,6 +200,7 @@ class Engine:
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
         self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
         self.tenant_share = TenantShare()  # tokens served per tenant, as steps serve them
+        self._tenant_gauges_at = -math.inf  # when the per-tenant gauges were last set
         # What the budget holds, logged now; evictions, re-loads and room waits watched.
         self.memory_plan = plan_memory(
             budget,
@@ -562,7 +566,13 @@ class Engine:
         self.metrics.prefix_cache_queries.inc(queries - old_q)
         self.metrics.prefix_cache_hits.inc(hits - old_h)
         self._prefix_stats = (queries, hits)
-        self.metrics.set_tenants(self._tenant_stats())
+        # Per-tenant gauges walk every sequence and every tenant ever seen: at most once a
+        # second while there is work (a scrape reads them far less often), and once more
+        # when the engine goes idle, so they never stay at a busy value.
+        now = time.monotonic()
+        if now - self._tenant_gauges_at >= TENANT_GAUGES_EVERY_S or not self.scheduler.has_work():
+            self._tenant_gauges_at = now
+            self.metrics.set_tenants(self._tenant_stats())
 
     def _tenant_stats(self) -> dict[str | None, TenantShareStats]:
         scheduler = self.scheduler

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 
 STEP_S = 0.02  # each engine step sleeps this long (the tiny model's own step is ~ms)
 
@@ -31,10 +32,10 @@ def slow_steps(context, seconds: float = STEP_S) -> list:
 
 
 def tenant_headers(client, context, **fields) -> tuple[str, dict[str, str]]:
+    """A new tenant (``fields`` as the admin API takes them) and its API key's headers."""
     admin = {"Authorization": f"Bearer {context.admin_token}"}
-    count = getattr(context, "_tenants_made", 0) + 1
-    context._tenants_made = count
-    response = client.post("/admin/tenants", json={"name": f"t{count}", **fields}, headers=admin)
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    response = client.post("/admin/tenants", json={"name": name, **fields}, headers=admin)
     assert response.status_code == 201, response.text
     tenant = response.json()
     response = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin)
