@@ -1,6 +1,8 @@
 """Liveness and readiness.
 
-``GET /healthz`` answers as long as the process serves HTTP (liveness: restart me if not).
+``GET /healthz`` answers as long as the process serves HTTP (liveness: restart me if not);
+``GET /health`` is the same answer under vLLM's name, which load generators such as GuideLLM
+check before their first request.
 ``GET /readyz`` checks what serving needs — the database, the adapter store, the engine
 and, where one is configured, Redis — and names each check's outcome. It answers 503
 (readiness: send me no traffic) when a check the platform cannot serve without fails, and
@@ -36,6 +38,11 @@ _ABSENT_KEY = "sha256/00/" + "0" * 64
 @router.get("/healthz")
 def healthz() -> dict:
     return {"status": "ok"}
+
+
+@router.get("/health", summary="Health (vLLM's name for /healthz)")
+def health() -> dict:
+    return healthz()
 
 
 def _check_database(context: PlatformContext) -> None:

@@ -124,7 +124,7 @@ POSITIVE_STATUSES = ["2xx", "400", "401", "402", "404", "409", "429", "5xx"]
 # Whose valid requests the schema cannot describe: an upload's files must hold a PEFT adapter,
 # and one that does not is refused with 422 and the reason (README), whatever the form's shape.
 CONTENT_BEYOND_SCHEMA = {"POST /v1/adapters"}
-PUBLIC = ("/healthz", "/readyz", "/metrics", "/v1/me")
+PUBLIC = ("/health", "/healthz", "/readyz", "/metrics", "/v1/me")
 ADAPTER_NAME = "fuzz-adapter"
 MONEY_FIELDS = ("_usd", "_per_mtok")
 

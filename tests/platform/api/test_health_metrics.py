@@ -30,6 +30,16 @@ def test_healthz_is_liveness_only(client):
     assert response.json() == {"status": "ok"}
 
 
+def test_health_is_healthz_under_vllms_name_open_to_anyone(client):
+    # GuideLLM and other vLLM clients check GET /health before their first request.
+    response = client.get("/health")
+    assert response.status_code == 200
+    assert response.json() == client.get("/healthz").json() == {"status": "ok"}
+    assert set(client.get("/openapi.json").json()["paths"]["/health"]["get"]["responses"]) == {
+        "200"
+    }
+
+
 def test_readyz_reports_every_check_ok(client):
     response = client.get("/readyz")
     assert response.status_code == 200, response.text

@@ -81,7 +81,7 @@ def test_service_specific_statuses_are_documented(spec):
     assert {"401", "409", "413", "422", "503"} <= statuses("post", "/v1/adapters")
     assert "404" in statuses("get", "/admin/usage")
     # Liveness, readiness and metrics answer anyone.
-    for path in ("/healthz", "/readyz", "/metrics"):
+    for path in ("/health", "/healthz", "/readyz", "/metrics"):
         assert "401" not in statuses("get", path)
 
 
