@@ -267,6 +267,7 @@ async def _complete(
         sampling=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
         default_max_tokens=16,  # OpenAI's default for completions
         timeout=body.timeout,
+        end_user=body.user,
     )
     render = CompletionRender(service.tokenizer, job, body.logprobs)
     return await _respond(
@@ -356,6 +357,7 @@ async def create_chat_completion(
         n=body.n,
         sampling=_sampling(body, max_tokens=max_tokens, logprobs=top_logprobs),
         timeout=body.timeout,
+        end_user=body.user,
     )
     render = ChatRender(service.tokenizer, job, top_logprobs)
     return await _respond(

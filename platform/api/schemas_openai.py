@@ -3,7 +3,8 @@
 Only JSON *types* are checked here (a wrong type is a 422: strict models, so ``true`` is not
 a ``top_p`` nor ``"5"`` an ``n``); ranges are checked once, by
 ``loramux.engine.SamplingParams``, whose message becomes a 400. Unknown fields are ignored,
-as OpenAI's own clients send fields a server may not know (``user``, ``metadata``...).
+as OpenAI's own clients send fields a server may not know (``metadata``...). ``user`` is
+stored with the request's usage record (at most 256 characters, else a 400).
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions
 (send them with the client's ``extra_body``; benchmarks use the last two for exact lengths).
 ``timeout`` (seconds) is loramux's too: the request's deadline, which can only shorten the
@@ -45,6 +46,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # the tenant's id for its end user: stored on the usage record and exported with it
+    user: str | None = None
     # loramux: seconds this request may take in all; it can only shorten the tenant's
     # default and the server's maximum (services/deadlines.py).
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)

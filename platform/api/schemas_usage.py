@@ -112,6 +112,9 @@ class _RequestKeys(BaseModel):
     created_at: datetime = Field(description="When the request was recorded (UTC).")
     model: str
     adapter: str | None = Field(description="Adapter name; null for the base model.")
+    user: str | None = Field(
+        description="The end user the request named (its `user` field); null when none."
+    )
     finish_reason: str | None
     latency_ms: int
 

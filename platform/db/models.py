@@ -50,6 +50,7 @@ NAMING_CONVENTION = {
 
 ID_LENGTH = 32
 NAME_LENGTH = 200
+END_USER_LENGTH = 256  # OpenAI's `user`: the tenant's own id for its end user
 SHA256_HEX_LENGTH = 64
 STORE_KEY_LENGTH = 1024
 LEASE_OWNER_LENGTH = 200
@@ -284,7 +285,8 @@ class UsageRecord(Base):
     provisional row left behind by a crash is its request's usage as last checkpointed,
     counted and billed like any other. ``created_at`` is the moment of the row's latest
     write. ``cached_prompt_tokens`` is the part of ``prompt_tokens`` served from the prefix
-    cache. The adapter columns are ``None`` for requests to the base model.
+    cache. The adapter columns are ``None`` for requests to the base model. ``end_user`` is
+    the id the request named its end user by (OpenAI's ``user``), ``None`` when it sent none.
     """
 
     __tablename__ = "usage_records"
@@ -318,6 +320,7 @@ class UsageRecord(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utc_now, index=True)
     final: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    end_user: Mapped[str | None] = mapped_column(String(END_USER_LENGTH))
 
 
 class UsageDaily(Base):

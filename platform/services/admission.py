@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from loramux.engine import SamplingParams
 from loramux.platform.context import PlatformContext
-from loramux.platform.db.models import Price, Tenant
+from loramux.platform.db.models import END_USER_LENGTH, Price, Tenant
 from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
 from loramux.platform.errors import Invalid, PlatformError, QuotaExceeded
@@ -116,10 +116,12 @@ class Admission:
         default_max_tokens: int | None,
         timeout: float | None = None,
         load: LoadControl | None = None,
+        end_user: str | None = None,
     ) -> Job:
         """The job, holding its place in ``load``'s queue (given back if anything after
         refuses it); the queue and deadline checks come before the budget and rate limits,
         so a request refused for load uses none of them."""
+        check_end_user(end_user)
         deadline = request_deadline(
             self._context.settings.request_timeout_s, tenant.request_timeout_s, timeout
         )
@@ -153,6 +155,7 @@ class Admission:
                 default_max_tokens=default_max_tokens,
                 deadline=deadline,
                 ticket=ticket,
+                end_user=end_user,
             )
         except BaseException:
             if ticket is not None:
@@ -174,6 +177,7 @@ class Admission:
         default_max_tokens: int | None,
         deadline: Deadline,
         ticket: Ticket | None,
+        end_user: str | None,
     ) -> Job:
         check_budget(session, tenant)
         price = None
@@ -216,6 +220,7 @@ class Admission:
             holds=holds,
             deadline=deadline,
             ticket=ticket,
+            end_user=end_user,
         )
 
     def _budget(self) -> TenantBudget:
@@ -316,6 +321,17 @@ def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]
         )
     except ValueError as exc:
         raise Invalid(str(exc), code="invalid_sampling_parameters") from exc
+
+
+def check_end_user(end_user: str | None) -> None:
+    """400 for a ``user`` longer than the usage record keeps (OpenAI sets no bound; ids,
+    hashes and e-mail addresses fit)."""
+    if end_user is not None and len(end_user) > END_USER_LENGTH:
+        raise Invalid(
+            f"user is {len(end_user)} characters long; at most {END_USER_LENGTH} are allowed "
+            "(send an id or a hash of it)",
+            code="invalid_request",
+        )
 
 
 def check_budget(session: Session, tenant: Tenant) -> None:

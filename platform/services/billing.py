@@ -12,7 +12,8 @@ bound may be ``None``: unbounded), groups them in SQL and returns a ``UsageRepor
 Grouping keys: ``day`` → ``tenant_id``, ``day`` (a ``date``, UTC); ``adapter`` →
 ``tenant_id``, ``adapter`` (its name; ``None`` for the base model; adapters sharing a name,
 such as a deleted one and its successor, share a row); ``request`` → ``tenant_id``,
-``request_id``, ``created_at``, ``model``, ``adapter``, ``finish_reason``, ``latency_ms``.
+``request_id``, ``created_at``, ``model``, ``adapter``, ``user`` (the end user the request
+named, OpenAI's ``user``; ``None`` when it sent none), ``finish_reason``, ``latency_ms``.
 
 The grand totals are computed in the same SQL statement as the rows (window sums over the
 groups), so rows and totals come from one snapshot and always agree exactly, even while
@@ -53,6 +54,7 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
         "created_at",
         "model",
         "adapter",
+        "user",
         "finish_reason",
         "latency_ms",
     ),
@@ -97,6 +99,7 @@ def _key_columns(group_by: str, dialect: str) -> list[ColumnElement[Any]]:
         UsageRecord.created_at,
         UsageRecord.model,
         adapter,
+        UsageRecord.end_user.label("user"),
         UsageRecord.finish_reason,
         UsageRecord.latency_ms,
     ]

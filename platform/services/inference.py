@@ -169,6 +169,7 @@ class InferenceService:
         sampling: dict[str, Any],
         default_max_tokens: int | None = None,
         timeout: float | None = None,
+        end_user: str | None = None,
     ) -> Job:
         """Validate, check the queue, the deadline, budget and limits, and reserve tokens:
         the job to run (:meth:`Admission.prepare`, in a worker thread, off the event loop)."""
@@ -185,6 +186,7 @@ class InferenceService:
             default_max_tokens=default_max_tokens,
             timeout=timeout,
             load=self._load,
+            end_user=end_user,
         )
 
     # --- running ----------------------------------------------------------------------
@@ -328,6 +330,7 @@ class InferenceService:
             adapter_version_id=job.target.adapter_version_id,
             latency_ms=int(elapsed_s * 1000),
             finish_reason=finish,
+            end_user=job.end_user,
         )
 
     def _finish(self, job: Job, tally: Tally, elapsed_s: float) -> None:

@@ -68,6 +68,7 @@ class Job:
     holds: Holds  # tokens/minute reserved and budget held, settled when the run ends
     deadline: Deadline  # when the run is ended wherever it is (deadlines.py)
     ticket: Ticket | None = None  # its place in the queue until each choice starts
+    end_user: str | None = None  # the request's `user`: stored on its usage record
 
     @property
     def reserved_tokens(self) -> int:

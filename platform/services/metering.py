@@ -46,7 +46,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from loramux.platform.db.models import UsageRecord
+from loramux.platform.db.models import END_USER_LENGTH, UsageRecord
 from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
 from loramux.platform.db.usage import checkpoint_usage, record_usage
@@ -73,7 +73,8 @@ class UsageEvent:
     ``adapter_id`` / ``adapter_version_id`` are ``None`` for the base model.
     ``completion_tokens`` counts tokens delivered to the client (see the module docstring).
     ``created_at`` is when the request happened; leave it ``None`` (now) except in tests and
-    backfills. It must be timezone-aware.
+    backfills. It must be timezone-aware. ``end_user`` is the request's ``user`` (the
+    tenant's id for its end user), stored and exported with the record.
     """
 
     request_id: str
@@ -87,10 +88,13 @@ class UsageEvent:
     latency_ms: int = 0
     finish_reason: str | None = None
     created_at: datetime | None = None
+    end_user: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LENGTH:
             raise ValueError(f"request_id must be 1-{REQUEST_ID_MAX_LENGTH} characters")
+        if self.end_user is not None and len(self.end_user) > END_USER_LENGTH:
+            raise ValueError(f"end_user must be at most {END_USER_LENGTH} characters")
         counts = {
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
@@ -144,6 +148,7 @@ def _priced_record(session: Session, event: UsageEvent, moment: datetime) -> Usa
         cost_micro_usd=price_event(session, event, moment),
         finish_reason=event.finish_reason,
         created_at=moment,
+        end_user=event.end_user,
     )
 
 

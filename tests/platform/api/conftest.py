@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
@@ -14,6 +17,7 @@ from loramux.platform.app import create_app
 from loramux.platform.context import PlatformContext, build_context
 from loramux.platform.db.models import AdapterStatus, Tenant
 from loramux.platform.settings import Settings
+from tests.fixtures.browser import ServerThread
 from tests.platform.api.slowed_platform import slow_steps
 from tests.platform.db.factories import add_adapter, add_adapter_version
 
@@ -84,6 +88,48 @@ def tenant_key(client, admin, new_tenant):
         return {"Authorization": f"Bearer {response.json()['key']}"}
 
     return create
+
+
+@pytest.fixture
+def server(context) -> Iterator[ServerThread]:
+    """The app on a real uvicorn server (for the official clients)."""
+    with ServerThread(create_app(context)) as running:
+        yield running
+
+
+@pytest.fixture
+def make_client(server, context) -> Callable[..., tuple[openai.OpenAI, str]]:
+    """``make_client(**tenant_fields)`` -> (an OpenAI client with a new tenant's key, its id)."""
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+
+    def make(**fields) -> tuple[openai.OpenAI, str]:
+        body = {"name": f"t-{uuid.uuid4().hex[:8]}", **fields}
+        tenant = httpx.post(f"{server.url}/admin/tenants", json=body, headers=admin)
+        assert tenant.status_code == 201, tenant.text
+        tenant_id = tenant.json()["id"]
+        key = httpx.post(f"{server.url}/admin/tenants/{tenant_id}/api-keys", headers=admin)
+        assert key.status_code == 201, key.text
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key=key.json()["key"], max_retries=0, timeout=60
+        )
+        return client, tenant_id
+
+    return make
+
+
+@pytest.fixture
+def base(context) -> str:
+    """The base model's id (its ``model`` name)."""
+    return context.base_model.model_id
+
+
+def usage_rows(server, context, tenant_id: str) -> list[dict]:
+    """The tenant's usage records, one row per request (``/admin/usage?group_by=request``)."""
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    params = {"tenant_id": tenant_id, "group_by": "request"}
+    report = httpx.get(f"{server.url}/admin/usage", params=params, headers=admin)
+    assert report.status_code == 200, report.text
+    return report.json()["rows"]
 
 
 def assert_openai_error(response, status: int) -> dict:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,43 +14,10 @@ import openai
 import pytest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
-from loramux.platform.app import create_app
-from tests.fixtures.browser import ServerThread
 from tests.platform.api.conftest import store_ready_adapter
 from tests.platform.raw_http import request_then_leave
 
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture
-def server(context) -> Iterator[ServerThread]:
-    with ServerThread(create_app(context)) as running:
-        yield running
-
-
-@pytest.fixture
-def make_client(server, context) -> Callable[..., tuple[openai.OpenAI, str]]:
-    """``make_client(**tenant_fields)`` -> (an OpenAI client with a new tenant's key, its id)."""
-    admin = {"Authorization": f"Bearer {context.admin_token}"}
-
-    def make(**fields) -> tuple[openai.OpenAI, str]:
-        body = {"name": f"t-{uuid.uuid4().hex[:8]}", **fields}
-        tenant = httpx.post(f"{server.url}/admin/tenants", json=body, headers=admin)
-        assert tenant.status_code == 201, tenant.text
-        tenant_id = tenant.json()["id"]
-        key = httpx.post(f"{server.url}/admin/tenants/{tenant_id}/api-keys", headers=admin)
-        assert key.status_code == 201, key.text
-        client = openai.OpenAI(
-            base_url=f"{server.url}/v1", api_key=key.json()["key"], max_retries=0, timeout=60
-        )
-        return client, tenant_id
-
-    return make
-
-
-@pytest.fixture
-def base(context) -> str:
-    return context.base_model.model_id
 
 
 def reference_engine(context) -> Engine:

@@ -108,6 +108,7 @@ def _populate(make_session, rng: random.Random) -> tuple[list[UsageRecord], dict
                 completion_tokens=rng.choice([1, rng.randrange(1, 2_000_000)]),
                 latency_ms=rng.randrange(0, 60_000),
                 finish_reason=rng.choice(["stop", "length", "abort", None]),
+                end_user=rng.choice([None, "user-1", "user-2"]),
             )
         )
     return records, names
@@ -137,6 +138,7 @@ def _key_of(group_by: str, names: dict[str, str]) -> Callable[[UsageRecord], tup
             record.created_at,
             record.model,
             adapter,
+            record.end_user,
             record.finish_reason,
             record.latency_ms,
         )
@@ -285,6 +287,7 @@ def test_request_rows_are_the_records_in_time_order(make_session):
         "created_at": DAY0 + timedelta(hours=1),
         "model": "base",
         "adapter": None,
+        "user": None,
         "finish_reason": None,
         "latency_ms": 7,
         "requests": 1,
@@ -317,6 +320,7 @@ def test_csv_cells(make_session):
             "created_at": "2031-01-01T12:00:00.000250Z",
             "model": "a,b",
             "adapter": "",
+            "user": "",
             "finish_reason": "",
             "latency_ms": "0",
             "requests": "1",

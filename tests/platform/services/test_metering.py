@@ -52,7 +52,13 @@ def test_records_every_field_with_its_cost(make_session, tenant_id):
         adapter = add_adapter(session, add_tenant(session), name="support-bot")
         version = add_adapter_version(session, adapter)
         ids = (adapter.id, version.id)
-    event = _event(tenant_id, adapter_id=ids[0], adapter_version_id=ids[1], model="support-bot")
+    event = _event(
+        tenant_id,
+        adapter_id=ids[0],
+        adapter_version_id=ids[1],
+        model="support-bot",
+        end_user="u" * 256,
+    )
 
     record = Meter(make_session).record(event)
 
@@ -65,6 +71,8 @@ def test_records_every_field_with_its_cost(make_session, tenant_id):
         500,
     )
     assert (record.latency_ms, record.finish_reason, record.model) == (40, "stop", "support-bot")
+    assert record.end_user == "u" * 256
+    assert Meter(make_session).stored(event.request_id).end_user == "u" * 256
     # 800 uncached × $1/M + 200 cached × $0.5/M + 500 × $2/M = 800 + 100 + 1000 µ$.
     assert record.cost_micro_usd == 1_900
     assert record.created_at.tzinfo is not None
@@ -194,6 +202,7 @@ def test_usage_for_response_repeats_the_record(make_session, tenant_id):
         {"cached_prompt_tokens": 1_001},
         {"request_id": ""},
         {"request_id": "r" * 129},
+        {"end_user": "u" * 257},
         {"created_at": datetime(2030, 1, 1)},
     ],
 )

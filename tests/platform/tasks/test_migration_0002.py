@@ -25,6 +25,7 @@ LATER_ADDITIONS = {
     ("remove_constraint", "billing_exports", "period_start,period_end,group_by"),
     ("add_column", "tenants", "request_timeout_s"),  # 0007
     ("add_column", "tenants", "max_queued_requests"),  # 0007
+    ("add_column", "usage_records", "end_user"),  # 0008
 }
 
 
