@@ -51,7 +51,7 @@ from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.loader import load_model
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.residency import ResidencyCounts, ResidencyWatch
-from loramux.engine.runner import ModelRunner, kv_block_bytes
+from loramux.engine.runner import ModelRunner, NonFiniteOutput, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits, SchedulerOutput
@@ -338,12 +338,9 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:  # the sampler would fail on them mid-step (min_tokens suppression)
             raise EngineError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:3]}")
+        self._check_logit_bias(params)
         prompt_ids = self._tokenize(prompt)
-        if len(prompt_ids) >= self.max_model_len:
-            raise EngineError(
-                f"prompt has {len(prompt_ids)} tokens; the context limit is "
-                f"{self.max_model_len}, leaving no room to generate"
-            )
+        self._check_prompt_fits(len(prompt_ids), params)
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
@@ -369,6 +366,25 @@ class Engine:
         self.scheduler.add(seq)
         if lora is not None:
             self.tiers.note_request(lora.adapter_id)
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        # SamplingParams does not know the vocab; the sampler would fail mid-step on these.
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise EngineError(
+                f"logit_bias token id {bad[0]} is out of range: the model's vocab size is "
+                f"{vocab} (ids 0 to {vocab - 1})"
+            )
+
+    def _check_prompt_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        # A prompt-only request (max_tokens 0) may fill the context: it generates nothing.
+        room = 0 if params.max_tokens == 0 else 1
+        if num_prompt_tokens + room > self.max_model_len:
+            raise EngineError(
+                f"prompt has {num_prompt_tokens} tokens; the context limit is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
 
     def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -436,8 +452,9 @@ class Engine:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
+        prompt_logprobs: dict[str, list] = {}
         try:
-            step = run_isolated(self._execute_interruptible(plan), plan)
+            step = run_isolated(self._execute_interruptible(plan, prompt_logprobs), plan)
         except StepInterrupted:
             # A request of higher priority arrived: nothing of this step is applied; the
             # next plan runs it first (step_interrupt.py).
@@ -449,9 +466,11 @@ class Engine:
         outputs = failures + self._fail_in_step(step)
         # Counted as served, before update() finishes some of them (tenant_share.py).
         self.metrics.count_served(self.tenant_share.record_step(plan.scheduled))
-        updates = self.scheduler.update(plan, step.sampled, time.monotonic())
+        updates = self.scheduler.update(plan, step.sampled, time.monotonic(), prompt_logprobs)
         for seq, text in updates:
-            self._observe_token(seq)
+            # A prompt-only request finishes with no token: nothing generated to observe.
+            if seq.output_token_ids:
+                self._observe_token(seq)
             outputs.append(self._output(seq, text, seq.output_token_ids[-1:]))
             if seq.is_finished:
                 del self._requests[seq.request_id]
@@ -462,9 +481,14 @@ class Engine:
         self._update_gauges()
         return outputs
 
-    def _execute_interruptible(self, plan: SchedulerOutput):
+    def _execute_interruptible(self, plan: SchedulerOutput, prompt_logprobs: dict[str, list]):
         """The runner's execute, interruptible by a higher-priority arrival on its first
-        run only (a re-run that isolates a failure must finish: its parts sample)."""
+        run only (a re-run that isolates a failure must finish: its parts sample).
+
+        It returns the sampled tokens, as ``run_isolated`` takes them; the prompt logprobs
+        of every run (or part) that got that far are collected into ``prompt_logprobs``
+        (a part run again overwrites its requests' with the same values).
+        """
         self.step_interrupt.begin(max(item.seq.priority for item in plan.scheduled))
         runs = 0
 
@@ -472,7 +496,13 @@ class Engine:
             nonlocal runs
             self.runner.interrupt = self.step_interrupt.check if runs == 0 else None
             runs += 1
-            return self.runner.execute(part)
+            try:
+                result = self.runner.execute(part)
+            except NonFiniteOutput as exc:  # the others' results stand
+                prompt_logprobs.update(exc.prompt_logprobs)
+                raise
+            prompt_logprobs.update(result.prompt_logprobs)
+            return result.sampled
 
         return execute
 
@@ -630,9 +660,19 @@ class Engine:
             error=seq.error,
             error_kind=None if seq.error_kind is None else seq.error_kind.value,
             logprobs=list(seq.output_logprobs),
+            prompt_logprobs=self._prompt_logprobs(seq, delta_ids),
             adapter=None if seq.lora is None else seq.lora.name,
             metrics=seq.metrics,
         )
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, delta_ids: list[int]):
+        """The prompt logprobs for an output: on the request's first token and its final
+        output, once all were computed (sent twice, not on every streamed delta)."""
+        if seq.prompt_logprobs is None or seq.collects_prompt_logprobs:
+            return None
+        first_token = bool(delta_ids) and len(seq.output_token_ids) == len(delta_ids)
+        return list(seq.prompt_logprobs) if first_token or seq.is_finished else None
 
     # --- convenience -------------------------------------------------------------
     def generate(

@@ -22,5 +22,9 @@ class RequestOutput:
     error: str | None = None
     error_kind: str | None = None  # an ErrorKind when finish_reason is "error"
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One entry per prompt token (the first None: it has no context) when the request asked
+    # for prompt_logprobs: on its first output and its final one, None on the others (and
+    # on every output until the whole prompt was computed).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     adapter: str | None = None
     metrics: RequestMetrics | None = None

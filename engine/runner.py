@@ -14,32 +14,62 @@ the others were sampled. Each token attends to itself, so a non-finite key or va
 wrote to the KV cache shows in its own output: a request whose tokens all came out finite
 wrote a sound cache. Checking needs no extra device sync: the sampler syncs anyway, and
 the non-finite rows' logits are zeroed first so that sampling them cannot fail.
+
+Prompt logprobs: the hidden state at position ``p`` gives the logits of token ``p + 1``, so
+a chunk ``[start, end)`` of a request that asks for them yields the entries of prompt tokens
+``start + 1 .. end`` (the first token of a chunk was scored by the previous chunk's last
+position). Only those rows go through the LM head, ``PROMPT_LOGPROB_ROWS`` at a time, and
+only each row's token logprob and top-k come back: the full ``[rows, vocab]`` logits are
+never held at once, and requests that don't ask pay nothing. Entries a sequence already has
+(computed before a preemption) are not computed again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from loramux.engine.lora.backend import KernelBackend
 from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.model.llama import LlamaForCausalLM
-from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs
-from loramux.engine.scheduler import SchedulerOutput
+from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
+from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.static_decode import DecodeStep, StaticDecode
+
+# LM-head rows per prompt-logprob chunk: [256, vocab] float32 logits are 50 MB for a 49k vocab.
+PROMPT_LOGPROB_ROWS = 256
+
+Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
+PromptLogprobs = dict[str, list[TokenLogprobs]]  # request id -> the step's new entries
+
+
+@dataclass
+class StepResult:
+    """What one step computed: sampled tokens, and the prompt logprobs of the prompt
+    tokens it scored (for the requests that ask for them)."""
+
+    sampled: Sampled
+    prompt_logprobs: PromptLogprobs = field(default_factory=dict)
 
 
 class NonFiniteOutput(RuntimeError):
     """The step computed NaN or infinite values for some requests' tokens."""
 
-    def __init__(self, request_ids: list[str], sampled: dict):
+    def __init__(
+        self,
+        request_ids: list[str],
+        sampled: Sampled,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ):
         super().__init__(
             f"the model computed non-finite values (NaN or infinity) for {len(request_ids)} "
             "request(s)"
         )
         self.request_ids = request_ids
         self.sampled = sampled  # request id -> (token, logprobs) of every other sampler
+        self.prompt_logprobs = prompt_logprobs or {}  # of every other request
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -92,8 +122,8 @@ class ModelRunner:
             v.index_copy_(0, dst, v.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Run one step; returns request id -> (sampled token, logprobs) for samplers.
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Run one step: the samplers' tokens and the requested prompt logprobs.
 
         Raises ``NonFiniteOutput`` when some requests' tokens came out non-finite.
         """
@@ -105,10 +135,12 @@ class ModelRunner:
         sampling: list = []  # the sequences that sample, in row order
         rows: list[SamplingRow] = []
         suppress: list[list[int]] = []
+        scored = _PromptRows()
         for item in output.scheduled:
             seq = item.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             first = len(input_ids)
+            scored.add(item, first)
             input_ids.extend(seq.all_token_ids[start:end])
             token_spans.append((first, len(input_ids), seq.request_id))
             tables.append(self._block_table(seq.request_id))
@@ -151,10 +183,31 @@ class ModelRunner:
                     sampling, result.token_ids, result.logprobs, strict=True
                 )
             }
+        prompt_logprobs = self._prompt_logprobs(hidden, scored)
         if not bool(finite.all()):
             bad = [rid for first, end, rid in token_spans if not bool(finite[first:end].all())]
-            raise NonFiniteOutput(bad, {k: v for k, v in sampled.items() if k not in bad})
-        return sampled
+            raise NonFiniteOutput(
+                bad,
+                {k: v for k, v in sampled.items() if k not in bad},
+                {k: v for k, v in prompt_logprobs.items() if k not in bad},
+            )
+        return StepResult(sampled, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scored: _PromptRows) -> PromptLogprobs:
+        """The scored rows' prompt logprobs from their raw logits, chunk by chunk."""
+        if not scored.rows:
+            return {}
+        rows = torch.tensor(scored.rows, dtype=torch.long, device=self.device)
+        targets = torch.tensor(scored.targets, dtype=torch.long, device=self.device)
+        entries: list[TokenLogprobs] = []
+        for lo in range(0, len(scored.rows), PROMPT_LOGPROB_ROWS):
+            hi = lo + PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[rows[lo:hi]])  # [<= chunk, vocab]
+            entries += logprobs_of(logits, targets[lo:hi], scored.top_counts[lo:hi])
+        out: PromptLogprobs = {}
+        for request_id, entry in zip(scored.request_ids, entries, strict=True):
+            out.setdefault(request_id, []).append(entry)
+        return out
 
     def _is_static(self, query_lens: list[int]) -> bool:
         """Whether the step is decode-only and small enough for the static path."""
@@ -173,3 +226,29 @@ class ModelRunner:
         lora = None if table is None else self.backend.lora_step(table, self.lora_pool)
         input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return self.model(input_tensor, attention, self.kv_caches, lora, self.interrupt)
+
+
+class _PromptRows:
+    """The rows of a step whose logits score a prompt token, gathered as the batch is laid
+    out: the hidden row, the token it scores, how many alternatives, and whose it is."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+        self.top_counts: list[int] = []
+        self.request_ids: list[str] = []
+
+    def add(self, item: ScheduledSequence, first: int) -> None:
+        """Add ``item``'s rows (its chunk's first token is hidden row ``first``)."""
+        seq = item.seq
+        if not seq.collects_prompt_logprobs:
+            return
+        start = seq.num_computed_tokens
+        # Position p scores prompt token p + 1; entries up to len(...) - 1 are in hand.
+        lo = max(start, len(seq.prompt_logprobs) - 1)
+        hi = min(start + item.num_tokens, len(seq.prompt_token_ids) - 1)
+        for position in range(lo, hi):
+            self.rows.append(first + position - start)
+            self.targets.append(seq.prompt_token_ids[position + 1])
+            self.top_counts.append(seq.params.prompt_logprobs)
+            self.request_ids.append(seq.request_id)

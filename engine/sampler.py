@@ -1,17 +1,19 @@
-r"""Token sampling: penalties, temperature, top-k / top-p / min-p and the draw.
+r"""Token sampling: logit bias, penalties, temperature, top-k / top-p / min-p and the draw.
 
 Pure torch, no model. For one row (one sequence sampling a token this step) with raw
 logits :math:`z \in \mathbb{R}^V` (computed in float32 on a copy), prompt tokens
 :math:`P`, output tokens so far :math:`O` and :math:`c_v = |\{t \in O : t = v\}|`:
 
-1. Suppression (the engine passes EOS / stop ids while ``min_tokens`` is not reached):
+1. Logit bias (``params.logit_bias``, OpenAI): :math:`z_v \leftarrow z_v + b_v` for every
+   biased :math:`v`.
+2. Suppression (the engine passes EOS / stop ids while ``min_tokens`` is not reached):
    :math:`z_v \leftarrow -\infty` for every suppressed :math:`v`.
-2. Repetition penalty :math:`r` (Hugging Face), for every :math:`v \in P \cup O`
+3. Repetition penalty :math:`r` (Hugging Face), for every :math:`v \in P \cup O`
    (each distinct id once): :math:`z_v \leftarrow z_v / r` if :math:`z_v > 0`, else
    :math:`z_v \leftarrow z_v \cdot r`.
-3. Presence :math:`\alpha` and frequency :math:`\beta` penalties (OpenAI, output only):
+4. Presence :math:`\alpha` and frequency :math:`\beta` penalties (OpenAI, output only):
    :math:`z_v \leftarrow z_v - \beta c_v - \alpha [c_v > 0]`.
-4. Greedy (:math:`T = 0`): :math:`y = \arg\max_v z_v` (lowest index on ties, as
+5. Greedy (:math:`T = 0`): :math:`y = \arg\max_v z_v` (lowest index on ties, as
    ``torch.argmax``); nothing below applies and no randomness is consumed.
 
    Otherwise :math:`x = z / T`, then, each optional and in this order:
@@ -26,7 +28,7 @@ logits :math:`z \in \mathbb{R}^V` (computed in float32 on a copy), prompt tokens
      :math:`p_v \ge \text{min\_p} \cdot \max_u p_u`;
 
    dropped tokens get :math:`x_v = -\infty` and :math:`\pi = \mathrm{softmax}(x)`.
-5. Draw (exponential race): :math:`q_v \sim \mathrm{Exp}(1)` i.i.d., :math:`V` of them
+6. Draw (exponential race): :math:`q_v \sim \mathrm{Exp}(1)` i.i.d., :math:`V` of them
    from the row's generator, and :math:`y = \arg\max_v \pi_v / q_v`, which has
    :math:`\Pr[y = v] = \pi_v`. A row with its own generator (a seeded request) consumes
    exactly :math:`V` exponentials per step whatever its parameters, and its
@@ -34,7 +36,7 @@ logits :math:`z \in \mathbb{R}^V` (computed in float32 on a copy), prompt tokens
    whichever other rows share the batch and in whatever order. Rows without one share
    the sampler's generator (one bulk draw per step), so they are reproducible only for
    the same batch.
-6. Log-probabilities (when ``params.logprobs`` is not None) come from
+7. Log-probabilities (when ``params.logprobs`` is not None) come from
    :math:`\log\mathrm{softmax}(z^{\text{raw}})`, the logits as given, before any of
    the steps above: the sampled token's value plus the top-N (descending).
 """
@@ -55,6 +57,7 @@ __all__ = [
     "TokenLogprobs",
     "apply_penalties",
     "filter_logits",
+    "logprobs_of",
     "make_generator",
 ]
 
@@ -116,7 +119,7 @@ def apply_penalties(
     rows: Sequence[SamplingRow],
     suppress_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """Steps 1-3 of the module docstring; returns a new float32 tensor ([rows, vocab])."""
+    """Steps 1-4 of the module docstring; returns a new float32 tensor ([rows, vocab])."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(
             f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
@@ -136,7 +139,16 @@ def apply_penalties(
         _check_ids(tok_idx, vocab, what)
         return row_idx.to(device), tok_idx.to(device)
 
-    # 1. suppression
+    # 1. logit bias: a scatter-add over the biased rows' few (row, token) pairs only
+    pairs = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if pairs:
+        r, t = scatter_index([(i, _ids_tensor(list(bias))) for i, bias in pairs], "logit_bias")
+        values = [v for _, bias in pairs for v in bias.values()]
+        out.index_put_(
+            (r, t), torch.tensor(values, dtype=torch.float32).to(device), accumulate=True
+        )
+
+    # 2. suppression
     if suppress_token_ids is not None:
         pairs = [(i, _ids_tensor(ids)) for i, ids in enumerate(suppress_token_ids)]
         pairs = [(i, ids) for i, ids in pairs if ids.numel()]
@@ -144,7 +156,7 @@ def apply_penalties(
             r, t = scatter_index(pairs, "suppress_token_ids")
             out[r, t] = _NEG_INF
 
-    # 2. repetition penalty over prompt + output (distinct ids: a boolean mask)
+    # 3. repetition penalty over prompt + output (distinct ids: a boolean mask)
     rep = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     pairs = []
     for i in rep:
@@ -161,7 +173,7 @@ def apply_penalties(
         penalised = torch.where(out > 0, out / pen, out * pen)
         out = torch.where(seen, penalised, out)
 
-    # 3. presence / frequency over output tokens (counts via an accumulating scatter)
+    # 4. presence / frequency over output tokens (counts via an accumulating scatter)
     pf = [
         i
         for i, row in enumerate(rows)
@@ -180,7 +192,7 @@ def apply_penalties(
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Step 4 for non-greedy rows: temperature, then top-k, top-p, min-p.
+    """Step 5 for non-greedy rows: temperature, then top-k, top-p, min-p.
 
     ``logits`` is [len(params), vocab] (already penalised); returns a new float32 tensor
     with dropped tokens at -inf. ``softmax`` of it is the distribution that is sampled.
@@ -306,17 +318,29 @@ class Sampler:
         want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if want:
             idx = torch.tensor(want, dtype=torch.long).to(device)
-            raw = torch.log_softmax(logits[idx].to(torch.float32), dim=-1)
-            chosen = raw.gather(1, tokens[idx][:, None])[:, 0].tolist()
-            n_top = max(rows[i].params.logprobs for i in want)
-            n_top = min(n_top, vocab)
-            top_vals: list[list[float]] = [[] for _ in want]
-            top_ids: list[list[int]] = [[] for _ in want]
-            if n_top:
-                top = raw.topk(n_top, dim=-1)
-                top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-            for j, i in enumerate(want):
-                k = min(rows[i].params.logprobs, vocab)
-                pairs = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
-                logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen[j], top=pairs)
+            found = logprobs_of(logits[idx], tokens[idx], [rows[i].params.logprobs for i in want])
+            for i, item in zip(want, found, strict=True):
+                logprobs[i] = item
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_counts: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Each row's ``log_softmax(logits)`` at its token, and its ``top_counts[i]`` most likely
+    tokens (descending). ``logits`` [n, vocab] (raw: nothing applied), ``token_ids`` [n]."""
+    vocab = logits.shape[1]
+    raw = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [n, vocab]
+    chosen = raw.gather(1, token_ids[:, None].to(raw.device))[:, 0].tolist()
+    ids = token_ids.tolist()
+    n_top = min(max(top_counts, default=0), vocab)
+    top_vals: list[list[float]] = [[] for _ in ids]
+    top_ids: list[list[int]] = [[] for _ in ids]
+    if n_top:
+        top = raw.topk(n_top, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    out = []
+    for j, k in enumerate(top_counts):
+        pairs = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
+        out.append(TokenLogprobs(token_id=ids[j], logprob=chosen[j], top=pairs))
+    return out

@@ -20,25 +20,37 @@ Semantics (the sampler in :mod:`loramux.engine.sampler` implements them, in this
   probability (``0.0`` = off). They are applied in that order.
 * ``seed``: when set, the request draws from its own generator, so its tokens do not
   depend on which other requests share the batch.
+* ``logit_bias`` (OpenAI): token id -> a bias in [-100, 100] added to that token's logit
+  before everything below (the engine checks the ids against the model's vocab). It
+  changes what is sampled, not the returned log-probabilities.
 * ``logprobs``: ``None`` returns none; ``0`` returns the log-probability of the sampled
   token; ``N`` (at most 20) also the N most likely tokens. Log-probabilities come from
-  the model's raw logits, before penalties, temperature and filters.
+  the model's raw logits, before the bias, penalties, temperature and filters.
+* ``prompt_logprobs``: the same for every prompt token (the first has none: no context),
+  each from the raw logits of the position before it, with the request's adapter applied.
+  ``None`` returns none, ``0`` each prompt token's log-probability, ``N`` also the N most
+  likely tokens at its position.
 * ``stop`` / ``stop_token_ids``: generation ends when the output text contains one of the
   stop strings or a stop token is produced; the matched stop string is cut from the
   output unless ``include_stop_str_in_output``. ``ignore_eos`` keeps going past EOS.
-* ``max_tokens``: the most tokens generated for the request (at least 1).
+* ``max_tokens``: the most tokens generated for the request: at least 1, or 0 when
+  ``prompt_logprobs`` is set (scoring a prompt: it is computed, nothing is generated and
+  the request finishes with reason ``length``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
 MAX_LOGPROBS = 20
 """The largest ``logprobs`` (number of top alternatives) a request may ask for."""
+
+MAX_LOGIT_BIAS = 100.0
+"""The largest magnitude of a ``logit_bias`` value (OpenAI's bound)."""
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -84,6 +96,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # A dict is unhashable: left out of the hash (equal params still hash equal).
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
@@ -95,10 +110,16 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
+        put("logprobs", self._logprobs_count("logprobs", self.logprobs))
+        put("prompt_logprobs", self._logprobs_count("prompt_logprobs", self.prompt_logprobs))
         max_tokens = _int("max_tokens", self.max_tokens)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(
+                f"max_tokens must be >= 1 unless prompt_logprobs is set (then >= 0), "
+                f"got {max_tokens}"
+            )
         put("max_tokens", max_tokens)
+        put("logit_bias", self._normalise_logit_bias(self.logit_bias))
 
         temperature = _float("temperature", self.temperature)
         if temperature < 0.0:
@@ -138,12 +159,6 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {seed}")
             put("seed", seed)
 
-        if self.logprobs is not None:
-            logprobs = _int("logprobs", self.logprobs)
-            if not 0 <= logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
-            put("logprobs", logprobs)
-
         put("stop", self._normalise_stop(self.stop))
         put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
 
@@ -156,6 +171,35 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
             )
         put("min_tokens", min_tokens)
+
+    @staticmethod
+    def _logprobs_count(name: str, value: Any) -> int | None:
+        if value is None:
+            return None
+        count = _int(name, value)
+        if not 0 <= count <= MAX_LOGPROBS:
+            raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {count}")
+        return count
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        """A fresh ``{int: float}`` (the caller's dict is not kept), None when empty."""
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        out: dict[int, float] = {}
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, Integral) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            number = _float(f"logit_bias[{token}]", value)
+            if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {number}"
+                )
+            out[int(token)] = number
+        return out or None
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

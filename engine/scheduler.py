@@ -4,6 +4,8 @@ Every ``schedule()`` returns a ``SchedulerOutput``: which sequences run, how man
 their tokens are computed (decodes and chunks of prefill share one token budget),
 and who was preempted. The runner executes it; ``update()`` then applies the
 sampled tokens (stop checks, prefix-cache registration, freeing the finished).
+A prompt-only request (``max_tokens`` 0, scoring its prompt's logprobs) never samples:
+the update that completes its prompt finishes it, so it never reaches a decode.
 
 Policy, in order:
 
@@ -72,7 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.engine.fair_share import FairShare
-from loramux.engine.kv_cache import KVCacheManager
+from loramux.engine.kv_cache import CachedPrefix, KVCacheManager
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence, SequenceStatus
 
 
@@ -80,7 +82,9 @@ from loramux.engine.sequence import ErrorKind, FinishReason, Sequence, SequenceS
 class ScheduledSequence:
     seq: Sequence
     num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
-    samples: bool  # the chunk reaches the last known token, so a new one is sampled
+    # The chunk reaches the last known token, so a new one is sampled (never for a
+    # prompt-only request: it finishes there instead).
+    samples: bool
 
 
 @dataclass
@@ -299,7 +303,8 @@ class Scheduler:
         return n
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSequence:
-        item = ScheduledSequence(seq, n, samples=seq.num_computed_tokens + n == seq.num_tokens)
+        reaches_end = seq.num_computed_tokens + n == seq.num_tokens
+        item = ScheduledSequence(seq, n, samples=reaches_end and not seq.prompt_only)
         self.fair.charge_scheduled(
             seq.tenant, seq.request_id, seq.num_computed_tokens, n, item.samples
         )
@@ -403,7 +408,7 @@ class Scheduler:
         priorities if needed. Returns the chunk size, or None if it can't run now."""
         while True:
             if seq.cached_prefix is None:
-                seq.cached_prefix = self.kv.find_cached_prefix(seq.all_token_ids, seq.cache_salt)
+                seq.cached_prefix = self._find_cached_prefix(seq)
                 seq.num_computed_tokens = seq.cached_prefix.num_tokens
             n = self._chunk(seq, budget)
             total = seq.num_computed_tokens + n
@@ -426,6 +431,15 @@ class Scheduler:
             # The freed blocks may have been our cached prefix: look it up again.
             seq.cached_prefix = None
 
+    def _find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        # Cached tokens are not computed, so they have no logits: a request still collecting
+        # prompt logprobs computes its whole prompt (and is no prefix-cache query). Its blocks
+        # are still registered for others, and once its prompt logprobs are complete a
+        # recompute after preemption uses the cache again.
+        if seq.collects_prompt_logprobs:
+            return CachedPrefix()
+        return self.kv.find_cached_prefix(seq.all_token_ids, seq.cache_salt)
+
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
         self.running.remove(seq)
         self.kv.free(seq.request_id)
@@ -439,14 +453,22 @@ class Scheduler:
 
     # --- apply results -------------------------------------------------------------
     def update(
-        self, output: SchedulerOutput, sampled: dict[str, tuple[int, object]], now: float
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, tuple[int, object]],
+        now: float,
+        prompt_logprobs: dict[str, list] | None = None,
     ) -> list[tuple[Sequence, str]]:
         """Advance the scheduled sequences by their computed tokens and sampled token.
 
         ``sampled`` maps request id -> (token id, logprobs) for the sequences that
-        sampled. Returns (sequence, new text) for every sequence that got a token;
-        finished ones are released.
+        sampled; ``prompt_logprobs`` request id -> the logprobs of the prompt tokens the
+        step computed them for (the runner leaves out those a sequence already has).
+        Returns (sequence, new text) for every sequence that got a token, and for every
+        prompt-only sequence whose prompt is done (it finishes with none); finished ones
+        are released.
         """
+        prompt_logprobs = prompt_logprobs or {}
         updates = []
         for item in output.scheduled:
             seq = item.seq
@@ -456,17 +478,21 @@ class Scheduler:
             self.kv.commit(
                 seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt
             )
-            if not item.samples:
-                continue
-            token_id, logprobs = sampled[seq.request_id]
-            text = seq.append_token(token_id, logprobs, now)
-            updates.append((seq, text))
+            seq.add_prompt_logprobs(prompt_logprobs.get(seq.request_id, []))
+            if item.samples:
+                token_id, logprobs = sampled[seq.request_id]
+                updates.append((seq, seq.append_token(token_id, logprobs, now)))
+            elif seq.prompt_only and seq.num_computed_tokens == seq.num_tokens:
+                updates.append((seq, seq.finish_prompt_only()))
             if seq.is_finished:
-                self.running.remove(seq)
-                self.kv.free(seq.request_id)
-                self.fair.forget(seq.request_id)
-                self._urgent_seen.discard(seq.request_id)
+                self._release(seq)
         return updates
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        self.fair.forget(seq.request_id)
+        self._urgent_seen.discard(seq.request_id)
 
     def fail(self, seq: Sequence, error: str, kind: ErrorKind) -> None:
         """End a sequence the engine cannot serve, releasing whatever it held."""

@@ -84,6 +84,11 @@ class Sequence:
         # prompt + output in one list, extended as tokens arrive (read every step: no copies)
         self._token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[TokenLogprobs] = []
+        # Entry i is prompt token i's (the first has no context); grown chunk by chunk as the
+        # prompt is computed. None when the request did not ask for prompt logprobs.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.params = params
         self.lora = lora
         self.priority = priority
@@ -137,6 +142,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def prompt_only(self) -> bool:
+        """A request that scores its prompt and generates nothing (max_tokens 0)."""
+        return self.params.max_tokens == 0
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Whether some prompt tokens' logprobs are still to be computed."""
+        collected = self.prompt_logprobs
+        return collected is not None and len(collected) < len(self.prompt_token_ids)
+
     def suppressed_token_ids(self) -> list[int]:
         """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens)."""
         if len(self.output_token_ids) >= self.params.min_tokens:
@@ -175,6 +191,16 @@ class Sequence:
             self._finish(FinishReason.LENGTH, None)
             return delta.text + self.detokenizer.finish()
         return delta.text
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        """The logprobs of the next prompt tokens, in order, as a step computed them."""
+        if entries:
+            self.prompt_logprobs.extend(entries)
+
+    def finish_prompt_only(self) -> str:
+        """End a prompt-only request once its prompt is computed: no token, reason length."""
+        self._finish(FinishReason.LENGTH, None)
+        return self.detokenizer.finish()
 
     def finish_abort(
         self, reason: FinishReason, error: str | None = None, kind: ErrorKind | None = None
