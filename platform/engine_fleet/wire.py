@@ -5,7 +5,9 @@ Requests carry ``SamplingParams``; a generate stream is one JSON line per
 memory plan, residency counts or per-tenant service, still parses: those take their
 defaults). Decoding rebuilds the engine's
 own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
-TypeError naming it).
+TypeError naming it). ``logit_bias`` travels as a list of [token id, bias] pairs (JSON object
+keys are strings); it and ``prompt_logprobs`` are left out when unset, so an engine from
+before them still takes the requests that don't use them.
 """
 
 from __future__ import annotations
@@ -27,27 +29,52 @@ from loramux.engine import (
 )
 
 _TUPLE_PARAMS = ("stop", "stop_token_ids")
+_OPTIONAL_PARAMS = ("prompt_logprobs", "logit_bias")  # sent only when set
 
 
 def params_to_json(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
+    data = dataclasses.asdict(params)
+    for key in _OPTIONAL_PARAMS:
+        if data[key] is None:
+            del data[key]
+    if params.logit_bias is not None:
+        data["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
+    return data
 
 
 def params_from_json(data: dict[str, Any]) -> SamplingParams:
     fields = {key: tuple(value) if key in _TUPLE_PARAMS else value for key, value in data.items()}
+    if fields.get("logit_bias") is not None:
+        fields["logit_bias"] = _pairs_to_dict("logit_bias", fields["logit_bias"])
     return SamplingParams(**fields)
+
+
+def _pairs_to_dict(name: str, pairs: Any) -> dict:
+    try:
+        return {token: bias for token, bias in pairs}
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be a list of [token id, bias] pairs, got {pairs!r}"
+        ) from None
 
 
 def output_to_json(out: RequestOutput) -> dict[str, Any]:
     return dataclasses.asdict(out)
 
 
+def _token_logprobs(item: dict[str, Any]) -> TokenLogprobs:
+    return TokenLogprobs(item["token_id"], item["logprob"], [tuple(t) for t in item["top"]])
+
+
 def output_from_json(data: dict[str, Any]) -> RequestOutput:
     fields = dict(data)
-    fields["logprobs"] = [
-        TokenLogprobs(item["token_id"], item["logprob"], [tuple(t) for t in item["top"]])
-        for item in data.get("logprobs", [])
-    ]
+    fields["logprobs"] = [_token_logprobs(item) for item in data.get("logprobs", [])]
+    prompt = data.get("prompt_logprobs")
+    fields["prompt_logprobs"] = (
+        None
+        if prompt is None
+        else [None if item is None else _token_logprobs(item) for item in prompt]
+    )
     metrics = data.get("metrics")
     fields["metrics"] = None if metrics is None else RequestMetrics(**metrics)
     return RequestOutput(**fields)

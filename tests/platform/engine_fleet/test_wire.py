@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -37,6 +38,31 @@ def test_sampling_params_round_trip():
     assert wire.params_from_json(_through_json(wire.params_to_json(params))) == params
 
 
+def test_prompt_logprobs_and_logit_bias_round_trip():
+    params = SamplingParams(
+        max_tokens=0, prompt_logprobs=5, logit_bias={0: -100, 50256: 2.5, 7: 100}
+    )
+    data = _through_json(wire.params_to_json(params))
+    assert data["logit_bias"] == [[0, -100.0], [50256, 2.5], [7, 100.0]]
+    back = wire.params_from_json(data)
+    assert back == params and back.logit_bias == {0: -100.0, 50256: 2.5, 7: 100.0}
+
+
+def test_unset_new_params_are_left_out_for_older_engines():
+    data = wire.params_to_json(SamplingParams(max_tokens=3))
+    assert "prompt_logprobs" not in data and "logit_bias" not in data
+    assert wire.params_from_json(_through_json(data)) == SamplingParams(max_tokens=3)
+
+
+def test_bad_logit_bias_on_the_wire_is_refused_by_name():
+    with pytest.raises(ValueError, match="logit_bias"):
+        wire.params_from_json({"logit_bias": {"5": 1.0}})  # an object, not pairs
+    with pytest.raises(ValueError, match=r"logit_bias\[5\]"):
+        wire.params_from_json({"logit_bias": [[5, 101]]})
+    with pytest.raises(ValueError, match="max_tokens"):
+        wire.params_from_json({"max_tokens": 0})
+
+
 def test_bad_sampling_params_are_refused_by_name():
     with pytest.raises(ValueError, match="temperature"):
         wire.params_from_json({"temperature": -1})
@@ -60,6 +86,28 @@ def test_request_output_round_trip():
         metrics=RequestMetrics(arrival_time=1.0, completion_tokens=2, inter_token_times=[0.1]),
     )
     assert wire.output_from_json(_through_json(wire.output_to_json(out))) == out
+
+
+def test_request_output_with_prompt_logprobs_round_trips():
+    out = RequestOutput(
+        request_id="r2",
+        prompt_token_ids=[1, 2, 3],
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="length",
+        prompt_logprobs=[
+            None,
+            TokenLogprobs(2, -3.5, [(9, -0.5), (2, -3.5)]),
+            TokenLogprobs(3, -0.125, []),
+        ],
+        metrics=RequestMetrics(arrival_time=1.0, prompt_tokens=3),
+    )
+    back = wire.output_from_json(_through_json(wire.output_to_json(out)))
+    assert back == out
+    assert back.prompt_logprobs[1].top == [(9, -0.5), (2, -3.5)]  # pairs as tuples
+    plain = dataclasses.replace(out, prompt_logprobs=None)
+    assert wire.output_from_json(_through_json(wire.output_to_json(plain))) == plain
 
 
 def test_engine_stats_round_trip_with_the_default_tenant():
