@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loramux.engine import AsyncEngine, EngineError, SamplingParams
+from loramux.engine.model import llama
 from loramux.engine.sampling_params import MAX_LOGPROBS
 from loramux.kernels import dispatch
 from tests.engine.factories import PROMPTS, build_engine
@@ -184,6 +185,60 @@ def test_preemption_mid_prompt_neither_duplicates_nor_loses_entries(tiny_model_d
         ids = engine.tokenizer(prompt)["input_ids"]
         assert final.token_ids == greedy_tokens(tiny_model_dir, None, ids, 6)
     assert engine.kv.num_used_blocks == 0
+
+
+def run_beside_a_bad_adapter(engine, adapters, tiny_model_dir, message: str) -> None:
+    """Scored requests on the base model and a good adapter share their prefill steps with
+    a failing adapter's: theirs fail, the others keep every entry, exactly."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    names = [None, "r8-attn", "r16-mlp", "r8-attn"]
+    requests = [(f"r{i}", LONG + PROMPTS[i], params, n) for i, n in enumerate(names)]
+    outputs = run_all(engine, requests)
+    for rid, _, _, name in requests:
+        final = outputs[rid][-1]
+        if name == "r16-mlp":
+            assert final.finish_reason == "error" and message in final.error
+            assert final.prompt_logprobs is None
+        else:
+            assert final.finish_reason == "length"
+            assert_matches_reference(final, tiny_model_dir, adapter_dir(adapters, name), 2)
+
+
+def test_non_finite_rows_of_one_adapter_leave_the_others_entries(
+    tiny_model_dir, adapters, monkeypatch
+):
+    """The runner names the NaN adapter's requests; the others' entries of that step come
+    with the error, as their sampled tokens do."""
+    engine = build_engine(tiny_model_dir, adapters, max_prefill_chunk=16)
+    pool = engine.lora_pool
+    real_write = pool._write
+
+    def write(start, weights):
+        real_write(start, weights)
+        if weights.name == "r16-mlp":
+            for layer in weights.modules["down_proj"].a:
+                pool.a_pool(layer, "down_proj")[start] = float("nan")
+
+    monkeypatch.setattr(pool, "_write", write)
+    run_beside_a_bad_adapter(engine, adapters, tiny_model_dir, "non-finite")
+
+
+def test_a_step_re_run_in_parts_keeps_the_others_entries(tiny_model_dir, adapters, monkeypatch):
+    """An exception in one adapter's LoRA step: the step is re-run adapter by adapter, and
+    the parts that succeed give their requests' entries."""
+    engine = build_engine(tiny_model_dir, adapters, max_prefill_chunk=16)
+    real_project = llama._project
+
+    def project(x, linears, layer, modules, lora):
+        if lora is not None and layer == 1 and modules == llama.DOWN:
+            bad = engine.lora_pool.resident(engine.tiers.get("r16-mlp").adapter_id).row_start
+            if any(rows[:1] == [bad] for rows in lora.table.adapter_rows):
+                raise RuntimeError("injected fault")
+        return real_project(x, linears, layer, modules, lora)
+
+    monkeypatch.setattr(llama, "_project", project)
+    run_beside_a_bad_adapter(engine, adapters, tiny_model_dir, "injected fault")
+    assert engine.metrics.step_reruns._value.get() > 0
 
 
 # --- max_tokens=0: score the prompt, generate nothing ---------------------------------------
