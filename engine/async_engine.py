@@ -324,7 +324,8 @@ class AsyncEngine:
         tenant: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request: an output per step that gave it tokens, the last finished.
+        """Stream one request: an output per step that gave it tokens, the last finished
+        (a prompt-only request, ``max_tokens=0``, gets just its final output).
 
         Raises what ``Engine.add_request`` raises (before any output) if the request is
         refused. Leaving the loop early (break, aclose, cancellation) aborts the request.
