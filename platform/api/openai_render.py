@@ -1,17 +1,24 @@
-"""OpenAI's JSON shapes of a job's results: a response, its stream's chunks, logprobs.
+"""OpenAI's JSON shapes of a job's results: a response, its stream's events, logprobs.
 
 :class:`CompletionRender` shapes ``/v1/completions`` (``text_completion``) and
 :class:`ChatRender` ``/v1/chat/completions`` (``chat.completion`` and its chunks), from
-the deltas and the :class:`~loramux.platform.services.inference_job.Tally` of a run.
+the deltas and the :class:`~loramux.platform.services.inference_job.Tally` of a run;
+``responses_render`` shapes the Responses API the same way.
+
+A completion with ``echo`` starts with its prompt: the text, and with ``logprobs`` the
+prompt's tokens first in the logprobs object (the first one's logprob and top_logprobs null:
+it has no context), as OpenAI's legacy API returns them; a stream carries the prompt in
+each choice's first chunk.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from loramux.engine import RequestOutput, TokenLogprobs
-from loramux.platform.services.inference_job import Job, Tally, delta_logprobs
+from loramux.platform.services.inference_job import Choice, Job, Tally, delta_logprobs
 from loramux.platform.services.metering import Usage
 
 
@@ -32,16 +39,34 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, logprobs: Sequence[TokenLogprobs], offset: int) -> dict:
-    """The completions API's ``logprobs`` object; ``offset`` is where the text starts."""
-    tokens, token_logprobs, top, text_offset = [], [], [], []
-    for entry in logprobs:
-        text = token_text(tokenizer, entry.token_id)
+def completion_logprobs(
+    tokenizer,
+    logprobs: Sequence[TokenLogprobs],
+    offset: int,
+    prompt: tuple[Sequence[int], Sequence[TokenLogprobs | None]] | None = None,
+) -> dict:
+    """The completions API's ``logprobs`` object; ``offset`` is where the generated text
+    starts. ``prompt`` (its token ids and their entries, echo) comes first, from offset 0;
+    an entry of None (the first token's) is a null logprob and null top_logprobs."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+    def add(token_id: int, entry: TokenLogprobs | None, at: int) -> int:
+        text = token_text(tokenizer, token_id)
         tokens.append(text)
-        token_logprobs.append(entry.logprob)
-        top.append({token_text(tokenizer, t): lp for t, lp in entry.top})
-        text_offset.append(offset)
-        offset += len(text)
+        token_logprobs.append(None if entry is None else entry.logprob)
+        top.append(None if entry is None else {token_text(tokenizer, t): lp for t, lp in entry.top})
+        text_offset.append(at)
+        return at + len(text)
+
+    if prompt is not None:
+        at = 0
+        for token_id, entry in zip(*prompt, strict=True):
+            at = add(token_id, entry, at)
+    for entry in logprobs:
+        offset = add(entry.token_id, entry, offset)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -65,7 +90,11 @@ def chat_logprobs(tokenizer, logprobs: Sequence[TokenLogprobs], top_n: int) -> d
 
 
 class Render:
-    """How one API kind renders choices; subclasses fill in the differences."""
+    """How one API kind renders choices; subclasses fill in the differences.
+
+    A stream is ``opening()``, then ``chunks()`` for each delta, then ``closing()``, each
+    event framed by ``sse()``; a failure mid-stream is ``error()`` before the closing.
+    """
 
     object_name = ""
     chunk_name = ""
@@ -84,19 +113,40 @@ class Render:
         }
 
     def response(self, tally: Tally) -> dict[str, Any]:
-        choices = [self.choice(i, tally) for i in range(len(tally.choices))]
+        choices = [
+            self.choice(i, sequence, tally.choices[sequence])
+            for i, sequence in enumerate(tally.returned())
+        ]
         return {**self._envelope(self.object_name, choices), "usage": openai_usage(tally.usage)}
 
-    def chunk(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
-        return self._envelope(self.chunk_name, [self.delta(index, out, tally)])
-
-    def usage_chunk(self, tally: Tally) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_name, []), "usage": openai_usage(tally.usage)}
+    # --- a stream -------------------------------------------------------------------------
+    def sse(self, event: dict[str, Any] | str) -> str:
+        """One server-sent event."""
+        data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+        return f"data: {data}\n\n"
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
+    def chunks(self, index: int, out: RequestOutput, tally: Tally) -> list[dict[str, Any]]:
+        """The events of sequence ``index``'s delta ``out`` (not delivered yet)."""
+        return [self._envelope(self.chunk_name, [self.delta(index, out, tally)])]
+
+    def error(self, detail: dict[str, str]) -> dict[str, Any]:
+        """The event of a failure after the stream started (``detail``: the error object)."""
+        return {"error": detail}
+
+    def closing(self, tally: Tally, *, include_usage: bool, failed: bool) -> list[Any]:
+        """The last events: the usage chunk when asked for, then ``[DONE]``."""
+        events: list[Any] = []
+        if include_usage and tally.usage is not None:
+            events.append(
+                {**self._envelope(self.chunk_name, []), "usage": openai_usage(tally.usage)}
+            )
+        return [*events, "[DONE]"]
+
+    def choice(self, index: int, sequence: int, choice: Choice) -> dict[str, Any]:
+        """Choice ``index`` of the response: what sequence ``sequence`` delivered."""
         raise NotImplementedError
 
     def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
@@ -106,30 +156,49 @@ class Render:
 class CompletionRender(Render):
     object_name = chunk_name = "text_completion"
 
-    def __init__(self, tokenizer, job: Job, logprobs: int | None):
+    def __init__(self, tokenizer, job: Job, logprobs: int | None, *, echo: bool = False):
         super().__init__(tokenizer, job)
         self.logprobs = logprobs
+        self.echo = echo
 
-    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
-        choice = tally.choices[index]
+    def _prompt_text(self, sequence: int) -> str:
+        source = self.job.prompt_of(sequence).source
+        return source if isinstance(source, str) else self.tokenizer.decode(source)
+
+    def _prompt_entries(self, ids: Sequence[int] | None, entries) -> tuple | None:
+        """The echoed prompt's part of the logprobs object, when there is one to show."""
+        if not self.echo or self.logprobs is None or entries is None or ids is None:
+            return None
+        return (ids, entries)
+
+    def choice(self, index: int, sequence: int, choice: Choice) -> dict[str, Any]:
+        echoed = self._prompt_text(sequence) if self.echo else ""
         logprobs = None
         if self.logprobs is not None:
-            logprobs = completion_logprobs(self.tokenizer, choice.logprobs, 0)
+            prompt = self._prompt_entries(choice.prompt_token_ids, choice.prompt_logprobs)
+            logprobs = completion_logprobs(self.tokenizer, choice.logprobs, len(echoed), prompt)
         return {
             "index": index,
-            "text": choice.text,
+            "text": echoed + choice.text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
         }
 
     def delta(self, index: int, out: RequestOutput, tally: Tally) -> dict[str, Any]:
+        so_far = tally.choices[index]
+        # A sequence's first chunk carries its echoed prompt (and the prompt's logprobs).
+        opening = self.echo and not so_far.started
+        echoed = self._prompt_text(index) if self.echo else ""
         logprobs = None
         if self.logprobs is not None:
-            offset = len(tally.choices[index].text)
-            logprobs = completion_logprobs(self.tokenizer, delta_logprobs(out), offset)
+            prompt = None
+            if opening:
+                prompt = self._prompt_entries(out.prompt_token_ids, out.prompt_logprobs)
+            offset = len(echoed) + len(so_far.text)
+            logprobs = completion_logprobs(self.tokenizer, delta_logprobs(out), offset, prompt)
         return {
             "index": index,
-            "text": out.delta_text,
+            "text": (echoed if opening else "") + out.delta_text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason if out.finished else None,
         }
@@ -148,8 +217,7 @@ class ChatRender(Render):
             return None
         return chat_logprobs(self.tokenizer, entries, self.top_logprobs)
 
-    def choice(self, index: int, tally: Tally) -> dict[str, Any]:
-        choice = tally.choices[index]
+    def choice(self, index: int, sequence: int, choice: Choice) -> dict[str, Any]:
         return {
             "index": index,
             "message": {"role": "assistant", "content": choice.text},

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loramux.platform.api.openai_params import Prompts
+
 MAX_N = 16  # choices per request
 
 
@@ -46,6 +48,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # OpenAI's {"token id": bias}: read by openai_params.logit_bias_of (400s name the key)
+    logit_bias: dict[str, float] | None = None
     # the tenant's id for its end user: stored on the usage record and exported with it
     user: str | None = None
     # loramux: seconds this request may take in all; it can only shorten the tenant's
@@ -58,11 +62,17 @@ class _Sampling(BaseModel):
 
 
 class AdapterCompletionRequest(_Sampling):
-    """``POST /v1/adapters/{name}/completions``: a completion without ``model``."""
+    """``POST /v1/adapters/{name}/completions``: a completion without ``model``.
 
-    prompt: str | list[int]
+    ``prompt`` is one prompt (text or token ids) or a batch of them; ``echo``, ``best_of``
+    and ``suffix`` are read by ``openai_params``."""
+
+    prompt: Prompts
     max_tokens: int | None = None
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class CompletionRequest(AdapterCompletionRequest):

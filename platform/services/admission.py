@@ -4,15 +4,17 @@
 ``context_length_exceeded`` otherwise, as OpenAI answers). Without one (chat; the
 completions API defaults to 16) a request gets what the context leaves, but never more
 than the tenant's limits can ever grant: at most what fits its tokens/minute bucket
-(``n * (prompt + max_tokens) <= tokens_per_minute``) and, with a monthly budget, what the
-budget's room affords at the tenant's prices; generation then stops there with finish
-reason ``length`` instead of the request being refused for good.
+(``sum over sequences of (prompt + max_tokens) <= tokens_per_minute``) and, with a monthly
+budget, what the budget's room affords at the tenant's prices; generation then stops there
+with finish reason ``length`` instead of the request being refused for good.
 
-Before anything runs, the job takes what it may use: its maximum cost (``n * (prompt +
-max_tokens)`` tokens at the tenant's prices) is held against the monthly budget
+A *sequence* is one engine request: ``n`` per prompt (``best_of`` when it asks for more
+candidates), for each prompt of a batch (``prompts.py`` bounds them). Before anything runs,
+the job takes what it may use: its maximum cost (every sequence's prompt and
+``max_tokens`` at the tenant's prices) is held against the monthly budget
 (:class:`~loramux.platform.limits.TenantBudget`; 402 when ``spent + held by running
-requests + this maximum`` passes the budget), and ``n * (prompt tokens + max_tokens)``
-tokens are reserved from the rate limits (429). Both are settled when the run ends
+requests + this maximum`` passes the budget), and the same tokens are reserved from the
+rate limits (429); each sequence takes its place in the queue (``load_shedding.py``). Both are settled when the run ends
 (:class:`~loramux.platform.services.limit_holds.Holds`). With Redis (the limits' store)
 unreachable, ``limits_fail_open`` decides: the request runs without rate limits and
 budget holds (its budget checked against the database alone), or is refused with 503
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -37,70 +40,44 @@ from loramux.platform.db.pricing import cost_micro_usd, current_price
 from loramux.platform.db.types import utc_now
 from loramux.platform.errors import Invalid, PlatformError, QuotaExceeded
 from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
-from loramux.platform.services.deadlines import Deadline, request_deadline
+from loramux.platform.services.deadlines import request_deadline
 from loramux.platform.services.inference_job import Caller, Job, Target
 from loramux.platform.services.limit_holds import Holds, limits_reachable
-from loramux.platform.services.load_shedding import LoadControl, Ticket
+from loramux.platform.services.load_shedding import LoadControl
+from loramux.platform.services.prompts import PromptReader, check_batch, sequences_per_prompt
 from loramux.platform.services.rollups import month_spend
 from loramux.platform.services.tenants import micro_usd_to_usd
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What a job may use at most: its sequences' prompt lengths and ``max_tokens`` each."""
+
+    prompt_tokens: tuple[int, ...]  # one per sequence
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def all_prompt_tokens(self) -> int:
+        return sum(self.prompt_tokens)
+
+    def tokens(self, max_tokens: int) -> int:
+        """Prompt and completion tokens of every sequence: what the rate limits reserve."""
+        return self.all_prompt_tokens + self.sequences * max_tokens
+
+    def cost(self, price: Price, max_tokens: int) -> int:
+        """The most the job can cost at ``price`` (micro-dollars)."""
+        return cost_micro_usd(price, self.all_prompt_tokens, 0, self.sequences * max_tokens)
+
+
 class Admission:
-    """Checks a request against the model (prompt, context) and the tenant's limits."""
+    """Checks a request against the model (prompts, context) and the tenant's limits."""
 
     def __init__(self, context: PlatformContext, tokenizer, max_model_len: int, vocab_size: int):
         self._context = context
-        self._tokenizer = tokenizer
-        self._max_model_len = max_model_len
-        self._vocab_size = vocab_size
-
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        try:
-            return self._tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template error is the caller's messages' fault
-            raise Invalid(f"messages cannot be rendered: {exc}", code="invalid_messages") from exc
-
-    def count_prompt(self, prompt: str | list[int]) -> int:
-        """The prompt's length in tokens; 400 when it is empty, holds ids outside the
-        vocabulary, or leaves no room to generate (checked here, before a stream starts)."""
-        if isinstance(prompt, list):
-            count = len(prompt)
-            bad = [t for t in prompt if not 0 <= t < self._vocab_size]
-            if bad:
-                raise Invalid(
-                    f"prompt token ids must be in [0, {self._vocab_size}); got {bad[:3]}",
-                    code="invalid_prompt",
-                )
-        else:
-            count = len(self._tokenizer(prompt)["input_ids"])
-        if count == 0:
-            raise Invalid("prompt is empty", code="invalid_prompt")
-        if count >= self._max_model_len:
-            raise Invalid(
-                f"prompt has {count} tokens; the context limit is {self._max_model_len}, "
-                "leaving no room to generate",
-                code="context_length_exceeded",
-            )
-        return count
-
-    def default_max_tokens(self, prompt_tokens: int) -> int:
-        """Chat without max_tokens: as much as the context leaves."""
-        return max(1, self._max_model_len - prompt_tokens)
-
-    def check_fits_context(self, prompt_tokens: int, max_tokens: Any) -> None:
-        """400 when a given ``max_tokens`` can never fit the context with the prompt."""
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return  # SamplingParams names what is wrong with it
-        if prompt_tokens + max_tokens > self._max_model_len:
-            raise Invalid(
-                f"This model's maximum context length is {self._max_model_len} tokens. "
-                f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
-                f"in the prompt, {max_tokens} in the completion). Please reduce the length "
-                "of the prompt or of max_tokens.",
-                code="context_length_exceeded",
-            )
+        self.prompts = PromptReader(tokenizer, max_model_len, vocab_size)
 
     def prepare(
         self,
@@ -109,9 +86,10 @@ class Admission:
         target: Target,
         *,
         request_id: str,
-        prompt: str | list[int] | None,
-        messages: Sequence[dict[str, Any]] | None,
+        prompts: Sequence[str | list[int]] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
         n: int,
+        best_of: int | None = None,
         sampling: dict[str, Any],
         default_max_tokens: int | None,
         timeout: float | None = None,
@@ -120,87 +98,86 @@ class Admission:
     ) -> Job:
         """The job, holding its place in ``load``'s queue (given back if anything after
         refuses it); the queue and deadline checks come before the budget and rate limits,
-        so a request refused for load uses none of them."""
+        so a request refused for load uses none of them. ``prompts`` (a batch) or
+        ``messages`` (rendered with the chat template into one prompt)."""
         check_end_user(end_user)
+        per_prompt = sequences_per_prompt(n, best_of)
+        if messages is not None:
+            prompts = [self.prompts.render_chat(messages)]
+        if prompts is None:
+            raise TypeError("prepare needs prompts or messages")
+        check_batch(len(prompts), per_prompt)
+        self.prompts.check_logit_bias(sampling.get("logit_bias"))
         deadline = request_deadline(
             self._context.settings.request_timeout_s, tenant.request_timeout_s, timeout
         )
-        if messages is not None:
-            prompt = self.render_chat(messages)
-        if prompt is None:
-            raise TypeError("prepare needs a prompt or messages")
-        prompt_tokens = self.count_prompt(prompt)
+        read = self.prompts.read(prompts, generates=sampling.get("max_tokens") != 0)
+        shape = _Shape(tuple(p.tokens for p in read for _ in range(per_prompt)))
         caller = Caller.of(tenant)
         ticket = None
         if load is not None:
             ticket = load.admit(
                 caller.tenant_id,
                 caller.priority,
-                n,
-                prompt_tokens,
+                shape.sequences,
+                max(shape.prompt_tokens),
                 deadline,
                 caller.max_queued_requests,
             )
         try:
-            return self._prepare(
-                session,
-                tenant,
-                caller,
-                target,
-                request_id=request_id,
-                prompt=prompt,
-                prompt_tokens=prompt_tokens,
-                n=n,
-                sampling=sampling,
-                default_max_tokens=default_max_tokens,
-                deadline=deadline,
-                ticket=ticket,
-                end_user=end_user,
+            params, holds = self._take(
+                session, tenant, caller, shape, per_prompt, sampling, default_max_tokens
             )
         except BaseException:
             if ticket is not None:
                 ticket.close()
             raise
+        return Job(
+            request_id=request_id,
+            created=int(time.time()),
+            caller=caller,
+            target=target,
+            prompts=read,
+            params=params,
+            holds=holds,
+            deadline=deadline,
+            ticket=ticket,
+            end_user=end_user,
+            n=n,
+        )
 
-    def _prepare(
+    def _take(
         self,
         session: Session,
         tenant: Tenant,
         caller: Caller,
-        target: Target,
-        *,
-        request_id: str,
-        prompt: str | list[int],
-        prompt_tokens: int,
-        n: int,
+        shape: _Shape,
+        per_prompt: int,
         sampling: dict[str, Any],
         default_max_tokens: int | None,
-        deadline: Deadline,
-        ticket: Ticket | None,
-        end_user: str | None,
-    ) -> Job:
+    ) -> tuple[tuple[SamplingParams, ...], Holds]:
+        """The sequences' parameters, and what they take of the budget and rate limits."""
         check_budget(session, tenant)
         price = None
         if caller.monthly_budget_micro_usd is not None:
             price = current_price(session, tenant.id, utc_now())
+        longest = max(shape.prompt_tokens)
         given = sampling.get("max_tokens")
         if given is None:
-            max_tokens = min(
-                default_max_tokens or self.default_max_tokens(prompt_tokens),
-                self.default_max_tokens(prompt_tokens),
-            )
-            max_tokens = self._within_limits(session, caller, price, n, prompt_tokens, max_tokens)
+            room = self.prompts.default_max_tokens(longest)
+            max_tokens = min(default_max_tokens or room, room)
+            max_tokens = self._within_limits(session, caller, price, shape, max_tokens)
             sampling = {**sampling, "max_tokens": max_tokens}
         else:
-            self.check_fits_context(prompt_tokens, given)
+            self.prompts.check_fits_context(longest, given)
         # The request's session has done its reads: end its transaction before anything is
         # held, so no connection stays checked out across the generation and no commit is
         # left for the request's end (a database restart meanwhile would fail a request
         # whose tokens were generated, and its usage would be billed anyway).
         session.commit()
-        params = build_params(sampling, n)
-        budget_hold = self._hold_budget(caller, price, n, prompt_tokens, params)
-        reserved = n * (prompt_tokens + params[0].max_tokens)
+        params = build_params(sampling, shape.sequences, per_prompt)
+        budget_hold = self._hold_budget(caller, price, shape, params[0].max_tokens)
+        reserved = shape.tokens(params[0].max_tokens)
         holds = Holds(self._limits(), self._budget(), caller, reserved, budget_hold)
         try:
             if not self._reserve(caller, reserved):
@@ -209,19 +186,7 @@ class Admission:
             holds.reserved_tokens = 0  # nothing was debited
             holds.settle(0)
             raise
-        return Job(
-            request_id=request_id,
-            created=int(time.time()),
-            caller=caller,
-            target=target,
-            prompt=prompt,
-            prompt_tokens=prompt_tokens,
-            params=params,
-            holds=holds,
-            deadline=deadline,
-            ticket=ticket,
-            end_user=end_user,
-        )
+        return params, holds
 
     def _budget(self) -> TenantBudget:
         fail_open = self._context.settings.limits_fail_open
@@ -255,15 +220,14 @@ class Admission:
         session: Session,
         caller: Caller,
         price: Price | None,
-        n: int,
-        prompt_tokens: int,
+        shape: _Shape,
         max_tokens: int,
     ) -> int:
         """A default ``max_tokens`` lowered to what the tenant's limits can ever grant: the
         tokens/minute bucket's capacity and the budget's room (when either allows at least
         one token; otherwise the request is refused as it would be anyway)."""
         if caller.tokens_per_minute is not None:
-            fits = caller.tokens_per_minute // n - prompt_tokens
+            fits = (caller.tokens_per_minute - shape.all_prompt_tokens) // shape.sequences
             if fits >= 1:
                 max_tokens = min(max_tokens, fits)
         budget = caller.monthly_budget_micro_usd
@@ -271,7 +235,7 @@ class Admission:
             spent = month_spend(session, caller.tenant_id, now=utc_now())
             with limits_reachable():
                 room = budget - spent - self._budget().held(caller.tenant_id)
-            affordable = _affordable_tokens(price, n, prompt_tokens, room, max_tokens)
+            affordable = _affordable_tokens(price, shape, room, max_tokens)
             if affordable >= 1:
                 max_tokens = affordable
         return max_tokens
@@ -280,17 +244,14 @@ class Admission:
         self,
         caller: Caller,
         price: Price | None,
-        n: int,
-        prompt_tokens: int,
-        params: tuple[SamplingParams, ...],
+        shape: _Shape,
+        max_tokens: int,
     ) -> BudgetHold | None:
         """Hold the job's maximum cost against the monthly budget; 402 if it has no room."""
         budget = caller.monthly_budget_micro_usd
         if budget is None:
             return None
-        most = 0
-        if price is not None:
-            most = cost_micro_usd(price, n * prompt_tokens, 0, n * params[0].max_tokens)
+        most = 0 if price is None else shape.cost(price, max_tokens)
 
         def spent() -> int:  # read after the hold, in a transaction of its own (not a snapshot)
             with self._context.sessions() as fresh:
@@ -311,13 +272,17 @@ class Admission:
         return decision.hold
 
 
-def build_params(sampling: dict[str, Any], n: int) -> tuple[SamplingParams, ...]:
-    """One ``SamplingParams`` per choice (seeded choices get seed, seed+1, ...); 400 if bad."""
+def build_params(
+    sampling: dict[str, Any], sequences: int, per_prompt: int
+) -> tuple[SamplingParams, ...]:
+    """One ``SamplingParams`` per sequence; 400 if bad. Seeded sequences of a prompt get
+    seed, seed+1, ...: each prompt of a batch draws what it would alone."""
     given = {k: v for k, v in sampling.items() if v is not None}
     seed = given.pop("seed", None)
     try:
         return tuple(
-            SamplingParams(**given, seed=None if seed is None else seed + i) for i in range(n)
+            SamplingParams(**given, seed=None if seed is None else seed + i % per_prompt)
+            for i in range(sequences)
         )
     except ValueError as exc:
         raise Invalid(str(exc), code="invalid_sampling_parameters") from exc
@@ -352,12 +317,12 @@ def check_budget(session: Session, tenant: Tenant) -> None:
         )
 
 
-def _affordable_tokens(price: Price, n: int, prompt_tokens: int, room: int, most: int) -> int:
-    """The largest ``max_tokens <= most`` whose maximum cost (``n`` choices of the prompt
-    and ``max_tokens`` at ``price``) fits in ``room`` micro-dollars; 0 when none does."""
+def _affordable_tokens(price: Price, shape: _Shape, room: int, most: int) -> int:
+    """The largest ``max_tokens <= most`` whose maximum cost (every sequence's prompt and
+    ``max_tokens`` at ``price``) fits in ``room`` micro-dollars; 0 when none does."""
 
     def cost(max_tokens: int) -> int:
-        return cost_micro_usd(price, n * prompt_tokens, 0, n * max_tokens)
+        return shape.cost(price, max_tokens)
 
     if cost(most) <= room:
         return most

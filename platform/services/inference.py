@@ -2,15 +2,16 @@
 
 One HTTP request becomes a :class:`~loramux.platform.services.inference_job.Job` (checked
 and bounded by :class:`~loramux.platform.services.admission.Admission`): the target (base
-model or one of the tenant's adapter versions, loaded into the engine), the prompt, and
-one ``SamplingParams`` per choice (``n`` independent engine requests).
+model or one of the tenant's adapter versions, loaded into the engine), its prompts (one,
+or a completions batch), and one ``SamplingParams`` per sequence (``n`` independent engine
+requests per prompt, or ``best_of`` candidates).
 
-:meth:`InferenceService.run` streams ``(choice index, RequestOutput delta)`` pairs of all the
-choices as they come. The caller marks each delta *delivered* once the client has it
+:meth:`InferenceService.run` streams ``(sequence index, RequestOutput delta)`` pairs of all
+the sequences as they come. The caller marks each delta *delivered* once the client has it
 (:meth:`Tally.deliver`; a non-streamed response delivers everything at once, and only if
 the run reached its end, so the response is sent); when the run ends for whatever reason
 (finished, failed, client gone, stopped by a shutdown) exactly one usage record is written
-for the HTTP request, whose id is the response id, with the prompt tokens of every choice
+for the HTTP request, whose id is the response id, with the prompt tokens of every sequence
 and only the delivered completion tokens, and none if nothing was delivered. While it
 runs, the usage journal checkpoints what it delivered (a crash loses at most one
 checkpoint interval of tokens). The ``usage`` object the client gets carries the record's
@@ -163,9 +164,10 @@ class InferenceService:
         target: Target,
         *,
         request_id: str,
-        prompt: str | list[int] | None = None,
+        prompts: Sequence[str | list[int]] | None = None,
         messages: Sequence[dict[str, Any]] | None = None,
         n: int,
+        best_of: int | None = None,
         sampling: dict[str, Any],
         default_max_tokens: int | None = None,
         timeout: float | None = None,
@@ -179,9 +181,10 @@ class InferenceService:
             tenant,
             target,
             request_id=request_id,
-            prompt=prompt,
+            prompts=prompts,
             messages=messages,
             n=n,
+            best_of=best_of,
             sampling=sampling,
             default_max_tokens=default_max_tokens,
             timeout=timeout,
@@ -245,7 +248,7 @@ class InferenceService:
 
     async def _generate(self, job: Job, index: int) -> AsyncIterator[RequestOutput]:
         stream = self._engine.generate(
-            job.prompt,
+            job.prompt_of(index).source,
             job.params[index],
             adapter=job.target.engine_adapter,
             priority=job.caller.priority,
@@ -331,6 +334,7 @@ class InferenceService:
             latency_ms=int(elapsed_s * 1000),
             finish_reason=finish,
             end_user=job.end_user,
+            delivered_prompt=tally.delivered_prompt,
         )
 
     def _finish(self, job: Job, tally: Tally, elapsed_s: float) -> None:

@@ -1,9 +1,13 @@
 """What one inference request is about, and what it delivered: the values a run carries.
 
 A :class:`Job` is one HTTP request ready to run: who calls (:class:`Caller`), what serves
-it (:class:`Target`), the prompt and one ``SamplingParams`` per choice, and what it holds
-of the tenant's limits. A :class:`Tally` counts, per choice, what reached the client: the
-usage record is made of it.
+it (:class:`Target`), its prompts (one, or a batch for the completions API) and one
+``SamplingParams`` per *sequence* (an engine request), and what it holds of the tenant's
+limits. Sequences are prompt-major: prompt ``p``'s are ``p * per_prompt`` to
+``(p + 1) * per_prompt - 1``, where ``per_prompt`` is ``n``, or ``best_of`` when more
+candidates are generated than returned. A :class:`Tally` counts, per sequence, what reached
+the client: the usage record is made of it; :meth:`Tally.returned` says which sequences the
+response shows, in the order of its choices.
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """One prompt of a job: as the client sent it (text or token ids) and its length."""
+
+    source: str | list[int]
+    tokens: int  # as the engine will tokenize it
+
+
+@dataclass(frozen=True)
 class Job:
     """One HTTP request, ready to run."""
 
@@ -62,13 +74,22 @@ class Job:
     created: int
     caller: Caller
     target: Target
-    prompt: str | list[int]
-    prompt_tokens: int  # the prompt's length as the engine will tokenize it
-    params: tuple[SamplingParams, ...]  # one per choice
+    prompts: tuple[Prompt, ...]
+    params: tuple[SamplingParams, ...]  # one per sequence, prompt-major (module docstring)
     holds: Holds  # tokens/minute reserved and budget held, settled when the run ends
     deadline: Deadline  # when the run is ended wherever it is (deadlines.py)
-    ticket: Ticket | None = None  # its place in the queue until each choice starts
+    ticket: Ticket | None = None  # its place in the queue until each sequence starts
     end_user: str | None = None  # the request's `user`: stored on its usage record
+    n: int = 1  # choices returned per prompt (the best of per_prompt when that is more)
+
+    @property
+    def per_prompt(self) -> int:
+        """Sequences generated per prompt: ``n``, or ``best_of``."""
+        return len(self.params) // len(self.prompts)
+
+    def prompt_of(self, index: int) -> Prompt:
+        """The prompt of sequence ``index``."""
+        return self.prompts[index // self.per_prompt]
 
     @property
     def reserved_tokens(self) -> int:
@@ -78,7 +99,7 @@ class Job:
 
 @dataclass
 class Choice:
-    """What one choice delivered so far."""
+    """What one sequence delivered so far."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -86,10 +107,18 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    started: bool = False  # an output of it was delivered (a stream's first chunk went out)
+    prompt_token_ids: list[int] | None = None  # the prompt as the engine read it
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the request asked
+
+    @property
+    def total_logprob(self) -> float:
+        """The sampled tokens' log-probabilities summed (how ``best_of`` ranks candidates)."""
+        return sum(entry.logprob for entry in self.logprobs)
 
 
 class Tally:
-    """Per-choice accounting of what reached the client.
+    """Per-sequence accounting of what reached the client.
 
     A streamed tally counts each delta delivered as the client gets it. A non-streamed one
     (``streamed=False``) collects the deltas for the response and counts them delivered
@@ -98,7 +127,11 @@ class Tally:
     """
 
     def __init__(self, job: Job, *, streamed: bool = True):
-        self.choices = [Choice(prompt_tokens=job.prompt_tokens) for _ in job.params]
+        self.choices = [
+            Choice(prompt_tokens=job.prompt_of(i).tokens) for i in range(len(job.params))
+        ]
+        self._n = job.n
+        self._per_prompt = job.per_prompt
         self.streamed = streamed
         self.ended = False  # set by the run once it reached its end (the response follows)
         self.expired = False  # set by the run when the deadline ended it
@@ -107,6 +140,10 @@ class Tally:
     def deliver(self, index: int, out: RequestOutput) -> None:
         """``out``'s delta reached the client (or, non-streamed, is in the response)."""
         choice = self.choices[index]
+        choice.started = True
+        if choice.prompt_logprobs is None and out.prompt_logprobs is not None:
+            choice.prompt_token_ids = list(out.prompt_token_ids)
+            choice.prompt_logprobs = list(out.prompt_logprobs)
         choice.text += out.delta_text
         choice.token_ids.extend(out.delta_token_ids)
         choice.logprobs.extend(delta_logprobs(out))
@@ -115,6 +152,20 @@ class Tally:
         if out.metrics is not None:
             choice.prompt_tokens = out.metrics.prompt_tokens or choice.prompt_tokens
             choice.cached_prompt_tokens = out.metrics.cached_prompt_tokens
+
+    def returned(self) -> list[int]:
+        """The sequences the response shows, in its choices' order (choice ``p * n + i``
+        is prompt ``p``'s ``i``-th). With ``best_of``, each prompt's ``n`` candidates of
+        the highest total log-probability (the sampled tokens' sum, as vLLM ranks them;
+        ties keep generation order); every candidate's tokens are billed all the same."""
+        if self._per_prompt == self._n:
+            return list(range(len(self.choices)))
+        chosen: list[int] = []
+        for start in range(0, len(self.choices), self._per_prompt):
+            candidates = range(start, start + self._per_prompt)
+            ranked = sorted(candidates, key=lambda i: -self.choices[i].total_logprob)
+            chosen.extend(ranked[: self._n])
+        return chosen
 
     @property
     def prompt_tokens(self) -> int:
@@ -128,6 +179,12 @@ class Tally:
     def completion_tokens(self) -> int:
         """Tokens handed over so far (non-streamed: collected for the response)."""
         return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def delivered_prompt(self) -> bool:
+        """Whether the client has (or gets with the response) the prompt's logprobs."""
+        scored = any(c.prompt_logprobs is not None for c in self.choices)
+        return scored and (self.streamed or self.ended)
 
     @property
     def delivered_completion_tokens(self) -> int:

@@ -227,8 +227,9 @@ class LoadControl:
         for queued, limit, whose in checks:
             if choices > limit:  # it could never pass: not a matter of waiting
                 raise Invalid(
-                    f"n={choices} choices are more than {whose} limit of {limit} queued "
-                    "requests; send fewer choices per request.",
+                    f"{choices} sequences (each choice of `n`, for each prompt) are more than "
+                    f"{whose} limit of {limit} queued requests; send fewer choices or prompts "
+                    "per request.",
                     code="invalid_sampling_parameters",
                 )
             if queued + choices > limit:

@@ -20,9 +20,11 @@ Rules:
   ``request_id`` again (a retry, a duplicate delivery, two workers racing) writes nothing
   and returns ``None``. A checkpoint never changes a final row. ``Meter.stored(request_id)``
   reads back what was recorded.
-* **Only requests that produced tokens are recorded**: an event with
+* **Only requests that delivered something are recorded**: an event with
   ``completion_tokens == 0`` (rejected, aborted before its first token) is skipped and
-  returns ``None``; its prompt is not billed.
+  returns ``None``; its prompt is not billed. The exception is a request that scored its
+  prompt (``echo`` with ``max_tokens: 0``: ``delivered_prompt``): the client got the
+  prompt's log-probabilities, so its prompt is billed though nothing was generated.
 * **A dropped stream bills only what was delivered**: the caller passes, as
   ``completion_tokens``, the tokens actually sent to the client, not those generated.
 * **Cost** is computed here, at each write, from the tenant's price in force at the
@@ -75,6 +77,8 @@ class UsageEvent:
     ``created_at`` is when the request happened; leave it ``None`` (now) except in tests and
     backfills. It must be timezone-aware. ``end_user`` is the request's ``user`` (the
     tenant's id for its end user), stored and exported with the record.
+    ``delivered_prompt``: the client received the prompt's log-probabilities (echo), so the
+    request is billed for its prompt even with no completion token.
     """
 
     request_id: str
@@ -89,6 +93,7 @@ class UsageEvent:
     finish_reason: str | None = None
     created_at: datetime | None = None
     end_user: str | None = None
+    delivered_prompt: bool = False
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LENGTH:
@@ -114,8 +119,9 @@ class UsageEvent:
 
     @property
     def billable(self) -> bool:
-        """Whether this request is recorded at all: it produced at least one token."""
-        return self.completion_tokens > 0
+        """Whether this request is recorded at all: it delivered at least one token, or its
+        prompt's log-probabilities."""
+        return self.completion_tokens > 0 or self.delivered_prompt
 
 
 def price_event(session: Session, event: UsageEvent, at: datetime) -> int:

@@ -86,7 +86,7 @@ def test_pass_through_sites_are_the_known_ones():
         if _literal(status) is None and _literal(code) is None
     ]
     for where in forwarding:
-        assert where.startswith(("platform/api/errors.py", "platform/api/completions.py")), where
+        assert where.startswith(("platform/api/errors.py", "platform/api/respond.py")), where
 
 
 def test_engine_failure_codes_are_in_the_table():

@@ -166,6 +166,21 @@ def test_requests_without_completion_tokens_are_not_recorded(make_session, tenan
     assert _count(make_session) == 0
 
 
+def test_a_scored_prompt_is_recorded_without_completion_tokens(make_session, tenant_id):
+    # echo with max_tokens 0: the client got the prompt's logprobs, so the prompt is billed.
+    event = _event(
+        tenant_id,
+        prompt_tokens=300,
+        cached_prompt_tokens=0,
+        completion_tokens=0,
+        delivered_prompt=True,
+    )
+    assert event.billable
+    record = Meter(make_session).record(event)
+    assert (record.prompt_tokens, record.completion_tokens, record.cost_micro_usd) == (300, 0, 300)
+    assert Meter(make_session).record(event) is None  # still once
+
+
 def test_a_dropped_stream_bills_the_delivered_tokens(make_session, tenant_id):
     # The route counts what reached the client (3 tokens), not what the engine generated.
     record = Meter(make_session).record(
