@@ -18,6 +18,7 @@ from loramux.platform.api import (
     identity,
     metrics,
     models,
+    responses,
     ui,
     usage,
 )
@@ -133,6 +134,7 @@ def create_app(
     app.include_router(admin_billing.router)
     app.include_router(usage.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(adapters.router)
     app.include_router(identity.router)
     app.include_router(ui.router)

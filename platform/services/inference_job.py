@@ -198,8 +198,9 @@ def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
     return list(out.logprobs[-count:]) if count and out.logprobs else []
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, *, separator: str = "-") -> str:
+    """A new response id (the Responses API's are ``resp_...``, OpenAI's form)."""
+    return f"{prefix}{separator}{uuid.uuid4().hex}"
 
 
 def stopped_output(job: Job, index: int) -> RequestOutput:

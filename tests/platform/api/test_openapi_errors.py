@@ -71,7 +71,14 @@ def test_service_specific_statuses_are_documented(spec):
     def statuses(method: str, path: str) -> set[str]:
         return set(spec["paths"][path][method]["responses"])
 
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/adapters/{name}/completions"):
+    inference = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/adapters/{name}/completions",
+        "/v1/responses",
+        "/v1/adapters/{name}/responses",
+    )
+    for path in inference:
         assert {"400", "401", "402", "404", "422", "429", "500", "503"} <= statuses("post", path)
     # Whatever reads the database can find it unreachable (503 database_unavailable).
     for path in ("/admin/tenants", "/v1/adapters", "/v1/usage", "/v1/models"):
