@@ -1,0 +1,80 @@
+import pytest
+
+from loramux.engine.structured import (
+    GrammarError,
+    JsonObject,
+    JsonSchema,
+    Regex,
+    Tool,
+    ToolCalls,
+    ToolChoice,
+    spec_from_json,
+    spec_key,
+    spec_to_json,
+)
+from loramux.engine.structured.spec import MAX_SPEC_CHARS
+
+WEATHER = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        JsonObject(),
+        JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}}, strict=False),
+        Regex(r"[0-9]{3}-[a-z]+"),
+        ToolCalls((WEATHER, Tool("noop")), ToolChoice.REQUIRED, parallel=False),
+        ToolCalls((WEATHER,), ToolChoice.NAMED, function="get_weather"),
+    ],
+)
+def test_specs_round_trip_the_wire_and_keep_their_key(spec):
+    back = spec_from_json(spec_to_json(spec))
+    assert back == spec
+    assert spec_key(back) == spec_key(spec)
+    assert hash(back) == hash(spec)
+
+
+def test_the_key_keeps_property_order_since_the_output_follows_it():
+    ab = JsonSchema({"properties": {"a": {}, "b": {}}})
+    ba = JsonSchema({"properties": {"b": {}, "a": {}}})
+    assert spec_key(ab) != spec_key(ba)
+    assert spec_key(ab) == spec_key(JsonSchema({"properties": {"a": {}, "b": {}}}))
+
+
+def test_a_schema_is_copied_so_the_callers_dict_may_change():
+    schema = {"type": "object", "properties": {}}
+    spec = JsonSchema(schema)
+    schema["properties"]["x"] = {"type": "string"}
+    assert spec.schema == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: JsonSchema(["not", "an", "object"]), "must be a JSON schema object"),
+        (lambda: JsonSchema({"x": float("nan")}), "is not JSON"),
+        (lambda: JsonSchema({"x": object()}), "is not JSON"),
+        (lambda: JsonSchema({"d": "x" * MAX_SPEC_CHARS}), "characters long"),
+        (lambda: JsonSchema({}, strict="yes"), "strict must be a bool"),
+        (lambda: Regex(""), "non-empty string"),
+        (lambda: Tool("has space"), "tool name"),
+        (lambda: ToolCalls(()), "non-empty list"),
+        (lambda: ToolCalls((WEATHER, WEATHER)), "repeated: get_weather"),
+        (lambda: ToolCalls((WEATHER,), ToolChoice.NAMED, function="other"), "'other'"),
+        (lambda: ToolCalls((WEATHER,), ToolChoice.AUTO, function="get_weather"), "only for"),
+        (lambda: spec_from_json({"type": "grammar"}), "unknown structured-output type"),
+        (lambda: spec_from_json({"type": "json_schema"}), "malformed"),
+        (lambda: spec_from_json({"type": "tool_calls", "tools": []}), "non-empty"),
+        (
+            lambda: spec_from_json({"type": "tool_calls", "tools": [{"name": "f"}], "choice": "x"}),
+            "one of auto, required, named, got 'x'",
+        ),
+    ],
+)
+def test_malformed_specs_raise_grammar_error_naming_the_field(make, message):
+    with pytest.raises(GrammarError, match=message.replace("(", r"\(")):
+        make()
+
+
+def test_grammar_error_is_a_value_error():
+    assert issubclass(GrammarError, ValueError)
