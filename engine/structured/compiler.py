@@ -16,8 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-
-import llguidance
+from typing import TYPE_CHECKING
 
 from loramux.engine.structured.errors import GrammarError
 from loramux.engine.structured.grammar import (
@@ -28,6 +27,9 @@ from loramux.engine.structured.grammar import (
 )
 from loramux.engine.structured.matcher import GrammarMatcher
 from loramux.engine.structured.spec import StructuredSpec, ToolCalls, spec_key
+
+if TYPE_CHECKING:
+    import llguidance
 
 DEFAULT_CACHE_SIZE = 512
 
@@ -76,7 +78,9 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
-        import llguidance.hf  # imports transformers: only when a compiler is built
+        # Imported here: the library (and transformers, which .hf imports) only when a
+        # compiler is built, so that specs and parsing work without them.
+        import llguidance.hf
 
         eos = sorted({int(t) for t in eos_token_ids})
         if not eos:
@@ -140,6 +144,8 @@ class GrammarCompiler:
     def _build(self, key: str, spec: StructuredSpec) -> CompiledGrammar:
         if isinstance(spec, ToolCalls):
             check_tool_parameters(spec)  # so that an error names the tool
+        import llguidance
+
         # Errors surface as the matcher's error state, never as exceptions (the library's
         # rule); construction releases the GIL while it builds the parser.
         template = llguidance.LLMatcher(self._tokenizer, grammar_for(spec), log_level=0)

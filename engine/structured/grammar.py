@@ -13,8 +13,6 @@ import json
 import re
 from typing import Any
 
-import llguidance
-
 from loramux.engine.structured.errors import GrammarError
 from loramux.engine.structured.spec import (
     JsonObject,
@@ -33,13 +31,19 @@ _POSITION = re.compile(r"^at \d+\(\d+\): ")
 JSON_WHITESPACE = r"[\x20\x09]{1,16}|\x0D?\x0A[\x20\x09]{0,16}"
 
 
+def _matcher_class():
+    import llguidance  # on first use, so that specs and parsing work without the library
+
+    return llguidance.LLMatcher
+
+
 def _options(strict: bool) -> dict[str, Any]:
     # lenient: keywords and formats llguidance does not implement are ignored, not errors.
     return {"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}
 
 
 def _json_grammar(schema: dict[str, Any], strict: bool) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_options(strict))
+    return _matcher_class().grammar_from_json_schema(schema, overrides=_options(strict))
 
 
 def _lark_string(text: str) -> str:
@@ -51,7 +55,7 @@ def _tool_grammar(spec: ToolCalls) -> str:
     schema = {"x-guidance": _options(strict), **calls_schema(spec)}
     block = f"{_lark_string(OPEN)} %json {json.dumps(schema)} {_lark_string(CLOSE)}"
     if spec.choice is not ToolChoice.AUTO:
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {block}\n")
+        return _matcher_class().grammar_from_lark(f"start: {block}\n")
     # TEXT: anything without the opening tag. head: the shortest text that ends with it
     # (lazy), after which only a valid block may follow. The tag has no regex
     # metacharacters, so it stands in the regexes as it is.
@@ -64,7 +68,7 @@ def _tool_grammar(spec: ToolCalls) -> str:
             f"TEXT: /(?s:.*)/ & ~/(?s:.*){tag}(?s:.*)/",
         ]
     )
-    return llguidance.LLMatcher.grammar_from_lark(lark + "\n")
+    return _matcher_class().grammar_from_lark(lark + "\n")
 
 
 def grammar_for(spec: StructuredSpec) -> str:
@@ -75,7 +79,7 @@ def grammar_for(spec: StructuredSpec) -> str:
         case JsonSchema(schema=schema, strict=strict):
             return _json_grammar(schema, strict)
         case Regex(pattern=pattern):
-            return llguidance.LLMatcher.grammar_from_regex(pattern)
+            return _matcher_class().grammar_from_regex(pattern)
         case ToolCalls():
             return _tool_grammar(spec)
     raise TypeError(f"not a structured-output spec: {spec!r}")
@@ -113,7 +117,7 @@ def check_tool_parameters(spec: ToolCalls) -> None:
 
 
 def _raise_if_invalid(grammar: str, what: str) -> None:
-    message = llguidance.LLMatcher.validate_grammar(grammar)
+    message = _matcher_class().validate_grammar(grammar)
     if message:
         raise GrammarError(f"{what} cannot be enforced: {first_lines(message)}")
 

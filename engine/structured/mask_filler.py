@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import llguidance
 import torch
 
 from loramux.engine.structured.bitmask import allocate_bitmask, apply_token_bitmask, bitmask_width
@@ -60,6 +59,8 @@ class MaskFiller:
         self._pin_memory = pin_memory
         self._buffers = [self._allocate(rows), self._allocate(rows)]
         self._turn = 0
+        import llguidance  # on first use, as in the compiler
+
         self._executor = llguidance.LLExecutor(num_threads=threads)
         self._background: ThreadPoolExecutor | None = None
 

@@ -13,10 +13,14 @@ why, the mask allows EOS alone and ``is_finished`` is true. That request alone f
 
 from __future__ import annotations
 
-import llguidance
+from typing import TYPE_CHECKING
+
 import torch
 
 from loramux.engine.structured.grammar import first_lines
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class GrammarMatcher:
