@@ -59,6 +59,7 @@ from loramux.engine.structured.bitmask import (
     allowed_token_ids,
     apply_token_bitmask,
     bitmask_width,
+    token_bias,
     unpack_bitmask,
 )
 from loramux.engine.structured.compiler import CacheStats, CompiledGrammar, GrammarCompiler
@@ -112,5 +113,6 @@ __all__ = [
     "spec_from_json",
     "spec_key",
     "spec_to_json",
+    "token_bias",
     "unpack_bitmask",
 ]
