@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import statistics
 import threading
 import time
@@ -748,7 +749,20 @@ def render(report: dict) -> str:
     row("license", lambda e: e["maintenance"]["license"])
     row("requires", lambda e: ", ".join(e["maintenance"]["requires"]) or "nothing")
     row("wheels", lambda e: e["maintenance"]["wheels"])
-    lines += ["", machine_text(report["machine"], ("torch",))]
+    load, cores = report["loadavg_1m"], report["machine"]["nproc"]
+    busy = max(load.values()) > cores
+    lines += [
+        "",
+        machine_text(report["machine"], ("torch",)),
+        f"1-minute load average {load['before']} before, {load['after']} after, on {cores} "
+        "cores"
+        + (
+            ": other work shared the machine (medians are the figures to read; the "
+            "thread-pool and batch rows suffer most)."
+            if busy
+            else "."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -784,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.tokenizer or prepare_model(args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     torch.set_num_threads(1)  # the engine's masks are CPU work beside the model, not torch's
+    load_before = round(os.getloadavg()[0], 2)
     report = {
         "tokenizer": Path(folder).name,
         "vocab": len(tokenizer),
@@ -802,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"measuring {name}", flush=True)
         report["engines"][name] = run_engine(name, tokenizer, args.repeats)
+    report["loadavg_1m"] = {"before": load_before, "after": round(os.getloadavg()[0], 2)}
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "grammar_engines.json", json.dumps(report, indent=2) + "\n")
     print(render(report))
