@@ -39,14 +39,8 @@ TOLERANCE = 0.10  # the issue's +-10% of the weights
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory, tokenizer_dir) -> Iterator[Platform]:
-    # Eight layers, not the tiny model's two: a step can be cut short only between layers
-    # (engine/step_interrupt.py), and with two the cut would come half a step late where a
-    # real model's 30 layers give it within a thirtieth.
-    model_dir = build_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama-8-layers"), tokenizer_dir, num_hidden_layers=8
-    )
+@contextlib.contextmanager
+def slowed_platform(tmp_path_factory, model_dir: Path) -> Iterator[Platform]:
     settings = Settings(
         data_dir=tmp_path_factory.mktemp("fair-share"),
         model=str(model_dir),
@@ -55,6 +49,25 @@ def platform(tmp_path_factory, tokenizer_dir) -> Iterator[Platform]:
     )
     with start_platform(settings) as running:
         slow_steps(running, STEP_S)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory, tiny_model_dir) -> Iterator[Platform]:
+    with slowed_platform(tmp_path_factory, tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture
+def layered_platform(tmp_path_factory, tokenizer_dir) -> Iterator[Platform]:
+    """Eight layers, not the tiny model's two: a step can be cut short only between layers
+    (engine/step_interrupt.py), and with two the cut comes up to half a step late where a
+    real model's 30 layers give it within a thirtieth. (Only here: each layer costs the
+    CPU a few milliseconds of its own, which the share tests would rather not spend.)"""
+    model_dir = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-8-layers"), tokenizer_dir, num_hidden_layers=8
+    )
+    with slowed_platform(tmp_path_factory, model_dir) as running:
         yield running
 
 
@@ -260,7 +273,7 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def test_a_higher_priority_tenant_keeps_its_time_to_first_token_under_a_flood(platform):
+def test_a_higher_priority_tenant_keeps_its_time_to_first_token_under_a_flood(layered_platform):
     """24 lower-priority streams want three times the slots; a priority-9 tenant's short
     requests keep their idle time to first token: the step in flight is cut short when
     one arrives (step_interrupt.py), and its first step leaves the lower-priority decodes
@@ -269,7 +282,7 @@ def test_a_higher_priority_tenant_keeps_its_time_to_first_token_under_a_flood(pl
     with 7 decodes; without priority at all they queue behind 16 waiting requests. The
     flood comes from a process of its own, as other clients' requests would."""
     idle, flooded, waiting, finished = asyncio.run(
-        priority_under_flood(platform, n=24, period_s=0.25)
+        priority_under_flood(layered_platform, n=24, period_s=0.25)
     )
     figures = {
         "idle": (statistics.median(idle), p99(idle)),
