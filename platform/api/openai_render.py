@@ -160,10 +160,15 @@ class CompletionRender(Render):
         super().__init__(tokenizer, job)
         self.logprobs = logprobs
         self.echo = echo
+        self._echoed: dict[int, str] = {}  # prompt index -> its text (decoded once)
 
     def _prompt_text(self, sequence: int) -> str:
-        source = self.job.prompt_of(sequence).source
-        return source if isinstance(source, str) else self.tokenizer.decode(source)
+        prompt = sequence // self.job.per_prompt
+        if prompt not in self._echoed:
+            source = self.job.prompts[prompt].source
+            text = source if isinstance(source, str) else self.tokenizer.decode(source)
+            self._echoed[prompt] = text
+        return self._echoed[prompt]
 
     def _prompt_entries(self, ids: Sequence[int] | None, entries) -> tuple | None:
         """The echoed prompt's part of the logprobs object, when there is one to show."""

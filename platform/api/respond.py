@@ -102,8 +102,8 @@ async def respond(
     include_usage: bool,
 ) -> Any:
     """The job's answer. Whatever fails before the first token is an HTTP error, streamed
-    or not (a stream's 200 waits for its first output); what fails later in a stream is an
-    error event with the same envelope, then ``[DONE]``."""
+    or not (a stream's 200 waits for its first output); what fails later in a stream is the
+    render's error event (the same envelope), then its closing events."""
     tally = Tally(job, streamed=stream)
     run = service.run(job, tally)
     first: list[tuple[int, RequestOutput]] = []

@@ -518,7 +518,8 @@ class Tally:
                 timeout=REQUEST_TIMEOUT_S,
             )
         except requests.RequestException as exc:  # a timeout, a dropped connection
-            self.fail((operation, type(exc).__name__), f"{operation}: {exc!r}")
+            curl = case.as_curl_command(headers=self.role.headers, base_url=self.server.url)
+            self.fail((operation, type(exc).__name__), f"{operation}: {exc!r}\n{curl}")
             return None
         self.statuses[label][response.status_code] += 1
         try:
