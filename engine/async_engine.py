@@ -332,6 +332,11 @@ class AsyncEngine:
         """
         if request_id is None:
             request_id = f"async-{uuid.uuid4().hex}"
+        spec = getattr(params, "structured", None)  # add_request refuses a non-SamplingParams
+        if spec is not None:
+            # Compiled here, off the engine thread (a new schema takes milliseconds; the
+            # first one also builds the compiler): the add below finds it in the cache.
+            await asyncio.to_thread(self.engine.compile_structured, spec)
         loop = self._current_loop()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         finished = False

@@ -59,6 +59,8 @@ from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
 from loramux.engine.step_interrupt import StepInterrupt, StepInterrupted
+from loramux.engine.structured import CompiledGrammar, StructuredSpec
+from loramux.engine.structured_outputs import GrammarRefused, Grammars
 from loramux.engine.tenant_share import TenantShare, TenantShareStats
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,12 @@ class Engine:
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        # Structured outputs' compiler: built at the first request that has a spec.
+        self.grammars = Grammars(
+            self.tokenizer,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
         )
         # kv_cache_bytes, or (None) sized to the machine now the weights are in: memory_budget.py
         budget = budget_for(config, self.model_config)
@@ -341,6 +349,9 @@ class Engine:
         self._check_logit_bias(params)
         prompt_ids = self._tokenize(prompt)
         self._check_prompt_fits(len(prompt_ids), params)
+        grammar = None
+        if params.structured is not None:
+            grammar = self.compile_structured(params.structured).matcher()
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
@@ -361,11 +372,21 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             generator=generator,
+            grammar=grammar,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         if lora is not None:
             self.tiers.note_request(lora.adapter_id)
+
+    def compile_structured(self, spec: StructuredSpec) -> CompiledGrammar:
+        """``spec`` compiled for this engine's tokenizer (cached per spec); EngineError naming
+        the problem if it cannot be enforced. Thread-safe: ``AsyncEngine`` calls it off the
+        engine thread before it adds the request, so that a slow compile stalls no step."""
+        try:
+            return self.grammars.compile(spec)
+        except GrammarRefused as exc:
+            raise EngineError(str(exc)) from None
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         # SamplingParams does not know the vocab; the sampler would fail mid-step on these.

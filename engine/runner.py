@@ -15,6 +15,19 @@ wrote to the KV cache shows in its own output: a request whose tokens all came o
 wrote a sound cache. Checking needs no extra device sync: the sampler syncs anyway, and
 the non-finite rows' logits are zeroed first so that sampling them cannot fail.
 
+Structured outputs: the sampling rows whose sequence has a grammar get its mask of allowed
+next tokens (``MaskFiller``, one call for all of them), applied by the sampler after the
+logit bias and penalties. The masks are filled on this thread right after the forward is
+launched, not on a background thread during it (``MaskFiller.submit``): on CUDA the
+launch returns before the GPU is done, so the fill overlaps it anyway; on the CPU the
+forward is synchronous and a step's fill is what ``benchmarks/structured_overhead.py``
+measures (mask_fill_ms_per_step: under a millisecond for 8 rows against a forward of ~100
+ms), so a background fill could save at most that, and its thread would compete with
+torch's for the two cores. A step with no constrained row fills nothing and builds
+nothing. Filling reads the matchers only: they advance when the scheduler appends the
+sampled tokens, so a re-run of the step (isolation.py) or a step cut short
+(step_interrupt.py) never advances one twice.
+
 Prompt logprobs: the hidden state at position ``p`` gives the logits of token ``p + 1``, so
 a chunk ``[start, end)`` of a request that asks for them yields the entries of prompt tokens
 ``start + 1 .. end`` (the first token of a chunk was scored by the previous chunk's last
@@ -37,6 +50,7 @@ from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.static_decode import DecodeStep, StaticDecode
+from loramux.engine.structured import MaskFiller, StepMasks
 
 # LM-head rows per prompt-logprob chunk: [256, vocab] float32 logits are 50 MB for a 49k vocab.
 PROMPT_LOGPROB_ROWS = 256
@@ -108,6 +122,7 @@ class ModelRunner:
         self.static_decode = static_decode
         # Checked between layers of an eager step (engine/step_interrupt.py); set by the engine.
         self.interrupt: Callable[[], None] | None = None
+        self._mask_filler: MaskFiller | None = None  # built at the first constrained step
 
     @torch.inference_mode()
     def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
@@ -135,6 +150,7 @@ class ModelRunner:
         sampling: list = []  # the sequences that sample, in row order
         rows: list[SamplingRow] = []
         suppress: list[list[int]] = []
+        constrained = False  # some sampling row has a grammar
         scored = _PromptRows()
         for item in output.scheduled:
             seq = item.seq
@@ -162,6 +178,7 @@ class ModelRunner:
                     )
                 )
                 suppress.append(seq.suppressed_token_ids())
+                constrained = constrained or seq.grammar is not None
 
         long = {"dtype": torch.long, "device": self.device}
         if self._is_static(query_lens):
@@ -169,6 +186,7 @@ class ModelRunner:
             hidden = self.static_decode.run(step)
         else:
             hidden = self._forward(input_ids, tables, context_lens, query_lens, spans)
+        masks = self._grammar_masks(sampling) if constrained else None
         finite = torch.isfinite(hidden).all(dim=-1)  # [tokens]
         sampled = {}
         if rows:
@@ -176,7 +194,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[index])
             # A non-finite row is failed below; zeroed, it samples harmlessly meanwhile.
             logits = torch.where(finite[index, None], logits, 0.0)
-            result = self.sampler.sample(logits, rows, suppress_token_ids=suppress)
+            result = self.sampler.sample(logits, rows, suppress_token_ids=suppress, masks=masks)
             sampled = {
                 seq.request_id: (token, logprobs)
                 for seq, token, logprobs in zip(
@@ -192,6 +210,14 @@ class ModelRunner:
                 {k: v for k, v in prompt_logprobs.items() if k not in bad},
             )
         return StepResult(sampled, prompt_logprobs)
+
+    def _grammar_masks(self, sampling: list) -> StepMasks | None:
+        """The masks of the sampling rows with a grammar (rows in ``sampling``'s order)."""
+        if self._mask_filler is None:
+            self._mask_filler = MaskFiller(
+                self.model.config.vocab_size, pin_memory=self.device.type == "cuda"
+            )
+        return self._mask_filler.fill([seq.grammar for seq in sampling])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scored: _PromptRows) -> PromptLogprobs:
         """The scored rows' prompt logprobs from their raw logits, chunk by chunk."""

@@ -13,6 +13,11 @@ logits :math:`z \in \mathbb{R}^V` (computed in float32 on a copy), prompt tokens
    :math:`z_v \leftarrow z_v \cdot r`.
 4. Presence :math:`\alpha` and frequency :math:`\beta` penalties (OpenAI, output only):
    :math:`z_v \leftarrow z_v - \beta c_v - \alpha [c_v > 0]`.
+
+   Grammar mask (rows with a structured output, ``masks``): :math:`z_v \leftarrow -\infty`
+   for every token :math:`v` the row's grammar does not allow next. After the bias and
+   penalties, before what follows, so the greedy argmax, temperature and the filters see
+   only allowed tokens.
 5. Greedy (:math:`T = 0`): :math:`y = \arg\max_v z_v` (lowest index on ties, as
    ``torch.argmax``); nothing below applies and no randomness is consumed.
 
@@ -49,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.structured import StepMasks
 
 __all__ = [
     "Sampler",
@@ -268,7 +274,10 @@ class Sampler:
         rows: list[SamplingRow],
         *,
         suppress_token_ids: list[Sequence[int]] | None = None,
+        masks: StepMasks | None = None,
     ) -> SamplerOutput:
+        """One token per row. ``masks``: the grammar masks of the rows that have one
+        (``StepMasks.rows`` index ``rows``), None when no row has a grammar."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}"
@@ -287,6 +296,8 @@ class Sampler:
         n, vocab = logits.shape
 
         z = apply_penalties(logits, rows, suppress_token_ids)
+        if masks is not None:
+            masks.apply(z)
         tokens = torch.empty(n, dtype=torch.long, device=device)
 
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]

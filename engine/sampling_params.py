@@ -36,6 +36,16 @@ Semantics (the sampler in :mod:`loramux.engine.sampler` implements them, in this
 * ``max_tokens``: the most tokens generated for the request: at least 1, or 0 when
   ``prompt_logprobs`` is set (scoring a prompt: it is computed, nothing is generated and
   the request finishes with reason ``length``).
+* ``structured`` (:mod:`loramux.engine.structured`): the output must be JSON, JSON valid
+  against a schema, text matching a regex, or tool calls. The engine masks the tokens the
+  grammar forbids after the logit bias and penalties, before temperature and the filters
+  (logprobs stay the raw model's). The request finishes with reason ``stop`` as soon as the
+  grammar is complete; a stop string or ``max_tokens`` still cut it short, leaving an
+  incomplete document (``max_tokens``: reason ``length``, as OpenAI does). The grammar wins
+  over ``min_tokens`` and ``ignore_eos``: nothing is suppressed for such a request, and EOS
+  ends it whenever the grammar allows it (suppressing EOS when it is the only token the
+  grammar allows would leave nothing to sample). ``stop_token_ids`` other than EOS are
+  never allowed by the grammar, so they end nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +54,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, get_args
 
+from loramux.engine.structured import StructuredSpec
+
+# The spec classes, for the isinstance check (StructuredSpec is a union of them).
+_SPEC_TYPES = get_args(StructuredSpec)
 MAX_LOGPROBS = 20
 """The largest ``logprobs`` (number of top alternatives) a request may ask for."""
 
@@ -105,6 +119,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # JsonSchema and ToolCalls hold dicts (unhashable specs): left out of the hash.
+    structured: StructuredSpec | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -171,6 +187,12 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
             )
         put("min_tokens", min_tokens)
+
+        if self.structured is not None and not isinstance(self.structured, _SPEC_TYPES):
+            names = ", ".join(t.__name__ for t in _SPEC_TYPES)
+            raise ValueError(
+                f"structured must be None or one of {names}, got {type(self.structured).__name__}"
+            )
 
     @staticmethod
     def _logprobs_count(name: str, value: Any) -> int | None:

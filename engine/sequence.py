@@ -12,6 +12,7 @@ from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.lora.adapter import LoRARequest
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +35,7 @@ class ErrorKind(enum.StrEnum):
     ADAPTER_TOO_LARGE = "adapter_too_large"  # its adapter can never fit device memory
     STEP_FAILED = "step_failed"  # the step raised for this request alone
     NON_FINITE = "non_finite"  # the model computed NaN or infinity for this request
+    GRAMMAR_FAILED = "grammar_failed"  # its grammar refused a sampled token (an engine bug)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Sequence:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         generator: torch.Generator | None,
+        grammar: GrammarMatcher | None = None,
         arrival_time: float | None = None,
     ):
         self.request_id = request_id
@@ -95,6 +98,9 @@ class Sequence:
         self.tenant = tenant
         self.detokenizer = detokenizer
         self.generator = generator
+        # Its structured output's state: it has accepted exactly the output tokens (each on
+        # append_token; a preemption's recompute or a dropped step samples nothing).
+        self.grammar = grammar
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token that ended it
@@ -104,9 +110,11 @@ class Sequence:
         self.cached_prefix = None  # the prefix-cache hit chosen at admission
         self.adapter_blocked_since: int | None = None  # step it first lost to the adapter cap
         # Tokens that end the output (and are suppressed until min_tokens): the request's
-        # stop ids, plus the model's end-of-sequence ids unless ignore_eos.
+        # stop ids, plus the model's end-of-sequence ids unless ignore_eos (a grammar wins
+        # over ignore_eos: EOS, when it allows it, ends the document).
+        keeps_eos = params.ignore_eos and grammar is None
         self._stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else eos_token_ids
+            frozenset() if keeps_eos else eos_token_ids
         )
         self._max_model_len = max_model_len
         self.metrics = RequestMetrics(
@@ -154,8 +162,9 @@ class Sequence:
         return collected is not None and len(collected) < len(self.prompt_token_ids)
 
     def suppressed_token_ids(self) -> list[int]:
-        """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens)."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens). None
+        with a grammar: it wins over min_tokens (EOS may be the only token it allows)."""
+        if self.grammar is not None or len(self.output_token_ids) >= self.params.min_tokens:
             return []
         return sorted(self._stop_ids)
 
@@ -173,6 +182,9 @@ class Sequence:
         else:
             m.inter_token_times.append(now - m.last_token_time)
         m.last_token_time = now
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self._fail_grammar(token_id)
+            return ""
 
         params = self.params
         # The token just appended is output number len(...); EOS counts from min_tokens + 1.
@@ -184,6 +196,10 @@ class Sequence:
         if delta.stop_string is not None:
             self._finish(FinishReason.STOP, delta.stop_string)
             return delta.text
+        if self.grammar is not None and self.grammar.is_finished():
+            # Complete: nothing but EOS could follow, so it ends here without one.
+            self._finish(FinishReason.STOP, None)
+            return delta.text + self.detokenizer.finish()
         if (
             len(self.output_token_ids) >= params.max_tokens
             or self.num_tokens >= self._max_model_len
@@ -191,6 +207,15 @@ class Sequence:
             self._finish(FinishReason.LENGTH, None)
             return delta.text + self.detokenizer.finish()
         return delta.text
+
+    def _fail_grammar(self, token_id: int) -> None:
+        # The mask allowed only what the grammar accepts: a token it refuses is a bug of
+        # the engine's, which fails this request alone.
+        error = (
+            f"the structured-output grammar refused sampled token id {token_id} after "
+            f"{len(self.output_token_ids) - 1} output tokens: {self.grammar.error}"
+        )
+        self.finish_abort(FinishReason.ERROR, error, ErrorKind.GRAMMAR_FAILED)
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
         """The logprobs of the next prompt tokens, in order, as a step computed them."""
