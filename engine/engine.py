@@ -59,8 +59,8 @@ from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
 from loramux.engine.step_interrupt import StepInterrupt, StepInterrupted
-from loramux.engine.structured import CompiledGrammar, StructuredSpec
-from loramux.engine.structured_outputs import GrammarRefused, Grammars
+from loramux.engine.structured import CompiledGrammar, GrammarError, StructuredSpec
+from loramux.engine.structured_outputs import Grammars
 from loramux.engine.tenant_share import TenantShare, TenantShareStats
 
 logger = logging.getLogger(__name__)
@@ -385,7 +385,7 @@ class Engine:
         engine thread before it adds the request, so that a slow compile stalls no step."""
         try:
             return self.grammars.compile(spec)
-        except GrammarRefused as exc:
+        except GrammarError as exc:
             raise EngineError(str(exc)) from None
 
     def _check_logit_bias(self, params: SamplingParams) -> None:

@@ -1,12 +1,12 @@
-"""Structured outputs in the engine: compiling a request's spec, and a step's masks.
+"""Structured outputs in the engine: compiling requests' specs, once per spec.
 
 The grammar layer is :mod:`loramux.engine.structured`; this is where the engine plugs it in.
 
 * :class:`Grammars` belongs to the engine: one :class:`GrammarCompiler` for its tokenizer,
   built on the first structured request (building llguidance's view of the tokenizer takes
   0.3-0.8 s, which an engine that never sees one should not pay), and its cache of compiled
-  specs. ``matcher(spec)`` starts a sequence (``n > 1``: one call per sequence); a spec that
-  does not compile raises :class:`GrammarRefused`, which the engine turns into its usual
+  specs. Each sequence gets a matcher of the compiled spec (``n > 1``: one per sequence); a
+  spec that does not compile raises GrammarError, which the engine turns into its usual
   refusal. It is thread-safe, so ``AsyncEngine.generate`` can compile off the engine thread
   first and the engine thread's compile at add is a cache hit.
 
@@ -19,17 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from loramux.engine.structured import (
-    CompiledGrammar,
-    GrammarCompiler,
-    GrammarError,
-    GrammarMatcher,
-    StructuredSpec,
-)
-
-
-class GrammarRefused(ValueError):
-    """A structured-output spec the engine cannot enforce; the message names the problem."""
+from loramux.engine.structured import CompiledGrammar, GrammarCompiler, StructuredSpec
 
 
 class Grammars:
@@ -58,12 +48,5 @@ class Grammars:
         return self._compiler is not None
 
     def compile(self, spec: StructuredSpec) -> CompiledGrammar:
-        """``spec`` compiled (cached); GrammarRefused if it cannot be."""
-        try:
-            return self.compiler.compile(spec)
-        except GrammarError as exc:
-            raise GrammarRefused(str(exc)) from exc
-
-    def matcher(self, spec: StructuredSpec) -> GrammarMatcher:
-        """A new sequence's matcher for ``spec``; GrammarRefused if it cannot compile."""
-        return self.compile(spec).matcher()
+        """``spec`` compiled (cached); GrammarError naming the problem if it cannot be."""
+        return self.compiler.compile(spec)
