@@ -6,8 +6,10 @@ memory plan, residency counts or per-tenant service, still parses: those take th
 defaults). Decoding rebuilds the engine's
 own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
 TypeError naming it). ``logit_bias`` travels as a list of [token id, bias] pairs (JSON object
-keys are strings); it and ``prompt_logprobs`` are left out when unset, so an engine from
-before them still takes the requests that don't use them.
+keys are strings); ``structured`` (a structured-output spec) travels in the spec's own JSON
+form (``spec_to_json``). Those three are left out when unset, so an engine from before them
+still takes the requests that don't use them; a malformed spec is refused by name
+(GrammarError, a ValueError).
 """
 
 from __future__ import annotations
@@ -26,19 +28,24 @@ from loramux.engine import (
     TenantShareStats,
     TierStats,
     TokenLogprobs,
+    spec_from_json,
+    spec_to_json,
 )
 
 _TUPLE_PARAMS = ("stop", "stop_token_ids")
-_OPTIONAL_PARAMS = ("prompt_logprobs", "logit_bias")  # sent only when set
+_OPTIONAL_PARAMS = ("prompt_logprobs", "logit_bias", "structured")  # sent only when set
 
 
 def params_to_json(params: SamplingParams) -> dict[str, Any]:
-    data = dataclasses.asdict(params)
+    # The spec is not asdict'ed: its own JSON form is what spec_from_json reads back.
+    data = dataclasses.asdict(dataclasses.replace(params, structured=None))
     for key in _OPTIONAL_PARAMS:
         if data[key] is None:
             del data[key]
     if params.logit_bias is not None:
         data["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
+    if params.structured is not None:
+        data["structured"] = spec_to_json(params.structured)
     return data
 
 
@@ -46,6 +53,8 @@ def params_from_json(data: dict[str, Any]) -> SamplingParams:
     fields = {key: tuple(value) if key in _TUPLE_PARAMS else value for key, value in data.items()}
     if fields.get("logit_bias") is not None:
         fields["logit_bias"] = _pairs_to_dict("logit_bias", fields["logit_bias"])
+    if fields.get("structured") is not None:
+        fields["structured"] = spec_from_json(fields["structured"])
     return SamplingParams(**fields)
 
 

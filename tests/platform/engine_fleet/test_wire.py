@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from loramux.engine import SamplingParams
+from loramux.engine import (
+    GrammarError,
+    JsonObject,
+    JsonSchema,
+    Regex,
+    SamplingParams,
+    Tool,
+    ToolCalls,
+    ToolChoice,
+)
 from loramux.engine.memory_budget import MemoryPlan
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.residency import ResidencyStats
@@ -52,6 +61,51 @@ def test_unset_new_params_are_left_out_for_older_engines():
     data = wire.params_to_json(SamplingParams(max_tokens=3))
     assert "prompt_logprobs" not in data and "logit_bias" not in data
     assert wire.params_from_json(_through_json(data)) == SamplingParams(max_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        JsonObject(),
+        JsonSchema({"type": "object", "properties": {"b": {}, "a": {"type": "integer"}}}),
+        JsonSchema({"type": "array"}, strict=False),
+        Regex(r"[0-9]{3}-[a-z]+"),
+        ToolCalls(
+            (
+                Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}}),
+                Tool("noop", strict=True),
+            ),
+            ToolChoice.NAMED,
+            "get_weather",
+            parallel=False,
+        ),
+    ],
+    ids=["json_object", "json_schema", "lenient", "regex", "tools"],
+)
+def test_structured_specs_round_trip(spec):
+    params = SamplingParams(max_tokens=9, temperature=0.0, structured=spec)
+    data = _through_json(wire.params_to_json(params))
+    back = wire.params_from_json(data)
+    assert back == params and back.structured == spec
+    if isinstance(spec, JsonSchema):  # property order is the output's order: kept
+        assert list(back.structured.schema) == list(spec.schema)
+        assert json.dumps(back.structured.schema) == json.dumps(spec.schema)
+
+
+def test_an_unset_spec_is_left_out():
+    data = wire.params_to_json(SamplingParams(max_tokens=3, logprobs=1))
+    assert "structured" not in data
+
+
+def test_a_malformed_spec_on_the_wire_is_refused_by_name():
+    with pytest.raises(GrammarError, match="unknown structured-output type 'yaml'"):
+        wire.params_from_json({"structured": {"type": "yaml"}})
+    with pytest.raises(ValueError, match="tool name"):
+        wire.params_from_json(
+            {"structured": {"type": "tool_calls", "tools": [{"name": "bad name"}]}}
+        )
+    with pytest.raises(ValueError, match=r"json_schema\.schema"):
+        wire.params_from_json({"structured": {"type": "json_schema", "schema": [1]}})
 
 
 def test_bad_logit_bias_on_the_wire_is_refused_by_name():
