@@ -13,7 +13,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from lm_eval import simple_evaluate
@@ -22,6 +21,7 @@ from lm_eval.tasks import TaskManager
 
 from tests.engine.hf_reference import greedy_tokens, reference_model
 from tests.platform.e2e.serve_process import ServeProcess
+from tests.platform.e2e.served_smollm2 import serve_with_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -40,29 +40,10 @@ GENERATION_PROMPTS = ["Count: one, two, three,", "The days of the week are Monda
 def served(tmp_path_factory, smollm2_dir, make_adapter) -> Iterator[tuple[ServeProcess, str]]:
     """``loramux serve`` on its defaults (SmolLM2, SQLite, local store), one tenant with
     a real PEFT adapter uploaded over HTTP; yields the server and the tenant's key."""
+    adapter_dir = make_adapter(smollm2_dir, rank=8, targets=("q_proj", "v_proj"), seed=7)
     root = tmp_path_factory.mktemp("lm-eval")
-    serve = ServeProcess(
-        root / "data", root / "system-tmp", root / "serve.log", MODEL=str(smollm2_dir)
-    )
-    serve.start()
-    try:
-        headers = serve.tenant_headers()
-        adapter_dir = make_adapter(smollm2_dir, rank=8, targets=("q_proj", "v_proj"), seed=7)
-        files = [
-            ("files", (name, (adapter_dir / name).read_bytes()))
-            for name in ("adapter_config.json", "adapter_model.safetensors")
-        ]
-        uploaded = httpx.post(
-            f"{serve.url}/v1/adapters",
-            data={"name": ADAPTER},
-            files=files,
-            headers=headers,
-            timeout=120,
-        )
-        assert uploaded.status_code == 201, uploaded.text
-        yield serve, headers["Authorization"].removeprefix("Bearer ")
-    finally:
-        serve.stop()
+    with serve_with_adapter(root, smollm2_dir, adapter_dir, ADAPTER) as server_and_key:
+        yield server_and_key
 
 
 def write_tasks(folder: Path) -> Path:

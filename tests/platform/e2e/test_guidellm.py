@@ -1,0 +1,227 @@
+"""GuideLLM against ``loramux serve``, as a tenant load-testing its adapter.
+
+``guidellm run`` (the vLLM project's load generator, 0.8.1 as pinned in the dev extra) runs
+as a subprocess with its ``openai_http`` backend: it probes ``GET /health`` (vLLM's route)
+with the tenant's key as a bearer token, then streams synthetic prompts of a fixed token
+length to the tenant's adapter with ``ignore_eos`` and ``max_tokens`` (``max_output_tokens``
+on the Responses API), two at a time, and reads each request's token counts from the
+``usage`` the server streams last. Three runs, over completions, chat and the Responses
+API, go at once (the server batches them together; one after the other they would take
+three times the decode steps), each tagging its requests with its own ``user``. The
+options are GuideLLM's registry options, each given as a JSON object (the same parser as
+``kind=...,key=value``, with no quoting questions). GuideLLM gets the converted SmolLM2
+folder as its tokenizer and runs offline (no hub).
+
+Every request must succeed (none errored or incomplete), and the tokens GuideLLM counted,
+request by request (matched by the response id, which is loramux's request id), must equal
+loramux's own usage records, as the operator's usage export reports them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.platform.e2e.serve_process import ServeProcess
+from tests.platform.e2e.served_smollm2 import serve_with_adapter
+
+pytestmark = pytest.mark.slow
+
+ADAPTER = "guidellm-adapter"
+REQUEST_FORMATS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+REQUESTS = 8  # per run
+STREAMS = 2  # each run's concurrency
+PROMPT_TOKENS = 32  # of synthetic text, before any chat template
+OUTPUT_TOKENS = 16
+RUNS_TIMEOUT_S = 600.0
+HEALTH_PROBE = '"GET /health HTTP/1.1" 200'  # uvicorn's access log line
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
+
+@dataclass
+class GuideLLMRun:
+    """One ``guidellm run`` against one request format, in a folder of its own."""
+
+    request_format: str
+    folder: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def user(self) -> str:
+        """The ``user`` its requests carry, which loramux stores on their usage records."""
+        return "guidellm" + self.request_format.replace("/", "-")
+
+    def start(self, serve: ServeProcess, key: str, tokenizer_dir: Path) -> None:
+        options = {
+            "--backend": {
+                "kind": "openai_http",
+                "target": serve.url,
+                "model": ADAPTER,
+                "api_key": key,
+                "request_format": self.request_format,
+                "extras": {"body": {"user": self.user}},
+            },
+            "--profile": {"kind": "concurrent", "streams": [STREAMS]},
+            "--data": {
+                "kind": "synthetic_text",
+                "prompt_tokens": PROMPT_TOKENS,
+                "output_tokens": OUTPUT_TOKENS,
+            },
+            "--constraint": {"kind": "max_requests", "count": REQUESTS},
+            "--tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer_dir)},
+            "--output": {"kind": "json", "path": str(self.folder / "report.json")},
+        }
+        command = [sys.executable, "-m", "guidellm", "run", "--disable-console-interactive"]
+        for option, config in options.items():
+            command += [option, json.dumps(config)]
+        # One worker process runs both streams (asyncio): more cost seconds of CPU each.
+        env = {**os.environ, **OFFLINE, "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+        with (self.folder / "guidellm.out").open("wb") as out:
+            self.process = subprocess.Popen(
+                command,
+                cwd=self.folder,  # where it would write guidellm.log
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait(self, deadline: float) -> None:
+        try:
+            self.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def output(self) -> str:
+        return (self.folder / "guidellm.out").read_text(errors="replace")
+
+    def report(self) -> dict:
+        """Its JSON report, once it exited 0."""
+        assert self.process.returncode == 0, self.output()[-8000:]
+        return json.loads((self.folder / "report.json").read_text())
+
+
+@dataclass
+class Load:
+    """What the three runs did: the runs, loramux's usage rows they added (by request id)
+    and how many ``GET /health`` probes loramux answered with 200 meanwhile."""
+
+    runs: dict[str, GuideLLMRun]
+    usage: dict[str, dict]
+    health_probes: int
+
+
+def usage_rows(serve: ServeProcess) -> dict[str, dict]:
+    """loramux's usage records, one row per request, by request id."""
+    response = httpx.get(
+        f"{serve.url}/admin/usage", params={"group_by": "request"}, headers=serve.admin
+    )
+    assert response.status_code == 200, response.text
+    return {row["request_id"]: row for row in response.json()["rows"]}
+
+
+def health_probes(serve: ServeProcess) -> int:
+    return serve.log.read_text(errors="replace").count(HEALTH_PROBE)
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory, smollm2_dir, make_adapter) -> Iterator[Load]:
+    """``loramux serve`` with the tenant's adapter, and the three GuideLLM runs against it,
+    at once, to their end."""
+    adapter_dir = make_adapter(smollm2_dir, rank=8, targets=("q_proj", "v_proj"), seed=11)
+    root = tmp_path_factory.mktemp("guidellm")
+    with serve_with_adapter(root, smollm2_dir, adapter_dir, ADAPTER) as (serve, key):
+        before, probes_before = usage_rows(serve), health_probes(serve)
+        runs = {}
+        try:
+            for request_format in REQUEST_FORMATS:
+                folder = root / request_format.strip("/").replace("/", "-")
+                folder.mkdir()
+                runs[request_format] = run = GuideLLMRun(request_format, folder)
+                run.start(serve, key, smollm2_dir)
+            deadline = time.monotonic() + RUNS_TIMEOUT_S
+            for run in runs.values():
+                run.wait(deadline)
+        finally:
+            for run in runs.values():
+                if run.process is not None and run.process.poll() is None:
+                    run.process.kill()
+                    run.process.wait()
+        added = {rid: row for rid, row in usage_rows(serve).items() if rid not in before}
+        yield Load(runs, added, health_probes(serve) - probes_before)
+
+
+def test_guidellm_validates_loramux_on_health_as_it_does_vllm(load):
+    # GuideLLM GETs /health (with the key) before it sends a request, and stops on an error.
+    assert load.health_probes >= len(REQUEST_FORMATS)
+    for run in load.runs.values():
+        assert "backend validated" in run.output()
+
+
+@pytest.mark.parametrize("request_format", REQUEST_FORMATS)
+def test_guidellm_finishes_without_error_and_counts_tokens_as_loramux_bills_them(
+    load, request_format
+):
+    run = load.runs[request_format]
+    [benchmark] = run.report()["benchmarks"]
+    requests = benchmark["requests"]
+    assert requests["errored"] == [], [r["info"]["error"] for r in requests["errored"]]
+    assert requests["incomplete"] == []
+    assert len(requests["successful"]) == REQUESTS
+    assert benchmark["metrics"]["request_totals"] == {
+        "successful": REQUESTS,
+        "errored": 0,
+        "incomplete": 0,
+        "total": REQUESTS,
+    }
+
+    # Request by request, GuideLLM's counts (from the streamed usage) are loramux's records.
+    recorded = {rid: row for rid, row in load.usage.items() if row["user"] == run.user}
+    measured = {r["response_id"]: r for r in requests["successful"]}
+    assert set(measured) == set(recorded)
+    for response_id, request in measured.items():
+        row = recorded[response_id]
+        assert row["adapter"] == ADAPTER
+        assert row["finish_reason"] == "length"
+        assert request["prompt_tokens"] == row["prompt_tokens"], response_id
+        assert request["cached_tokens"] == row["cached_prompt_tokens"], response_id
+        assert request["output_tokens"] == row["completion_tokens"] == OUTPUT_TOKENS
+        if request_format == "/v1/completions":  # the raw prompt: GuideLLM's own length
+            assert row["prompt_tokens"] == PROMPT_TOKENS
+        else:  # the same text inside the chat template
+            assert row["prompt_tokens"] > PROMPT_TOKENS
+
+    # And the totals GuideLLM reports equal the usage export's.
+    metrics = benchmark["metrics"]
+    prompt_total = sum(row["prompt_tokens"] for row in recorded.values())
+    output_total = sum(row["completion_tokens"] for row in recorded.values())
+    assert metrics["prompt_token_count"]["successful"]["total_sum"] == prompt_total
+    assert metrics["output_token_count"]["successful"]["total_sum"] == output_total
+    print(
+        f"GuideLLM {request_format}: {len(measured)} requests, 0 errored, "
+        f"{prompt_total} prompt + {output_total} output tokens, equal to loramux's usage"
+    )
+
+
+def test_every_request_loramux_billed_during_the_load_is_one_guidellm_counted(load):
+    counted = set()
+    for run in load.runs.values():
+        [benchmark] = run.report()["benchmarks"]
+        for status in ("successful", "errored", "incomplete"):
+            counted |= {r["response_id"] for r in benchmark["requests"][status]}
+    assert set(load.usage) == counted
