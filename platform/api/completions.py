@@ -9,6 +9,12 @@ answers with the JSON the render shapes (a response, or server-sent chunks endin
 A completion's ``prompt`` may be a batch: each prompt gets ``n`` choices (the best ``n`` of
 ``best_of``), indexed prompt-major as OpenAI does (``index = prompt_index * n + i``, in a
 stream's chunks too), and one usage record sums them all.
+
+Structured outputs: ``response_format`` (chat, and completions as an extension) and chat's
+``tools`` become the request's grammar spec (``structured_params``, ``tool_params``),
+checked before admission; a chat request with tools is told of them in its system message
+(``tool_messages``) and answered with ``tool_calls`` (``tool_render``). One request has one
+spec: ``response_format`` other than text with tools that may be called is a 400.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
+from loramux.engine import StructuredSpec, ToolCalls
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
 from loramux.platform.api.openai_params import (
     check_best_of,
@@ -33,6 +41,14 @@ from loramux.platform.api.schemas_openai import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from loramux.platform.api.structured_params import (
+    check_structured,
+    invalid,
+    response_format_spec,
+)
+from loramux.platform.api.tool_messages import template_messages
+from loramux.platform.api.tool_params import check_tools, tool_spec
+from loramux.platform.api.tool_render import ToolChatRender
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.inference import InferenceService
 from loramux.platform.services.inference_job import Target, new_request_id
@@ -50,6 +66,8 @@ async def _complete(
 ):
     check_suffix(body.suffix)
     check_best_of(body.best_of, body.n, stream=body.stream)
+    structured = response_format_spec(body.response_format)
+    await run_in_threadpool(check_structured, structured)
     max_tokens = completion_max_tokens(body.max_tokens, echo=body.echo)
     ranked = body.best_of is not None and body.best_of > body.n
     # best_of ranks candidates by their tokens' log-probabilities: asked of the engine
@@ -68,7 +86,11 @@ async def _complete(
         n=body.n,
         best_of=body.best_of,
         sampling=sampling_of(
-            body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            body,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured=structured,
         ),
         default_max_tokens=16,  # OpenAI's default for completions
         timeout=body.timeout,
@@ -78,6 +100,25 @@ async def _complete(
     return await respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )
+
+
+async def _chat_specs(
+    body: ChatCompletionRequest,
+) -> tuple[StructuredSpec | None, ToolCalls | None]:
+    """The chat request's grammar spec, checked (a 400 if it cannot compile), and its tool
+    spec when tools may be called (then they are the spec)."""
+    structured = response_format_spec(body.response_format)
+    tools = tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is None:
+        await run_in_threadpool(check_structured, structured)
+        return structured, None
+    if structured is not None:
+        raise invalid(
+            "response_format must be text when tools may be called: send tool_choice "
+            "'none', or no response_format"
+        )
+    await run_in_threadpool(check_tools, tools)
+    return tools, tools
 
 
 def sampling_of(body, **extra: Any) -> dict[str, Any]:
@@ -151,6 +192,7 @@ async def create_chat_completion(
 ):
     """A chat completion: the messages rendered with the base model's chat template."""
     target = await service.resolve(session, tenant, body.model, runtime)
+    structured, tools = await _chat_specs(body)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -160,13 +202,16 @@ async def create_chat_completion(
         tenant,
         target,
         request_id=new_request_id("chatcmpl"),
-        messages=[m.for_template() for m in body.messages],
+        messages=template_messages(body.messages, tools),
         n=body.n,
-        sampling=sampling_of(body, max_tokens=max_tokens, logprobs=top_logprobs),
+        sampling=sampling_of(
+            body, max_tokens=max_tokens, logprobs=top_logprobs, structured=structured
+        ),
         timeout=body.timeout,
         end_user=body.user,
     )
-    render = ChatRender(service.tokenizer, job, top_logprobs)
+    kind = ChatRender if tools is None else ToolChatRender
+    render = kind(service.tokenizer, job, top_logprobs)
     return await respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )

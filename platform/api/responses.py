@@ -1,4 +1,4 @@
-"""OpenAI's Responses API for text: ``POST /v1/responses`` and
+"""OpenAI's Responses API for text (and JSON: ``text.format``): ``POST /v1/responses`` and
 ``POST /v1/adapters/{name}/responses``.
 
 A response is a chat completion underneath: its input (``responses_input``) is rendered with
@@ -14,12 +14,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
 from loramux.platform.api.respond import InferenceDep, respond
 from loramux.platform.api.responses_input import check_supported, messages_of
 from loramux.platform.api.responses_render import ResponsesRender
 from loramux.platform.api.schemas_responses import AdapterResponseRequest, ResponseRequest
+from loramux.platform.api.structured_params import check_structured, text_format_spec
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.inference import InferenceService
 from loramux.platform.services.inference_job import Target, new_request_id
@@ -59,6 +61,8 @@ async def _answer(
     body: AdapterResponseRequest,
 ):
     check_supported(body)
+    structured = text_format_spec(body.text)
+    await run_in_threadpool(check_structured, structured)
     sampling = {name: getattr(body, name) for name in _SAMPLING}
     job = await service.prepare(
         session,
@@ -67,13 +71,15 @@ async def _answer(
         request_id=new_request_id("resp", separator="_"),
         messages=messages_of(body),
         n=1,
-        sampling={**sampling, "max_tokens": body.max_output_tokens},
+        sampling={**sampling, "max_tokens": body.max_output_tokens, "structured": structured},
         timeout=body.timeout,
         end_user=body.user,
     )
     settings = body.model_dump(
         include={"instructions", "max_output_tokens", "temperature", "top_p", "user", "metadata"}
     )
+    if structured is not None:
+        settings["text"] = {"format": body.text["format"]}  # returned as sent
     render = ResponsesRender(service.tokenizer, job, settings)
     return await respond(request, service, job, render, stream=body.stream, include_usage=False)
 

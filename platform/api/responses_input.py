@@ -4,6 +4,7 @@
 message; a message's content parts of type ``input_text`` / ``output_text`` (or ``text``)
 are joined. The ``developer`` role is rendered as ``system`` (the chat template knows no
 other). Every refusal is a 400 naming the field (``schemas_responses`` lists them).
+``text.format`` is read by ``structured_params.text_format_spec``.
 """
 
 from __future__ import annotations
@@ -42,10 +43,6 @@ def check_supported(body: AdapterResponseRequest) -> None:
         )
     if body.background:
         raise _unsupported("background is not supported: send the request and wait, or stream")
-    form = (body.text or {}).get("format")
-    kind = form.get("type", "text") if isinstance(form, dict) else form or "text"
-    if kind != "text":
-        raise _unsupported(f"text.format {kind!r} is not supported on /v1/responses: text only")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise Invalid(
             f"max_output_tokens must be >= 1, got {body.max_output_tokens}",

@@ -45,7 +45,7 @@ def responses_usage(usage: Usage | None) -> dict[str, Any] | None:
 class ResponsesRender(Render):
     """Renders a one-choice job as a Responses API ``response`` (``settings`` are the
     request's fields a response echoes: instructions, max_output_tokens, temperature,
-    top_p, user, metadata)."""
+    top_p, user, metadata, and text when it asks for JSON)."""
 
     def __init__(self, tokenizer, job: Job, settings: dict[str, Any]):
         super().__init__(tokenizer, job)
@@ -70,7 +70,7 @@ class ResponsesRender(Render):
             "parallel_tool_calls": False,
             "previous_response_id": None,
             "store": False,
-            "text": {"format": {"type": "text"}},
+            "text": self.settings.get("text") or {"format": {"type": "text"}},
             "tool_choice": "none",
             "tools": [],
             "truncation": "disabled",

@@ -9,6 +9,9 @@ stored with the request's usage record (at most 256 characters, else a 400).
 (send them with the client's ``extra_body``; benchmarks use the last two for exact lengths).
 ``timeout`` (seconds) is loramux's too: the request's deadline, which can only shorten the
 tenant's default and the server's maximum (``services/deadlines.py``).
+Structured outputs (``response_format``; chat's ``tools``, ``tool_choice`` and
+``parallel_tool_calls``) are read by ``structured_params`` and ``tool_params``, whose 400s
+name the field; completions take ``response_format`` too, as an extension.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class AdapterCompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # extension: structured_params reads it as chat's
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(AdapterCompletionRequest):
@@ -82,17 +87,28 @@ class CompletionRequest(AdapterCompletionRequest):
 
 
 class ChatMessage(BaseModel):
+    """One message; ``tool_messages`` renders those of tool calls (an assistant's
+    ``tool_calls``, a ``tool`` message's result for ``tool_call_id``)."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as a chat template wants it (text parts of a list joined)."""
+    @property
+    def text(self) -> str:
+        """The content as text (the text parts of a list joined)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(str(part.get("text", "")) for part in content)
-        return {"role": self.role, "content": content or ""}
+        return content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template wants it."""
+        return {"role": self.role, "content": self.text}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -104,3 +120,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None

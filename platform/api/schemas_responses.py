@@ -1,4 +1,5 @@
-"""Request bodies of the Responses API (``POST /v1/responses``, per adapter too), text only.
+"""Request bodies of the Responses API (``POST /v1/responses``, per adapter too): text in,
+text or JSON out.
 
 As in ``schemas_openai``, only JSON types are checked here (a wrong type is a 422);
 ``responses_input`` reads the values and refuses, with a 400 naming the field, what this
@@ -6,12 +7,15 @@ server does not do. Unknown fields are ignored. Of OpenAI's fields:
 
 - served: ``input`` (a string, or a list of messages whose content is a string or
   ``input_text`` / ``output_text`` parts), ``instructions``, ``max_output_tokens``,
-  ``temperature``, ``top_p``, ``stream``, ``user``, ``metadata`` (returned as sent), and
-  loramux's ``timeout`` and sampling extensions as in chat (``extra_body``);
+  ``temperature``, ``top_p``, ``stream``, ``user``, ``metadata`` (returned as sent),
+  ``text.format`` (``text``, ``json_object``, or ``json_schema`` with ``name``, ``schema``
+  and ``strict``: structured outputs as chat's ``response_format``, read by
+  ``structured_params``; returned as sent), and loramux's ``timeout`` and sampling
+  extensions as in chat (``extra_body``);
 - refused (400): ``tools`` (non-empty), a ``tool_choice`` that requires a tool,
   ``previous_response_id`` and ``conversation`` (no response is stored to continue),
-  ``background: true``, a ``text.format`` other than plain text, input items other than
-  messages and content parts other than text;
+  ``background: true``, input items other than messages and content parts other than
+  text;
 - accepted and ignored, as harmless: ``store`` (nothing is stored: the response says
   ``"store": false``, and there is no route to retrieve it), ``parallel_tool_calls``,
   ``truncation``, ``include``, ``reasoning``, ``service_tier``, ``prompt_cache_key``,
