@@ -187,8 +187,8 @@ def test_per_adapter_by_model_and_by_path(make_client, context, make_adapter, ba
         ({"previous_response_id": "resp_123"}, "previous_response_id is not supported"),
         ({"background": True}, "background is not supported"),
         (
-            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-            "text.format 'json_schema' is not supported",
+            {"text": {"format": {"type": "json_schema", "name": "x"}}},
+            "text.format.schema is required",
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
