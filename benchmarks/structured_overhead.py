@@ -3,7 +3,7 @@
 The same requests decoded constrained (a strict ``json_schema``) and unconstrained, on
 SmolLM2-135M-Instruct in float32 on the CPU, at batch sizes 1 and 8. So that both produce
 the same tokens' worth of steps, every request makes exactly ``--tokens`` tokens: the
-unconstrained ones with ``ignore_eos`` and ``min_tokens = max_tokens``; the constrained ones
+unconstrained ones with ``ignore_eos``; the constrained ones
 against a schema that cannot be complete that soon (a list of at least 50 records), so
 ``max_tokens`` ends each of them too. Greedy, chat prompts that ask for such records, no
 prefix caching (every run computes its prompts alike).
@@ -16,8 +16,12 @@ constrained row) and its application to the logits, per step. The overhead is th
 over pairs of constrained / unconstrained seconds. Also: building the compiler (once per
 engine) and compiling the schema cold.
 
-The recorded ``benchmarks/results/structured_overhead.json`` is this module run with its
-defaults on the 2-core development machine; ``contention`` says whether other work shared it.
+The recorded ``benchmarks/results/structured_overhead.json`` is this module run with
+``--threads 1 --repeats 5`` on the 2-core development machine, which other work shares
+(``contention``): with torch's two threads every parallel op waits for a core another
+process holds, which put one run's batch-1 steps at 266 ms a token against 74 ms with one
+thread and its mask apply at 32 ms a step against 0.3 ms, noise far above what is measured.
+One thread gives both sides the same steady machine.
 """
 
 from __future__ import annotations
@@ -157,6 +161,8 @@ def measure_batch(engine, batch: int, tokens: int, repeats: int, timer: _MaskTim
 
     fills = [p["constrained"]["mask_fill_ms_per_step"]["median"] for p in pairs]
     applies = [p["constrained"]["mask_apply_ms_per_step"]["median"] for p in pairs]
+    plain_step_ms = median_of("unconstrained", "ms_per_output_token") * batch
+    mask_ms = statistics.median(fills) + statistics.median(applies)
     return {
         "batch": batch,
         "tokens_per_request": tokens,
@@ -166,6 +172,9 @@ def measure_batch(engine, batch: int, tokens: int, repeats: int, timer: _MaskTim
         "overhead_ratios": [round(r, 3) for r in ratios],
         "mask_fill_ms_per_step_median": round(statistics.median(fills), 4),
         "mask_apply_ms_per_step_median": round(statistics.median(applies), 4),
+        # The masks' own cost against an unconstrained step: the overhead without the noise
+        # of whole runs (a shared machine drifts by several percent between runs).
+        "mask_share_of_step": round(mask_ms / plain_step_ms, 4),
         "pairs": pairs,
     }
 
@@ -189,15 +198,15 @@ def render(report: dict) -> str:
         f"compiler build {report['compile']['compiler_build_ms']} ms, schema compile "
         f"{report['compile']['schema_compile_ms']} ms (cold)",
         "| batch | unconstrained ms/token | constrained ms/token | ratio (median) | "
-        "mask fill ms/step | mask apply ms/step |",
-        "|---|---|---|---|---|---|",
+        "mask fill ms/step | mask apply ms/step | masks / step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for b in report["batches"]:
         lines.append(
             f"| {b['batch']} | {b['unconstrained_ms_per_output_token']} | "
             f"{b['constrained_ms_per_output_token']} | {b['overhead_ratio_median']} "
             f"{b['overhead_ratios']} | {b['mask_fill_ms_per_step_median']} | "
-            f"{b['mask_apply_ms_per_step_median']} |"
+            f"{b['mask_apply_ms_per_step_median']} | {b['mask_share_of_step']:.2%} |"
         )
     busy = report["contention"]
     lines += [
