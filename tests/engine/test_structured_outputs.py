@@ -34,6 +34,7 @@ from loramux.engine import (
     parse_tool_output,
 )
 from loramux.engine.structured import GrammarMatcher
+from loramux.kernels import dispatch
 from tests.engine.factories import PROMPTS, build_engine
 
 PERSON = {
@@ -398,3 +399,33 @@ def test_async_generate_compiles_off_the_engine_thread(tiny_model_dir):
     assert threads[0] != "loramux-engine" and threads[1] == "loramux-engine"
     assert engine.grammars.compiler.cache_stats().misses == 2  # SMALL, then the bad one
     assert threads[2:] == [threads[0]]  # the bad spec never reached the engine thread
+
+
+def check_static_decode_masks(engine, reference) -> None:
+    """``engine``'s decode steps took the static path, and its outputs are the eager
+    ``reference``'s (greedy) and valid (all)."""
+    static = engine.runner.static_decode
+    assert static is not None
+    outs = run_mixed(engine)
+    assert sum(static.steps_run.values()) > 0
+    expected = run_mixed(reference)
+    assert outs[0].token_ids == expected[0].token_ids  # greedy and constrained
+    assert outs[1].token_ids == expected[1].token_ids
+    for out in (outs[0], outs[2]):
+        assert_valid(out, SMALL)
+
+
+def test_static_decode_steps_are_masked_too(tiny_model_dir, monkeypatch):
+    # The static path's eager form on the CPU (Triton's interpreter): it returns hidden
+    # states, and the runner masks and samples their logits like any step's.
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
+    engine = build_engine(tiny_model_dir, block_size=4, cuda_graph_max_batch=4, max_num_seqs=8)
+    check_static_decode_masks(engine, build_engine(tiny_model_dir))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_are_masked_too(tiny_model_dir):
+    cuda = {"device": "cuda", "dtype": "float32", "block_size": 4, "max_num_seqs": 8}
+    engine = build_engine(tiny_model_dir, cuda_graph_max_batch=4, **cuda)
+    assert engine.runner.static_decode.captured
+    check_static_decode_masks(engine, build_engine(tiny_model_dir, cuda_graph_max_batch=0, **cuda))
