@@ -15,10 +15,9 @@ import httpx
 import openai
 
 from loramux.platform.settings import Settings
-from tests.platform.e2e.conftest import Platform, Tenant, start_platform
+from tests.platform.e2e.conftest import Platform, Tenant, start_platform, upload_adapter
 
 ADAPTER = "extractor"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass
@@ -46,15 +45,7 @@ class Served:
 def served(data_dir: Path, model_dir: Path, adapter_dir: Path) -> Iterator[Served]:
     with start_platform(Settings(data_dir=data_dir, model=str(model_dir))) as platform:
         tenant = platform.new_tenant()
-        files = [("files", (n, (adapter_dir / n).read_bytes())) for n in ADAPTER_FILES]
-        uploaded = httpx.post(
-            f"{platform.url}/v1/adapters",
-            data={"name": ADAPTER},
-            files=files,
-            headers=tenant.headers,
-            timeout=300,
-        )
-        assert uploaded.status_code == 201, uploaded.text
+        upload_adapter(platform.url, tenant.headers, ADAPTER, adapter_dir)
         client = openai.OpenAI(
             base_url=f"{platform.url}/v1", api_key=tenant.key, max_retries=0, timeout=300
         )

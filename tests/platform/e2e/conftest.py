@@ -12,6 +12,7 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -73,6 +74,20 @@ class Platform:
         response = httpx.get(f"{self.url}/admin/usage", params=params, headers=self.admin)
         assert response.status_code == 200, response.text
         return response
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def upload_adapter(url: str, headers: dict[str, str], name: str, adapter_dir: Path) -> dict:
+    """Upload the PEFT adapter in ``adapter_dir`` as ``name`` over HTTP (201 expected);
+    returns the adapter's record."""
+    files = [("files", (f, (adapter_dir / f).read_bytes())) for f in ADAPTER_FILES]
+    response = httpx.post(
+        f"{url}/v1/adapters", data={"name": name}, files=files, headers=headers, timeout=300
+    )
+    assert response.status_code == 201, response.text
+    return response.json()
 
 
 @contextlib.contextmanager

@@ -9,11 +9,8 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
+from tests.platform.e2e.conftest import upload_adapter
 from tests.platform.e2e.serve_process import ServeProcess
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class QuietServeProcess(ServeProcess):
@@ -43,15 +40,7 @@ def serve_with_adapter(
     serve.start()
     try:
         headers = serve.tenant_headers()
-        files = [("files", (name, (adapter_dir / name).read_bytes())) for name in ADAPTER_FILES]
-        uploaded = httpx.post(
-            f"{serve.url}/v1/adapters",
-            data={"name": adapter},
-            files=files,
-            headers=headers,
-            timeout=120,
-        )
-        assert uploaded.status_code == 201, uploaded.text
+        upload_adapter(serve.url, headers, adapter, adapter_dir)
         yield serve, headers["Authorization"].removeprefix("Bearer ")
     finally:
         serve.stop()
