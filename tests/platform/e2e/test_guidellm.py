@@ -90,6 +90,13 @@ class GuideLLMRun:
             command += [option, json.dumps(config)]
         # One worker process runs both streams (asyncio): more cost seconds of CPU each.
         env = {**os.environ, **OFFLINE, "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+        # GuideLLM 0.8.1 sets its shutdown event in the callback that receives a request's
+        # last update, before queueing that update for the report; its report loop polls
+        # the queue with this interval and stops on a timeout once shut down, so a timeout
+        # that falls in between drops the last requests from the report (seen in CI on a
+        # busy machine: 6 of 8 reported, all 8 served and billed). At 5 s instead of 0.1 s
+        # that window is 50 times rarer; the run's end waits one poll (the runs go at once).
+        env["GUIDELLM__MP_POLL_INTERVAL"] = "5.0"
         with (self.folder / "guidellm.out").open("wb") as out:
             self.process = subprocess.Popen(
                 command,
