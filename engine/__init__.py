@@ -34,7 +34,7 @@ from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import ErrorKind, FinishReason, RequestMetrics
-from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine.stats import EngineStats, LatencySummary, SpeculationStats, TierStats
 from loramux.engine.structured import (
     GrammarError,
     JsonObject,
@@ -88,6 +88,7 @@ __all__ = [
     "RequestOutput",
     "ResidencyStats",
     "SamplingParams",
+    "SpeculationStats",
     "StructuredSpec",
     "TenantShareStats",
     "TierStats",

@@ -13,6 +13,7 @@ _DTYPES = {
     "float16": torch.float16,
 }
 LOAD_FORMATS = ("safetensors", "random")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
 @dataclass
@@ -53,6 +54,16 @@ class EngineConfig:
     # Decode-only steps of up to this many sequences replay CUDA graphs captured for a set
     # of batch-size buckets (CUDA and the Triton path only); 0 runs every step eagerly.
     cuda_graph_max_batch: int = 64
+    # Speculative decoding (engine/speculative/): "off"; "ngram" proposes the tokens that
+    # followed the last n tokens' latest earlier occurrence in the request's own text
+    # (prompt lookup, no model); "draft" runs ``draft_model``, a smaller model sharing the
+    # tokenizer. A step verifies up to ``num_speculative_tokens`` proposals per request
+    # (fewer as its acceptance rate falls); the output is what decoding without them gives.
+    speculative_method: str = "off"
+    num_speculative_tokens: int = 4
+    ngram_max_n: int = 4  # longest suffix looked up first
+    ngram_min_n: int = 2  # shortest suffix tried before giving up
+    draft_model: str | None = None  # HF-format directory, for speculative_method "draft"
 
     def __post_init__(self) -> None:
         positive = (
@@ -64,6 +75,9 @@ class EngineConfig:
             "adapter_host_bytes",
             "adapter_disk_cache_bytes",
             "adapter_load_workers",
+            "num_speculative_tokens",
+            "ngram_max_n",
+            "ngram_min_n",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -92,6 +106,22 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, "
                 f"got {self.load_format!r}"
+            )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"EngineConfig.speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative_method!r}"
+            )
+        if self.ngram_min_n > self.ngram_max_n:
+            raise ValueError(
+                f"EngineConfig.ngram_min_n ({self.ngram_min_n}) must not exceed ngram_max_n "
+                f"({self.ngram_max_n})"
+            )
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "EngineConfig.draft_model is the draft model's directory, set exactly when "
+                f"speculative_method is 'draft' (method {self.speculative_method!r}, "
+                f"draft_model {self.draft_model!r})"
             )
         if self.cuda_graph_max_batch < 0:
             raise ValueError(

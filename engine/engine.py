@@ -18,6 +18,7 @@ queue while a background thread loads it, and the steps go on meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -56,8 +57,9 @@ from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits, SchedulerOutput
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
+from loramux.engine.speculative.speculator import Speculator
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
-from loramux.engine.stats import EngineStats, LatencyRecorder, tier_stats
+from loramux.engine.stats import EngineStats, LatencyRecorder, SpeculationStats, tier_stats
 from loramux.engine.step_interrupt import StepInterrupt, StepInterrupted
 from loramux.engine.structured import CompiledGrammar, GrammarError, StructuredSpec
 from loramux.engine.structured_outputs import Grammars
@@ -66,6 +68,11 @@ from loramux.engine.tenant_share import TenantShare, TenantShareStats
 logger = logging.getLogger(__name__)
 
 TENANT_GAUGES_EVERY_S = 1.0
+
+
+def _adapter_label(seq: Sequence) -> str:
+    """The metrics' adapter label: its name, or the empty string for the base model."""
+    return "" if seq.lora is None else seq.lora.name
 
 
 class EngineError(ValueError):
@@ -180,6 +187,21 @@ class Engine:
             static_decode=self._static_decode() if static_decode else None,
         )
         self.step_interrupt = StepInterrupt()  # a higher-priority arrival cuts a step short
+        if config.speculative_method == "draft":
+            raise EngineError(
+                "speculative_method 'draft' is not available yet; use 'ngram' (prompt lookup) "
+                "or 'off'"
+            )
+        self.speculator = (
+            None
+            if config.speculative_method == "off"
+            else Speculator(
+                max_k=config.num_speculative_tokens,
+                ngram_max_n=config.ngram_max_n,
+                ngram_min_n=config.ngram_min_n,
+                max_model_len=self.max_model_len,
+            )
+        )
         self.metrics = metrics or EngineMetrics()
         self.metrics.kv_blocks_total.set(num_blocks)
         self.tiers = AdapterTiers(
@@ -205,6 +227,7 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._request_ids = itertools.count()
         self._prefix_stats = (0, 0)
+        self._speculation: dict[str, SpeculationStats] = {}  # adapter label -> totals
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
         self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
         self.tenant_share = TenantShare()  # tokens served per tenant, as steps serve them
@@ -355,6 +378,7 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
+        speculation = None if self.speculator is None else self.speculator.start(params)
         seq = Sequence(
             request_id,
             prompt_ids,
@@ -373,6 +397,7 @@ class Engine:
             max_model_len=self.max_model_len,
             generator=generator,
             grammar=grammar,
+            speculation=speculation,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -452,6 +477,8 @@ class Engine:
         failures += self._fail_waiting(never, "cannot be served", ErrorKind.ADAPTER_TOO_LARGE)
         self._hold_room_for_adapter(waiting)
         self._give_kv_room()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         self.runner.copy_kv_blocks(plan.kv_moves)
         self.metrics.kv_blocks_moved.inc(len(plan.kv_moves))
@@ -488,11 +515,12 @@ class Engine:
         # Counted as served, before update() finishes some of them (tenant_share.py).
         self.metrics.count_served(self.tenant_share.record_step(plan.scheduled))
         updates = self.scheduler.update(plan, step.sampled, time.monotonic(), prompt_logprobs)
-        for seq, text in updates:
+        self._record_speculation(plan, step.sampled)
+        for seq, text, new_ids in updates:
             # A prompt-only request finishes with no token: nothing generated to observe.
-            if seq.output_token_ids:
-                self._observe_token(seq)
-            outputs.append(self._output(seq, text, seq.output_token_ids[-1:]))
+            if new_ids:
+                self._observe_tokens(seq, len(new_ids))
+            outputs.append(self._output(seq, text, new_ids))
             if seq.is_finished:
                 del self._requests[seq.request_id]
         # Finished requests no longer hold their adapters on the device.
@@ -598,15 +626,42 @@ class Engine:
         if short > 0:
             self.lora_pool.release_for_kv(short)
 
-    def _observe_token(self, seq: Sequence) -> None:
+    def _observe_tokens(self, seq: Sequence, count: int) -> None:
+        """``seq`` got ``count`` tokens this step (several with speculation: the gaps after
+        the first are 0, as the client sees them arrive together)."""
         m = seq.metrics
-        self.metrics.generated_tokens.inc()
-        if m.completion_tokens == 1 and m.time_to_first_token is not None:
+        adapter = _adapter_label(seq)
+        self.metrics.generated_tokens.inc(count)
+        self.metrics.adapter_generated_tokens.labels(adapter).inc(count)
+        self.metrics.decode_steps.labels(adapter).inc()
+        totals = self._speculation.setdefault(adapter, SpeculationStats())
+        totals.generated_tokens += count
+        totals.decode_steps += 1
+        gaps = m.inter_token_times[-count:] if count <= len(m.inter_token_times) else []
+        if m.completion_tokens == count and m.time_to_first_token is not None:
             self.metrics.time_to_first_token.observe(m.time_to_first_token)
             self.latencies.ttft.add(m.time_to_first_token)
-        elif m.inter_token_times:
-            self.metrics.inter_token_latency.observe(m.inter_token_times[-1])
-            self.latencies.itl.add(m.inter_token_times[-1])
+            gaps = m.inter_token_times  # the step's tokens after the first one
+        for gap in gaps:
+            self.metrics.inter_token_latency.observe(gap)
+            self.latencies.itl.add(gap)
+
+    def _record_speculation(self, plan: SchedulerOutput, sampled: dict[str, list]) -> None:
+        """What each speculating request proposed and had accepted this step."""
+        for item in plan.scheduled:
+            emitted = sampled.get(item.seq.request_id)
+            if not item.draft_token_ids or emitted is None:
+                continue  # none proposed, or the request failed in the step
+            proposed, accepted = len(item.draft_token_ids), len(emitted) - 1
+            self.speculator.record(item.seq, proposed, accepted)
+            adapter = _adapter_label(item.seq)
+            self.metrics.spec_proposed_tokens.labels(adapter).inc(proposed)
+            self.metrics.spec_accepted_tokens.labels(adapter).inc(accepted)
+            self.metrics.spec_verify_steps.labels(adapter).inc()
+            totals = self._speculation.setdefault(adapter, SpeculationStats())
+            totals.proposed_tokens += proposed
+            totals.accepted_tokens += accepted
+            totals.verify_steps += 1
 
     def _update_gauges(self) -> None:
         self.metrics.running_requests.set(len(self.scheduler.running))
@@ -665,6 +720,11 @@ class Engine:
             memory=self.memory_plan,
             tenants=self._tenant_stats(),
             share_window_s=self.tenant_share.window_s,
+            speculative_method=self.config.speculative_method,
+            num_speculative_tokens=(
+                0 if self.speculator is None else self.config.num_speculative_tokens
+            ),
+            speculation={k: dataclasses.replace(v) for k, v in self._speculation.items()},
         )
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:

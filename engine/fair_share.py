@@ -65,6 +65,16 @@ class FairShare:
         output = 1 if samples and fresh > 0 else 0
         self.charge(tenant, max(0, fresh - output), output)
 
+    def charge_accepted(
+        self, tenant: str | None, request_id: str, num_tokens: int, computed: int
+    ) -> None:
+        """Charge ``tenant`` for ``num_tokens`` generated tokens a step emitted beyond the one
+        it scheduled (accepted speculative proposals: they were not charged when scheduled);
+        their KV is computed up to ``computed``, so a recompute after a preemption does not
+        charge them again as prompt."""
+        self.charge(tenant, 0, num_tokens)
+        self._charged[request_id] = max(self._charged.get(request_id, 0), computed)
+
     def forget(self, request_id: str) -> None:
         """The request ended: nothing more is charged for it."""
         self._charged.pop(request_id, None)

@@ -39,7 +39,7 @@ from loramux.engine.step_interrupt import StepInterrupted
 
 logger = logging.getLogger(__name__)
 
-Sampled = dict[str, tuple]  # request id -> (token id, logprobs)
+Sampled = dict[str, list]  # request id -> the (token id, logprobs) it emitted
 Execute = Callable[[SchedulerOutput], Sampled]
 
 

@@ -439,15 +439,32 @@ class KVCacheManager:
         # Tail first: blocks become evictable in this order, so the tail is evicted first and the
         # prefix head, most likely to be shared by later requests, stays cached longest.
         for bid in reversed(table):
-            self._ref_count[bid] -= 1
-            if self._ref_count[bid] == 0:
-                if self._hold is not None and bid >= self._hold:
-                    self._unregister(bid)  # the pool will overwrite it
-                    self._held.add(bid)
-                elif self._hash[bid] is not None:
-                    self._evictable[bid] = None  # appended = most recently used
-                else:
-                    heapq.heappush(self._free, bid)
+            self._drop_ref(bid)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks ``num_tokens`` tokens need.
+
+        Speculative decoding allocates slots for proposed tokens; those it rejected leave
+        blocks past the request's tokens, whose KV is never read (a later step writes over
+        it) and was never registered (only blocks full of computed tokens are). Unknown
+        request ids are ignored."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = max(self._blocks_for(num_tokens), len(self._chain[request_id]))
+        while len(table) > keep:
+            self._drop_ref(table.pop())
+
+    def _drop_ref(self, bid: int) -> None:
+        self._ref_count[bid] -= 1
+        if self._ref_count[bid] == 0:
+            if self._hold is not None and bid >= self._hold:
+                self._unregister(bid)  # the pool will overwrite it
+                self._held.add(bid)
+            elif self._hash[bid] is not None:
+                self._evictable[bid] = None  # appended = most recently used
+            else:
+                heapq.heappush(self._free, bid)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: evictable ones become truly free, and blocks still in use

@@ -108,6 +108,38 @@ class EngineMetrics:
             registry=r,
         )
         self.generated_tokens = Counter("loramux_generated_tokens", "Tokens generated.", registry=r)
+        # Speculative decoding, per adapter (the base model's label is the empty string):
+        # acceptance rate = accepted / proposed; tokens per step = generated / decode steps.
+        self.spec_proposed_tokens = Counter(
+            "loramux_spec_proposed_tokens",
+            "Speculative proposals verified by the target model (an engine cost, not billed).",
+            ["adapter"],
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "loramux_spec_accepted_tokens",
+            "Speculative proposals the target model accepted (emitted as output).",
+            ["adapter"],
+            registry=r,
+        )
+        self.spec_verify_steps = Counter(
+            "loramux_spec_verify_steps",
+            "Per request and step: proposals verified (requests x steps that speculated).",
+            ["adapter"],
+            registry=r,
+        )
+        self.decode_steps = Counter(
+            "loramux_decode_steps",
+            "Per request and step: steps that emitted tokens (requests x steps), by adapter.",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_generated_tokens = Counter(
+            "loramux_adapter_generated_tokens",
+            "Tokens generated, by adapter (with decode steps: tokens per step).",
+            ["adapter"],
+            registry=r,
+        )
         self.step_failures = Counter(
             "loramux_step_failures",
             "Engine steps in which some request failed (the others went on).",

@@ -30,6 +30,15 @@ they advance when the scheduler appends the sampled tokens, so a re-run of the s
 decode path (CUDA graphs) returns hidden states like the eager one: its logits are sampled,
 and masked, here too.
 
+Speculative decoding: a decode that verifies ``k`` proposed tokens lays out its last token
+and then the proposals (``k + 1`` query rows over its cached prefix, as a prefill chunk
+does); LoRA applies per token as for any row, so it shares the step with every other
+request. Row ``i``'s logits give the token after the first ``i`` proposals; the sampler's
+``verify`` accepts the proposals the target's own choice agrees with (greedy: equal to its
+argmax; sampling: the rejection rule, so the output distribution is the target's) and
+emits one more. The KV the step wrote for rejected proposals is past the sequence's
+computed tokens: the scheduler's update drops those slots, and a later step overwrites them.
+
 Prompt logprobs: the hidden state at position ``p`` gives the logits of token ``p + 1``, so
 a chunk ``[start, end)`` of a request that asks for them yields the entries of prompt tokens
 ``start + 1 .. end`` (the first token of a chunk was scored by the previous chunk's last
@@ -51,13 +60,16 @@ from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
+from loramux.engine.speculative.verify import VerifyGroup
 from loramux.engine.static_decode import DecodeStep, StaticDecode
 from loramux.engine.structured import MaskFiller, StepMasks
 
 # LM-head rows per prompt-logprob chunk: [256, vocab] float32 logits are 50 MB for a 49k vocab.
 PROMPT_LOGPROB_ROWS = 256
 
-Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
+# request id -> the (token, logprobs) it emitted: one, or with speculation the accepted
+# proposals and one more
+Sampled = dict[str, list[tuple[int, TokenLogprobs | None]]]
 PromptLogprobs = dict[str, list[TokenLogprobs]]  # request id -> the step's new entries
 
 
@@ -154,21 +166,30 @@ class ModelRunner:
         suppress: list[list[int]] = []
         constrained = False  # some sampling row has a grammar
         scored = _PromptRows()
+        verifying: list = []  # the sequences that verify proposals, in group order
+        groups: list[VerifyGroup] = []
+        verify_index: list[int] = []  # their rows: the last token's and each proposal's
         for item in output.scheduled:
             seq = item.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             first = len(input_ids)
             scored.add(item, first)
             input_ids.extend(seq.all_token_ids[start:end])
+            drafts = item.draft_token_ids
+            input_ids.extend(drafts)  # positions end .. end + k - 1, after the last token
             token_spans.append((first, len(input_ids), seq.request_id))
             tables.append(self._block_table(seq.request_id))
-            context_lens.append(end)
-            query_lens.append(item.num_tokens)
+            context_lens.append(end + len(drafts))
+            query_lens.append(item.num_query_tokens)
             if spans and spans[-1][2] == seq.adapter_id:
                 spans[-1] = (spans[-1][0], len(input_ids), seq.adapter_id)
             else:
                 spans.append((first, len(input_ids), seq.adapter_id))
-            if item.samples:
+            if item.samples and drafts:
+                verify_index.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
+                verifying.append(seq)
+                groups.append(_verify_group(seq, drafts))
+            elif item.samples:
                 sample_index.append(len(input_ids) - 1)
                 sampling.append(seq)
                 rows.append(
@@ -198,11 +219,19 @@ class ModelRunner:
             logits = torch.where(finite[index, None], logits, 0.0)
             result = self.sampler.sample(logits, rows, suppress_token_ids=suppress, masks=masks)
             sampled = {
-                seq.request_id: (token, logprobs)
+                seq.request_id: [(token, logprobs)]
                 for seq, token, logprobs in zip(
                     sampling, result.token_ids, result.logprobs, strict=True
                 )
             }
+        if groups:
+            index = torch.tensor(verify_index, **long)
+            logits = self.model.compute_logits(hidden[index])
+            logits = torch.where(finite[index, None], logits, 0.0)
+            for seq, verified in zip(verifying, self.sampler.verify(logits, groups), strict=True):
+                sampled[seq.request_id] = list(
+                    zip(verified.token_ids, verified.logprobs, strict=True)
+                )
         prompt_logprobs = self._prompt_logprobs(hidden, scored)
         if not bool(finite.all()):
             bad = [rid for first, end, rid in token_spans if not bool(finite[first:end].all())]
@@ -254,6 +283,26 @@ class ModelRunner:
         lora = None if table is None else self.backend.lora_step(table, self.lora_pool)
         input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return self.model(input_tensor, attention, self.kv_caches, lora, self.interrupt)
+
+
+def _verify_group(seq, drafts: list[int]) -> VerifyGroup:
+    """``seq``'s rows for verifying ``drafts``: row i samples the token after the first i
+    proposals, so its penalties and ``min_tokens`` count them as output already."""
+    outputs = list(seq.output_token_ids)
+    rows, suppress = [], []
+    for i in range(len(drafts) + 1):
+        rows.append(
+            SamplingRow(
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=outputs + drafts[:i],
+                generator=seq.generator,
+            )
+        )
+        suppress.append(seq.suppressed_token_ids(num_more=i))
+    return VerifyGroup(
+        rows=rows, suppress_token_ids=suppress, draft_token_ids=list(drafts), draft_probs=None
+    )
 
 
 class _PromptRows:

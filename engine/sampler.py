@@ -50,11 +50,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.structured import StepMasks
+
+if TYPE_CHECKING:
+    from loramux.engine.speculative.verify import VerifiedTokens, VerifyGroup
 
 __all__ = [
     "Sampler",
@@ -62,6 +66,7 @@ __all__ = [
     "SamplingRow",
     "TokenLogprobs",
     "apply_penalties",
+    "exponential_race",
     "filter_logits",
     "logprobs_of",
     "make_generator",
@@ -252,6 +257,34 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return x
 
 
+def exponential_race(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator,
+) -> torch.Tensor:
+    r"""Step 6: one token per row of ``probs`` [n, vocab] (non-negative weights; a row's scale
+    does not matter, so it need not be normalised), drawn as :math:`\arg\max_v \pi_v / E_v`
+    with :math:`E_v \sim \mathrm{Exp}(1)`. ``generators[j]`` is row j's own generator, or
+    None for ``shared_generator`` (on ``probs``' device): first one bulk draw of the shared
+    rows' exponentials, then ``vocab`` of them from each own generator, in row order.
+    Returns [n] long token ids on ``probs``' device."""
+    n, vocab = probs.shape
+    device = probs.device
+    q = torch.empty((n, vocab), dtype=torch.float32, device=device)
+    shared = [j for j, gen in enumerate(generators) if gen is None]
+    if shared:
+        draw = torch.empty((len(shared), vocab), dtype=torch.float32, device=device)
+        draw.exponential_(generator=shared_generator)
+        q[torch.tensor(shared, dtype=torch.long).to(device)] = draw
+    for j, gen in enumerate(generators):
+        if gen is not None:
+            draw = torch.empty(vocab, dtype=torch.float32, device=gen.device)
+            q[j] = draw.exponential_(generator=gen).to(device)
+    # Exp(1) can round to 0: clamp so a dropped token (prob 0) never gives 0/0.
+    q.clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per row. See the module docstring for the exact semantics."""
 
@@ -293,7 +326,7 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         device = logits.device
-        n, vocab = logits.shape
+        n = logits.shape[0]
 
         z = apply_penalties(logits, rows, suppress_token_ids)
         if masks is not None:
@@ -309,20 +342,8 @@ class Sampler:
         if rand:
             idx = torch.tensor(rand, dtype=torch.long).to(device)
             probs = filter_logits(z[idx], [rows[i].params for i in rand]).softmax(dim=-1)
-            q = torch.empty((len(rand), vocab), dtype=torch.float32, device=device)
-            shared = [j for j, i in enumerate(rand) if rows[i].generator is None]
-            if shared:
-                draw = torch.empty((len(shared), vocab), dtype=torch.float32, device=device)
-                draw.exponential_(generator=self._generator(device))
-                q[torch.tensor(shared, dtype=torch.long).to(device)] = draw
-            for j, i in enumerate(rand):
-                gen = rows[i].generator
-                if gen is not None:
-                    draw = torch.empty(vocab, dtype=torch.float32, device=gen.device)
-                    q[j] = draw.exponential_(generator=gen).to(device)
-            # Exp(1) can round to 0: clamp so a dropped token (prob 0) never gives 0/0.
-            q.clamp_(min=torch.finfo(torch.float32).tiny)
-            tokens[idx] = (probs / q).argmax(dim=-1)
+            generators = [rows[i].generator for i in rand]
+            tokens[idx] = exponential_race(probs, generators, self._generator(device))
 
         token_ids = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * n
@@ -333,6 +354,14 @@ class Sampler:
             for i, item in zip(want, found, strict=True):
                 logprobs[i] = item
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def verify(self, logits: torch.Tensor, groups: list[VerifyGroup]) -> list[VerifiedTokens]:
+        """Speculative verification (:mod:`loramux.engine.speculative.verify`): the accepted
+        proposals and one more token per group, unseeded groups drawing from this sampler's
+        generator for ``logits``' device."""
+        from loramux.engine.speculative.verify import verify  # it imports this module
+
+        return verify(logits, groups, self._generator(logits.device))
 
 
 def logprobs_of(

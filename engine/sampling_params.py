@@ -46,6 +46,10 @@ Semantics (the sampler in :mod:`loramux.engine.sampler` implements them, in this
   ends it whenever the grammar allows it (suppressing EOS when it is the only token the
   grammar allows would leave nothing to sample). ``stop_token_ids`` other than EOS are
   never allowed by the grammar, so they end nothing.
+* ``speculative``: whether the engine may speculate for this request when it is configured
+  to (``EngineConfig.speculative_method``). Greedy output is token for token the same
+  either way, sampled output has the same distribution; ``False`` opts out. A request with
+  ``structured`` never speculates.
 """
 
 from __future__ import annotations
@@ -119,6 +123,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # False opts this request out of the engine's speculative decoding (its output is the
+    # same either way; this only changes how many steps it takes).
+    speculative: bool = True
     # JsonSchema and ToolCalls hold dicts (unhashable specs): left out of the hash.
     structured: StructuredSpec | None = field(default=None, hash=False)
 
@@ -178,7 +185,12 @@ class SamplingParams:
         put("stop", self._normalise_stop(self.stop))
         put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
 
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "speculative",
+        ):
             put(name, _bool(name, getattr(self, name)))
 
         min_tokens = _int("min_tokens", self.min_tokens)

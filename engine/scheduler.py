@@ -85,6 +85,14 @@ class ScheduledSequence:
     # The chunk reaches the last known token, so a new one is sampled (never for a
     # prompt-only request: it finishes there instead).
     samples: bool
+    # Speculative decoding: proposed tokens the step computes after the sequence's last one
+    # and verifies (a decode only). Not the sequence's tokens until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """The rows the step computes for it: its tokens and the proposals verified."""
+        return self.num_tokens + len(self.draft_token_ids)
 
 
 @dataclass
@@ -204,9 +212,12 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.kv.allocate(seq.request_id, seq.num_computed_tokens + n)
-            scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            drafts = self._drafts(seq, n, budget)
+            self.kv.allocate(seq.request_id, seq.num_computed_tokens + n + len(drafts))
+            item = self._scheduled(seq, n)
+            item.draft_token_ids = drafts
+            scheduled.append(item)
+            budget -= item.num_query_tokens
             if seq.adapter_id is not None:
                 adapters.add(seq.adapter_id)
 
@@ -252,7 +263,9 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, n))
             # Not `budget -= n`: _make_room may have preempted scheduled victims, whose
             # tokens go back to the budget.
-            budget = limits.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
+            budget = limits.max_num_batched_tokens - sum(
+                item.num_query_tokens for item in scheduled
+            )
             if seq.adapter_id is not None:
                 adapters.add(seq.adapter_id)
             # Its tenant was charged for the chunk: the next freed slot may be another's.
@@ -263,7 +276,7 @@ class Scheduler:
 
         # Group by adapter (base model first) so the runner can form LoRA segments.
         scheduled.sort(key=lambda item: -1 if item.seq.adapter_id is None else item.seq.adapter_id)
-        tokens = sum(item.num_tokens for item in scheduled)
+        tokens = sum(item.num_query_tokens for item in scheduled)
         return SchedulerOutput(
             scheduled=scheduled, preempted=preempted, num_batched_tokens=tokens, kv_moves=kv_moves
         )
@@ -301,6 +314,19 @@ class Scheduler:
         if self.limits.max_prefill_chunk is not None and seq.num_uncomputed_tokens > 1:
             n = min(n, self.limits.max_prefill_chunk)
         return n
+
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The proposals a decode verifies this step: as many of ``seq.draft_token_ids`` as
+        the token budget and free KV blocks allow (proposals never preempt anything)."""
+        proposed = seq.draft_token_ids
+        if not proposed or n != 1 or seq.num_uncomputed_tokens != 1:
+            return []
+        drafts = proposed[: max(0, budget - n)]
+        while drafts and not self.kv.can_allocate(
+            seq.request_id, seq.num_computed_tokens + n + len(drafts)
+        ):
+            drafts = drafts[: len(drafts) // 2]
+        return list(drafts)
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSequence:
         reaches_end = seq.num_computed_tokens + n == seq.num_tokens
@@ -425,7 +451,7 @@ class Scheduler:
                 seq.cached_prefix = None  # the handle goes stale; look up afresh next step
                 seq.num_computed_tokens = 0
                 return None
-            budget += sum(item.num_tokens for item in scheduled if item.seq is victim)
+            budget += sum(item.num_query_tokens for item in scheduled if item.seq is victim)
             scheduled[:] = [item for item in scheduled if item.seq is not victim]
             self._preempt(victim, preempted)
             # The freed blocks may have been our cached prefix: look it up again.
@@ -455,18 +481,20 @@ class Scheduler:
     def update(
         self,
         output: SchedulerOutput,
-        sampled: dict[str, tuple[int, object]],
+        sampled: dict[str, list[tuple[int, object]]],
         now: float,
         prompt_logprobs: dict[str, list] | None = None,
-    ) -> list[tuple[Sequence, str]]:
-        """Advance the scheduled sequences by their computed tokens and sampled token.
+    ) -> list[tuple[Sequence, str, list[int]]]:
+        """Advance the scheduled sequences by their computed tokens and emitted tokens.
 
-        ``sampled`` maps request id -> (token id, logprobs) for the sequences that
-        sampled; ``prompt_logprobs`` request id -> the logprobs of the prompt tokens the
-        step computed them for (the runner leaves out those a sequence already has).
-        Returns (sequence, new text) for every sequence that got a token, and for every
-        prompt-only sequence whose prompt is done (it finishes with none); finished ones
-        are released.
+        ``sampled`` maps request id -> the (token id, logprobs) the step emitted for each
+        sequence that sampled: one, or with speculation the accepted proposals and one more;
+        ``prompt_logprobs`` request id -> the logprobs of the prompt tokens the step computed
+        them for (the runner leaves out those a sequence already has). Tokens are appended
+        until one ends the sequence (a stop inside an accepted run ends it there).
+        Returns (sequence, new text, new token ids) for every sequence that got tokens, and
+        for every prompt-only sequence whose prompt is done (it finishes with none);
+        finished ones are released.
         """
         prompt_logprobs = prompt_logprobs or {}
         updates = []
@@ -474,16 +502,31 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += item.num_tokens
+            emitted = sampled[seq.request_id] if item.samples else []
+            text, new = "", []
+            for token_id, logprobs in emitted:
+                text += seq.append_token(token_id, logprobs, now)
+                new.append(token_id)
+                if seq.is_finished:
+                    break
+            # Emitted tokens but the last are accepted proposals: the step computed their KV.
+            accepted = min(len(new), len(emitted) - 1) if emitted else 0
+            seq.num_computed_tokens += item.num_tokens + accepted
             self.kv.commit(
                 seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt
             )
+            if accepted:
+                self.fair.charge_accepted(
+                    seq.tenant, seq.request_id, accepted, seq.num_computed_tokens
+                )
+            if item.draft_token_ids and not seq.is_finished:
+                self.kv.trim(seq.request_id, seq.num_tokens)  # the rejected proposals' slots
             seq.add_prompt_logprobs(prompt_logprobs.get(seq.request_id, []))
-            if item.samples:
-                token_id, logprobs = sampled[seq.request_id]
-                updates.append((seq, seq.append_token(token_id, logprobs, now)))
+            if new:
+                seq.metrics.decode_steps += 1
+                updates.append((seq, text, new))
             elif seq.prompt_only and seq.num_computed_tokens == seq.num_tokens:
-                updates.append((seq, seq.finish_prompt_only()))
+                updates.append((seq, seq.finish_prompt_only(), []))
             if seq.is_finished:
                 self._release(seq)
         return updates

@@ -12,6 +12,7 @@ from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.lora.adapter import LoRARequest
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.speculative.speculator import RequestSpeculation
 from loramux.engine.structured import GrammarMatcher
 
 
@@ -50,6 +51,11 @@ class RequestMetrics:
     finished_time: float | None = None
     inter_token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding: tokens proposed and verified, how many the target accepted, and
+    # the steps that emitted tokens (completion_tokens / decode_steps: tokens per step).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    decode_steps: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -79,6 +85,7 @@ class Sequence:
         max_model_len: int,
         generator: torch.Generator | None,
         grammar: GrammarMatcher | None = None,
+        speculation: RequestSpeculation | None = None,
         arrival_time: float | None = None,
     ):
         self.request_id = request_id
@@ -101,6 +108,10 @@ class Sequence:
         # Its structured output's state: it has accepted exactly the output tokens (each on
         # append_token; a preemption's recompute or a dropped step samples nothing).
         self.grammar = grammar
+        # Speculative decoding's state for this request (None: it does not speculate), and
+        # the tokens proposed for its next step: set before each step, verified by it.
+        self.speculation = speculation
+        self.draft_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token that ended it
@@ -161,10 +172,12 @@ class Sequence:
         collected = self.prompt_logprobs
         return collected is not None and len(collected) < len(self.prompt_token_ids)
 
-    def suppressed_token_ids(self) -> list[int]:
-        """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens). None
-        with a grammar: it wins over min_tokens (EOS may be the only token it allows)."""
-        if self.grammar is not None or len(self.output_token_ids) >= self.params.min_tokens:
+    def suppressed_token_ids(self, num_more: int = 0) -> list[int]:
+        """Ids the sampler must not pick yet (EOS and stop tokens before min_tokens), for the
+        token after ``num_more`` more outputs (speculative proposals). None with a grammar:
+        it wins over min_tokens (EOS may be the only token it allows)."""
+        produced = len(self.output_token_ids) + num_more
+        if self.grammar is not None or produced >= self.params.min_tokens:
             return []
         return sorted(self._stop_ids)
 

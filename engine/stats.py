@@ -78,6 +78,29 @@ class LatencyWindow:
         )
 
 
+@dataclass
+class SpeculationStats:
+    """Speculative decoding for one adapter's requests since the engine started (the base
+    model's under the empty name): proposals verified and accepted, and the steps that
+    emitted its tokens, so tokens per step shows what speculation gained."""
+
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0  # request-steps that verified proposals
+    decode_steps: int = 0  # request-steps that emitted tokens (with or without proposals)
+    generated_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed; None before anything was proposed."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Generated tokens per request-step; 1.0 without speculation."""
+        return self.generated_tokens / self.decode_steps if self.decode_steps else None
+
+
 @dataclass(frozen=True)
 class TierStats:
     """Adapters held in one memory tier: their engine names, bytes used and the most the
@@ -117,6 +140,11 @@ class EngineStats:
     # share (tenant_share.py); the default tenant None too.
     tenants: dict[str | None, TenantShareStats] = field(default_factory=dict)
     share_window_s: float = DEFAULT_SHARE_WINDOW_S  # how far back ``share`` looks
+    # Speculative decoding: the method ("off", "ngram", "draft"), the most proposals a
+    # request verifies per step, and per adapter what was proposed, accepted and emitted.
+    speculative_method: str = "off"
+    num_speculative_tokens: int = 0
+    speculation: dict[str, SpeculationStats] = field(default_factory=dict)
 
     @property
     def tenant_ids(self) -> list[str]:

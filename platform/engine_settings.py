@@ -34,12 +34,17 @@ FROM_SETTINGS = {
     "max_lora_rank": "max_adapter_rank",
     "enable_prefix_caching": "enable_prefix_caching",
     "cuda_graph_max_batch": "cuda_graph_max_batch",
+    "speculative_method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "ngram_max_n": "ngram_max_n",
+    "ngram_min_n": "ngram_min_n",
 }
 # EngineConfig field -> what sets it.
 SET_BY_THE_PLATFORM = {
     "model": "the resolved base model's folder (LORAMUX_MODEL; a GGUF is converted first)",
     "adapter_disk_cache_dir": "<data dir>/adapter-cache while LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES > 0",
     "adapter_disk_cache_bytes": "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES (0: no disk tier at all)",
+    "draft_model": "LORAMUX_DRAFT_MODEL's folder, as a string (unset: none)",
 }
 # EngineConfig field -> why the platform keeps the engine's default.
 ENGINE_DEFAULTS = {
@@ -55,4 +60,6 @@ def engine_config(settings: Settings, base_model: ResolvedBaseModel) -> EngineCo
     if settings.adapter_disk_cache_bytes:
         values["adapter_disk_cache_dir"] = str(settings.data_dir / "adapter-cache")
         values["adapter_disk_cache_bytes"] = settings.adapter_disk_cache_bytes
+    if settings.draft_model is not None:
+        values["draft_model"] = str(settings.draft_model)
     return EngineConfig(model=str(base_model.path), **values)

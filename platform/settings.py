@@ -120,6 +120,28 @@ class Settings(BaseSettings):
         description="Decode-only steps of up to this many requests replay CUDA graphs "
         "captured at start (CUDA only; 0: every step eager).",
     )
+    speculative_method: Literal["off", "ngram", "draft"] = Field(
+        default="off",
+        description="Speculative decoding: off; ngram (prompt lookup: proposes the tokens that "
+        "followed the output's last few tokens earlier in the request, no extra model); draft "
+        "(a smaller model sharing the tokenizer, LORAMUX_DRAFT_MODEL). Output is unchanged.",
+    )
+    num_speculative_tokens: int = Field(
+        default=4,
+        gt=0,
+        description="Most proposed tokens a request verifies per step (fewer as its "
+        "acceptance rate falls).",
+    )
+    ngram_max_n: int = Field(
+        default=4, gt=0, description="Longest suffix the n-gram proposer looks up."
+    )
+    ngram_min_n: int = Field(
+        default=2, gt=0, description="Shortest suffix the n-gram proposer tries."
+    )
+    draft_model: Path | None = Field(
+        default=None,
+        description="HF-format folder of the draft model (speculative_method draft).",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None,
         description="The engine's weights and activations (unset: float32 on CPU, bfloat16 on CUDA).",

@@ -110,7 +110,7 @@ class Sim:
         for item in out.scheduled:
             self.served[item.seq.tenant] += item.num_tokens
         sampled = {
-            item.seq.request_id: (SAMPLED_TOKEN, None) for item in out.scheduled if item.samples
+            item.seq.request_id: [(SAMPLED_TOKEN, None)] for item in out.scheduled if item.samples
         }
         self.clock += 1.0
         self.sched.update(out, sampled, self.clock)
