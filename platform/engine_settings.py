@@ -44,7 +44,7 @@ SET_BY_THE_PLATFORM = {
     "model": "the resolved base model's folder (LORAMUX_MODEL; a GGUF is converted first)",
     "adapter_disk_cache_dir": "<data dir>/adapter-cache while LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES > 0",
     "adapter_disk_cache_bytes": "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES (0: no disk tier at all)",
-    "draft_model": "LORAMUX_DRAFT_MODEL's folder, as a string (unset: none)",
+    "draft_model": "LORAMUX_ENGINE_DRAFT_MODEL's folder, as a string (unset: none)",
 }
 # EngineConfig field -> why the platform keeps the engine's default.
 ENGINE_DEFAULTS = {

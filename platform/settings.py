@@ -124,7 +124,7 @@ class Settings(BaseSettings):
         default="off",
         description="Speculative decoding: off; ngram (prompt lookup: proposes the tokens that "
         "followed the output's last few tokens earlier in the request, no extra model); draft "
-        "(a smaller model sharing the tokenizer, LORAMUX_DRAFT_MODEL). Output is unchanged.",
+        "(a smaller model sharing the tokenizer, LORAMUX_ENGINE_DRAFT_MODEL). Output is unchanged.",
     )
     num_speculative_tokens: int = Field(
         default=4,

@@ -38,6 +38,11 @@ ENGINE_TUNING_FIELDS = (
     "adapter_wait_steps",
     "enable_prefix_caching",
     "cuda_graph_max_batch",
+    "speculative_method",
+    "num_speculative_tokens",
+    "ngram_max_n",
+    "ngram_min_n",
+    "draft_model",
 )
 # Settings fields of the engine server: LORAMUX_ENGINE_SERVER_<NAME>.
 ENGINE_SERVER_FIELDS = (

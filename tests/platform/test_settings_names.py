@@ -37,12 +37,17 @@ def _settings(tmp_path, **kwargs) -> tuple[Settings, list[str]]:
 
 def test_the_families_cover_what_the_engine_reads():
     # Every setting the engine config is made of tunes the engine, except the rank limit
-    # (uploads share it: LORAMUX_MAX_ADAPTER_RANK); the disk tier's size is set through it.
-    tuning = (set(FROM_SETTINGS.values()) - {"max_adapter_rank"}) | {"adapter_disk_cache_bytes"}
+    # (uploads share it: LORAMUX_MAX_ADAPTER_RANK); the disk tier's size and the draft model
+    # are set through it.
+    tuning = (set(FROM_SETTINGS.values()) - {"max_adapter_rank"}) | {
+        "adapter_disk_cache_bytes",
+        "draft_model",
+    }
     assert set(ENGINE_TUNING_FIELDS) == tuning
     assert (
         "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES" in SET_BY_THE_PLATFORM["adapter_disk_cache_bytes"]
     )
+    assert "LORAMUX_ENGINE_DRAFT_MODEL" in SET_BY_THE_PLATFORM["draft_model"]
     fields = set(Settings.model_fields)
     assert set(ENGINE_SERVER_FIELDS) <= fields and set(ENGINE_TUNING_FIELDS) <= fields
     names = [env_name(field) for field in fields]
