@@ -513,7 +513,8 @@ class Engine:
             self.step_interrupt.end()
         outputs = failures + self._fail_in_step(step)
         # Counted as served, before update() finishes some of them (tenant_share.py).
-        self.metrics.count_served(self.tenant_share.record_step(plan.scheduled))
+        emitted = {rid: len(tokens) for rid, tokens in step.sampled.items() if len(tokens) > 1}
+        self.metrics.count_served(self.tenant_share.record_step(plan.scheduled, emitted))
         updates = self.scheduler.update(plan, step.sampled, time.monotonic(), prompt_logprobs)
         self._record_speculation(plan, step.sampled)
         for seq, text, new_ids in updates:

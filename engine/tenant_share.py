@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from loramux.engine.fair_share import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST
@@ -114,9 +114,16 @@ def merge_tenants(parts: list[dict[Tenant, TenantShareStats]]) -> dict[Tenant, T
     return with_shares(merged)
 
 
-def served_in_step(scheduled: Iterable[ScheduledSequence]) -> dict[Tenant, tuple[int, int]]:
+def served_in_step(
+    scheduled: Iterable[ScheduledSequence], emitted: Mapping[str, int] | None = None
+) -> dict[Tenant, tuple[int, int]]:
     """(prompt, output) tokens per tenant that a step served: call it after the step ran
-    and before the scheduler applies it (sequences failed or aborted meanwhile got nothing)."""
+    and before the scheduler applies it (sequences failed or aborted meanwhile got nothing).
+
+    ``emitted``: request id -> the tokens the step emitted for it, where that is more than
+    one (speculative decoding: accepted proposals and one more; a stop inside the run may
+    leave the last of them undelivered, they were served all the same)."""
+    emitted = emitted or {}
     served: dict[Tenant, tuple[int, int]] = {}
     for item in scheduled:
         seq = item.seq
@@ -126,7 +133,7 @@ def served_in_step(scheduled: Iterable[ScheduledSequence]) -> dict[Tenant, tuple
         # computes prompt (or, after a preemption, recomputes prompt and output) tokens.
         decode = item.samples and item.num_tokens == 1 and bool(seq.output_token_ids)
         prompt = 0 if decode else item.num_tokens
-        output = 1 if item.samples else 0
+        output = emitted.get(seq.request_id, 1) if item.samples else 0
         before = served.get(seq.tenant, (0, 0))
         served[seq.tenant] = (before[0] + prompt, before[1] + output)
     return served
@@ -151,9 +158,11 @@ class TenantShare:
         self._window: dict[Tenant, list[int]] = {}
         self._seen: set[Tenant] = set()  # every tenant ever reported stays (its gauges go to 0)
 
-    def record_step(self, scheduled: Iterable[ScheduledSequence]) -> dict[Tenant, tuple[int, int]]:
+    def record_step(
+        self, scheduled: Iterable[ScheduledSequence], emitted: Mapping[str, int] | None = None
+    ) -> dict[Tenant, tuple[int, int]]:
         """Count what a step served (see ``served_in_step``); returns it."""
-        served = served_in_step(scheduled)
+        served = served_in_step(scheduled, emitted)
         if not served:
             return served
         bucket = self._current_bucket()

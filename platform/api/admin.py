@@ -122,8 +122,10 @@ def list_all_adapters(
 def _engine_labels(
     session: Session, stats: EngineStats
 ) -> tuple[dict[str, VersionLabel], dict[str, str]]:
-    """The names behind the engine's ids: adapter versions and tenants."""
-    labels = adapters.version_labels(session, stats.adapter_residency)
+    """The names behind the engine's ids: adapter versions (those registered, and those
+    speculation counted for; "" is the base model) and tenants."""
+    versions = {*stats.adapter_residency, *stats.speculation} - {""}
+    labels = adapters.version_labels(session, versions)
     return labels, tenants.tenant_names(session, stats.tenant_ids)
 
 

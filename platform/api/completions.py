@@ -134,6 +134,7 @@ def sampling_of(body, **extra: Any) -> dict[str, Any]:
         "repetition_penalty",
         "min_tokens",
         "ignore_eos",
+        "speculative",
         "seed",
     )
     given = {name: getattr(body, name) for name in fields}

@@ -39,6 +39,7 @@ _SAMPLING = (
     "frequency_penalty",
     "min_tokens",
     "ignore_eos",
+    "speculative",
 )
 
 # /openapi.json: the answer is JSON, or with ``stream: true`` server-sent events.

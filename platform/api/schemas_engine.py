@@ -4,7 +4,8 @@ row per engine (one, ``local``, in the embedded default).
 Built from ``loramux.engine.EngineStats`` (the engine knows adapters by version id
 and tenants by id) and the names the platform's database holds for them. Latencies are
 milliseconds over the engine's recent window (``latency_window_s``); ``null`` while the
-window holds no sample.
+window holds no sample. ``speculation`` says what speculative decoding proposed, had
+accepted and gained, per adapter version (the base model's row has an empty engine name).
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from loramux.engine import EngineStats, LatencySummary, MemoryPlan, ResidencyStats, TierStats
+from loramux.engine import (
+    EngineStats,
+    LatencySummary,
+    MemoryPlan,
+    ResidencyStats,
+    SpeculationStats,
+    TierStats,
+)
 from loramux.platform.engine_fleet.client import EngineReport
+from loramux.platform.engine_fleet.merge import sum_speculation
 from loramux.platform.services.adapters import VersionLabel
 
 MS_PER_S = 1000.0
@@ -127,6 +136,89 @@ class ResidencyOut(BaseModel):
         return cls(**dataclasses.asdict(stats))
 
 
+class SpeculationFiguresOut(BaseModel):
+    """Speculative decoding's totals since the engines started."""
+
+    proposed_tokens: int = Field(description="Tokens proposed for verification.")
+    accepted_tokens: int = Field(description="Proposed tokens the model accepted.")
+    verify_steps: int = Field(description="Request-steps that verified proposals.")
+    decode_steps: int = Field(
+        description="Request-steps that emitted tokens (with or without proposals)."
+    )
+    generated_tokens: int = Field(description="Tokens emitted (what is billed).")
+    acceptance_rate: float | None = Field(
+        description="accepted_tokens / proposed_tokens, 0-1; null before any proposal."
+    )
+    tokens_per_step: float | None = Field(
+        description="generated_tokens / decode_steps: 1.0 without speculation, more the more "
+        "it gains; null before any token."
+    )
+
+    @staticmethod
+    def figures(stats: SpeculationStats) -> dict:
+        return {
+            **dataclasses.asdict(stats),
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_step": stats.tokens_per_step,
+        }
+
+
+class AdapterSpeculationOut(SpeculationFiguresOut):
+    """One adapter version's (or the base model's) speculative decoding; names are null for
+    the base model and for versions the database does not know."""
+
+    engine_name: str = Field(
+        description="The engine's name of the adapter version (its id); empty for the base model."
+    )
+    tenant_id: str | None
+    tenant_name: str | None
+    adapter: str | None
+    version: int | None
+
+
+class SpeculationOut(BaseModel):
+    """Speculative decoding: how the engines propose tokens to verify, and per adapter what
+    was proposed, accepted and gained (tokens per step)."""
+
+    method: str = Field(
+        description="`off`, `ngram` (prompt lookup) or `draft`; `mixed` when engines differ "
+        "(each engine's row says its own). Set by LORAMUX_ENGINE_SPECULATIVE_METHOD."
+    )
+    num_speculative_tokens: int = Field(
+        description="The most tokens a request verifies per step (0 when off; the largest "
+        "of the engines' when mixed)."
+    )
+    adapters: list[AdapterSpeculationOut] = Field(
+        description="Per adapter version, the base model first; those with no request served "
+        "since the engines started are left out."
+    )
+    total: SpeculationFiguresOut = Field(description="The adapters' figures added up.")
+
+    @classmethod
+    def from_stats(cls, stats: EngineStats, labels: dict[str, VersionLabel]) -> SpeculationOut:
+        def order(name: str) -> tuple:
+            label = labels.get(name)
+            if label is None:
+                return (name != "", 1, name)
+            return (True, 0, label.tenant_name, label.adapter, label.version)
+
+        return cls(
+            method=stats.speculative_method,
+            num_speculative_tokens=stats.num_speculative_tokens,
+            adapters=[
+                AdapterSpeculationOut(
+                    engine_name=name,
+                    **_label_fields(labels.get(name)),
+                    **SpeculationFiguresOut.figures(stats.speculation[name]),
+                )
+                for name in sorted(stats.speculation, key=order)
+            ],
+            total=SpeculationFiguresOut(
+                **SpeculationFiguresOut.figures(sum_speculation(list(stats.speculation.values())))
+            ),
+        )
+
+
 class EngineAdapterOut(BaseModel):
     """A registered adapter version and where it is; names are null for versions the
     database does not know."""
@@ -232,6 +324,10 @@ class EngineRowOut(BaseModel):
     adapter_reloads_per_min: float | None
     adapter_room_wait_steps_per_min: float | None
     thrashing: bool | None
+    speculative_method: str | None = Field(description="`off`, `ngram` or `draft`.")
+    num_speculative_tokens: int | None = Field(
+        description="The most tokens a request verifies per step (0 when off)."
+    )
 
     @classmethod
     def from_report(cls, report: EngineReport) -> EngineRowOut:
@@ -273,6 +369,8 @@ class EngineRowOut(BaseModel):
             adapter_reloads_per_min=residency.adapter_reloads_per_min,
             adapter_room_wait_steps_per_min=residency.adapter_room_wait_steps_per_min,
             thrashing=residency.thrashing,
+            speculative_method=stats.speculative_method,
+            num_speculative_tokens=stats.num_speculative_tokens,
         )
 
 
@@ -296,6 +394,10 @@ class EngineSnapshotOut(BaseModel):
     residency: ResidencyOut = Field(
         description="Preemptions, adapter evictions, re-loads and adapter-room waits: whether "
         "memory, not compute, is the limit."
+    )
+    speculation: SpeculationOut = Field(
+        description="Speculative decoding: the method, tokens verified per step, and per "
+        "adapter the tokens proposed and accepted and the tokens emitted per step."
     )
     engines: list[EngineRowOut] = Field(
         description="Each engine on its own; the fields above merge them (counts summed, "
@@ -342,19 +444,22 @@ class EngineSnapshotOut(BaseModel):
             share_window_s=stats.share_window_s,
             memory=MemoryOut.from_plan(stats.memory),
             residency=ResidencyOut.from_stats(stats.residency),
+            speculation=SpeculationOut.from_stats(stats, labels),
             engines=[EngineRowOut.from_report(report) for report in engines],
         )
 
 
+def _label_fields(label: VersionLabel | None) -> dict:
+    return {
+        "tenant_id": label and label.tenant_id,
+        "tenant_name": label and label.tenant_name,
+        "adapter": label and label.adapter,
+        "version": label and label.version,
+    }
+
+
 def _adapter(name: str, tier: str, label: VersionLabel | None) -> EngineAdapterOut:
-    return EngineAdapterOut(
-        engine_name=name,
-        tier=tier,
-        tenant_id=label and label.tenant_id,
-        tenant_name=label and label.tenant_name,
-        adapter=label and label.adapter,
-        version=label and label.version,
-    )
+    return EngineAdapterOut(engine_name=name, tier=tier, **_label_fields(label))
 
 
 def _tier(tier: TierStats, adapters: dict[str, EngineAdapterOut]) -> TierOut:

@@ -8,7 +8,9 @@ stored with the request's usage record (at most 256 characters, else a 400).
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions
 (send them with the client's ``extra_body``; benchmarks use the last two for exact lengths).
 ``timeout`` (seconds) is loramux's too: the request's deadline, which can only shorten the
-tenant's default and the server's maximum (``services/deadlines.py``).
+tenant's default and the server's maximum (``services/deadlines.py``); so is
+``speculative`` (default true): ``false`` opts the request out of the engine's speculative
+decoding (``SPECULATIVE_DESCRIPTION``).
 Structured outputs (``response_format``; chat's ``tools``, ``tool_choice`` and
 ``parallel_tool_calls``) are read by ``structured_params`` and ``tool_params``, whose 400s
 name the field; completions take ``response_format`` too, as an extension.
@@ -23,6 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from loramux.platform.api.openai_params import Prompts
 
 MAX_N = 16  # choices per request
+SPECULATIVE_DESCRIPTION = (
+    "loramux extension: whether the engine may speculate for this request when the server "
+    "runs speculative decoding (LORAMUX_ENGINE_SPECULATIVE_METHOD). The output is the same "
+    "either way (greedy: token for token; sampled: the same distribution) and only the "
+    "emitted tokens are billed; false opts out, e.g. to measure the plain decoding speed. "
+    "Requests with structured outputs never speculate."
+)
 
 
 class StreamOptions(BaseModel):
@@ -58,6 +67,7 @@ class _Sampling(BaseModel):
     # loramux: seconds this request may take in all; it can only shorten the tenant's
     # default and the server's maximum (services/deadlines.py).
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
 
     @property
     def include_usage(self) -> bool:

@@ -10,8 +10,8 @@ server does not do. Unknown fields are ignored. Of OpenAI's fields:
   ``temperature``, ``top_p``, ``stream``, ``user``, ``metadata`` (returned as sent),
   ``text.format`` (``text``, ``json_object``, or ``json_schema`` with ``name``, ``schema``
   and ``strict``: structured outputs as chat's ``response_format``, read by
-  ``structured_params``; returned as sent), and loramux's ``timeout`` and sampling
-  extensions as in chat (``extra_body``);
+  ``structured_params``; returned as sent), and loramux's ``timeout``, ``speculative``
+  and sampling extensions as in chat (``extra_body``);
 - refused (400): ``tools`` (non-empty), a ``tool_choice`` that requires a tool,
   ``previous_response_id`` and ``conversation`` (no response is stored to continue),
   ``background: true``, input items other than messages and content parts other than
@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from loramux.platform.api.schemas_openai import SPECULATIVE_DESCRIPTION
 
 
 class InputMessage(BaseModel):
@@ -71,6 +73,7 @@ class AdapterResponseRequest(BaseModel):
     ignore_eos: bool | None = None
     # loramux: seconds this request may take in all (services/deadlines.py)
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
 
 
 class ResponseRequest(AdapterResponseRequest):

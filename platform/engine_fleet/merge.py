@@ -3,7 +3,10 @@ residency): counts, rates, budgets and bytes summed, each adapter at the fastest
 engine holds it in, latency percentiles the worst engine's (percentiles of a union are not
 derivable from the parts' percentiles). Per tenant, tokens served and requests queued and
 running are summed and the shares recomputed from the summed window tokens: a tenant's
-share of the fleet, not of any one engine."""
+share of the fleet, not of any one engine. Speculative decoding's totals are summed per
+adapter (so its acceptance rate and tokens per step are the fleet's); the method and the
+proposals per step are the engines' own when they agree, else "mixed" and the most any
+engine verifies."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from loramux.engine import (
     LatencySummary,
     MemoryPlan,
     ResidencyStats,
+    SpeculationStats,
     TierStats,
     merge_tenants,
 )
@@ -96,6 +100,35 @@ def _merge_memory(plans: list[MemoryPlan]) -> MemoryPlan | None:
     )
 
 
+_SPECULATION_FIGURES = (
+    "proposed_tokens",
+    "accepted_tokens",
+    "verify_steps",
+    "decode_steps",
+    "generated_tokens",
+)
+
+
+def sum_speculation(parts: list[SpeculationStats]) -> SpeculationStats:
+    """Speculative decoding's totals added up (over engines, or over adapters)."""
+    return SpeculationStats(
+        **{figure: sum(getattr(p, figure) for p in parts) for figure in _SPECULATION_FIGURES}
+    )
+
+
+def _merge_speculation(parts: list[dict[str, SpeculationStats]]) -> dict[str, SpeculationStats]:
+    """Per adapter, every engine's totals summed."""
+    adapters = sorted({name for part in parts for name in part})
+    return {
+        name: sum_speculation([part[name] for part in parts if name in part]) for name in adapters
+    }
+
+
+def _one_or_mixed(values: list[str]) -> str:
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else "mixed"
+
+
 def merge_stats(parts: list[EngineStats]) -> EngineStats:
     return EngineStats(
         running_requests=sum(p.running_requests for p in parts),
@@ -118,4 +151,7 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         tenant_weights={k: v for p in parts for k, v in p.tenant_weights.items()},
         tenants=merge_tenants([p.tenants for p in parts]),
         share_window_s=max(p.share_window_s for p in parts),
+        speculative_method=_one_or_mixed([p.speculative_method for p in parts]),
+        num_speculative_tokens=max(p.num_speculative_tokens for p in parts),
+        speculation=_merge_speculation([p.speculation for p in parts]),
     )

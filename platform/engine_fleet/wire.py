@@ -2,14 +2,16 @@
 
 Requests carry ``SamplingParams``; a generate stream is one JSON line per
 ``RequestOutput``; ``EngineStats`` answers the stats call (an older engine's, without the
-memory plan, residency counts or per-tenant service, still parses: those take their
-defaults). Decoding rebuilds the engine's
+memory plan, residency counts, per-tenant service or speculation figures, still parses:
+those take their defaults; ``speculation`` travels as adapter -> totals, the base model
+under ""). Decoding rebuilds the engine's
 own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
 TypeError naming it). ``logit_bias`` travels as a list of [token id, bias] pairs (JSON object
 keys are strings); ``structured`` (a structured-output spec) travels in the spec's own JSON
 form (``spec_to_json``). Those three are left out when unset, so an engine from before them
 still takes the requests that don't use them; a malformed spec is refused by name
-(GrammarError, a ValueError).
+(GrammarError, a ValueError). ``speculative`` is sent only when a request opts out (False),
+for the same reason.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from loramux.engine import (
     RequestOutput,
     ResidencyStats,
     SamplingParams,
+    SpeculationStats,
     TenantShareStats,
     TierStats,
     TokenLogprobs,
@@ -42,6 +45,8 @@ def params_to_json(params: SamplingParams) -> dict[str, Any]:
     for key in _OPTIONAL_PARAMS:
         if data[key] is None:
             del data[key]
+    if params.speculative:  # the default: an engine from before the opt-out takes the rest
+        del data["speculative"]
     if params.logit_bias is not None:
         data["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
     if params.structured is not None:
@@ -118,4 +123,8 @@ def stats_from_json(data: dict[str, Any]) -> EngineStats:
     fields["residency"] = ResidencyStats(**residency) if residency else ResidencyStats()
     memory = data.get("memory")
     fields["memory"] = None if memory is None else MemoryPlan(**memory)
+    fields["speculation"] = {
+        adapter: SpeculationStats(**totals)
+        for adapter, totals in data.get("speculation", {}).items()
+    }
     return EngineStats(**fields)

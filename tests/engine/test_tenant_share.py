@@ -31,7 +31,9 @@ class FakeClock:
 
 
 def _seq(tenant, *, outputs=0, status=SequenceStatus.RUNNING):
-    return SimpleNamespace(tenant=tenant, output_token_ids=[7] * outputs, status=status)
+    return SimpleNamespace(
+        tenant=tenant, request_id=f"{tenant}-0", output_token_ids=[7] * outputs, status=status
+    )
 
 
 def _prefill(tenant, n, *, last=True, outputs=0):
@@ -243,3 +245,9 @@ def test_engine_metrics_count_each_tenants_tokens_and_queue(tiny_model_dir):
     assert sample("loramux_tenant_share", tenant="acme") == pytest.approx(48 / 61)
     stats = engine.stats().tenants
     assert stats["acme"].served_prompt_tokens == 32 and stats[None].served_prompt_tokens == 5
+
+
+def test_a_speculating_decode_serves_every_token_it_emitted():
+    # Speculative decoding: one decode step of "a" emitted 4 tokens (3 accepted proposals + 1).
+    served = served_in_step([_decode("a"), _decode("b")], {"a-0": 4})
+    assert served == {"a": (0, 4), "b": (0, 1)}

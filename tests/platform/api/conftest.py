@@ -162,6 +162,32 @@ def store_ready_adapter(context: PlatformContext, tenant_id: str, name: str, ada
 
 
 @pytest.fixture
+def speculating(tmp_path, tiny_model_dir, postgres_database_url):
+    """(client, context) of an app whose engine speculates with n-gram proposals (the tiny
+    model's greedy text falls into loops, so proposals are made and some accepted)."""
+    with (
+        platform_context(
+            tmp_path,
+            tiny_model_dir,
+            postgres_database_url,
+            speculative_method="ngram",
+            num_speculative_tokens=4,
+            ngram_min_n=1,
+        ) as context,
+        TestClient(create_app(context)) as client,
+    ):
+        yield client, context
+
+
+def speculation_totals(client, context) -> dict:
+    """The engines' speculative decoding, all adapters added up (``GET /admin/engine``)."""
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    response = client.get("/admin/engine", headers=admin)
+    assert response.status_code == 200, response.text
+    return response.json()["speculation"]["total"]
+
+
+@pytest.fixture
 def slowed_platform(tmp_path, tiny_model_dir, postgres_database_url):
     """``slowed_platform(**settings)``: a client of a fresh app whose engine steps are
     slowed (``slowed_platform.slow_steps``), and its context."""

@@ -72,6 +72,25 @@ def test_idle_engine(client, admin, context):
     assert row["kv_tokens"] == memory["kv_tokens"]
     assert row["adapters_beside_full_batch"] == memory["adapters_beside_full_batch"]
     assert row["adapter_reloads_per_min"] == 0.0 and row["thrashing"] is False
+    # Speculative decoding is off by default: nothing proposed, nothing served yet.
+    assert body["speculation"] == {
+        "method": "off",
+        "num_speculative_tokens": 0,
+        "adapters": [],
+        "total": NO_SPECULATION,
+    }
+    assert (row["speculative_method"], row["num_speculative_tokens"]) == ("off", 0)
+
+
+NO_SPECULATION = {
+    "proposed_tokens": 0,
+    "accepted_tokens": 0,
+    "verify_steps": 0,
+    "decode_steps": 0,
+    "generated_tokens": 0,
+    "acceptance_rate": None,
+    "tokens_per_step": None,
+}
 
 
 def test_after_requests_names_adapters_tenants_and_latency(
@@ -131,6 +150,19 @@ def test_after_requests_names_adapters_tenants_and_latency(
         }
     ]
     assert body["share_window_s"] == 30.0
+    # No speculation: one token per step, nothing proposed, the adapter by its names.
+    [spec] = body["speculation"]["adapters"]
+    assert spec == {
+        **NO_SPECULATION,
+        "decode_steps": 2 * MAX_TOKENS,
+        "generated_tokens": 2 * MAX_TOKENS,
+        "tokens_per_step": 1.0,
+        "engine_name": version_id,
+        "tenant_id": tenant["id"],
+        "tenant_name": "acme",
+        "adapter": "support",
+        "version": 1,
+    }
 
 
 def test_each_tenants_share_is_its_service_over_everyones(client, admin, context, new_tenant):
@@ -165,6 +197,56 @@ def test_each_tenants_share_is_its_service_over_everyones(client, admin, context
         assert row["share"] == pytest.approx(service[tid] / sum(service.values()))
         assert row["queued_requests"] == row["running_requests"] == 0
     assert sorted(row["weight"] for row in tenants.values()) == [1.0, 3.0]
+
+
+def test_speculation_per_adapter_and_in_all(speculating, adapter_dir):
+    """An engine speculating with n-gram proposals: per adapter and for the base model,
+    what was proposed, accepted and emitted, the rates worked out from them, and the sum."""
+    client, context = speculating
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    tenant = client.post("/admin/tenants", json={"name": "spec"}, headers=admin).json()
+    key = client.post(f"/admin/tenants/{tenant['id']}/api-keys", headers=admin).json()["key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    files = [("files", (f, (adapter_dir / f).read_bytes())) for f in FILES]
+    uploaded = client.post("/v1/adapters", data={"name": "loop"}, files=files, headers=auth)
+    assert uploaded.status_code == 201, uploaded.text
+    emitted = {}
+    for model in (context.base_model.model_id, "loop"):
+        done = client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": "one two three one two three one two",
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            headers=auth,
+        )
+        assert done.status_code == 200, done.text
+        emitted[model] = done.json()["usage"]["completion_tokens"]  # billed: all emitted
+    body = client.get("/admin/engine", headers=admin).json()
+
+    speculation = body["speculation"]
+    assert (speculation["method"], speculation["num_speculative_tokens"]) == ("ngram", 4)
+    base, loop = speculation["adapters"]  # the base model first
+    assert (base["engine_name"], base["adapter"], base["tenant_name"]) == ("", None, None)
+    assert (loop["adapter"], loop["version"], loop["tenant_name"]) == ("loop", 1, "spec")
+    assert base["generated_tokens"] == emitted[context.base_model.model_id] == 24
+    assert loop["generated_tokens"] == emitted["loop"] == 24
+    for row in (base, loop):
+        assert row["proposed_tokens"] > 0 and row["verify_steps"] > 0
+        assert 0 <= row["accepted_tokens"] <= row["proposed_tokens"]
+        assert row["acceptance_rate"] == row["accepted_tokens"] / row["proposed_tokens"]
+        assert row["decode_steps"] < row["generated_tokens"] or row["accepted_tokens"] == 0
+        assert row["tokens_per_step"] == row["generated_tokens"] / row["decode_steps"]
+    total = speculation["total"]
+    for figure in ("proposed_tokens", "accepted_tokens", "decode_steps", "generated_tokens"):
+        assert total[figure] == base[figure] + loop[figure], figure
+    assert total["accepted_tokens"] > 0  # the loops were predicted
+    assert total["tokens_per_step"] > 1.0
+    [row] = body["engines"]
+    assert (row["speculative_method"], row["num_speculative_tokens"]) == ("ngram", 4)
 
 
 def test_only_operators_may_look(client, tenant_key):

@@ -14,7 +14,12 @@ import openai
 import pytest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
-from tests.platform.api.conftest import store_ready_adapter
+from tests.platform.api.conftest import (
+    assert_openai_error,
+    speculation_totals,
+    store_ready_adapter,
+)
+from tests.platform.api.slowed_platform import sse_events, tenant_headers
 from tests.platform.raw_http import request_then_leave
 
 PROMPT = "The quick brown fox"
@@ -417,3 +422,80 @@ def test_parallel_requests_cannot_overshoot_the_budget(make_client, server, cont
         statuses = sorted(pool.map(request, range(4)))
     assert statuses == [200, 200, 402, 402]
     assert _usage_totals(server, context, tenant_id)["cost_micro_usd"] == 4_000
+
+
+LOOPING = "one two three one two three one two"  # greedy text the n-gram proposer predicts
+EXACT = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def _streamed_text(response, attr: str) -> str:
+    assert response.status_code == 200, response.text
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    return "".join(
+        choice["text"] if attr == "text" else choice["delta"].get("content") or ""
+        for event in events[:-1]
+        for choice in event["choices"]
+    )
+
+
+def test_speculative_false_opts_a_request_out_streamed_or_not(speculating):
+    """On an engine that speculates, ``speculative: false`` requests (completions and chat,
+    streamed or not) are decoded without proposals; the default speculates; the text and
+    the billed tokens are the same either way."""
+    client, context = speculating
+    _, headers = tenant_headers(client, context)
+    model = context.base_model.model_id
+    completion = {"model": model, "prompt": LOOPING, **EXACT}
+    chat = {"model": model, "messages": [{"role": "user", "content": LOOPING}], **EXACT}
+
+    def post(path: str, body: dict):
+        response = client.post(path, json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        return response
+
+    out = {"speculative": False}
+    plain = post("/v1/completions", {**completion, **out}).json()
+    plain_chat = post("/v1/chat/completions", {**chat, **out}).json()
+    streamed = _streamed_text(
+        post("/v1/completions", {**completion, **out, "stream": True}), "text"
+    )
+    streamed_chat = _streamed_text(
+        post("/v1/chat/completions", {**chat, **out, "stream": True}), "delta"
+    )
+    totals = speculation_totals(client, context)
+    assert totals["proposed_tokens"] == 0 and totals["generated_tokens"] == 4 * 24
+    assert totals["tokens_per_step"] == 1.0
+
+    fast = post("/v1/completions", completion).json()
+    fast_streamed = _streamed_text(post("/v1/completions", {**completion, "stream": True}), "text")
+    fast_chat = post("/v1/chat/completions", {**chat, "speculative": True}).json()
+    totals = speculation_totals(client, context)
+    assert totals["proposed_tokens"] > 0 and totals["accepted_tokens"] > 0
+    assert plain["choices"][0]["text"] == streamed == fast["choices"][0]["text"] == fast_streamed
+    message = plain_chat["choices"][0]["message"]["content"]
+    assert message == streamed_chat == fast_chat["choices"][0]["message"]["content"]
+    # Billed: the emitted tokens, however many steps they took (the prompt's the same).
+    for slow, quick in ((plain, fast), (plain_chat, fast_chat)):
+        assert _billed(slow) == _billed(quick) == (_billed(quick)[0], 24)
+
+
+def _billed(body: dict) -> tuple[int, int]:
+    return body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+
+
+def test_a_speculative_that_is_not_a_boolean_is_refused_by_name(client, context):
+    """As every field of the wrong JSON type: a 422 naming it (strict: no "false" nor 0)."""
+    _, headers = tenant_headers(client, context)
+    model = context.base_model.model_id
+    for path, body in (
+        ("/v1/completions", {"model": model, "prompt": "Hi"}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        for value, stream in (("false", False), (0, True), (None, False), ([False], True)):
+            response = client.post(
+                path, json={**body, "stream": stream, "speculative": value}, headers=headers
+            )
+            error = assert_openai_error(response, 422)
+            assert error["message"].startswith("speculative: "), error
+            assert error["code"] == "invalid_parameters"

@@ -10,7 +10,12 @@ import time
 import openai
 import pytest
 
-from tests.platform.api.conftest import store_ready_adapter, usage_rows
+from tests.platform.api.conftest import (
+    assert_openai_error,
+    speculation_totals,
+    store_ready_adapter,
+    usage_rows,
+)
 from tests.platform.api.slowed_platform import tenant_headers
 
 HELLO = "Say hello."
@@ -265,3 +270,57 @@ def test_a_response_past_its_deadline_is_billed_as_sent(slowed_platform):
     billed = {row["request_id"]: row for row in report["rows"]}
     assert failed["id"] in billed and billed[failed["id"]]["finish_reason"] == "deadline"
     assert failed["usage"]["output_tokens"] == billed[failed["id"]]["completion_tokens"] > 0
+
+
+def test_speculative_false_opts_a_response_out_streamed_or_not(speculating):
+    """``speculative: false`` (an extension, as in chat) on an engine that speculates: no
+    proposals for it, streamed or not; the same text and usage as the default's."""
+    client, context = speculating
+    _, headers = tenant_headers(client, context)
+    body = {
+        "model": context.base_model.model_id,
+        "input": "one two three one two three one two",
+        "max_output_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    def post(**extra):
+        response = client.post("/v1/responses", json={**body, **extra}, headers=headers)
+        assert response.status_code == 200, response.text
+        return response
+
+    plain = post(speculative=False).json()
+    stream = post(speculative=False, stream=True).text
+    [last] = [  # 24 tokens of 24: incomplete, for max_output_tokens
+        json.loads(line.removeprefix("data: "))
+        for line in stream.splitlines()
+        if line.startswith("data: ") and '"response.incomplete"' in line
+    ]
+    assert speculation_totals(client, context)["proposed_tokens"] == 0
+    fast = post().json()
+    assert speculation_totals(client, context)["proposed_tokens"] > 0
+    text = fast["output"][0]["content"][0]["text"]
+    assert plain["output"][0]["content"][0]["text"] == text
+    assert last["response"]["output"][0]["content"][0]["text"] == text
+    billed = ("input_tokens", "output_tokens")
+    assert [plain["usage"][k] for k in billed] == [fast["usage"][k] for k in billed]
+    assert fast["usage"]["output_tokens"] == 24
+
+
+def test_a_speculative_that_is_not_a_boolean_is_refused_by_name(client, context):
+    _, headers = tenant_headers(client, context)
+    for value in ("no", 1, None):
+        for stream in (False, True):
+            response = client.post(
+                "/v1/responses",
+                json={
+                    "model": context.base_model.model_id,
+                    "input": HELLO,
+                    "stream": stream,
+                    "speculative": value,
+                },
+                headers=headers,
+            )
+            error = assert_openai_error(response, 422)
+            assert error["message"].startswith("speculative: "), error

@@ -3,9 +3,17 @@ recomputed over the fleet's window tokens (not averaged over the engines' shares
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from loramux.engine import EngineStats, LatencySummary, TenantShareStats, TierStats
+from loramux.engine import (
+    EngineStats,
+    LatencySummary,
+    SpeculationStats,
+    TenantShareStats,
+    TierStats,
+)
 from loramux.engine.tenant_share import with_shares
 from loramux.platform.engine_fleet.merge import merge_stats
 
@@ -68,3 +76,37 @@ def test_a_tenant_one_engine_never_saw_is_kept():
     merged = merge_stats([_engine(solo=(10, 5, 1, 1, 2.0)), _engine()]).tenants
     assert set(merged) == {"solo"}
     assert merged["solo"].share == 1.0 and merged["solo"].weight == 2.0
+
+
+def test_speculation_totals_add_up_per_adapter():
+    """Each adapter's proposals, acceptances and steps summed over the engines, so its
+    acceptance rate and tokens per step are the fleet's (not an average of rates)."""
+    a = replace(
+        _engine(),
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculation={
+            "": SpeculationStats(40, 30, 10, 12, 42),
+            "x": SpeculationStats(8, 0, 2, 9, 9),
+        },
+    )
+    b = replace(
+        _engine(),
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculation={"x": SpeculationStats(12, 10, 3, 4, 14)},
+    )
+    merged = merge_stats([a, b])
+    assert (merged.speculative_method, merged.num_speculative_tokens) == ("ngram", 4)
+    assert merged.speculation[""] == SpeculationStats(40, 30, 10, 12, 42)
+    assert merged.speculation["x"] == SpeculationStats(20, 10, 5, 13, 23)
+    assert merged.speculation["x"].acceptance_rate == 0.5
+    assert merged.speculation["x"].tokens_per_step == pytest.approx(23 / 13)
+
+
+def test_engines_that_speculate_differently_are_mixed():
+    ngram = replace(_engine(), speculative_method="ngram", num_speculative_tokens=4)
+    off = _engine()  # an engine without speculation (or from before it)
+    merged = merge_stats([ngram, off])
+    assert (merged.speculative_method, merged.num_speculative_tokens) == ("mixed", 4)
+    assert merge_stats([off, off]).speculative_method == "off"

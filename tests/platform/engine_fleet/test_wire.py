@@ -22,7 +22,7 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
-from loramux.engine.stats import EngineStats, LatencySummary, TierStats
+from loramux.engine.stats import EngineStats, LatencySummary, SpeculationStats, TierStats
 from loramux.engine.tenant_share import TenantShareStats, with_shares
 from loramux.platform.engine_fleet import wire
 
@@ -60,7 +60,15 @@ def test_prompt_logprobs_and_logit_bias_round_trip():
 def test_unset_new_params_are_left_out_for_older_engines():
     data = wire.params_to_json(SamplingParams(max_tokens=3))
     assert "prompt_logprobs" not in data and "logit_bias" not in data
+    assert "speculative" not in data  # the default: sent only to opt out
     assert wire.params_from_json(_through_json(data)) == SamplingParams(max_tokens=3)
+
+
+def test_a_speculation_opt_out_round_trips():
+    params = SamplingParams(max_tokens=3, speculative=False)
+    data = _through_json(wire.params_to_json(params))
+    assert data["speculative"] is False
+    assert wire.params_from_json(data) == params
 
 
 @pytest.mark.parametrize(
@@ -201,11 +209,20 @@ def test_engine_stats_round_trip_with_the_default_tenant():
             }
         ),
         share_window_s=30.0,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculation={
+            "": SpeculationStats(12, 9, 4, 10, 19),  # the base model
+            "a": SpeculationStats(8, 2, 3, 6, 8),
+        },
     )
     assert stats.tenants["t1"].share == 0.75  # 9 + 2 * 3 of 5 + 15, output tokens count 2
     back = wire.stats_from_json(_through_json(wire.stats_to_json(stats)))
     assert back == stats
     assert back.tenants["t1"].weight_share == pytest.approx(2 / 3)
+    assert (back.speculative_method, back.num_speculative_tokens) == ("ngram", 4)
+    assert back.speculation[""].acceptance_rate == 0.75
+    assert back.speculation["a"].tokens_per_step == pytest.approx(8 / 6)
 
 
 MEMORY = MemoryPlan(
@@ -254,3 +271,6 @@ def test_an_older_engines_stats_still_parse():
     assert stats.adapter_residency == {"a": "device"}
     assert stats.residency == ResidencyStats() and stats.memory is None
     assert stats.tenants == {}  # an engine from before the per-tenant service
+    # ...and from before speculative decoding
+    assert (stats.speculative_method, stats.num_speculative_tokens) == ("off", 0)
+    assert stats.speculation == {}

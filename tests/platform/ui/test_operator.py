@@ -152,6 +152,13 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
     assert page.locator("#thrash-notice").is_hidden()
     assert "no request was preempted" in page.text_content("#residency-verdict")
     assert "256 MB" in engine_row.inner_text()
+    # Speculative decoding is off by default: the panel says how to turn it on.
+    assert page.text_content("#spec-method") == "Off"
+    assert page.text_content("#spec-off").startswith(
+        "off — set LORAMUX_ENGINE_SPECULATIVE_METHOD=ngram"
+    )
+    alpha = page.locator("#spec-table tbody tr", has_text=f"{first_name} / alpha v1")
+    assert alpha.locator("td").all_inner_texts()[3].splitlines()[0] == "1.00"  # a token a step
     shots(page, "engine-live")
     page.click("#pause")
     assert page.text_content("#updated-at") == "Paused"

@@ -122,6 +122,84 @@ function showTenants(tenants, windowS) {
   );
 }
 
+// Speculative decoding: the method as people read it, then per adapter what was proposed,
+// accepted and gained. Off, it says how to turn it on; mixed, what each engine runs.
+const SPEC_METHODS = {
+  off: "Off",
+  ngram: "n-gram (prompt lookup)",
+  draft: "Draft model",
+  mixed: "Mixed",
+};
+
+function perStep(value) {
+  return value === null || value === undefined ? "–" : value.toFixed(2);
+}
+
+function specLabel(row) {
+  if (row.engine_name === "") return "Base model";
+  return adapterLabel(row);
+}
+
+function specFigures(figures) {
+  return [
+    cell(count(figures.proposed_tokens), `${count(figures.verify_steps)} verify steps`),
+    cell(count(figures.accepted_tokens)),
+    cell(percent(figures.acceptance_rate)),
+    cell(
+      perStep(figures.tokens_per_step),
+      `${count(figures.generated_tokens)} tokens / ${count(figures.decode_steps)} steps`,
+    ),
+  ];
+}
+
+function specDetail(spec, engines) {
+  if (spec.method === "off") return "";
+  if (spec.method !== "mixed") {
+    const k = spec.num_speculative_tokens;
+    return `k = ${k}: up to ${k} proposed tokens verified per request and step`;
+  }
+  const each = engines
+    .filter((row) => row.speculative_method)
+    .map((row) =>
+      row.speculative_method === "off"
+        ? `${row.engine_id} off`
+        : `${row.engine_id} ${row.speculative_method} (k = ${row.num_speculative_tokens})`,
+    );
+  return `the engines differ: ${each.join(", ")}`;
+}
+
+function showSpeculation(spec, engines) {
+  const off = spec.method === "off";
+  fill($("#spec-method"), SPEC_METHODS[spec.method] || spec.method);
+  fill($("#spec-detail"), specDetail(spec, engines));
+  const note = $("#spec-off");
+  note.hidden = !off;
+  if (off) {
+    fill(
+      note,
+      "off — set ",
+      h("code", {}, "LORAMUX_ENGINE_SPECULATIVE_METHOD=ngram"),
+      " to have each request's own text propose its next tokens (prompt lookup, no extra " +
+        "model); the output stays the same. Until then every step emits one token per request.",
+    );
+  }
+  const rows = spec.adapters.map((row) =>
+    h(
+      "tr",
+      { dataset: { engineName: row.engine_name } },
+      h("th", { scope: "row", title: row.engine_name || null }, specLabel(row)),
+      specFigures(row),
+    ),
+  );
+  fillRows(
+    $("#spec-table tbody"),
+    rows,
+    "No tokens generated yet",
+    "Each adapter's figures appear with its first request.",
+  );
+  fill($("#spec-total"), h("th", { scope: "row" }, "All adapters"), specFigures(spec.total));
+}
+
 function engineStatus(row) {
   const badge =
     row.status === "up"
@@ -290,6 +368,7 @@ function show(snapshot) {
   showResidency(snapshot.residency);
   showTenants(snapshot.tenants, snapshot.share_window_s);
   showEngines(snapshot.engines);
+  showSpeculation(snapshot.speculation, snapshot.engines);
   const time = new Date(snapshot.taken_at).toLocaleTimeString("en-GB");
   history.push({ time, running: snapshot.running_requests, waiting: snapshot.waiting_requests });
   if (history.length > HISTORY) history.shift();
