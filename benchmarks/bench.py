@@ -1,11 +1,11 @@
 """``loramux bench PRESET``: the command, and the runner of the CPU workload presets.
 
 ``bench_presets`` defines the presets and what each is judged by. The GPU presets run in
-``bench_gpu``, ``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``, ``adapter-churn``,
-``fairness-slo`` and ``soak`` take options of their own (``loramux bench NAME -h``). This
-module runs the others (``cpu-smoke``): loramux and transformers + PEFT serve the same
-requests (arrivals, adapters, prompt token ids, output lengths; greedy, EOS suppressed) in
-one process:
+``bench_gpu``, ``lora-overhead`` in ``lora_overhead``; ``engine-vs-peft``,
+``adapter-churn``, ``fairness-slo``, ``soak`` and ``speculative`` take options of their own
+(``loramux bench NAME -h``). This module runs the others (``cpu-smoke``): loramux and
+transformers + PEFT serve the same requests (arrivals, adapters, prompt token ids, output
+lengths; greedy, EOS suppressed) in one process:
 
 * **loramux**, ``--driver engine`` (default): the engine in-process, every adapter loaded
   by its tiers on demand; ``--driver http``: the whole platform in-process
@@ -41,6 +41,7 @@ from loramux.benchmarks import (
     fairness_slo,
     lora_overhead,
     soak,
+    speculative,
 )
 from loramux.benchmarks.adapters import QKVO, cached_adapter
 from loramux.benchmarks.bench_gpu_report import markdown_lines
@@ -59,6 +60,7 @@ OWN_OPTIONS = {
     "adapter-churn": adapter_churn.main,
     "fairness-slo": fairness_slo.main,
     "soak": soak.main,
+    "speculative": speculative.main,
 }
 
 

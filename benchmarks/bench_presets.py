@@ -2,11 +2,12 @@
 
 Each preset's ``description`` says what it serves, its ``baseline`` what loramux is
 compared with (transformers + PEFT; for ``lora-overhead`` the same engine with no adapter,
-for ``adapter-churn`` the same trace with every adapter resident), its ``goals`` what it
-is judged by and why. ``cpu-smoke``, ``engine-vs-peft``, ``adapter-churn`` and
-``lora-overhead`` run SmolLM2 on a CPU; ``slora-s1``, ``slora-s2`` and ``punica-distinct``
-run on a CUDA GPU at Llama-7B shapes with random bf16 weights (``bench_gpu``), next to the
-published figure they are compared with. S-LoRA reports 6.69 req/s on S2 with 1,000
+for ``adapter-churn`` the same trace with every adapter resident, for ``speculative`` the
+same engine without speculation), its ``goals`` what it is judged by and why.
+``cpu-smoke``, ``engine-vs-peft``, ``adapter-churn``, ``lora-overhead`` and ``speculative``
+run SmolLM2 on a CPU; ``slora-s1``, ``slora-s2`` and ``punica-distinct`` run on a CUDA GPU
+at Llama-7B shapes with random bf16 weights (``bench_gpu``), next to the published figure
+they are compared with. S-LoRA reports 6.69 req/s on S2 with 1,000
 adapters on an A100-80GB; scaled by memory bandwidth (2.0 -> about 3.35 TB/s) parity on an
 H100 is about 11 req/s, and the goal is 12. Punica reports 1,053 tok/s in its distinct
 case (batch 32, every request its own rank-16 adapter, all loaded before the clock
@@ -90,6 +91,7 @@ class Baseline(Enum):
     PEFT = "transformers + PEFT"  # the same workload under transformers + PEFT
     BASE_MODEL = "base model"  # the same engine serving the same requests with no adapter
     ALL_RESIDENT = "all resident"  # the same engine and trace, every adapter on the device
+    SPECULATION_OFF = "speculation off"  # the same engine config with speculative_method off
     NONE = "none"  # judged by its goals alone (fairness-slo)
 
 
@@ -181,6 +183,18 @@ FAIRNESS_GOALS = (
         value=3.0,
         at_most=True,
         why="the priority tenant's P99 TTFT under the flood at most 3x its idle one",
+    ),
+)
+SPECULATIVE_GOALS = (
+    Goal(
+        metric="copy_speedup",
+        value=1.5,
+        why="n-gram speculation makes a copy-heavy workload at least 1.5x as fast",
+    ),
+    Goal(
+        metric="chat_speedup",
+        value=0.95,
+        why="where there is little to copy it costs at most 5% (the draft length backs off)",
     ),
 )
 
@@ -342,6 +356,36 @@ PRESETS: dict[str, Preset] = {
             baseline=Baseline.NONE,
             engine={"max_num_seqs": 8},
             goals=FAIRNESS_GOALS,
+        ),
+        Preset(
+            name="speculative",
+            description="SmolLM2-135M on this CPU (float32, greedy, chat prompts): a "
+            "copy-heavy workload (rewrite, repeat, extract from or correct a passage of about "
+            "250 tokens) and a chat workload (open questions), at most 96 tokens a request "
+            "(EOS ends it), at batch sizes 1 and 4, on two engines in one process alike but "
+            "for n-gram speculation (prompt lookup, up to 4 proposals a step, adaptive draft "
+            "length) against none; tokens/s of each, acceptance and tokens per step, and "
+            "the output token ids checked identical",
+            workload=WorkloadSpec(
+                num_requests=4,  # per workload; a run serves batch-size of them at once
+                rate=1e6,
+                num_adapters=0,
+                base_fraction=1.0,
+                input_len=(40, 260),
+                output_len=(96, 96),
+            ),
+            baseline=Baseline.SPECULATION_OFF,
+            engine={
+                "device": "cpu",
+                "dtype": "float32",
+                "kv_cache_bytes": 256 << 20,
+                "enable_prefix_caching": False,  # every run computes its prompts alike
+                "speculative_method": "ngram",
+                "num_speculative_tokens": 4,
+                "ngram_max_n": 4,
+                "ngram_min_n": 2,
+            },
+            goals=SPECULATIVE_GOALS,
         ),
         Preset(
             name="punica-distinct",

@@ -1,0 +1,268 @@
+"""``loramux bench speculative``'s figures, verdict, markdown and plot from its runs.
+
+Per workload and batch size: the median over pairs of ngram tokens/s / off tokens/s (the
+judged speedup), each pair's ratio beside it, the median tokens/s of each engine, and over
+the ngram runs the acceptance rate (accepted / proposed) and the tokens per step (output
+tokens / decode steps: 1 without speculation).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from loramux.benchmarks.bench_presets import Goal, judge_goals
+from loramux.benchmarks.files import pyplot, save_figure
+from loramux.benchmarks.machine import busy_warning, machine_text
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """One summary per (workload, batch size) of ``speculative.measure``'s results."""
+    summaries = []
+    for result in results:
+        pairs = result["pairs"]
+        ngram = [p["ngram"] for p in pairs]
+        off = [p["off"] for p in pairs]
+        proposed = sum(r["proposed"] for r in ngram)
+        accepted = sum(r["accepted"] for r in ngram)
+        tokens = sum(r["tokens"] for r in ngram)
+        steps = sum(r["decode_steps"] for r in ngram)
+        requests = [q for r in ngram for q in r["requests"]]
+        summaries.append(
+            {
+                "workload": result["workload"],
+                "batch": result["batch"],
+                "pairs": len(pairs),
+                "speedup": round(statistics.median(p["speedup"] for p in pairs), 4),
+                "speedups": [p["speedup"] for p in pairs],
+                "off_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in off), 3),
+                "ngram_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in ngram), 3),
+                "decode_speedup": round(
+                    statistics.median(
+                        p["ngram"]["decode_tokens_per_s"] / p["off"]["decode_tokens_per_s"]
+                        for p in pairs
+                    ),
+                    4,
+                ),
+                "prefill_share_off": round(
+                    statistics.median(r["prefill_seconds"] / r["seconds"] for r in off), 4
+                ),
+                # A batch runs until its slowest request ends: its steps after the prompts.
+                "off_engine_decode_steps": _median_of(off, "engine_decode_steps"),
+                "ngram_engine_decode_steps": _median_of(ngram, "engine_decode_steps"),
+                "off_ms_per_decode_step": _median_of(off, "ms_per_decode_step"),
+                "ngram_ms_per_decode_step": _median_of(ngram, "ms_per_decode_step"),
+                "proposed": proposed,
+                "accepted": accepted,
+                "acceptance": round(accepted / proposed, 4) if proposed else None,
+                "tokens_per_step": round(tokens / steps, 3) if steps else None,
+                "off_tokens_per_step": round(
+                    sum(r["tokens"] for r in off) / sum(r["decode_steps"] for r in off), 3
+                ),
+                "tokens_per_request": round(tokens / len(requests), 1),
+                "ended_at_eos": sum(q["finish_reason"] == "stop" for q in requests),
+                "requests_served": len(requests),
+                "outputs_match": all(p["outputs_match"] for p in pairs),
+                "mismatched_requests": sum(len(p["mismatches"]) for p in pairs),
+            }
+        )
+    return summaries
+
+
+def _median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r[key] is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def judge(goals: tuple[Goal, ...], summaries: list[dict], args) -> list[dict]:
+    """Each goal at each batch size (``<workload>_speedup`` of that batch's workloads)."""
+    unjudged = "the smoke form (tiny workload)" if args.smoke else None
+    judged = []
+    for batch in args.batch_sizes:
+        rows = [s for s in summaries if s["batch"] == batch]
+        figures = {f"{s['workload']}_speedup": s["speedup"] for s in rows}
+        differ = sum(s["mismatched_requests"] for s in rows)
+        failed = f"outputs differed in {differ} request(s)" if differ else None
+        present = tuple(g for g in goals if g.metric in figures)
+        for goal in judge_goals(present, figures, unjudged=unjudged, failed=failed):
+            judged.append({"batch": batch, **goal})
+    return judged
+
+
+def _workload_word(summary: dict) -> str:
+    return f"{summary['workload']}\nbatch {summary['batch']}"
+
+
+def write_plot(report: dict, stem: Path) -> list[Path]:
+    """Left: median tokens/s off and ngram per workload and batch size, the speedup over
+    each pair of bars. Right: the ngram runs' tokens per step, the acceptance rate on each."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    rows = sorted(report["summaries"], key=lambda s: (s["workload"] != "copy", s["batch"]))
+    xs = list(range(len(rows)))
+    labels = [_workload_word(s) for s in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.4), width_ratios=(3, 2))
+    for offset, name, color in ((-0.2, "off", "tab:gray"), (0.2, "ngram", "tab:blue")):
+        values = [s[f"{name}_tokens_per_s"] for s in rows]
+        bars = left.bar(
+            [x + offset for x in xs], values, 0.4, label=f"speculation {name}", color=color
+        )
+        left.bar_label(bars, fmt="%.1f", fontsize=8)
+    top = max(max(s["off_tokens_per_s"], s["ngram_tokens_per_s"]) for s in rows)
+    for x, s in zip(xs, rows, strict=True):
+        goal = 1.5 if s["workload"] == "copy" else 0.95
+        color = "tab:green" if s["speedup"] >= goal else "tab:red"
+        left.text(
+            x,
+            top * 1.12,
+            f"{s['speedup']:.2f}x",
+            ha="center",
+            fontsize=10,
+            fontweight="bold",
+            color=color,
+        )
+    left.set_xticks(xs, labels)
+    left.set_ylim(0, top * 1.45)
+    left.set_ylabel("output tokens/s (median of the pairs)")
+    left.set_title(
+        "tokens/s; ngram / off speedup above (goals: copy ≥1.5x, chat ≥0.95x)", fontsize=9
+    )
+    left.legend(loc="upper center", ncol=2, fontsize=8)
+    left.grid(axis="y", alpha=0.3)
+
+    steps = [s["tokens_per_step"] or 0 for s in rows]
+    bars = right.bar(xs, steps, 0.55, color="tab:blue")
+    right.bar_label(
+        bars,
+        labels=[
+            "none proposed" if s["acceptance"] is None else f"{s['acceptance']:.0%} accepted"
+            for s in rows
+        ],
+        fontsize=7,
+    )
+    right.axhline(1.0, color="tab:gray", linestyle=":", linewidth=1)
+    right.set_xticks(xs, labels)
+    right.set_ylim(0, max([*steps, 1.0]) * 1.25)
+    right.set_ylabel("output tokens per decode step (ngram)")
+    right.set_title("ngram runs: tokens per step (bars), acceptance rate (labels)", fontsize=9)
+    right.grid(axis="y", alpha=0.3)
+    note = (
+        f"{report['model']}, CPU float32, greedy, ≤{report['tokens']} tokens a request, "
+        f"{report['repeats']} pair(s) each, torch threads {report['machine']['torch_threads']}"
+    )
+    return [save_figure(fig, stem.with_suffix(".png"), note=note)]
+
+
+def render_markdown(report: dict, plots: list[Path]) -> str:
+    lines = [f"# loramux bench {report['preset']}", "", report["description"] + ".", ""]
+    if report["smoke"]:
+        lines += ["**Smoke form**: a plumbing check at tiny sizes; its figures mean little.", ""]
+    if not report["outputs_identical"]:
+        lines += [
+            "**FAILED: the two engines' output token ids differ** (see the mismatches below "
+            "and `mismatches` in the JSON): speculation must not change greedy output.",
+            "",
+        ]
+    lines += [
+        "| workload | batch | pairs | off tok/s | ngram tok/s | **speedup** (per pair) "
+        "| decode-phase speedup | prefill share (off) | engine steps off → ngram "
+        "| ms/step off → ngram | acceptance | tokens/step | accepted / proposed "
+        "| tokens/request (EOS) | outputs |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in report["summaries"]:
+        acceptance = "—" if s["acceptance"] is None else f"{s['acceptance']:.1%}"
+        outputs = "identical" if s["outputs_match"] else f"**{s['mismatched_requests']} differ**"
+        per_pair = ", ".join(f"{x:.2f}" for x in s["speedups"])
+        lines.append(
+            f"| {s['workload']} | {s['batch']} | {s['pairs']} | {s['off_tokens_per_s']:.2f} "
+            f"| {s['ngram_tokens_per_s']:.2f} | **{s['speedup']:.3f}x** ({per_pair}) "
+            f"| {s['decode_speedup']:.3f}x | {s['prefill_share_off']:.1%} "
+            f"| {s['off_engine_decode_steps']:g} → {s['ngram_engine_decode_steps']:g} "
+            f"| {s['off_ms_per_decode_step']} → {s['ngram_ms_per_decode_step']} | {acceptance} "
+            f"| {s['tokens_per_step']} | {s['accepted']} / {s['proposed']} "
+            f"| {s['tokens_per_request']} ({s['ended_at_eos']} of {s['requests_served']}) "
+            f"| {outputs} |"
+        )
+    lines += [
+        "",
+        "tok/s: output tokens over wall seconds of a run (prefill included, the same on both "
+        "engines), the median over pairs; speedup: the median over pairs of ngram tok/s / off "
+        "tok/s (each pair's two runs back to back on the same requests, their order "
+        "alternating); decode-phase speedup: the same after the prompts (the pairs' median "
+        "of output tokens after each request's first over the seconds after the last first "
+        "token; not judged), and prefill share: the off runs' seconds until every request "
+        "had its first token, over their wall seconds (the part speculation cannot "
+        "shorten); engine steps: the median over runs of the engine's steps after the "
+        "prompts (a batch runs until its slowest request ends, so a request that speculates "
+        "little sets it); ms/step: the median over runs of the mean milliseconds of such a "
+        "step (every running request's next token, and on ngram the verification of its "
+        "proposals); acceptance: accepted / proposed tokens; "
+        "tokens/step: output tokens / decode steps of the ngram runs' requests (1 with "
+        "speculation off); tokens/request: the mean output length, and how many requests "
+        "ended at EOS before the limit.",
+    ]
+    for goal in report["goals"]:
+        lines += [
+            "",
+            f"**Goal at batch {goal['batch']}: {goal['metric'].replace('_', ' ')} "
+            f"{goal['relation']} {goal['value']:g} ({goal['why']}): measured "
+            f"{goal['measured']:.3f}, {goal['verdict']}.**",
+        ]
+    lines += [
+        "",
+        "## Pairs",
+        "",
+        "| workload | batch | pair | requests | order | off s | ngram s | speedup "
+        "| accepted / proposed | tokens/step | outputs |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in report["results"]:
+        for p in result["pairs"]:
+            ng = p["ngram"]
+            outputs = (
+                "identical"
+                if p["outputs_match"]
+                else "DIFFER: "
+                + "; ".join(
+                    f"request {m['request']} from token {m['first_difference']}"
+                    for m in p["mismatches"]
+                )
+            )
+            lines.append(
+                f"| {result['workload']} | {result['batch']} | {p['pair'] + 1} "
+                f"| {p['requests']} | {', '.join(p['order'])} | {p['off']['seconds']:.2f} "
+                f"| {ng['seconds']:.2f} | {p['speedup']:.3f} | {ng['accepted']} / "
+                f"{ng['proposed']} | {ng['tokens_per_step']} | {outputs} |"
+            )
+    cfg = report["engine_configs"]["ngram"]
+    machine = report["machine"]
+    lines += [
+        "",
+        f"Engines: {report['model']}, two in one process, alike but for speculative_method "
+        f"(off / {cfg['speculative_method']}: num_speculative_tokens "
+        f"{cfg['num_speculative_tokens']}, n-grams of {cfg['ngram_max_n']} down to "
+        f"{cfg['ngram_min_n']} tokens, adaptive draft length); dtype {cfg['dtype']}, "
+        f"device {cfg['device']}, prefix caching {cfg['enable_prefix_caching']}. Greedy, "
+        f"at most {report['tokens']} tokens a request, EOS ends a request. Prompt tokens "
+        + "; ".join(f"{w}: {n}" for w, n in report["prompt_tokens"].items())
+        + ". A warm-up of each engine preceded each workload and batch size.",
+        "",
+        "Counters: the engine's loramux_spec_proposed_tokens, loramux_spec_accepted_tokens, "
+        "loramux_decode_steps and loramux_adapter_generated_tokens over each run "
+        + ("agree" if report["counters_agree"] else "**do not agree**")
+        + " with the requests' own metrics.",
+        "",
+        f"contention: {report['contention']}",
+    ]
+    lines += busy_warning(report["contention"], machine)
+    lines += [
+        "",
+        machine_text(machine),
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "Plots: " + (", ".join(p.name for p in plots) or "none (matplotlib is not installed)"),
+    ]
+    return "\n".join(lines) + "\n"
