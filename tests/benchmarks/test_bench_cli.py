@@ -1,11 +1,46 @@
-"""``loramux bench``: a preset served by loramux and by transformers + PEFT, reported."""
+"""``loramux bench``: a preset served by loramux and by transformers + PEFT, reported.
+
+The engine driver's checks share one run of ``cpu-smoke`` (6 requests) with its baseline
+and both sweeps (1 and 4 adapters; 1x and 4x the load): each test checks its part of that
+run's report, markdown and plots. The HTTP driver has a run of its own.
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.commands import loramux
+
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("cpu_smoke")
+    done = loramux(
+        "bench",
+        "cpu-smoke",
+        "--requests",
+        "6",
+        "--sweep",
+        "adapters",
+        "--sweep",
+        "load",
+        "--sweep-values",
+        "1,4",
+        "--out",
+        str(out),
+    )
+    return done, out
+
+
+@pytest.fixture(scope="module")
+def engine_report(engine_run) -> dict:
+    done, out = engine_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "bench_cpu-smoke.json").read_text())
 
 
 def test_a_gpu_preset_without_a_gpu_says_so():
@@ -14,20 +49,20 @@ def test_a_gpu_preset_without_a_gpu_says_so():
     assert "needs a CUDA GPU" in done.stderr and "not measured yet" in done.stderr
 
 
-def test_cpu_smoke_reports_both_systems_and_their_ratio(tmp_path):
-    done = loramux("bench", "cpu-smoke", "--requests", "6", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
+def test_cpu_smoke_reports_both_systems_and_their_ratio(engine_run, engine_report):
+    done, out = engine_run
+    report = engine_report
+    assert report["loramux"]["driver"] == "engine"
     for system in ("loramux", "baseline"):
         figures = report[system]
         assert figures["requests"] == {"total": 6, "ok": 6, "failed": 0}
         assert figures["output_tokens_per_s"] > 0 and figures["ttft_s"]["p50"] > 0
     assert report["ratios"]["output_tokens_per_s"] > 0
     assert report["workload"]["seed"] == 0 and report["workload"]["num_requests"] == 6
-    markdown = (tmp_path / "bench_cpu-smoke.md").read_text()
+    markdown = (out / "bench_cpu-smoke.md").read_text()
     assert "loramux / transformers + PEFT:" in markdown and markdown in done.stdout
     for plot in ("latency_cdf", "tenant_share"):
-        assert (tmp_path / f"bench_cpu-smoke_{plot}.png").stat().st_size > 10_000
+        assert (out / f"bench_cpu-smoke_{plot}.png").stat().st_size > 10_000
 
 
 def test_cpu_smoke_over_http(tmp_path):
@@ -50,35 +85,18 @@ def test_cpu_smoke_over_http(tmp_path):
     assert "loramux (http)" in (tmp_path / "bench_cpu-smoke.md").read_text()
 
 
-def _sweep(tmp_path: Path, kind: str, values: str) -> dict:
-    """cpu-smoke with 6 requests, loramux only, swept over ``values``; the report."""
-    done = loramux(
-        "bench",
-        "cpu-smoke",
-        "--requests",
-        "6",
-        "--no-baseline",
-        "--sweep",
-        kind,
-        "--sweep-values",
-        values,
-        "--out",
-        str(tmp_path),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
-
-
-def test_throughput_against_adapters_sweep(tmp_path):
-    sweep = _sweep(tmp_path, "adapters", "1,4")["sweeps"]["adapters"]
+def test_throughput_against_adapters_sweep(engine_run, engine_report):
+    _, out = engine_run
+    sweep = engine_report["sweeps"]["adapters"]
     assert [p["num_adapters"] for p in sweep["points"]] == [1, 4]
     assert all(p["figures"]["requests"]["ok"] == 6 for p in sweep["points"])
-    plot = tmp_path / "bench_cpu-smoke_throughput_vs_adapters.png"
+    plot = out / "bench_cpu-smoke_throughput_vs_adapters.png"
     assert plot.stat().st_size > 10_000
 
 
-def test_ttft_against_offered_load_sweep(tmp_path):
-    report = _sweep(tmp_path, "load", "1,4")
+def test_ttft_against_offered_load_sweep(engine_run, engine_report):
+    _, out = engine_run
+    report = engine_report
     sweep = report["sweeps"]["load"]
     assert sweep["kind"] == "load" and sweep["values"] == [1.0, 4.0]
     rate = report["workload"]["rate"]
@@ -89,7 +107,7 @@ def test_ttft_against_offered_load_sweep(tmp_path):
         assert figures["requests"] == {"total": 6, "ok": 6, "failed": 0}
         assert figures["ttft_s"]["p50"] > 0 and figures["ttft_s"]["p99"] >= figures["ttft_s"]["p50"]
         assert "samples" not in figures
-    markdown = (tmp_path / "bench_cpu-smoke.md").read_text()
+    markdown = (out / "bench_cpu-smoke.md").read_text()
     assert "## Sweep: load (loramux, engine driver)" in markdown
     assert f"| {4 * rate:.2f} |" in markdown
-    assert (tmp_path / "bench_cpu-smoke_ttft_vs_load.png").stat().st_size > 10_000
+    assert (out / "bench_cpu-smoke_ttft_vs_load.png").stat().st_size > 10_000

@@ -1,48 +1,37 @@
 """``make gpu-check``'s CPU form: every section runs, its results are packed, and a budget
-too small for the sections says so (the GPU form cannot run here)."""
+too small for the sections says so (the GPU form cannot run here). The smoke run is the
+session's ``gpu_check_smoke`` (tests/benchmarks/conftest.py), whose kernels section the
+kernel benchmark's tests read too."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODULE = "loramux.benchmarks.gpu_check"
+from tests.benchmarks.commands import gpu_check
+
 SECTIONS = ["tests", "kernels", "punica-distinct", "slora-s2"]
 
 
-def _gpu_check(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", MODULE, *argv],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def test_the_smoke_runs_every_section_and_bundles_their_results(tmp_path):
-    done = _gpu_check("--smoke", "--out", str(tmp_path), "--bundle")
+def test_the_smoke_runs_every_section_and_bundles_their_results(gpu_check_smoke):
+    done, out = gpu_check_smoke.done, gpu_check_smoke.out
     assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    report = json.loads((out / "gpu_check.json").read_text())
     assert [s["name"] for s in report["sections"]] == SECTIONS
     assert {s["status"] for s in report["sections"]} == {"passed"}, report["sections"]
     assert report["smoke"] is True and report["device"]["device"] == "cpu"
 
     # What a lent machine hands back: a few files, the sections' results packed.
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check.json",
         "gpu_check.log",
         "gpu_check.md",
         "gpu_check_results.tar.gz",
     ]
-    with tarfile.open(tmp_path / "gpu_check_results.tar.gz") as bundle:
+    with tarfile.open(out / "gpu_check_results.tar.gz") as bundle:
         names = set(bundle.getnames())
     for expected in (
         "results/kernels_gpu_cpu-smoke.json",
@@ -50,14 +39,14 @@ def test_the_smoke_runs_every_section_and_bundles_their_results(tmp_path):
         "results/bench_slora-s2-smoke.json",
     ):
         assert expected in names, sorted(names)
-    log = (tmp_path / "gpu_check.log").read_text()
+    log = (out / "gpu_check.log").read_text()
     assert "test_cuda_graphs_replay_peft_tokens" in log  # the GPU tests were collected
-    markdown = (tmp_path / "gpu_check.md").read_text()
+    markdown = (out / "gpu_check.md").read_text()
     assert markdown.count("| passed |") == len(SECTIONS)
 
 
 def test_a_spent_budget_runs_nothing_more_and_fails(tmp_path):
-    done = _gpu_check("--smoke", "--out", str(tmp_path), "--budget-s", "5")
+    done = gpu_check("--smoke", "--out", str(tmp_path), "--budget-s", "5")
     assert done.returncode == 1
     sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
     assert [s["status"] for s in sections] == ["not run"] * len(SECTIONS)
@@ -66,6 +55,6 @@ def test_a_spent_budget_runs_nothing_more_and_fails(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the real check would run")
 def test_without_a_gpu_only_the_smoke_runs(tmp_path):
-    done = _gpu_check("--out", str(tmp_path))
+    done = gpu_check("--out", str(tmp_path))
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr and "--smoke" in done.stderr

@@ -4,21 +4,22 @@
 Triton kernels in Triton's interpreter, so CI keeps the script (imports, shapes, output
 checks, the report) working for the session that runs it on an H100. Its times mean
 nothing and are not asserted.
+
+The run checked is the ``kernels`` section of the session's ``make gpu-check`` smoke
+(``gpu_check_smoke``, tests/benchmarks/conftest.py): gpu_check runs exactly
+``python -m loramux.benchmarks.kernels_gpu --smoke --out <results>`` there (asserted
+below), so the slow interpreted grid runs once for both test modules.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODULE = "loramux.benchmarks.kernels_gpu"
 SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora")
 KERNEL_SECTIONS = ("decode_attention", "prefill_attention", "lora")
@@ -29,18 +30,16 @@ VERDICTS = (
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    out = tmp_path_factory.mktemp("kernels_gpu")
-    env = {**os.environ, "LORAMUX_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", MODULE, "--smoke", "--out", str(out)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return result, out
+def smoke_run(gpu_check_smoke) -> tuple[dict, str, Path]:
+    """The kernels section of the gpu-check smoke: its entry in gpu_check.json, its part of
+    gpu_check.log (the command and its output) and the folder of its results."""
+    report = json.loads((gpu_check_smoke.out / "gpu_check.json").read_text())
+    (section,) = [s for s in report["sections"] if s["name"] == "kernels"]
+    log = (gpu_check_smoke.out / "gpu_check.log").read_text()
+    start = log.index("===== kernels: ")
+    end = log.find("===== kernels: ", start + 1)
+    section_log = log[start:] if end < 0 else log[start : log.find("\n", end) + 1]
+    return section, section_log, gpu_check_smoke.results
 
 
 def _only(out: Path, suffix: str) -> Path:
@@ -50,12 +49,14 @@ def _only(out: Path, suffix: str) -> Path:
 
 
 def test_smoke_run_exits_zero(smoke_run):
-    result, _ = smoke_run
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    section, log, _ = smoke_run
+    command = log.splitlines()[0]
+    assert f" -m {MODULE} --smoke --out " in command, command
+    assert (section["status"], section["exit_code"]) == ("passed", 0), log[-8000:]
 
 
 def test_every_section_has_rows_that_match_their_reference(smoke_run):
-    _, out = smoke_run
+    _, _, out = smoke_run
     data = json.loads(_only(out, ".json").read_text())
     assert data["complete"] and data["all_match"]
     assert data["rates"]["copy_gbs"] > 0 and data["rates"]["matmul_tflops"] > 0
@@ -71,7 +72,7 @@ def test_every_section_has_rows_that_match_their_reference(smoke_run):
 
 
 def test_lora_rows_cover_both_kernels_and_both_ops(smoke_run):
-    _, out = smoke_run
+    _, _, out = smoke_run
     rows = json.loads(_only(out, ".json").read_text())["sections"]["lora"]
     assert {(r["kernel"], r["op"]) for r in rows} == {
         (kernel, op) for kernel in ("sgmv", "bgmv") for op in ("shrink", "expand")
@@ -81,7 +82,7 @@ def test_lora_rows_cover_both_kernels_and_both_ops(smoke_run):
 
 
 def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
-    _, out = smoke_run
+    _, _, out = smoke_run
     rows = json.loads(_only(out, ".json").read_text())["sections"]["decode_step"]
     assert [r["variant"] for r in rows].count("base") == 1
     lora = [r for r in rows if r["variant"] == "lora"]
@@ -99,7 +100,7 @@ def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
 
 
 def test_markdown_states_both_target_verdicts(smoke_run):
-    _, out = smoke_run
+    _, _, out = smoke_run
     markdown = _only(out, ".md").read_text()
     for verdict in VERDICTS:
         assert re.search(re.escape(verdict) + r" \(.*\): (PASS|FAIL)", markdown), verdict

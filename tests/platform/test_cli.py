@@ -180,28 +180,51 @@ def seeded_data_dir(tmp_path, smollm2_dir) -> Path:
     return data_dir
 
 
-def _list_models(server: _Server, token: str) -> httpx.Response:
-    return httpx.get(
-        f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {token}"}, timeout=10
-    )
+def _list_models(server: _Server, token: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=10)
 
 
-def test_serve_first_start_prints_the_token_and_serves_models(seeded_data_dir, tmp_path):
-    with _serving(seeded_data_dir, tmp_path / "first.log") as server:
-        token_file = seeded_data_dir / "admin_token"
+@dataclass
+class _FirstStart:
+    """A first ``loramux serve`` on a fresh (seeded) data directory, stopped since: what it
+    wrote and printed, and its answers while it ran."""
+
+    data_dir: Path
+    server: _Server
+    token: str  # admin_token as the first start wrote it
+    models: httpx.Response  # GET /v1/models with that token
+    unauthorized: httpx.Response  # GET /v1/models without a token
+
+
+@pytest.fixture(scope="module")
+def first_start(tmp_path_factory, smollm2_dir) -> _FirstStart:
+    """One first start for the module: the first-start test checks it, and the second-start
+    test starts again on its data directory (so ``serve`` starts twice, not three times)."""
+    root = tmp_path_factory.mktemp("first_start")
+    data_dir = root / "data"
+    _seed_converted_model(smollm2_dir, data_dir)
+    with _serving(data_dir, root / "first.log") as server:
+        token_file = data_dir / "admin_token"
         assert token_file.is_file()
         token = token_file.read_text().strip()
-        assert token
+        models, unauthorized = _list_models(server, token), _list_models(server, None)
+    return _FirstStart(data_dir, server, token, models, unauthorized)
 
-        response = _list_models(server, token)
-        assert response.status_code == 200, response.text
-        body = response.json()
-        assert body["object"] == "list"
-        assert [card["id"] for card in body["data"]] == [EMBEDDED_MODEL_ID]
 
-        unauthorized = httpx.get(f"{server.base_url}/v1/models", timeout=10)
-        assert unauthorized.status_code == 401
-        assert set(unauthorized.json()["error"]) == {"message", "type", "code"}
+def test_serve_first_start_prints_the_token_and_serves_models(first_start):
+    server, token = first_start.server, first_start.token
+    assert token
+
+    response = first_start.models
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list"
+    assert [card["id"] for card in body["data"]] == [EMBEDDED_MODEL_ID]
+
+    unauthorized = first_start.unauthorized
+    assert unauthorized.status_code == 401
+    assert set(unauthorized.json()["error"]) == {"message", "type", "code"}
 
     output = server.output()
     assert token in output, output
@@ -231,13 +254,12 @@ def test_serve_first_start_prints_the_token_and_serves_models(seeded_data_dir, t
     assert "Converting" not in output, output
 
 
-def test_serve_second_start_does_not_print_the_token(seeded_data_dir, tmp_path):
-    with _serving(seeded_data_dir, tmp_path / "first.log") as first:
-        pass
-    token = (seeded_data_dir / "admin_token").read_text().strip()
-    assert token in first.output()
+def test_serve_second_start_does_not_print_the_token(first_start, tmp_path):
+    # The module's first start ran on this data directory, printed its token and stopped.
+    data_dir, token = first_start.data_dir, first_start.token
+    assert token in first_start.server.output()
 
-    with _serving(seeded_data_dir, tmp_path / "second.log") as second:
+    with _serving(data_dir, tmp_path / "second.log") as second:
         response = _list_models(second, token)
         assert response.status_code == 200, response.text
         assert [card["id"] for card in response.json()["data"]] == [EMBEDDED_MODEL_ID]
@@ -245,7 +267,7 @@ def test_serve_second_start_does_not_print_the_token(seeded_data_dir, tmp_path):
     output = second.output()
     assert token not in output, output
     assert "curl" not in output, output
-    assert (seeded_data_dir / "admin_token").read_text().strip() == token
+    assert (data_dir / "admin_token").read_text().strip() == token
 
 
 # --- base model resolution -------------------------------------------------------------------
