@@ -77,6 +77,7 @@ def test_the_chart_can_set_every_setting():
         "maxPrefillChunk": 512,
         "maxModelLen": 4096,
         "maxAdaptersPerStep": 32,
+        "draftModel": "/models/draft",
     }
     values = merge_values(INSTALL_VALUES, {"engine": optional})
     passed = set()
