@@ -45,7 +45,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 
 from loramux.benchmarks.bench_presets import PRESETS
 from loramux.benchmarks.driver_http import _settle_token_times
@@ -164,6 +163,10 @@ class Client:
     """One tenant's streamed completions, each becoming a :class:`Record`."""
 
     def __init__(self, url: str, tenant: str, key: str, model: str, slo: SLO, t0: float):
+        # Imported here: `loramux bench`'s other presets run where the client is not installed
+        # (the GPU machines).
+        import openai
+
         self.tenant, self.model, self.slo, self.t0 = tenant, model, slo, t0
         self.client = openai.OpenAI(
             base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=slo.timeout_s + 60
@@ -174,6 +177,8 @@ class Client:
 
     def send(self, prompt: list[int], max_tokens: int, phase: str) -> tuple[Record, float]:
         """The request's record, and how long the caller should wait before its next one."""
+        import openai
+
         record, times, usage, backoff = Record(self.tenant, phase, self.now()), [], None, 0.0
         try:
             stream = self.client.completions.create(

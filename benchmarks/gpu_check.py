@@ -46,7 +46,14 @@ BENCH = "loramux.benchmarks.bench"
 KERNELS = "loramux.benchmarks.kernels_gpu"
 # The presets' weightless Llama-7B folder: config.json and SmolLM2's tokenizer files.
 MODEL_FOLDER = CACHE_DIR / "random-models" / "llama-7b-random"
-GPU_TESTS = ("tests/engine/test_gpu_engine.py", "tests/engine/test_random_weights.py")
+GPU_TESTS = (
+    "tests/engine/test_gpu_engine.py",
+    "tests/engine/test_random_weights.py",
+    "tests/engine/test_structured_outputs.py",  # the grammar mask on CUDA, graphs replayed
+    "tests/engine/structured/test_bitmask.py",
+    "tests/engine/speculative/test_speculative_gpu.py",
+    "tests/engine/speculative/test_verify.py",  # the rejection rule's distribution on CUDA
+)
 DEFAULT_BUDGET_S = 540.0  # one call on a lent machine (10 minutes), with a minute spare
 LOG_TAIL_CHARS = 4000
 # The preset's 2,000 requests outlasted the section's 240 s on an H100 (2026-11-26); 300 took
@@ -72,7 +79,7 @@ def _sections(results: Path) -> list[Section]:
             "GPU-marked tests: Triton compiled, copy stream, CUDA graphs, against PEFT",
             (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *GPU_TESTS),
             (python, "-m", "pytest", "-m", "gpu", "-q", "--collect-only", *GPU_TESTS),
-            180.0,
+            240.0,
         ),
         Section(
             "kernels",

@@ -444,14 +444,17 @@ def _exact_joint() -> torch.Tensor:
     return p[START][:, None] * p
 
 
-def _simulate(deterministic: bool, seed: int, trials: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _simulate(
+    deterministic: bool, seed: int, trials: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculate until each of ``trials`` sequences emitted 2 tokens; sequence t proposes
     1 + t % K drafts a step (with 1, its second token is the bonus when d_0 is accepted).
+    The target's logits and the drafts' q are on ``device``.
 
     Returns the counts of the first two tokens [SV, SV] and how many steps accepted
     0 .. K drafts [K + 1].
     """
-    shared = make_generator(seed)
+    shared = make_generator(seed, device)
     drafting = torch.Generator().manual_seed(seed + 1)
     emitted: list[list[int]] = [[] for _ in range(trials)]
     accepted = torch.zeros(K + 1, dtype=torch.long)
@@ -468,9 +471,10 @@ def _simulate(deterministic: bool, seed: int, trials: int) -> tuple[torch.Tensor
         chain = torch.stack(chain, dim=1)  # [active, K + 1]
         ks = [1 + t % K for t in active]
         keep = torch.arange(K + 1)[None, :] <= torch.tensor(ks)[:, None]  # [active, K + 1]
-        logits = TARGET_LOGITS[chain][keep]  # [rows, SV]; row i: after prev, d_0 .. d_{i-1}
+        # [rows, SV]; row i: after prev, d_0 .. d_{i-1}
+        logits = TARGET_LOGITS[chain][keep].to(device)
         # What q each draft was drawn from: [K, SV] per sequence, or None (point masses).
-        qs = [None] * len(active) if deterministic else DRAFT_Q[chain[:, :K]].unbind(0)
+        qs = [None] * len(active) if deterministic else DRAFT_Q.to(device)[chain[:, :K]].unbind(0)
         groups = [
             VerifyGroup(
                 [SamplingRow(TARGET, prompt, emitted[t] + drafts[:i]) for i in range(k + 1)],
@@ -547,6 +551,17 @@ def test_speculation_emits_the_targets_joint_distribution(deterministic):
     print(f"correct rule: chi2 {stat:.1f} (df 15), p {p_value:.3g}, TV {tv:.4f}")
     assert p_value > P_VALUE_FLOOR and tv < TV_BOUND, (stat, p_value, tv)
     assert (accepted > 0).all(), accepted  # steps accepted 0, 1, .., K drafts: every branch ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["draft-model", "ngram"])
+def test_speculation_on_cuda_emits_the_targets_joint_distribution(deterministic):
+    """The same check with the target's logits and the drafts' q on the GPU."""
+    counts, accepted = _simulate(deterministic, seed=11, trials=TRIALS, device="cuda")
+    stat, p_value, tv = _fit(counts)
+    print(f"correct rule on cuda: chi2 {stat:.1f} (df 15), p {p_value:.3g}, TV {tv:.4f}")
+    assert p_value > P_VALUE_FLOOR and tv < TV_BOUND, (stat, p_value, tv)
+    assert (accepted > 0).all(), accepted
 
 
 # (name, what it patches, the wrong version, n-gram proposals). Each is rejected by far (p
