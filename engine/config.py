@@ -64,6 +64,9 @@ class EngineConfig:
     ngram_max_n: int = 4  # longest suffix looked up first
     ngram_min_n: int = 2  # shortest suffix tried before giving up
     draft_model: str | None = None  # HF-format directory, for speculative_method "draft"
+    # Bytes of the draft model's own paged KV cache, taken out of the KV + adapter budget
+    # (None: an eighth of it).
+    draft_kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -88,6 +91,7 @@ class EngineConfig:
             "max_model_len",
             "max_adapters_per_step",
             "adapter_device_bytes",
+            "draft_kv_cache_bytes",
         )
         for name in names:
             value = getattr(self, name)

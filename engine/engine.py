@@ -49,6 +49,7 @@ from loramux.engine.lora.source import (
 from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.memory_budget import budget_for, plan_memory
 from loramux.engine.metrics import EngineMetrics
+from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.residency import ResidencyCounts, ResidencyWatch
@@ -57,6 +58,11 @@ from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits, SchedulerOutput
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence
+from loramux.engine.speculative.draft_model import (
+    DraftModelError,
+    DraftModelProposer,
+    check_draft_model,
+)
 from loramux.engine.speculative.speculator import Speculator
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, SpeculationStats, tier_stats
@@ -68,6 +74,9 @@ from loramux.engine.tenant_share import TenantShare, TenantShareStats
 logger = logging.getLogger(__name__)
 
 TENANT_GAUGES_EVERY_S = 1.0
+# The draft model's KV cache takes this fraction (1/N) of the KV + adapter budget unless
+# EngineConfig.draft_kv_cache_bytes says otherwise.
+DRAFT_BUDGET_SHARE = 8
 
 
 def _adapter_label(seq: Sequence) -> str:
@@ -115,8 +124,20 @@ class Engine:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
         )
+        # Before the budget is sized: its weights are in the machine's memory too.
+        self.draft_model = (
+            self._load_draft_model() if config.speculative_method == "draft" else None
+        )
         # kv_cache_bytes, or (None) sized to the machine now the weights are in: memory_budget.py
         budget = budget_for(config, self.model_config)
+        draft_kv_bytes = 0
+        if self.draft_model is not None:  # the draft's own KV cache comes out of the budget
+            draft_kv_bytes = config.draft_kv_cache_bytes or budget.bytes // DRAFT_BUDGET_SHARE
+            budget = dataclasses.replace(
+                budget,
+                bytes=budget.bytes - draft_kv_bytes,
+                detail=f"{budget.detail}, less {draft_kv_bytes} bytes for the draft model's KV",
+            )
         # kv_cache_bytes is one budget for KV blocks and resident adapters (S-LoRA's unified
         # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
         # The static decode path (CUDA graphs) pads its batches with rows that write to a
@@ -187,11 +208,6 @@ class Engine:
             static_decode=self._static_decode() if static_decode else None,
         )
         self.step_interrupt = StepInterrupt()  # a higher-priority arrival cuts a step short
-        if config.speculative_method == "draft":
-            raise EngineError(
-                "speculative_method 'draft' is not available yet; use 'ngram' (prompt lookup) "
-                "or 'off'"
-            )
         self.speculator = (
             None
             if config.speculative_method == "off"
@@ -200,6 +216,7 @@ class Engine:
                 ngram_max_n=config.ngram_max_n,
                 ngram_min_n=config.ngram_min_n,
                 max_model_len=self.max_model_len,
+                draft=self._draft_proposer(draft_kv_bytes),
             )
         )
         self.metrics = metrics or EngineMetrics()
@@ -243,6 +260,45 @@ class Engine:
         for line in self.memory_plan.describe():
             logger.info(line)
         self.residency_watch = ResidencyWatch(advice=self.memory_plan.advice(), log=logger)
+
+    def _load_draft_model(self) -> LlamaForCausalLM:
+        config = self.config
+        draft = load_model(
+            config.draft_model,
+            dtype=config.torch_dtype,
+            device=config.torch_device,
+            load_format=config.load_format,
+            seed=config.seed + 1,
+        )
+        try:
+            check_draft_model(draft, self.model, self.max_model_len)
+        except DraftModelError as exc:
+            raise EngineError(f"draft model {config.draft_model}: {exc}") from None
+        return draft
+
+    def _draft_proposer(self, cache_bytes: int) -> DraftModelProposer | None:
+        """The draft model's proposer over a KV cache of ``cache_bytes`` (None without one)."""
+        if self.draft_model is None:
+            return None
+        config = self.config
+        block_bytes = kv_block_bytes(self.draft_model, config.block_size, config.torch_dtype)
+        num_blocks = cache_bytes // block_bytes
+        one_request = -(-self.max_model_len // config.block_size)
+        if num_blocks < one_request:
+            raise EngineError(
+                f"the draft model's KV cache ({cache_bytes} bytes) holds {num_blocks} blocks, "
+                f"fewer than one request of max_model_len {self.max_model_len} needs "
+                f"({one_request}): raise draft_kv_cache_bytes or kv_cache_bytes"
+            )
+        proposer = DraftModelProposer(
+            self.draft_model,
+            self.backend,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            seed=config.seed,
+        )
+        proposer.cost_relative_to(self.model)
+        return proposer
 
     def _static_decode(self) -> StaticDecode:
         """Fixed buffers for decode-only steps; on CUDA their graphs are captured now."""
@@ -450,13 +506,19 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self._requests.pop(request_id, None)
+        seq = self._forget(request_id)
         if seq is None:
             return None
         self.scheduler.abort(seq)
         seq.finish_abort(FinishReason.ABORT)
         self._update_gauges()
         return self._output(seq, "", [])
+
+    def _forget(self, request_id: str) -> Sequence | None:
+        """Drop a request that ended (and its draft-model cache, if any)."""
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
+        return self._requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -523,7 +585,7 @@ class Engine:
                 self._observe_tokens(seq, len(new_ids))
             outputs.append(self._output(seq, text, new_ids))
             if seq.is_finished:
-                del self._requests[seq.request_id]
+                self._forget(seq.request_id)
         # Finished requests no longer hold their adapters on the device.
         self.tiers.pin_running(
             seq.adapter_id for seq in self.scheduler.running if seq.adapter_id is not None
@@ -570,7 +632,7 @@ class Engine:
         self.metrics.requests_failed_in_step.inc(len(step.failed))
         outputs = []
         for request_id, (kind, reason) in step.failed.items():
-            seq = self._requests.pop(request_id)
+            seq = self._forget(request_id)
             what = "the base model" if seq.lora is None else f"adapter {seq.lora.name!r}"
             self.scheduler.fail(seq, f"{what} failed in the engine step: {reason}", kind)
             outputs.append(self._output(seq, "", []))
@@ -589,7 +651,7 @@ class Engine:
             if error is None:
                 continue
             self.scheduler.fail(seq, f"adapter {seq.lora.name!r} {what}: {error}", kind)
-            del self._requests[seq.request_id]
+            self._forget(seq.request_id)
             outputs.append(self._output(seq, "", []))
         return outputs
 

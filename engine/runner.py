@@ -300,8 +300,10 @@ def _verify_group(seq, drafts: list[int]) -> VerifyGroup:
             )
         )
         suppress.append(seq.suppressed_token_ids(num_more=i))
+    # A draft model's q for the proposals verified (the scheduler may verify a prefix).
+    probs = None if seq.draft_probs is None else seq.draft_probs[: len(drafts)]
     return VerifyGroup(
-        rows=rows, suppress_token_ids=suppress, draft_token_ids=list(drafts), draft_probs=None
+        rows=rows, suppress_token_ids=suppress, draft_token_ids=list(drafts), draft_probs=probs
     )
 
 

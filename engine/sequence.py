@@ -112,6 +112,9 @@ class Sequence:
         # the tokens proposed for its next step: set before each step, verified by it.
         self.speculation = speculation
         self.draft_token_ids: list[int] = []
+        # [k, vocab]: the distributions a draft model drew them from (None: point masses,
+        # as n-gram proposals and a greedy request's drafts are).
+        self.draft_probs: torch.Tensor | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # the stop string or token that ended it

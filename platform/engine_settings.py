@@ -38,6 +38,7 @@ FROM_SETTINGS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "ngram_max_n": "ngram_max_n",
     "ngram_min_n": "ngram_min_n",
+    "draft_kv_cache_bytes": "draft_kv_cache_bytes",
 }
 # EngineConfig field -> what sets it.
 SET_BY_THE_PLATFORM = {

@@ -142,6 +142,12 @@ class Settings(BaseSettings):
         default=None,
         description="HF-format folder of the draft model (speculative_method draft).",
     )
+    draft_kv_cache_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="Bytes of the draft model's own KV cache, taken out of "
+        "LORAMUX_ENGINE_KV_CACHE_BYTES (unset: an eighth of it).",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None,
         description="The engine's weights and activations (unset: float32 on CPU, bfloat16 on CUDA).",

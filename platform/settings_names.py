@@ -43,6 +43,7 @@ ENGINE_TUNING_FIELDS = (
     "ngram_max_n",
     "ngram_min_n",
     "draft_model",
+    "draft_kv_cache_bytes",
 )
 # Settings fields of the engine server: LORAMUX_ENGINE_SERVER_<NAME>.
 ENGINE_SERVER_FIELDS = (

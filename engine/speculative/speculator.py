@@ -10,6 +10,12 @@ when the token budget or KV blocks run short); the runner verifies them
 (``verify.py``); the scheduler's update appends the emitted tokens and calls
 :meth:`Speculator.record` with what was proposed and accepted.
 
+Two proposers: ``ngram`` looks the request's last tokens up in its own text
+(``ngram.py``, no model); ``draft`` runs a smaller model over a KV cache of its own
+(``draft_model.py``), for all the proposing requests at once. A draft model's proposals
+cost its forward passes too, so each proposed token counts that cost (the draft's share of
+the target's parameters) on top of verifying it when the draft length is chosen.
+
 Only requests that opted in (``SamplingParams.speculative``, the default) and have no
 structured output speculate: a grammar would have to be advanced over proposals and
 rolled back on rejection, for requests whose output is short anyway.
@@ -28,37 +34,58 @@ if TYPE_CHECKING:
 
     from loramux.engine.sampling_params import SamplingParams
     from loramux.engine.sequence import Sequence
+    from loramux.engine.speculative.draft_model import DraftModelProposer
+
+
+# What verifying one more query token adds to a step, relative to the step (draft_length.py).
+VERIFY_COST = 0.1
 
 
 @dataclass
 class RequestSpeculation:
-    """One request's proposer state: its n-gram index and its draft length."""
+    """One request's proposer state: its n-gram index (None with a draft model, whose
+    state is the proposer's) and its draft length."""
 
-    index: NgramIndex
+    index: NgramIndex | None
     length: DraftLength
 
 
 class Speculator:
-    """Proposes tokens for the running requests; ``method`` is ``"ngram"``."""
+    """Proposes tokens for the running requests: by n-gram lookup, or with ``draft``."""
 
-    def __init__(self, *, max_k: int, ngram_max_n: int, ngram_min_n: int, max_model_len: int):
+    def __init__(
+        self,
+        *,
+        max_k: int,
+        ngram_max_n: int,
+        ngram_min_n: int,
+        max_model_len: int,
+        draft: DraftModelProposer | None = None,
+    ):
         self.max_k = max_k
         self.ngram_max_n = ngram_max_n
         self.ngram_min_n = ngram_min_n
         self.max_model_len = max_model_len
+        self.draft = draft
+        self.proposal_cost = VERIFY_COST + (0.0 if draft is None else draft.relative_cost)
 
     def start(self, params: SamplingParams) -> RequestSpeculation | None:
         """A new request's state, or None when it does not speculate."""
         if not params.speculative or params.structured is not None or params.max_tokens < 2:
             return None
-        return RequestSpeculation(
-            NgramIndex(max_n=self.ngram_max_n, min_n=self.ngram_min_n), DraftLength(self.max_k)
+        index = (
+            None
+            if self.draft is not None
+            else NgramIndex(max_n=self.ngram_max_n, min_n=self.ngram_min_n)
         )
+        return RequestSpeculation(index, DraftLength(self.max_k, verify_cost=self.proposal_cost))
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set ``draft_token_ids`` of every running sequence (empty where none)."""
+        running = list(running)
+        wants: list[tuple[Sequence, int]] = []
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_probs = [], None
             spec = seq.speculation
             if spec is None or seq.num_uncomputed_tokens != 1 or not seq.output_token_ids:
                 continue  # prefilling (or recomputing after a preemption): nothing to verify
@@ -69,8 +96,20 @@ class Speculator:
             k = min(spec.length.next_k(), room - 1)
             if k <= 0:
                 continue
-            spec.index.sync(seq.all_token_ids)
-            seq.draft_token_ids = spec.index.propose(k)
+            if spec.index is None:
+                wants.append((seq, k))
+            else:
+                spec.index.sync(seq.all_token_ids)
+                seq.draft_token_ids = spec.index.propose(k)
+        if self.draft is not None:
+            self.draft.forget_all_but(seq.request_id for seq in running)
+            if wants:
+                self.draft.propose(wants)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: free what the proposer held for it."""
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A step verified ``proposed`` of ``seq``'s tokens and accepted ``accepted``."""

@@ -78,6 +78,7 @@ def test_the_chart_can_set_every_setting():
         "maxModelLen": 4096,
         "maxAdaptersPerStep": 32,
         "draftModel": "/models/draft",
+        "draftKvCacheBytes": 1 << 26,
     }
     values = merge_values(INSTALL_VALUES, {"engine": optional})
     passed = set()

@@ -1,0 +1,189 @@
+"""Draft-model speculation: the same tokens as without it, with a draft that is sometimes right.
+
+The draft is the tiny Llama with its layers' weights perturbed (``tiny_draft_dir``): it
+shares the target's vocabulary and agrees with it often but not always, so the tests see
+acceptances and rejections (each checks both, so none can pass by never speculating). A
+draft identical to the target must have every proposal accepted: that checks the draft's
+own KV cache, which a stale entry would make disagree.
+
+A draft the size of its target never pays for itself, so the draft-length model would
+back off at once (``Speculator.proposal_cost`` counts the draft's forward passes): the
+engines here are given the n-gram proposer's cost, to keep speculating while tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loramux.engine import SamplingParams
+from loramux.engine.engine import EngineError
+from loramux.engine.speculative.draft_model import DraftCache, DraftState
+from loramux.engine.speculative.speculator import VERIFY_COST
+from tests.engine.factories import PROMPTS, build_engine
+from tests.engine.speculative.test_speculative_engine import (
+    assert_speculated,
+    spec_counts,
+    tiny_adapters,  # noqa: F401 (fixture)
+)
+from tests.engine.test_exactness import assert_matches_reference, mixed_requests, run_staggered
+from tests.fixtures.models import build_tiny_model
+
+
+def draft_settings(draft_dir, **more) -> dict:
+    return {
+        "speculative_method": "draft",
+        "draft_model": str(draft_dir),
+        "num_speculative_tokens": 4,
+        **more,
+    }
+
+
+def draft_engine(model_dir, adapters=None, **settings):
+    engine = build_engine(model_dir, adapters, **settings)
+    engine.speculator.proposal_cost = VERIFY_COST  # see the module's docstring
+    return engine
+
+
+def test_mixed_batch_matches_peft_with_a_draft_model(
+    tiny_model_dir,
+    tiny_draft_dir,
+    tiny_adapters,  # noqa: F811
+):
+    engine = draft_engine(tiny_model_dir, tiny_adapters, **draft_settings(tiny_draft_dir))
+    requests = mixed_requests(6)
+    outputs = run_staggered(engine, requests, 24)
+    assert_speculated(engine)
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 24)
+    assert engine.kv.num_used_blocks == 0
+    draft = engine.speculator.draft
+    assert draft.num_cached_requests == 0  # every finished request's draft blocks freed
+    assert draft.cache.num_free_blocks == draft.cache.num_blocks
+
+
+def test_prefix_hits_and_small_chunks_match_peft_with_a_draft_model(
+    tiny_model_dir,
+    tiny_draft_dir,
+    tiny_adapters,  # noqa: F811
+):
+    engine = draft_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        block_size=4,
+        max_num_batched_tokens=9,
+        max_prefill_chunk=3,
+        **draft_settings(tiny_draft_dir),
+    )
+    system = "You are a helpful assistant who answers briefly and precisely. "
+    requests = [(system + p, a) for p, a in mixed_requests(6)]
+    first = run_staggered(engine, requests, 20)
+    hits = engine.kv.prefix_cache_hits
+    second = run_staggered(engine, requests, 20)
+    assert engine.kv.prefix_cache_hits > hits > 0
+    assert first == second
+    assert_speculated(engine)
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, second, 20)
+
+
+def test_preemption_matches_peft_with_a_draft_model(
+    tiny_model_dir,
+    tiny_draft_dir,
+    tiny_adapters,  # noqa: F811
+):
+    # The CPU preemption test's 24 target blocks beside the adapters, plus the draft's cache
+    # (1 layer: 1,024 bytes a 4-token block), 48 blocks: 2 requests of max_model_len.
+    draft_bytes = 48 * 1024
+    engine = draft_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        kv_cache_bytes=24 * 4 * 512 + 28 * 8192 + draft_bytes,
+        max_model_len=96,
+        block_size=4,
+        **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=draft_bytes),
+    )
+    requests = mixed_requests(8)
+    outputs = run_staggered(engine, requests, 24)
+    assert engine.num_preemptions > 0
+    assert_speculated(engine)
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 24)
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_a_draft_equal_to_the_target_is_always_right(tiny_model_dir):
+    """Its proposals are the target's own greedy tokens, provided the draft's cache holds
+    exactly the request's tokens at every step (across catch-ups and rejections: none)."""
+    engine = draft_engine(tiny_model_dir, **draft_settings(tiny_model_dir))
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = build_engine(tiny_model_dir).generate(PROMPTS[:3], params)
+    spec = engine.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    proposed, accepted = spec_counts(engine)
+    assert proposed > 0 and accepted == proposed
+    for out in spec:
+        assert out.metrics.decode_steps < 30 / 3  # 4 proposals and one more, most steps
+
+
+def test_sampling_with_a_draft_model_is_seeded_and_uses_its_distributions(
+    tiny_model_dir, tiny_draft_dir
+):
+    engine = draft_engine(tiny_model_dir, **draft_settings(tiny_draft_dir))
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    engine.add_request("others", PROMPTS[1], others)
+    engine.add_request("seeded", PROMPTS[0], seeded)
+    batched = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id == "seeded":
+                batched = out.token_ids
+    assert batched == alone  # the draft's draws, like the target's, are the request's own
+    proposed, accepted = spec_counts(engine)
+    assert proposed > 0 and 0 < accepted < proposed
+
+
+def test_draft_state_keeps_only_the_tentative_tokens_the_request_appended():
+    state = DraftState(confirmed=5, tentative=[7, 8, 9])
+    state.sync([0, 1, 2, 3, 4, 7, 8, 3, 3])  # 7, 8 accepted, then another token
+    assert (state.confirmed, state.tentative) == (7, [])
+    state = DraftState(confirmed=5, tentative=[7, 8, 9])
+    state.sync([0, 1, 2, 3, 4, 7, 8, 9])  # all appended: the last token is fed again
+    assert state.confirmed == 7
+    state = DraftState(confirmed=5, tentative=[7])
+    state.sync([0, 1, 2, 3, 4, 6])  # rejected at once
+    assert state.confirmed == 5
+
+
+def test_draft_cache_grows_by_blocks_and_refuses_what_it_cannot_hold(tiny_model_dir):
+    from loramux.engine.model.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    cache = DraftCache(model, num_blocks=4, block_size=4)
+    blocks: list[int] = []
+    assert cache.grow(blocks, 9) and len(blocks) == 3
+    assert not cache.grow(blocks, 17) and len(blocks) == 3  # 5 blocks needed, 4 exist
+    assert cache.grow(blocks, 16) and cache.num_free_blocks == 0
+    cache.release(blocks)
+    assert blocks == [] and cache.num_free_blocks == 4
+
+
+def test_a_draft_with_a_shorter_context_is_refused(tiny_model_dir, tmp_path, tokenizer_dir):
+    other = build_tiny_model(tmp_path / "other", tokenizer_dir, max_position_embeddings=64)
+    with pytest.raises(EngineError, match="handles 64 positions, fewer than"):
+        build_engine(tiny_model_dir, **draft_settings(other))
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, tokenizer_dir):
+    other = build_tiny_model(tmp_path / "other", tokenizer_dir, vocab_size=50_000)
+    with pytest.raises(EngineError, match="50000 tokens and the target's 49152"):
+        build_engine(tiny_model_dir, **draft_settings(other))
+
+
+def test_a_draft_cache_too_small_for_one_request_is_refused(tiny_model_dir, tiny_draft_dir):
+    with pytest.raises(EngineError, match="raise draft_kv_cache_bytes"):
+        build_engine(
+            tiny_model_dir,
+            max_model_len=96,
+            block_size=4,
+            **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=4 * 1024),
+        )
