@@ -283,13 +283,21 @@ class Engine:
         config = self.config
         block_bytes = kv_block_bytes(self.draft_model, config.block_size, config.torch_dtype)
         num_blocks = cache_bytes // block_bytes
-        one_request = -(-self.max_model_len // config.block_size)
-        if num_blocks < one_request:
+        # A request whose context does not fit beside the others' just proposes nothing.
+        tokens = num_blocks * config.block_size
+        if tokens <= config.num_speculative_tokens:
             raise EngineError(
-                f"the draft model's KV cache ({cache_bytes} bytes) holds {num_blocks} blocks, "
-                f"fewer than one request of max_model_len {self.max_model_len} needs "
-                f"({one_request}): raise draft_kv_cache_bytes or kv_cache_bytes"
+                f"the draft model's KV cache ({cache_bytes} bytes) holds {tokens} tokens: "
+                "raise draft_kv_cache_bytes or kv_cache_bytes"
             )
+        if tokens < self.max_model_len:
+            logger.warning(
+                "the draft model's KV cache holds %d tokens, less than max_model_len %d: "
+                "longer requests do not speculate (raise draft_kv_cache_bytes)",
+                tokens,
+                self.max_model_len,
+            )
+        logger.info("draft model %s: KV cache of %d tokens", config.draft_model, tokens)
         proposer = DraftModelProposer(
             self.draft_model,
             self.backend,

@@ -90,8 +90,8 @@ def test_preemption_matches_peft_with_a_draft_model(
     tiny_draft_dir,
     tiny_adapters,  # noqa: F811
 ):
-    # The CPU preemption test's 24 target blocks beside the adapters, plus the draft's cache
-    # (1 layer: 1,024 bytes a 4-token block), 48 blocks: 2 requests of max_model_len.
+    # The CPU preemption test's 24 target blocks beside the adapters, plus the draft's cache:
+    # 24 blocks of 2,048 bytes (2 layers, 4 tokens), one request of max_model_len.
     draft_bytes = 48 * 1024
     engine = draft_engine(
         tiny_model_dir,
@@ -179,11 +179,28 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, to
         build_engine(tiny_model_dir, **draft_settings(other))
 
 
-def test_a_draft_cache_too_small_for_one_request_is_refused(tiny_model_dir, tiny_draft_dir):
-    with pytest.raises(EngineError, match="raise draft_kv_cache_bytes"):
+def test_a_draft_cache_too_small_to_propose_is_refused(tiny_model_dir, tiny_draft_dir):
+    with pytest.raises(EngineError, match="holds 4 tokens: raise draft_kv_cache_bytes"):
         build_engine(
             tiny_model_dir,
-            max_model_len=96,
             block_size=4,
-            **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=4 * 1024),
+            **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=2048),
         )
+
+
+def test_requests_past_the_draft_cache_decode_without_proposals(tiny_model_dir, tiny_draft_dir):
+    """A draft cache of 8 blocks (32 tokens): a 40-token request never gets proposals, a
+    short one does, and both end with the plain engine's tokens."""
+    engine = draft_engine(
+        tiny_model_dir,
+        block_size=4,
+        **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=8 * 2048),
+    )
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    long_prompt = " ".join(PROMPTS) + " " + PROMPTS[0]
+    prompts = [long_prompt, PROMPTS[1]]
+    assert len(engine.tokenizer(long_prompt)["input_ids"]) > 32
+    plain = build_engine(tiny_model_dir, block_size=4).generate(prompts, params)
+    spec = engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[0].metrics.spec_proposed_tokens == 0 < spec[1].metrics.spec_proposed_tokens
