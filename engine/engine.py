@@ -571,6 +571,7 @@ class Engine:
                 item.seq.metrics.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
         prompt_logprobs: dict[str, list] = {}
+        started = time.perf_counter()
         try:
             step = run_isolated(self._execute_interruptible(plan, prompt_logprobs), plan)
         except StepInterrupted:
@@ -581,6 +582,9 @@ class Engine:
             return failures
         finally:
             self.step_interrupt.end()
+        if self.speculator is not None and not step.reruns:
+            self.speculator.observe_step(plan, time.perf_counter() - started)
+            self.metrics.spec_proposal_cost.set(self.speculator.proposal_cost)
         outputs = failures + self._fail_in_step(step)
         # Counted as served, before update() finishes some of them (tenant_share.py).
         emitted = {rid: len(tokens) for rid, tokens in step.sampled.items() if len(tokens) > 1}

@@ -128,6 +128,13 @@ class EngineMetrics:
             ["adapter"],
             registry=r,
         )
+        self.spec_proposal_cost = Gauge(
+            "loramux_spec_proposal_cost",
+            "What one more proposed token costs relative to a request's share of a step, as "
+            "the draft length weighs it (measured from decode steps; engine/speculative/"
+            "step_cost.py).",
+            registry=r,
+        )
         self.decode_steps = Counter(
             "loramux_decode_steps",
             "Per request and step: steps that emitted tokens (requests x steps), by adapter.",

@@ -18,8 +18,10 @@ are::
 and its cost, in decode steps, is ``C(k) = 1 + c·k``: ``c`` is what one more verified
 token adds to a step relative to the step itself (``verify_cost``). On the CPU an extra
 query token in a batch-1 step costs about 5–20% of the step; on a GPU, where decode is
-memory-bound, much less. The default 0.1 sits in the CPU's range; a smaller ``c`` only
-makes speculating pay sooner. The next ``k`` is::
+memory-bound, much less; in a batch the whole step slows for every request. The engine
+measures it from its own decode steps and sets it before each step (``step_cost.py``,
+through the ``Speculator``; a draft model adds its own forward passes); the default 0.1
+holds until then. The next ``k`` is::
 
     k* = argmax over k in 0..max_k of  E(k) / C(k)                  (ties: the smaller k)
 

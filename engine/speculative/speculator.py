@@ -28,16 +28,19 @@ from typing import TYPE_CHECKING
 
 from loramux.engine.speculative.draft_length import DraftLength
 from loramux.engine.speculative.ngram import NgramIndex
+from loramux.engine.speculative.step_cost import StepCost
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.scheduler import SchedulerOutput
     from loramux.engine.sequence import Sequence
     from loramux.engine.speculative.draft_model import DraftModelProposer
 
 
-# What verifying one more query token adds to a step, relative to the step (draft_length.py).
+# What verifying one more query token adds to a step, relative to the step, until the
+# engine's own decode steps have measured it (step_cost.py).
 VERIFY_COST = 0.1
 
 
@@ -67,7 +70,10 @@ class Speculator:
         self.ngram_min_n = ngram_min_n
         self.max_model_len = max_model_len
         self.draft = draft
-        self.proposal_cost = VERIFY_COST + (0.0 if draft is None else draft.relative_cost)
+        self.step_cost = StepCost(default=VERIFY_COST)
+        # Fixed by tests that exercise speculation whatever it costs; None: measured.
+        self.fixed_cost: float | None = None
+        self.proposal_cost = self._cost(1)
 
     def start(self, params: SamplingParams) -> RequestSpeculation | None:
         """A new request's state, or None when it does not speculate."""
@@ -80,9 +86,24 @@ class Speculator:
         )
         return RequestSpeculation(index, DraftLength(self.max_k, verify_cost=self.proposal_cost))
 
+    def _cost(self, decoding: int) -> float:
+        """A proposed token's cost with ``decoding`` requests in the step: verifying it
+        (measured) and, with a draft model, drafting it."""
+        if self.fixed_cost is not None:
+            return self.fixed_cost
+        drafting = 0.0 if self.draft is None else self.draft.relative_cost
+        return self.step_cost.verify_cost(decoding) + drafting
+
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A step ran in ``seconds``: a decode-only one teaches the cost model."""
+        if all(item.num_tokens == 1 and item.samples for item in plan.scheduled):
+            self.step_cost.observe(sum(item.num_query_tokens for item in plan.scheduled), seconds)
+
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set ``draft_token_ids`` of every running sequence (empty where none)."""
         running = list(running)
+        decoding = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
+        self.proposal_cost = self._cost(decoding)
         wants: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_token_ids, seq.draft_probs = [], None
@@ -93,6 +114,7 @@ class Speculator:
                 seq.params.max_tokens - len(seq.output_token_ids),
                 self.max_model_len - seq.num_tokens,
             )
+            spec.length.verify_cost = self.proposal_cost
             k = min(spec.length.next_k(), room - 1)
             if k <= 0:
                 continue

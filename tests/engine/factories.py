@@ -17,8 +17,17 @@ PROMPTS = [
 ]
 
 
-def build_engine(model_dir, adapters=None, **overrides) -> Engine:
-    """An fp32 engine on ``model_dir`` with ``adapters`` (name -> PEFT dir) loaded."""
+# The draft length's cost of a proposed token in the tests' engines: fixed, so whether a
+# test's requests speculate does not depend on how fast this machine runs its steps
+# (engine/speculative/step_cost.py measures it otherwise; its own tests check that).
+TEST_PROPOSAL_COST = 0.1
+
+
+def build_engine(
+    model_dir, adapters=None, *, proposal_cost: float | None = TEST_PROPOSAL_COST, **overrides
+) -> Engine:
+    """An fp32 engine on ``model_dir`` with ``adapters`` (name -> PEFT dir) loaded; with
+    speculation, its proposals cost ``proposal_cost`` (None: measured, as in serving)."""
     config = {
         "model": str(model_dir),
         "kv_cache_bytes": 16 << 20,
@@ -28,6 +37,8 @@ def build_engine(model_dir, adapters=None, **overrides) -> Engine:
         **overrides,
     }
     engine = Engine(EngineConfig(**config))
+    if engine.speculator is not None:
+        engine.speculator.fixed_cost = proposal_cost
     for name, path in (adapters or {}).items():
         engine.add_adapter(name, path)
     return engine

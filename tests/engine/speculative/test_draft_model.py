@@ -7,8 +7,9 @@ draft identical to the target must have every proposal accepted: that checks the
 own KV cache, which a stale entry would make disagree.
 
 A draft the size of its target never pays for itself, so the draft-length model would
-back off at once (``Speculator.proposal_cost`` counts the draft's forward passes): the
-engines here are given the n-gram proposer's cost, to keep speculating while tested.
+back off at once (a proposal's cost counts the draft's forward passes): the engines here
+cost a proposal what ``build_engine`` fixes for the n-gram tests, to keep speculating
+while tested.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from loramux.engine import SamplingParams
 from loramux.engine.engine import EngineError
 from loramux.engine.speculative.draft_model import DraftCache, DraftState
-from loramux.engine.speculative.speculator import VERIFY_COST
 from tests.engine.factories import PROMPTS, build_engine
 from tests.engine.speculative.test_speculative_engine import (
     assert_speculated,
@@ -39,18 +39,12 @@ def draft_settings(draft_dir, **more) -> dict:
     }
 
 
-def draft_engine(model_dir, adapters=None, **settings):
-    engine = build_engine(model_dir, adapters, **settings)
-    engine.speculator.proposal_cost = VERIFY_COST  # see the module's docstring
-    return engine
-
-
 def test_mixed_batch_matches_peft_with_a_draft_model(
     tiny_model_dir,
     tiny_draft_dir,
     tiny_adapters,  # noqa: F811
 ):
-    engine = draft_engine(tiny_model_dir, tiny_adapters, **draft_settings(tiny_draft_dir))
+    engine = build_engine(tiny_model_dir, tiny_adapters, **draft_settings(tiny_draft_dir))
     requests = mixed_requests(6)
     outputs = run_staggered(engine, requests, 24)
     assert_speculated(engine)
@@ -66,7 +60,7 @@ def test_prefix_hits_and_small_chunks_match_peft_with_a_draft_model(
     tiny_draft_dir,
     tiny_adapters,  # noqa: F811
 ):
-    engine = draft_engine(
+    engine = build_engine(
         tiny_model_dir,
         tiny_adapters,
         block_size=4,
@@ -93,7 +87,7 @@ def test_preemption_matches_peft_with_a_draft_model(
     # The CPU preemption test's 24 target blocks beside the adapters, plus the draft's cache:
     # 24 blocks of 2,048 bytes (2 layers, 4 tokens), one request of max_model_len.
     draft_bytes = 48 * 1024
-    engine = draft_engine(
+    engine = build_engine(
         tiny_model_dir,
         tiny_adapters,
         kv_cache_bytes=24 * 4 * 512 + 28 * 8192 + draft_bytes,
@@ -112,7 +106,7 @@ def test_preemption_matches_peft_with_a_draft_model(
 def test_a_draft_equal_to_the_target_is_always_right(tiny_model_dir):
     """Its proposals are the target's own greedy tokens, provided the draft's cache holds
     exactly the request's tokens at every step (across catch-ups and rejections: none)."""
-    engine = draft_engine(tiny_model_dir, **draft_settings(tiny_model_dir))
+    engine = build_engine(tiny_model_dir, **draft_settings(tiny_model_dir))
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = build_engine(tiny_model_dir).generate(PROMPTS[:3], params)
     spec = engine.generate(PROMPTS[:3], params)
@@ -126,7 +120,7 @@ def test_a_draft_equal_to_the_target_is_always_right(tiny_model_dir):
 def test_sampling_with_a_draft_model_is_seeded_and_uses_its_distributions(
     tiny_model_dir, tiny_draft_dir
 ):
-    engine = draft_engine(tiny_model_dir, **draft_settings(tiny_draft_dir))
+    engine = build_engine(tiny_model_dir, **draft_settings(tiny_draft_dir))
     seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
     alone = engine.generate([PROMPTS[0]], seeded)[0].token_ids
     others = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
@@ -191,7 +185,7 @@ def test_a_draft_cache_too_small_to_propose_is_refused(tiny_model_dir, tiny_draf
 def test_requests_past_the_draft_cache_decode_without_proposals(tiny_model_dir, tiny_draft_dir):
     """A draft cache of 8 blocks (32 tokens): a 40-token request never gets proposals, a
     short one does, and both end with the plain engine's tokens."""
-    engine = draft_engine(
+    engine = build_engine(
         tiny_model_dir,
         block_size=4,
         **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=8 * 2048),

@@ -18,6 +18,7 @@ from loramux.platform.context import PlatformContext, build_context
 from loramux.platform.db.models import AdapterStatus, Tenant
 from loramux.platform.settings import Settings
 from tests.fixtures.browser import ServerThread
+from tests.fixtures.models import build_tiny_model
 from tests.platform.api.slowed_platform import slow_steps
 from tests.platform.db.factories import add_adapter, add_adapter_version
 
@@ -173,6 +174,34 @@ def speculating(tmp_path, tiny_model_dir, postgres_database_url):
             speculative_method="ngram",
             num_speculative_tokens=4,
             ngram_min_n=1,
+        ) as context,
+        TestClient(create_app(context)) as client,
+    ):
+        yield client, context
+
+
+@pytest.fixture
+def drafting(tmp_path, tiny_model_dir, tokenizer_dir, postgres_database_url):
+    """(client, context) of an app whose engine speculates with a draft model: a random
+    model a quarter of the tiny one's width (its head, the bulk of both, is a quarter as
+    large), set through the settings as an operator would."""
+    draft = build_tiny_model(
+        tmp_path / "draft-model",
+        tokenizer_dir,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+    )
+    with (
+        platform_context(
+            tmp_path,
+            tiny_model_dir,
+            postgres_database_url,
+            speculative_method="draft",
+            draft_model=draft,
+            draft_kv_cache_bytes=1 << 20,
         ) as context,
         TestClient(create_app(context)) as client,
     ):

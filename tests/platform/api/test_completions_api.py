@@ -480,6 +480,37 @@ def test_speculative_false_opts_a_request_out_streamed_or_not(speculating):
         assert _billed(slow) == _billed(quick) == (_billed(quick)[0], 24)
 
 
+def test_a_draft_model_speculates_over_http_and_changes_no_text(drafting):
+    """``LORAMUX_ENGINE_SPECULATIVE_METHOD=draft``: completions and chat, streamed or not,
+    give the text the same requests get without proposals, billed alike; the operator's
+    view says a draft model proposed."""
+    client, context = drafting
+    _, headers = tenant_headers(client, context)
+    model = context.base_model.model_id
+    completion = {"model": model, "prompt": LOOPING, **EXACT}
+    chat = {"model": model, "messages": [{"role": "user", "content": LOOPING}], **EXACT}
+
+    def post(path: str, body: dict):
+        response = client.post(path, json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        return response
+
+    plain = post("/v1/completions", {**completion, "speculative": False}).json()
+    plain_chat = post("/v1/chat/completions", {**chat, "speculative": False}).json()
+    assert speculation_totals(client, context)["proposed_tokens"] == 0
+    drafted = post("/v1/completions", completion).json()
+    drafted_chat = post("/v1/chat/completions", chat).json()
+    streamed = _streamed_text(post("/v1/completions", {**completion, "stream": True}), "text")
+    assert plain["choices"][0]["text"] == drafted["choices"][0]["text"] == streamed
+    message = plain_chat["choices"][0]["message"]["content"]
+    assert message == drafted_chat["choices"][0]["message"]["content"]
+    assert _billed(plain) == _billed(drafted) and _billed(plain_chat) == _billed(drafted_chat)
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    speculation = client.get("/admin/engine", headers=admin).json()["speculation"]
+    assert speculation["method"] == "draft"
+    assert speculation["total"]["proposed_tokens"] > 0
+
+
 def _billed(body: dict) -> tuple[int, int]:
     return body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
 
