@@ -362,12 +362,13 @@ PRESETS: dict[str, Preset] = {
             description="SmolLM2-135M on this CPU (float32, greedy, chat prompts): a "
             "copy-heavy workload (rewrite, repeat, extract from or correct a passage of about "
             "250 tokens) and a chat workload (open questions), at most 96 tokens a request "
-            "(EOS ends it), at batch sizes 1 and 4, on two engines in one process alike but "
+            "(EOS ends it), at batch 1 and at 4 in flight (8 requests through 4 slots, each "
+            "finished one replaced by the next), on two engines in one process alike but "
             "for n-gram speculation (prompt lookup, up to 4 proposals a step, adaptive draft "
             "length) against none; tokens/s of each, acceptance and tokens per step, and "
             "the output token ids checked identical",
             workload=WorkloadSpec(
-                num_requests=4,  # per workload; a run serves batch-size of them at once
+                num_requests=4,  # per workload; a batch-b run serves 2b of them, b in flight
                 rate=1e6,
                 num_adapters=0,
                 base_fraction=1.0,

@@ -47,7 +47,7 @@ def summarize(results: list[dict]) -> list[dict]:
                 "prefill_share_off": round(
                     statistics.median(r["prefill_seconds"] / r["seconds"] for r in off), 4
                 ),
-                # A batch runs until its slowest request ends: its steps after the prompts.
+                # The engine's steps after the last request's first token.
                 "off_engine_decode_steps": _median_of(off, "engine_decode_steps"),
                 "ngram_engine_decode_steps": _median_of(ngram, "engine_decode_steps"),
                 "off_ms_per_decode_step": _median_of(off, "ms_per_decode_step"),
@@ -193,10 +193,10 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         "alternating); decode-phase speedup: the same after the prompts (the pairs' median "
         "of output tokens after each request's first over the seconds after the last first "
         "token; not judged), and prefill share: the off runs' seconds until every request "
-        "had its first token, over their wall seconds (the part speculation cannot "
-        "shorten); engine steps: the median over runs of the engine's steps after the "
-        "prompts (a batch runs until its slowest request ends, so a request that speculates "
-        "little sets it); ms/step: the median over runs of the mean milliseconds of such a "
+        "had its first token, over their wall seconds (at batch 1 the part speculation "
+        "cannot shorten; at batch 4, where 8 requests pass through 4 slots, the last starts "
+        "late and the figure means little); engine steps: the median over runs of the "
+        "engine's steps after the last first token; ms/step: the median over runs of the mean milliseconds of such a "
         "step (every running request's next token, and on ngram the verification of its "
         "proposals); acceptance: accepted / proposed tokens; "
         "tokens/step: output tokens / decode steps of the ngram runs' requests (1 with "

@@ -12,6 +12,7 @@ nothing, so the smoke runs on SmolLM2).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from loramux.benchmarks import speculative
 from loramux.benchmarks.bench_presets import PRESETS, Baseline
@@ -25,7 +26,42 @@ def test_the_preset_runs_the_same_engine_with_and_without_ngram_speculation():
     assert preset.engine["enable_prefix_caching"] is False
     goals = {g.metric: (g.value, g.at_most) for g in preset.goals}
     assert goals == {"copy_speedup": (1.5, False), "chat_speedup": (0.95, False)}
-    assert speculative.requests_of(1, 5) == [1] and speculative.requests_of(4, 1) == [0, 1, 2, 3]
+    assert speculative.requests_of(1, 5) == [1]
+    assert speculative.requests_of(4, 1) == [0, 1, 2, 3, 0, 1, 2, 3]  # 2 per slot
+
+
+class _CountingEngine:
+    """Finishes each request after as many steps as its text says; counts how many run."""
+
+    def __init__(self):
+        self.running: dict[str, int] = {}
+        self.most_running = 0
+
+    def add_request(self, request_id, text, params):
+        self.running[request_id] = int(text)
+        self.most_running = max(self.most_running, len(self.running))
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        outs = []
+        for rid in list(self.running):
+            self.running[rid] -= 1
+            finished = self.running[rid] == 0
+            if finished:
+                del self.running[rid]
+            outs.append(SimpleNamespace(request_id=rid, finished=finished))
+        return outs
+
+
+def test_serve_keeps_the_slots_full_and_returns_outputs_in_order():
+    engine = _CountingEngine()
+    outs = speculative.serve(engine, ["3", "1", "2", "5", "1"], None, in_flight=2)
+    assert engine.most_running == 2
+    assert all(o.finished for o in outs) and len({o.request_id for o in outs}) == 5
+    first = int(outs[0].request_id.split("-")[1])
+    assert [int(o.request_id.split("-")[1]) - first for o in outs] == [0, 1, 2, 3, 4]
 
 
 def test_the_smoke_reports_both_engines_and_what_speculation_did(smollm2_dir, tmp_path):
