@@ -197,12 +197,15 @@ def test_a_request_can_opt_out(engines):
     assert spec_counts(spec) == before
 
 
-def test_seeded_sampling_is_reproducible_with_speculation(engines):
-    _, spec = engines
-    before = spec_counts(spec)
+def test_seeded_sampling_is_reproducible_with_speculation(tiny_model_dir, tiny_adapters):
+    """The same seeded requests on an engine in the same state give the same tokens. (Not
+    across different batch layouts: a row's logits change in the last bits with the rows
+    beside it in a matmul, on the CPU's BLAS too, which can tip a sampled token; so the
+    prefix cache, which changes the second run's layout, is off here.)"""
+    spec = build_engine(tiny_model_dir, tiny_adapters, enable_prefix_caching=False, **NGRAM)
     params = SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=123, ignore_eos=True)
     first = spec.generate(PROMPTS[:3], params, adapters=[None, "r4-qv", None])
     second = spec.generate(PROMPTS[:3], params, adapters=[None, "r4-qv", None])
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(len(o.token_ids) == 24 for o in first)
-    assert spec_counts(spec)[0] > before[0]
+    assert spec_counts(spec)[0] > 0
