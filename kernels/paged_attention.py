@@ -41,12 +41,23 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+# Sequences with at most this many new tokens over a cached prefix attend as that many
+# decode rows (row j: a query whose context ends at its own position), batched with the
+# decodes; other chunks attend one sequence at a time. It is the verification of
+# speculative proposals (k + 1 rows over a cached prefix) that this keeps batched: on the
+# CPU a masked SDPA per verifying sequence made a batch-4 step with proposals 10% slower.
+# A prompt's first chunk stays on its own: its prompt logprobs then do not depend on the
+# rows beside it (a batched SDPA's last bits do).
+SHORT_QUERY_ROWS = 8
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """The torch implementation's per-step indices (built once, shared by every layer).
 
-    Decode tokens (one query each) are attended in one batched call over their
-    contexts padded to the longest; prefill chunks one sequence at a time.
+    Decode tokens (one query each), and the rows of short chunks (``SHORT_QUERY_ROWS``),
+    are attended in one batched call over their contexts padded to the longest; longer
+    prefill chunks one sequence at a time.
     """
 
     positions: torch.Tensor  # [T] absolute position of every new token
@@ -181,29 +192,33 @@ def plan_attention(
     """The torch implementation's indices for one step."""
     long = {"dtype": torch.long, "device": device}
     step = _step_rows(block_tables, context_lens, query_lens, block_size, device)
-    span = torch.arange(step.longest_decode, **long)
-    decode_slots = flat_slots(
-        step.tables[step.decode], span.expand(len(step.decode), step.longest_decode), block_size
-    )
-    decode_mask = span[None, :] < step.ctx[step.decode][:, None]
-
+    # Decode rows: (token row, sequence, context length it sees).
+    rows: list[tuple[int, int, int]] = []
     prefill = []
     first_row = 0
     for i, (table_len, ctx_len, n) in enumerate(
         zip(map(len, block_tables), context_lens, query_lens, strict=True)
     ):
+        if n == 1 or (n <= SHORT_QUERY_ROWS and ctx_len > n):
+            # Query j (position ctx - n + j) sees the ctx - n + j + 1 keys up to it.
+            rows.extend((first_row + j, i, ctx_len - n + j + 1) for j in range(n))
+        else:
+            keys = torch.arange(ctx_len, **long)
+            slots = flat_slots(step.tables[i, :table_len], keys, block_size)
+            # Causal, bottom-right aligned: query j (position ctx - n + j) sees keys <= it.
+            causal = keys[ctx_len - n :, None] >= keys[None, :]
+            prefill.append((first_row, n, slots, causal))
         first_row += n
-        if n == 1:
-            continue
-        keys = torch.arange(ctx_len, **long)
-        slots = flat_slots(step.tables[i, :table_len], keys, block_size)
-        # Causal, bottom-right aligned: query j (position ctx - n + j) sees keys <= it.
-        causal = keys[ctx_len - n :, None] >= keys[None, :]
-        prefill.append((first_row - n, n, slots, causal))
+    longest = max((length for _, _, length in rows), default=0)
+    span = torch.arange(longest, **long)
+    sequences = torch.tensor([seq for _, seq, _ in rows], **long)
+    lengths = torch.tensor([length for _, _, length in rows], **long)
+    decode_slots = flat_slots(step.tables[sequences], span.expand(len(rows), longest), block_size)
+    decode_mask = span[None, :] < lengths[:, None]
     return AttentionPlan(
         positions=step.positions,
         new_token_slots=step.new_token_slots,
-        decode_rows=step.ends[step.decode] - 1,
+        decode_rows=torch.tensor([row for row, _, _ in rows], **long),
         decode_slots=decode_slots,
         decode_mask=decode_mask[:, None, None, :],
         prefill=prefill,

@@ -309,9 +309,13 @@ def test_triton_plan_fields():
     assert sub.prefill_max_query_len == 3
     # Both plans place the new tokens the same way.
     plain = pa.plan_attention(tables, ctx, qlens, 4, torch.device("cpu"))
-    for name in ("positions", "new_token_slots", "decode_rows"):
+    for name in ("positions", "new_token_slots"):
         assert torch.equal(getattr(sub, name), getattr(plain, name))
-    assert [(f, n) for f, n, _, _ in plain.prefill] == [(1, 3), (4, 2)]
+    # The torch plan attends the 2-token chunk over a prefix as two decode rows (contexts 8
+    # and 9); the prompt's first chunk stays a prefill.
+    assert torch.equal(plain.decode_rows, torch.tensor([0, 4, 5, 6]))
+    assert plain.decode_mask.sum(dim=-1).flatten().tolist() == [6, 8, 9, 1]
+    assert [(f, n) for f, n, _, _ in plain.prefill] == [(1, 3)]
 
     decodes = pa.plan_attention_triton(tables, ctx, [1, 1, 1, 1], 4, "cpu")
     assert (decodes.num_decodes, decodes.num_prefills) == (4, 0)
