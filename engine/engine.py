@@ -442,7 +442,11 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
-        speculation = None if self.speculator is None else self.speculator.start(params)
+        speculation = (
+            None
+            if self.speculator is None
+            else self.speculator.start(params, (tenant, None if lora is None else lora.adapter_id))
+        )
         seq = Sequence(
             request_id,
             prompt_ids,

@@ -52,9 +52,14 @@ each add ``k`` acceptances) the estimate takes some 35 rejected steps, at fallin
 to back off; in simulations of alternating copied and free spans a shorter memory
 (decay 0.6 to 0.8) did worse, not better.
 
-The prior is one pseudo-acceptance and no rejection, ``α̂ = 1``: a new request starts
-optimistic and proposes ``max_k`` on its first step. The pseudo-acceptance weighs as
-much as one accepted draft and decays like real evidence, so a few steps outweigh it.
+The prior is one pseudo-observation split as ``prior_acceptance`` acceptances and the rest
+rejections, so a new request starts at ``α̂ = prior_acceptance``. The ``Speculator`` sets
+it from the recent acceptance of the same tenant's requests on the same adapter (their
+verify steps' evidence, pooled and discounted), so a new request of a workload that copies
+starts proposing ``max_k`` and one of a workload whose proposals fail starts backed off
+instead of paying for a few optimistic steps; with no such evidence yet it is 1, the
+optimistic start. The pseudo-observation weighs as much as one judged draft and decays
+like real evidence, so a few steps of the request's own outweigh it.
 
 Backing off, and probing
 ------------------------
@@ -117,6 +122,7 @@ class DraftLength:
         decay: float = 0.9,
         probe_interval: int = 4,
         max_probe_interval: int = 64,
+        prior_acceptance: float = 1.0,
     ):
         if max_k < 1:
             raise ValueError(f"DraftLength needs max_k >= 1, got {max_k}")
@@ -124,6 +130,10 @@ class DraftLength:
             raise ValueError(f"DraftLength needs verify_cost > 0, got {verify_cost}")
         if not 0 < decay < 1:
             raise ValueError(f"DraftLength needs 0 < decay < 1, got {decay}")
+        if not 0 <= prior_acceptance <= 1:
+            raise ValueError(
+                f"DraftLength needs 0 <= prior_acceptance <= 1, got {prior_acceptance}"
+            )
         if not 1 <= probe_interval <= max_probe_interval:
             raise ValueError(
                 "DraftLength needs 1 <= probe_interval <= max_probe_interval, "
@@ -135,9 +145,9 @@ class DraftLength:
         self.first_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         # Discounted evidence: acceptances, and steps that ended in a rejection. The
-        # prior is one pseudo-acceptance, so a new request proposes max_k.
-        self._accepted = 1.0
-        self._rejected = 0.0
+        # prior is one pseudo-observation at prior_acceptance (1: propose max_k at once).
+        self._accepted = prior_acceptance
+        self._rejected = 1.0 - prior_acceptance
         # While backed off: steps backed off since the last recorded probe, the current
         # spacing of probes, and whether a probe is offered and not yet recorded.
         self._steps_since_probe = 0
@@ -147,8 +157,8 @@ class DraftLength:
     @property
     def acceptance(self) -> float:
         """α̂: the estimated probability that a draft is accepted, given the ones before it."""
-        # The prior is 1 and every record adds at least 1 to one of the counts (an
-        # acceptance or a rejection), so the sum is always at least 1.
+        # The prior's two counts sum to 1 and every record adds at least 1 to one of them
+        # (an acceptance or a rejection), so the sum is always at least 1 times the decay.
         return self._accepted / (self._accepted + self._rejected)
 
     @property

@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     from loramux.engine.speculative.draft_model import DraftModelProposer
 
 
+# Whose requests' acceptance is pooled: (tenant, adapter id); None for no tenant, the base.
+Pool = tuple[str | None, int | None]
+# The pooled acceptance evidence of a pool's requests (the prior of its new ones) ages
+# by this much per verify step: a memory of about a hundred steps.
+POOL_DECAY = 0.99
+# Pooled evidence (judged steps, discounted) below which a new request starts optimistic.
+MIN_POOLED_EVIDENCE = 4.0
+
 # What verifying one more query token adds to a step, relative to the step, until the
 # engine's own decode steps have measured it (step_cost.py).
 VERIFY_COST = 0.1
@@ -51,6 +59,7 @@ class RequestSpeculation:
 
     index: NgramIndex | None
     length: DraftLength
+    pool: Pool = (None, None)  # whose pooled acceptance it adds to
 
 
 class Speculator:
@@ -74,9 +83,13 @@ class Speculator:
         # Fixed by tests that exercise speculation whatever it costs; None: measured.
         self.fixed_cost: float | None = None
         self.proposal_cost = self._cost(1)
+        # (tenant, adapter id) -> [accepted, rejected], discounted
+        self._pooled: dict[Pool, list[float]] = {}
 
-    def start(self, params: SamplingParams) -> RequestSpeculation | None:
-        """A new request's state, or None when it does not speculate."""
+    def start(self, params: SamplingParams, pool: Pool = (None, None)) -> RequestSpeculation | None:
+        """A new request's state, or None when it does not speculate; its draft length
+        starts at the recent acceptance of the requests of its ``pool``: the same tenant's
+        on the same adapter (never another tenant's, which could slow it)."""
         if not params.speculative or params.structured is not None or params.max_tokens < 2:
             return None
         index = (
@@ -84,7 +97,19 @@ class Speculator:
             if self.draft is not None
             else NgramIndex(max_n=self.ngram_max_n, min_n=self.ngram_min_n)
         )
-        return RequestSpeculation(index, DraftLength(self.max_k, verify_cost=self.proposal_cost))
+        length = DraftLength(
+            self.max_k,
+            verify_cost=self.proposal_cost,
+            prior_acceptance=self.pooled_acceptance(pool),
+        )
+        return RequestSpeculation(index, length, pool)
+
+    def pooled_acceptance(self, pool: Pool) -> float:
+        """The recent acceptance of ``pool``'s requests (1 without enough of it)."""
+        accepted, rejected = self._pooled.get(pool, (0.0, 0.0))
+        if accepted + rejected < MIN_POOLED_EVIDENCE:
+            return 1.0
+        return accepted / (accepted + rejected)
 
     def _cost(self, decoding: int) -> float:
         """A proposed token's cost with ``decoding`` requests in the step: verifying it
@@ -137,5 +162,9 @@ class Speculator:
         """A step verified ``proposed`` of ``seq``'s tokens and accepted ``accepted``."""
         spec = seq.speculation
         spec.length.record(proposed, accepted)
+        if proposed:
+            pooled = self._pooled.setdefault(spec.pool, [0.0, 0.0])
+            pooled[0] = POOL_DECAY * pooled[0] + accepted
+            pooled[1] = POOL_DECAY * pooled[1] + (accepted < proposed)
         seq.metrics.spec_proposed_tokens += proposed
         seq.metrics.spec_accepted_tokens += accepted

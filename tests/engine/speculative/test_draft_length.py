@@ -223,3 +223,24 @@ def test_throughput_is_never_much_below_plain_decoding_and_near_the_best_fixed_k
         throughput = simulated_throughput(alpha, 3_000, seed, cost)
         assert throughput >= 0.95  # plain decoding: 1 token per step
         assert throughput >= 0.88 * best_fixed, (throughput, best_fixed)
+
+
+@pytest.mark.parametrize("prior", [0.0, 0.3, 0.9, 1.0])
+def test_a_new_request_starts_at_its_prior_acceptance(prior):
+    length = DraftLength(4, verify_cost=0.2, prior_acceptance=prior)
+    assert length.acceptance == pytest.approx(prior)
+    assert length.next_k() == best_draft_length(prior, 4, 0.2)
+
+
+def test_a_pessimistic_prior_is_outweighed_by_a_few_accepted_steps():
+    length = DraftLength(4, verify_cost=0.1, prior_acceptance=0.0)
+    assert length.next_k() == 0
+    for _ in range(3):
+        length.record(1, 1)
+    assert length.acceptance > 0.7 and length.next_k() > 0
+
+
+@pytest.mark.parametrize("prior", [-0.1, 1.5])
+def test_a_prior_outside_0_1_is_refused(prior):
+    with pytest.raises(ValueError, match="prior_acceptance"):
+        DraftLength(4, prior_acceptance=prior)
