@@ -8,7 +8,7 @@ This module is the engine's front door: the platform imports only what is export
 
 from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineStoppedError
 from loramux.engine.config import EngineConfig
-from loramux.engine.engine import Engine, EngineError
+from loramux.engine.engine import Engine, EngineError, UnknownAdapter
 from loramux.engine.lora.adapter import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -97,6 +97,7 @@ __all__ = [
     "ToolCalls",
     "ToolChoice",
     "ToolOutput",
+    "UnknownAdapter",
     "check_spec",
     "convert_gguf_to_hf",
     "extract_gguf_metadata",

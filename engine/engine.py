@@ -88,6 +88,10 @@ class EngineError(ValueError):
     """A request or call the engine refuses; the message says why."""
 
 
+class UnknownAdapter(EngineError):
+    """A request names an adapter the engine does not have (never added, or removed)."""
+
+
 def _token_id(value) -> int:
     """An int token id; floats, bools and strings are refused, not coerced."""
     try:
@@ -428,7 +432,7 @@ class Engine:
         if adapter is not None:
             lora = self.tiers.get(adapter)
             if lora is None:
-                raise EngineError(f"unknown adapter {adapter!r}; add_adapter() it first")
+                raise UnknownAdapter(f"unknown adapter {adapter!r}; add_adapter() it first")
         vocab = self.model_config.vocab_size
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:  # the sampler would fail on them mid-step (min_tokens suppression)

@@ -29,7 +29,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive
 
-from loramux.engine import AsyncEngineError, EngineError, RequestOutput
+from loramux.engine import AsyncEngineError, EngineError, RequestOutput, UnknownAdapter
 from loramux.platform.api.deps import ContextDep
 from loramux.platform.api.error_codes import ERROR_CODES, error_detail
 from loramux.platform.api.errors import APIError
@@ -66,6 +66,15 @@ InferenceDep = Annotated[InferenceService, Depends(get_inference)]
 def _engine_error(exc: Exception) -> APIError:
     """What the tenant is told when the engine refused or could not finish a request (the
     engine's own words name hosts and internal ids: they go to the log)."""
+    if isinstance(exc, UnknownAdapter):
+        # The adapter was deleted between the request's admission and the engine: as if
+        # the delete had come first.
+        return APIError(
+            404,
+            "The model was deleted while this request was being admitted; nothing was "
+            "generated or billed.",
+            code="model_not_found",
+        )
     if isinstance(exc, EngineError):
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, EngineRequestFailed):

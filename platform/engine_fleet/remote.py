@@ -18,7 +18,14 @@ from typing import Any
 
 import httpx
 
-from loramux.engine import AsyncEngineError, EngineError, EngineStats, RequestOutput, SamplingParams
+from loramux.engine import (
+    AsyncEngineError,
+    EngineError,
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+    UnknownAdapter,
+)
 from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
 from loramux.platform.engine_fleet.wire import output_from_json, params_to_json, stats_from_json
 
@@ -48,7 +55,7 @@ class EngineLost(EngineUnavailable):
     """The engine went away (or broke the stream) after it answered the request."""
 
 
-class AdapterNotRegistered(EngineError):
+class AdapterNotRegistered(UnknownAdapter):
     """The engine does not know the adapter (it restarted since it was registered)."""
 
 

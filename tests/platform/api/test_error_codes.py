@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from loramux.engine import EngineError, UnknownAdapter
 from loramux.platform.api.error_codes import ERROR_CODES, HTTP_EXCEPTION_CODES, error_detail
+from loramux.platform.api.respond import _engine_error
+from loramux.platform.engine_fleet.remote import AdapterNotRegistered
 
 ROOT = Path(__file__).resolve().parents[3]
 _RAISERS = {"APIError": ("status_code", "message", "code"), "error_response": None}
@@ -123,3 +126,14 @@ def test_error_detail_is_the_envelope():
         "type": "server_error",
         "code": "engine_error",
     }
+
+
+@pytest.mark.parametrize("error", [UnknownAdapter, AdapterNotRegistered])
+def test_an_adapter_deleted_before_the_engine_saw_the_request_is_a_404(error):
+    """A delete that lands between a request's admission and the engine (a churning tenant's
+    soak saw it): answered as if the delete had come first, in words without engine ids."""
+    answer = _engine_error(error("unknown adapter 't-1-v2'; add_adapter() it first"))
+    assert (answer.status_code, answer.code) == (404, "model_not_found")
+    assert "t-1-v2" not in answer.message and "deleted" in answer.message
+    refused = _engine_error(EngineError("request id 'x' is already in use"))
+    assert (refused.status_code, refused.code) == (400, "invalid_request")
