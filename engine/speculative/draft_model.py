@@ -162,7 +162,6 @@ class DraftModelProposer:
         self.device = param.device
         self._shared_generator = make_generator(seed ^ DRAFT_SEED_SALT, self.device)
         self._states: dict[str, DraftState] = {}
-        self.forwards = 0  # draft forward passes run, for tests and benchmarks
         # What one draft token costs relative to one target step: decoding reads the
         # weights, so about the ratio of the parameter counts (set by the engine).
         self.relative_cost = 0.0
@@ -242,15 +241,17 @@ class DraftModelProposer:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, attention, self.cache.kv_caches)
         last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        self.forwards += 1
         return self.model.compute_logits(hidden[last]).float()
 
     def _draw(self, drafting: list[_Drafting], logits: torch.Tensor) -> None:
         """Each request's next draft from its row of ``logits``."""
-        for d, z in zip(drafting, logits, strict=True):
+        # Every row's argmax in one transfer (greedy rows use it; on CUDA an int() per
+        # row would wait for the device once per request).
+        argmax = logits.argmax(dim=-1).tolist()
+        for d, z, best in zip(drafting, logits, argmax, strict=True):
             params = d.seq.params
             if params.greedy:
-                d.tokens.append(int(z.argmax()))
+                d.tokens.append(best)
                 continue
             q = torch.softmax(z / params.temperature, dim=-1)
             generator = d.state.generator or self._shared_generator
