@@ -6,34 +6,23 @@ tokens and each slice s, reading the adapter pool directly (an adapter's rows ar
 consecutive). The C file says why it is
 faster than torch here and how it is laid out.
 
-Building: :func:`load_native_lora` compiles the C file with the system's C compiler
-(``cc``, or ``$CC``) into ``$XDG_CACHE_HOME/loramux/native/`` (default ``~/.cache``), named
-by a hash of the source, the flags, the compiler and the CPU's features, so a machine builds
-it once (about a second) and a changed source or CPU builds anew; the library is written
-under a temporary name and renamed, so a concurrent process never loads half a file. Where
-no compiler works, it returns None with the reason and the engine uses the torch ops.
+Building: :func:`load_native_lora` builds the C file once per machine
+(``loramux.kernels.native_build``); where no compiler works, it returns None with the
+reason and the engine uses the torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
-# -march=native: the library is built on the machine that runs it (the cache key has the
-# CPU's features). No -ffast-math: NaN and inf must propagate (an adapter's bad weights
-# are detected downstream by the non-finite outputs they cause).
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+from loramux.kernels.native_build import CSRC, load_native_library
+
+SOURCE = CSRC / "lora_cpu.c"
 SEGMENT_FIELDS = 3  # start, end, first pool row
 
 
@@ -189,29 +178,9 @@ def check_operands(x, outs, a_pools, b_pools, segments, ranks, scales, scratch, 
 
 def load_native_lora(cache_dir: Path | None = None) -> tuple[NativeLoRA | None, str]:
     """The op, built here if needed; or None and why it is not available."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc, gcc or $CC) on this machine"
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"the C compiler {compiler!r} does not run: {exc}"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_features()])
-    ).hexdigest()[:16]
-    directory = cache_dir or _default_cache_dir()
-    path = directory / f"lora_cpu-{key}.so"
-    if not path.exists():
-        error = _build(compiler, path)
-        if error is not None:
-            return None, error
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return None, f"the built library {path} does not load: {exc}"
+    library, how = load_native_library(SOURCE, cache_dir)
+    if library is None:
+        return None, how
     function = library.loramux_lora_f32
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     # x, x_stride, in_dim, slices, outs, out_strides, out_dims, a_slices, a_stride, b_slices,
@@ -219,39 +188,4 @@ def load_native_lora(cache_dir: Path | None = None) -> tuple[NativeLoRA | None, 
     function.argtypes = [pointer, size, size, size, pointer, pointer, pointer, pointer, size]
     function.argtypes += [pointer, size, pointer, size, pointer, pointer, pointer, size, size]
     function.restype = ctypes.c_int
-    return NativeLoRA(library, path), f"built from {SOURCE.name} at {path}"
-
-
-def _build(compiler: str, path: Path) -> str | None:
-    """Compile to ``path`` (atomically); the error text, or None."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as work:
-            partial = Path(work) / path.name
-            result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if result.returncode != 0:
-                return f"{compiler} could not build {SOURCE.name}: {result.stderr.strip()[-500:]}"
-            os.replace(partial, path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"building {SOURCE.name} failed: {exc}"
-    return None
-
-
-def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "loramux" / "native"
-
-
-def _cpu_features() -> bytes:
-    """What -march=native depends on: the CPU's model and flags (Linux), else the machine."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine().encode()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines))).encode()
+    return NativeLoRA(library, Path(library._name)), how
