@@ -7,7 +7,7 @@ This module is the engine's front door: the platform imports only what is export
 """
 
 from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineStoppedError
-from loramux.engine.config import EngineConfig
+from loramux.engine.config import INT4_GROUP_SIZES, QUANTIZATIONS, EngineConfig
 from loramux.engine.engine import Engine, EngineError, UnknownAdapter
 from loramux.engine.lora.adapter import (
     CONFIG_FILE,
@@ -58,8 +58,10 @@ from loramux.engine.tenant_share import TenantShareStats, merge_tenants
 
 __all__ = [
     "CONFIG_FILE",
+    "INT4_GROUP_SIZES",
     "LORA_TARGETS",
     "MAX_CONFIG_BYTES",
+    "QUANTIZATIONS",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "WEIGHTS_FILE",

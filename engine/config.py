@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.kernels.quant_linear import INT4_GROUP_SIZES
+
 _DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -14,6 +16,7 @@ _DTYPES = {
 }
 LOAD_FORMATS = ("safetensors", "random")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+QUANTIZATIONS = ("none", "int8", "int4")  # as model/quantized.py's
 
 
 @dataclass
@@ -51,6 +54,15 @@ class EngineConfig:
     # "safetensors": the checkpoint in ``model``; "random": weights drawn at random on the
     # device from ``model``'s config.json (benchmarks at real shapes without the files).
     load_format: str = "safetensors"
+    # Weight-only quantization of a float checkpoint as it loads (model/quantized.py):
+    # "none", "int8" (per output channel) or "int4" (groups of quantization_group_size
+    # inputs). The embedding and an untied LM head become int8 either way.
+    quantization: str = "none"
+    quantization_group_size: int = 32
+    # The base weights are this GGUF file's tensors, served in their own packed forms
+    # (Q8_0, Q4_0, Q4_1, Q4_K, and float ones); ``model`` then holds only the config and
+    # tokenizer (as platform.base_model extracts them).
+    gguf_file: str | None = None
     # Decode-only steps of up to this many sequences replay CUDA graphs captured for a set
     # of batch-size buckets (CUDA and the Triton path only); 0 runs every step eagerly.
     cuda_graph_max_batch: int = 64
@@ -110,6 +122,24 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, "
                 f"got {self.load_format!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                "EngineConfig.quantization_group_size must be one of "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quantization_group_size}"
+            )
+        if self.gguf_file is not None and (
+            self.quantization != "none" or self.load_format != "safetensors"
+        ):
+            raise ValueError(
+                "EngineConfig.gguf_file serves the GGUF's own packed weights: it takes "
+                f"quantization 'none' and load_format 'safetensors' (got {self.quantization!r}, "
+                f"{self.load_format!r}); quantization applies to float checkpoints"
             )
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(

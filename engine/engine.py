@@ -106,12 +106,19 @@ class Engine:
     def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        # The kernels (Triton or torch) are chosen here, once, and handed to what runs ops:
+        # the model's quantized matmul first.
+        self.backend = select_backend(device, dtype)
         self.model = load_model(
             config.model,
             dtype=dtype,
             device=device,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=config.quantization,
+            group_size=config.quantization_group_size,
+            gguf_file=config.gguf_file,
+            quant_op=self.backend.quant_linear,
         )
         self.model_config = self.model.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -146,8 +153,6 @@ class Engine:
         # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
         # The static decode path (CUDA graphs) pads its batches with rows that write to a
         # scratch block of the budget's.
-        # The kernels (Triton or torch) are chosen here, once, and handed to what runs ops.
-        self.backend = select_backend(device, dtype)
         static_decode = (
             config.cuda_graph_max_batch > 0
             and self.backend.static_decode

@@ -6,7 +6,9 @@ A backend turns a step into the two objects the model takes (``loramux.engine.mo
   plan of its own kind, and its attention op);
 * ``lora_step(table, pools)``: a :class:`~loramux.engine.model.llama.StepLoRA` from the
   pool's table of the step's adapters (which rows, ranks and scales; the pool decides
-  residency, the backend only reads).
+  residency, the backend only reads);
+* ``quant_linear``: the matmul of quantized projections (``model/quantized.py``), handed to
+  the model when it is loaded.
 
 Two backends: Triton (``loramux.engine.lora.triton_backend``: SGMV/BGMV and paged
 attention kernels, CUDA graphs for decode) and torch (``loramux.engine.lora.torch_backend``:
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.model.llama import LoRAWeightSource, StepAttention, StepLoRA
+from loramux.engine.model.quantized import QuantLinearOp
 from loramux.kernels.dispatch import KERNELS_ENV, resolve_kernels
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.paged_attention import TRITON_DTYPES
@@ -71,6 +74,10 @@ class KernelBackend(ABC):
     @abstractmethod
     def lora_step(self, table: LoRATable, pools: LoRAWeightSource) -> StepLoRA: ...
 
+    @property
+    @abstractmethod
+    def quant_linear(self) -> QuantLinearOp: ...
+
 
 def select_backend(
     device: torch.device, dtype: torch.dtype, choice: str | None = None
@@ -81,7 +88,8 @@ def select_backend(
     ``auto`` falls back to torch for a dtype the Triton kernels do not take; an explicit
     ``triton`` refuses it. On a float32 CPU engine ``auto``'s torch backend applies LoRA with
     the native op (``loramux.kernels.lora_native``) where it builds; an explicit ``torch``
-    keeps to torch ops (to bisect a suspected bug in the native op).
+    keeps to torch ops (to bisect a suspected bug in the native op). The same holds for the
+    quantized matmul (``loramux.kernels.quant_native``).
     """
     if choice is None:
         choice = os.environ.get(KERNELS_ENV)
@@ -100,8 +108,9 @@ def select_backend(
         return TritonBackend(device)
     from loramux.engine.lora.torch_backend import TorchBackend
 
-    native = _native_lora(device, dtype) if explicit in ("", "auto") else None
-    return TorchBackend(device, native)
+    if explicit in ("", "auto"):
+        return TorchBackend(device, _native_lora(device, dtype), _native_quant(device, dtype))
+    return TorchBackend(device)
 
 
 def _native_lora(device: torch.device, dtype: torch.dtype):
@@ -115,4 +124,18 @@ def _native_lora(device: torch.device, dtype: torch.dtype):
         logger.warning("LoRA on the CPU uses the stacked torch ops (slower): %s", how)
     else:
         logger.info("LoRA on the CPU: the native op, %s", how)
+    return native
+
+
+def _native_quant(device: torch.device, dtype: torch.dtype):
+    """The CPU's native quantized matmul for ``auto`` on a float32 CPU engine, or None. It is
+    built here even for a float model (a second or less, once per machine): the model is
+    loaded after the backend is chosen."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    from loramux.kernels.quant_native import load_native_quant_linear
+
+    native, how = load_native_quant_linear()
+    if native is None:
+        logger.warning("Quantized weights on the CPU use the torch ops (slower): %s", how)
     return native

@@ -28,6 +28,7 @@ import torch
 from loramux.engine.lora.backend import BoundAttention, KernelBackend
 from loramux.engine.lora.native_lora import NativeStepLoRA
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
+from loramux.engine.model.quantized import QuantLinearOp
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.lora_native import NativeLoRA
 from loramux.kernels.lora_torch import (
@@ -38,6 +39,8 @@ from loramux.kernels.lora_torch import (
     stack_weights,
 )
 from loramux.kernels.paged_attention import attend_reference, plan_attention
+from loramux.kernels.quant_linear import quant_linear_torch
+from loramux.kernels.quant_native import NativeQuantLinear
 
 # A segment of at most this many tokens joins the batched matmuls over the stacks (padded
 # to the adapter with most such tokens); a longer one (a prefill chunk) takes its own.
@@ -164,10 +167,21 @@ class TorchBackend(KernelBackend):
     name = "torch"
     static_decode = False  # the torch attention sizes its work on the host
 
-    def __init__(self, device: torch.device, native: NativeLoRA | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        native: NativeLoRA | None = None,
+        native_quant: NativeQuantLinear | None = None,
+    ):
         self.device = torch.device(device)
         self.native = native
         self.stacks = StackCache()
+        self.native_quant = native_quant
+
+    @property
+    def quant_linear(self) -> QuantLinearOp:
+        """The native op on a float32 CPU engine where it builds, else the torch tiles."""
+        return quant_linear_torch if self.native_quant is None else self.native_quant.linear
 
     @property
     def lora_op(self) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from loramux.engine.lora.backend import BoundAttention, KernelBackend
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
+from loramux.engine.model.quantized import QuantLinearOp
 from loramux.kernels import attention_triton, lora_triton
 from loramux.kernels.lora_batch import LoRABatch, LoRATable
 from loramux.kernels.paged_attention import TritonAttentionPlan, plan_attention_triton
@@ -54,6 +55,12 @@ class TritonBackend(KernelBackend):
     def bind_attention(self, plan: TritonAttentionPlan) -> BoundAttention:
         # Through the module attribute, so a test's spy on the launcher sees the calls.
         return BoundAttention(plan, _paged_attention)
+
+    @property
+    def quant_linear(self) -> QuantLinearOp:
+        from loramux.kernels.quant_triton import quant_linear_triton
+
+        return quant_linear_triton
 
     def lora_step(self, table: LoRATable, pools: LoRAWeightSource) -> TritonStepLoRA:
         return self.bind_lora(table.to_batch(self.device), pools)

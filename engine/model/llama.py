@@ -84,13 +84,15 @@ class RMSNorm(nn.Module):
 
 def _project(
     x: torch.Tensor,
-    linears: tuple[nn.Linear, ...],
+    linears: tuple[nn.Module, ...],
     layer: int,
     modules: tuple[str, ...],
     lora: StepLoRA | None,
 ) -> list[torch.Tensor]:
-    """``linear(x)`` of each projection of the group, plus its LoRA deltas."""
-    outs = [F.linear(x, linear.weight, linear.bias) for linear in linears]
+    """``linear(x)`` of each projection of the group, plus its LoRA deltas. A projection is
+    an ``nn.Linear`` or a ``QuantizedLinear`` (``model/quantized.py``); ``forward`` directly:
+    no hooks are registered, and a step makes hundreds of these calls."""
+    outs = [linear.forward(x) for linear in linears]
     if lora is not None:
         lora.add(x, outs, layer, modules)
     return outs

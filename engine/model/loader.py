@@ -20,9 +20,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from loramux.engine.config import LOAD_FORMATS
+from loramux.engine.config import LOAD_FORMATS, QUANTIZATIONS
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
+from loramux.engine.model.quantized import (
+    DEFAULT_INT4_GROUP_SIZE,
+    QuantLinearOp,
+    install_quantized,
+    quantize_model_,
+    quantize_tensor,
+)
+from loramux.kernels.quant_linear import QuantizedWeight
 
 # Checkpoint names we accept but don't need (rotary caches saved by old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -54,20 +62,76 @@ def load_model(
     device: torch.device,
     load_format: str = "safetensors",
     seed: int = 0,
+    quantization: str = "none",
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    gguf_file: str | Path | None = None,
+    quant_op: QuantLinearOp | None = None,
 ) -> LlamaForCausalLM:
-    """The decoder of ``model_dir``: its checkpoint, or random weights drawn from ``seed``."""
+    """The decoder of ``model_dir``: its checkpoint, or random weights drawn from ``seed``.
+
+    ``gguf_file``: the weights are that file's tensors, served in their own packed forms
+    (``model_dir`` then holds only the config and tokenizer). ``quantization`` (``int8``,
+    ``int4``): a float checkpoint's projections are packed as they are read, one tensor at
+    a time, so no float copy of the whole model is ever made. Both need ``quant_op``, the
+    kernel backend's quantized matmul.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    packed = quantization != "none" or gguf_file is not None
+    if packed and quant_op is None:
+        raise ValueError("a quantized or GGUF model needs the backend's quant_op")
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     if load_format == "random":
-        return random_model(config, dtype=dtype, device=device, seed=seed)
+        model = random_model(config, dtype=dtype, device=device, seed=seed)
+        if quantization != "none":
+            quantize_model_(model, quantization, group_size, op=quant_op)
+        return model
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    expected = dict(model.named_parameters())
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if gguf_file is not None:
+        state, packed_weights = _gguf_state(Path(gguf_file), config, expected, dtype, device)
+    else:
+        state, packed_weights = _safetensors_state(
+            model_dir, expected, dtype, device, quantization, group_size
+        )
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        packed_weights.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state) - set(packed_weights))
+    if missing:
+        source = gguf_file or model_dir
+        raise ValueError(f"checkpoint in {source} lacks tensors: {', '.join(missing[:5])}")
+    if packed_weights:
+        biases = {name: state.pop(name) for name in list(state) if name.endswith(".bias")}
+        install_quantized(
+            model,
+            packed_weights,
+            biases,
+            dtype=dtype,
+            op=quant_op,
+            tie_word_embeddings=config.tie_word_embeddings,
+        )
+        state.update(biases)  # those of projections kept in floats
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings and isinstance(model.model.embed_tokens, nn.Embedding):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    return model
+
+
+def _safetensors_state(model_dir, expected, dtype, device, quantization, group_size):
+    """(float tensors, packed weights) of a safetensors checkpoint, packing as they come."""
     state: dict[str, torch.Tensor] = {}
+    packed: dict[str, QuantizedWeight] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -76,23 +140,33 @@ def load_model(
                 if name not in expected:
                     raise ValueError(f"unexpected tensor {name!r} in {path.name}")
                 tensor = handle.get_tensor(name)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
+                if tuple(tensor.shape) != expected[name]:
                     raise ValueError(
                         f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {tuple(expected[name].shape)}"
+                        f"the config implies {expected[name]}"
                     )
-                state[name] = tensor.to(device=device, dtype=dtype)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks tensors: {', '.join(missing[:5])}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
-    return model
+                weight = quantize_tensor(name, tensor, quantization, group_size)
+                if weight is not None:
+                    packed[name] = weight.to(device)
+                else:
+                    state[name] = tensor.to(device=device, dtype=dtype)
+    return state, packed
+
+
+def _gguf_state(gguf_file: Path, config, expected, dtype, device):
+    """(float tensors, packed weights) of a GGUF file, each in the form the file holds."""
+    from loramux.engine.model.gguf_weights import read_gguf_weights
+
+    state: dict[str, torch.Tensor] = {}
+    packed: dict[str, QuantizedWeight] = {}
+    for name, weight in read_gguf_weights(gguf_file, config).items():
+        if name not in expected:
+            raise ValueError(f"unexpected tensor {name!r} in {gguf_file.name}")
+        if isinstance(weight, QuantizedWeight):
+            packed[name] = weight.to(device)
+        else:
+            state[name] = weight.to(device=device, dtype=dtype)
+    return state, packed
 
 
 def random_model(

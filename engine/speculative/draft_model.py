@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loramux.engine.model.llama import LlamaForCausalLM
+from loramux.engine.model.quantized import parameter_count
 from loramux.engine.sampler import make_generator
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ DRAFT_SEED_SALT = 0x5EED_D4AF
 
 
 def _parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    return parameter_count(model)  # a quantized target's packed weights count as floats
 
 
 class DraftModelError(ValueError):

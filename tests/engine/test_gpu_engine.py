@@ -86,3 +86,30 @@ def test_cuda_graphs_replay_peft_tokens(tiny_model_dir, tiny_adapters):  # noqa:
     )
     assert eager.runner.static_decode is None
     assert run_ragged(eager, requests, max_tokens) == outputs
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_model_on_cuda_with_graphs_matches_peft(
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+    tmp_path,
+    quantization,
+):
+    """Packed projections through the Triton quantized matmul, eager and in CUDA graphs,
+    against PEFT on the same weights de-quantized in float32."""
+    from tests.fixtures.models import build_dequantized_model
+
+    engine = build_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        device="cuda",
+        dtype="float32",
+        quantization=quantization,
+        block_size=4,
+        cuda_graph_max_batch=4,
+    )
+    assert engine.runner.static_decode is not None and engine.runner.static_decode.captured
+    reference = build_dequantized_model(tiny_model_dir, tmp_path / "deq", quantization=quantization)
+    requests = mixed_requests(8)
+    outputs = run_staggered(engine, requests, 12)
+    assert_matches_reference(engine, reference, tiny_adapters, requests, outputs, 12)

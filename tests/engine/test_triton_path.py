@@ -91,3 +91,35 @@ def test_staggered_chunks_and_prefix_hits_match_peft(
     assert first == second
     assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, second, 4)
     _assert_every_launcher_ran(triton_kernels)
+
+
+def test_quantized_model_matches_peft_on_its_dequantized_weights(
+    triton_kernels,
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """int4 projections and an int8 LM head through the Triton quantized matmul."""
+    from loramux.kernels import quant_triton
+    from tests.fixtures.models import build_dequantized_model
+
+    launcher = quant_triton.quant_linear_triton
+
+    def counted(*args, **kwargs):
+        triton_kernels["quant_linear_triton"] += 1
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(quant_triton, "quant_linear_triton", counted)
+    engine = _engine(tiny_model_dir, tiny_adapters, quantization="int4")
+    requests = mixed_requests(4)
+    outs = engine.generate(
+        [p for p, _ in requests],
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        adapters=[a for _, a in requests],
+    )
+    reference = build_dequantized_model(tiny_model_dir, tmp_path / "deq", quantization="int4")
+    assert_matches_reference(
+        engine, reference, tiny_adapters, requests, [o.token_ids for o in outs], 3
+    )
+    assert triton_kernels["quant_linear_triton"] > 0
