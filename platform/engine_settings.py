@@ -42,7 +42,14 @@ FROM_SETTINGS = {
 }
 # EngineConfig field -> what sets it.
 SET_BY_THE_PLATFORM = {
-    "model": "the resolved base model's folder (LORAMUX_MODEL; a GGUF is converted first)",
+    "model": "the resolved base model's folder (LORAMUX_MODEL; of a GGUF, its config and "
+    "tokenizer, or with LORAMUX_QUANTIZATION=none its de-quantized copy)",
+    "gguf_file": "LORAMUX_MODEL's .gguf (the embedded default's too) unless "
+    "LORAMUX_QUANTIZATION=none: its own packed weights are served",
+    "quantization": "LORAMUX_QUANTIZATION: int8 or int4 for a float checkpoint; auto and "
+    "none are none (a GGUF's forms come with gguf_file)",
+    "quantization_group_size": "LORAMUX_QUANTIZATION_GROUP_SIZE, which goes with "
+    "LORAMUX_QUANTIZATION (a setting of the model, not of the engine's tuning)",
     "adapter_disk_cache_dir": "<data dir>/adapter-cache while LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES > 0",
     "adapter_disk_cache_bytes": "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES (0: no disk tier at all)",
     "draft_model": "LORAMUX_ENGINE_DRAFT_MODEL's folder, as a string (unset: none)",
@@ -63,4 +70,9 @@ def engine_config(settings: Settings, base_model: ResolvedBaseModel) -> EngineCo
         values["adapter_disk_cache_bytes"] = settings.adapter_disk_cache_bytes
     if settings.draft_model is not None:
         values["draft_model"] = str(settings.draft_model)
+    if base_model.gguf_file is not None:
+        values["gguf_file"] = str(base_model.gguf_file)
+    if settings.quantization in ("int8", "int4"):
+        values["quantization"] = settings.quantization
+        values["quantization_group_size"] = settings.quantization_group_size
     return EngineConfig(model=str(base_model.path), **values)

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loramux.engine import INT4_GROUP_SIZES
 from loramux.platform.settings_names import EngineEnvNames, env_name
 
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -83,6 +84,17 @@ class Settings(BaseSettings):
     )
     model_id: str | None = Field(
         default=None, description="Name the API shows for the base model (default: derived)."
+    )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        default="auto",
+        description="How the base model's weights are held: auto (a .gguf is served in its own "
+        "quantized forms, a float checkpoint as it is); none (floats: a .gguf is de-quantized "
+        "once into an HF-format copy); int8 or int4 (a float checkpoint's projections quantized "
+        "as it loads, round to nearest; the embedding and an untied LM head int8).",
+    )
+    quantization_group_size: int = Field(
+        default=32,
+        description="Inputs sharing one scale under quantization int4: 32, 64 or 128.",
     )
     device: str = Field(default="auto", description="`auto`, `cpu`, `cuda` or `cuda:N`.")
     kv_cache_bytes: int | None = Field(
@@ -300,6 +312,13 @@ class Settings(BaseSettings):
         # The engine's settings under their family names first (settings_names).
         engine_names = EngineEnvNames(settings_cls)
         return init_settings, engine_names, env_settings, dotenv_settings, file_secret_settings
+
+    @field_validator("quantization_group_size")
+    @classmethod
+    def _known_group_size(cls, value: int) -> int:
+        if value not in INT4_GROUP_SIZES:
+            raise ValueError(f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+        return value
 
     @field_validator("data_dir")
     @classmethod

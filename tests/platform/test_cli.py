@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loramux.platform.base_model import BaseModelError, resolve_base_model
+from loramux.platform.base_model import BaseModelError, embedded_gguf_path, resolve_base_model
+from loramux.platform.engine_settings import engine_config
 from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
 from tests.fixtures.engine_budget import budget_env
 
@@ -312,10 +313,48 @@ def test_model_id_setting_renames_the_model(tmp_path, tiny_model_dir):
     assert resolve_base_model(settings, log=lambda _: None).model_id == "base"
 
 
-def test_embedded_default_uses_the_converted_dir_in_the_data_dir(seeded_data_dir):
-    settings = Settings(data_dir=seeded_data_dir)
+def test_embedded_default_serves_the_gguf_s_own_weights(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data")
+    base = resolve_base_model(settings, log=lambda _: None)
+    assert base.model_id == EMBEDDED_MODEL_ID
+    assert base.gguf_file == embedded_gguf_path()
+    assert base.path == tmp_path / "data" / "models" / f"{EMBEDDED_MODEL_ID}.metadata"
+    # Only the config and tokenizer were written: no float copy of the weights.
+    written = sum(f.stat().st_size for f in base.path.iterdir() if f.is_file())
+    assert (base.path / "config.json").is_file() and written < 8 << 20
+    assert not list(base.path.glob("*.safetensors"))
+    config = engine_config(settings, base)
+    assert config.gguf_file == str(embedded_gguf_path()) and config.quantization == "none"
+
+
+def test_quantization_none_uses_the_converted_dir_in_the_data_dir(seeded_data_dir):
+    settings = Settings(data_dir=seeded_data_dir, quantization="none")
     messages: list[str] = []
     base = resolve_base_model(settings, log=messages.append)
     assert base.model_id == EMBEDDED_MODEL_ID
     assert base.path == seeded_data_dir / "models" / EMBEDDED_MODEL_ID
+    assert base.gguf_file is None
     assert messages == [], "a seeded conversion must not be redone"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantizing_a_gguf_again_is_refused_with_what_to_set(tmp_path, quantization):
+    settings = Settings(data_dir=tmp_path / "data", quantization=quantization)
+    with pytest.raises(BaseModelError, match="leave LORAMUX_QUANTIZATION unset") as excinfo:
+        resolve_base_model(settings, log=lambda _: None)
+    assert f"LORAMUX_QUANTIZATION={quantization}" in str(excinfo.value)
+    assert not (tmp_path / "data" / "models").exists()
+
+
+def test_quantization_setting_reaches_the_engine_for_a_float_checkpoint(tmp_path, tiny_model_dir):
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        model=str(tiny_model_dir),
+        quantization="int4",
+        quantization_group_size=64,
+    )
+    config = engine_config(settings, resolve_base_model(settings, log=lambda _: None))
+    assert (config.quantization, config.quantization_group_size) == ("int4", 64)
+    assert config.gguf_file is None
+    auto = Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir))
+    assert engine_config(auto, resolve_base_model(auto, log=lambda _: None)).quantization == "none"
