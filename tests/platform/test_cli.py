@@ -21,6 +21,7 @@ from loramux.platform.base_model import BaseModelError, embedded_gguf_path, reso
 from loramux.platform.engine_settings import engine_config
 from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
 from tests.fixtures.engine_budget import budget_env
+from tests.fixtures.models import seed_embedded_model
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -98,13 +99,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _seed_converted_model(smollm2_dir: Path, data_dir: Path) -> None:
-    """Put the cached conversion where serve looks, so it skips converting (~20 s)."""
-    target = data_dir / "models" / EMBEDDED_MODEL_ID
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(smollm2_dir, target, copy_function=_link_or_copy)
-
-
 @dataclass
 class _Server:
     process: subprocess.Popen
@@ -175,9 +169,9 @@ def _serving(data_dir: Path, log_file: Path) -> Iterator[_Server]:
 
 
 @pytest.fixture
-def seeded_data_dir(tmp_path, smollm2_dir) -> Path:
+def seeded_data_dir(tmp_path, smollm2_dir, smollm2_metadata_dir) -> Path:
     data_dir = tmp_path / "data"
-    _seed_converted_model(smollm2_dir, data_dir)
+    seed_embedded_model(data_dir, smollm2_dir, smollm2_metadata_dir)
     return data_dir
 
 
@@ -199,12 +193,12 @@ class _FirstStart:
 
 
 @pytest.fixture(scope="module")
-def first_start(tmp_path_factory, smollm2_dir) -> _FirstStart:
+def first_start(tmp_path_factory, smollm2_metadata_dir) -> _FirstStart:
     """One first start for the module: the first-start test checks it, and the second-start
     test starts again on its data directory (so ``serve`` starts twice, not three times)."""
     root = tmp_path_factory.mktemp("first_start")
     data_dir = root / "data"
-    _seed_converted_model(smollm2_dir, data_dir)
+    seed_embedded_model(data_dir, smollm2_metadata_dir)  # no setting: served from the GGUF
     with _serving(data_dir, root / "first.log") as server:
         token_file = data_dir / "admin_token"
         assert token_file.is_file()

@@ -32,6 +32,7 @@ from loramux.platform.db.session import create_engine_for, session_factory
 from loramux.platform.settings import EMBEDDED_MODEL_ID
 from tests.fixtures.browser import free_port
 from tests.fixtures.engine_budget import budget_env
+from tests.fixtures.models import seed_embedded_model
 from tests.fixtures.polling import eventually
 from tests.platform.tasks.worker_process import REPO_ROOT
 
@@ -44,24 +45,12 @@ STARTUP_TIMEOUT_S = 120.0
 LONG = 2000  # tokens: far more than anything here waits for (SmolLM2 makes ~20 per second)
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        import shutil
-
-        shutil.copy2(src, dst)
-
-
 @pytest.fixture
-def data_dir(tmp_path, smollm2_dir) -> Path:
-    """A data directory holding the converted SmolLM2 already (no conversion at start)."""
-    import shutil
-
+def data_dir(tmp_path, smollm2_metadata_dir) -> Path:
+    """A data directory holding the embedded model's config and tokenizer already (what a
+    first start writes): served, as with no settings, from the GGUF's own weights."""
     data = tmp_path / "data"
-    target = data / "models" / EMBEDDED_MODEL_ID
-    target.parent.mkdir(parents=True)
-    shutil.copytree(smollm2_dir, target, copy_function=_link_or_copy)
+    seed_embedded_model(data, smollm2_metadata_dir)
     return data
 
 
