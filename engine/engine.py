@@ -51,6 +51,7 @@ from loramux.engine.memory_budget import budget_for, plan_memory
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
+from loramux.engine.model.quantized import describe_weights
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.residency import ResidencyCounts, ResidencyWatch
 from loramux.engine.runner import ModelRunner, NonFiniteOutput, kv_block_bytes
@@ -266,6 +267,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        logger.info(describe_weights(self.model, config))
         for line in self.memory_plan.describe():
             logger.info(line)
         self.residency_watch = ResidencyWatch(advice=self.memory_plan.advice(), log=logger)

@@ -172,3 +172,18 @@ def parameter_count(model: nn.Module) -> int:
             seen.add(id(module.qweight))
             total += module.qweight.out_features * module.qweight.in_features
     return total
+
+
+def describe_weights(model: nn.Module, config) -> str:
+    """One line for the engine's start log: what the base weights take and in which forms."""
+    from collections import Counter
+
+    forms = Counter(f"{m.qweight.kind}/g{m.qweight.group_size}" for m in quantized_modules(model))
+    source = f" from {config.gguf_file}" if config.gguf_file else ""
+    if not forms:
+        return f"base weights: {weight_bytes(model) / 2**20:,.0f} MiB in floats{source}"
+    shown = ", ".join(f"{count} {form}" for form, count in sorted(forms.items()))
+    return (
+        f"base weights: {weight_bytes(model) / 2**20:,.0f} MiB, packed modules {shown} "
+        f"(the rest in floats){source}"
+    )
