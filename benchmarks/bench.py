@@ -40,6 +40,8 @@ from loramux.benchmarks import (
     engine_vs_peft,
     fairness_slo,
     lora_overhead,
+    quant_quality,
+    quantized_serve,
     soak,
     speculative,
 )
@@ -61,6 +63,8 @@ OWN_OPTIONS = {
     "fairness-slo": fairness_slo.main,
     "soak": soak.main,
     "speculative": speculative.main,
+    "quantized-serve": quantized_serve.main,
+    "quant-quality": quant_quality.main,
 }
 
 

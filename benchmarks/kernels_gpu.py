@@ -10,6 +10,10 @@ intermediate 11008, bf16) it times
   reference (SDPA over gathered pages); decode also as a fraction of copy bandwidth;
 * one full decode step of the engine's model (``kernels_gpu_step``) with rank-16 LoRA on
   all seven modules against the same step without LoRA;
+* weight-only quantized linear layers (``kernels_gpu_quant``): the Triton kernel on int8
+  per-channel and int4 (groups of 32 and 128) weights of the q/o, gate/up and down
+  projections, 1 to 2048 tokens, against the dense bf16 ``F.linear``; decode rows also as
+  achieved bandwidth;
 
 each with its floor from bytes moved over the measured copy bandwidth and FLOPs over the
 measured matmul rate (``kernels_gpu_timing``), and checks every kernel's output against
@@ -54,6 +58,7 @@ from loramux.benchmarks.files import add_output_options, check_output_options
 # where they run, after main() has chosen compiler or interpreter.
 from loramux.benchmarks.kernels_gpu_attention import AttentionCase, run_attention_case
 from loramux.benchmarks.kernels_gpu_lora import PROJECTIONS, LoRACase, run_lora_case
+from loramux.benchmarks.kernels_gpu_quant import QuantCase, projection_shapes, run_quant_case
 from loramux.benchmarks.kernels_gpu_report import target_verdicts, text_table, write_results
 from loramux.benchmarks.kernels_gpu_step import STEP_TOLERANCE, StepCase, fit_layers, run_step_case
 from loramux.benchmarks.kernels_gpu_timing import (
@@ -67,7 +72,13 @@ from loramux.engine.model.config import ModelConfig
 from loramux.kernels.dispatch import KERNELS_ENV
 from loramux.kernels.interpreter import use_cpu_interpreter
 
-SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora")  # run order
+SECTIONS = (  # run order
+    "decode_attention",
+    "decode_step",
+    "prefill_attention",
+    "lora",
+    "quant_linear",
+)
 
 
 def llama_config(*, num_layers: int, kv_heads: int, **shape) -> ModelConfig:
@@ -108,6 +119,17 @@ class Grid:
     step_rank: int = 16
     step_adapter_counts: tuple[int, ...] = (1, 16, 64)
     step_target_adapters: int = 64
+    # (projection, N, K): Llama-7B's q/o, gate/up and down weights
+    quant_shapes: tuple[tuple[str, int, int], ...] = projection_shapes(
+        LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
+    )
+    quant_tokens: tuple[int, ...] = (1, 16, 64, 256, 2048)
+    # (kind, group size): None is per-channel
+    quant_weights: tuple[tuple[str, int | None], ...] = (
+        ("int8", None),
+        ("int4", 32),
+        ("int4", 128),
+    )
 
 
 QUICK = Grid(
@@ -120,6 +142,7 @@ QUICK = Grid(
     prefill_shapes=((8, 512, 1024),),
     prefill_kv_heads=(8,),
     step_adapter_counts=(1, 64),
+    quant_tokens=(1, 64, 2048),
 )
 SMOKE = Grid(
     name="smoke",
@@ -152,6 +175,8 @@ SMOKE = Grid(
     step_rank=8,
     step_adapter_counts=(1, 4),
     step_target_adapters=4,
+    quant_shapes=projection_shapes(128, 256),  # every K a multiple of the 128-input group
+    quant_tokens=(1, 5),
 )
 
 
@@ -167,6 +192,17 @@ def run_lora(grid: Grid, ctx: BenchContext) -> list[dict]:
             if len(ranks) == 1 or adapters > 1:  # one adapter has one rank: not "mixed"
                 case = LoRACase(projection, op, num_seqs, tokens, adapters, ranks)
                 rows.append(run_lora_case(case, config, ctx))
+    return rows
+
+
+def run_quant_linear(grid: Grid, ctx: BenchContext) -> list[dict]:
+    """Every (projection, tokens, quantized form), each against the dense layer."""
+    rows = []
+    for (projection, n, k), tokens, (kind, group) in itertools.product(
+        grid.quant_shapes, grid.quant_tokens, grid.quant_weights
+    ):
+        case = QuantCase(projection, n, k, tokens, kind, group)
+        rows.append(run_quant_case(case, ctx))
     return rows
 
 
@@ -296,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_step": partial(run_decode_step, layers=args.layers),
         "prefill_attention": partial(run_attention, decode=False),
         "lora": run_lora,
+        "quant_linear": run_quant_linear,
     }
     shapes = _target_shapes(grid)
     slug = results_slug(device, grid, args.sections)

@@ -78,12 +78,26 @@ SECTION_COLUMNS = {
         *_TIMES,
         *_CHECK,
     ),
+    "quant_linear": (
+        Column("proj", "projection"),
+        Column("N", "out_features"),
+        Column("K", "in_features"),
+        Column("tokens", "tokens"),
+        Column("weights", "weights"),
+        *_TIMES,
+        Column("floor speedup", "floor_speedup", ".2f"),
+        Column("GB/s", "achieved_gbs", ".0f"),
+        Column("of copy", "copy_fraction", ".0%"),
+        Column("dense GB/s", "baseline_gbs", ".0f"),
+        *_CHECK,
+    ),
 }
 SECTION_TITLES = {
     "decode_attention": "Paged decode attention (Triton split-context kernel vs torch reference)",
     "decode_step": "Full decode step (engine model, LoRA on all seven modules vs none)",
     "prefill_attention": "Paged prefill attention (Triton vs per-sequence masked SDPA)",
     "lora": "LoRA shrink / expand (Triton SGMV/BGMV vs torch gather + bmm)",
+    "quant_linear": "Weight-only quantized linear (Triton int8 / int4 vs dense F.linear)",
 }
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 MODULE = "loramux.benchmarks.kernels_gpu"
-SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora")
-KERNEL_SECTIONS = ("decode_attention", "prefill_attention", "lora")
+SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora", "quant_linear")
+KERNEL_SECTIONS = ("decode_attention", "prefill_attention", "lora", "quant_linear")
 VERDICTS = (
     "Verdict, decode step LoRA overhead ≤ 15%",
     "Verdict, paged decode attention ≥ 70% of copy bandwidth",
@@ -79,6 +79,22 @@ def test_lora_rows_cover_both_kernels_and_both_ops(smoke_run):
     }
     assert {r["projection"] for r in rows} == {"qkv", "gate_up"}
     assert any(r["rank"].startswith("mixed") for r in rows)
+
+
+def test_quant_rows_cover_every_form_and_projection_against_the_dense_layer(smoke_run):
+    _, _, out = smoke_run
+    rows = json.loads(_only(out, ".json").read_text())["sections"]["quant_linear"]
+    assert {r["weights"] for r in rows} == {"int8 per-channel", "int4 g32", "int4 g128"}
+    assert {r["projection"] for r in rows} == {"q/o", "gate/up", "down"}
+    assert {r["tokens"] for r in rows} == {1, 5}
+    for row in rows:
+        # The packed weights are smaller than the dense ones, so their floor is no higher.
+        assert 0 < row["weight_bytes"] < row["dense_weight_bytes"], row
+        assert row["floor_speedup"] >= 1 and row["speedup_vs_baseline"] > 0, row
+        # Decode rows give the achieved bandwidth of both; the others do not.
+        decode = row["tokens"] == 1
+        for key in ("achieved_gbs", "copy_fraction", "baseline_gbs"):
+            assert (key in row) == decode, (key, row)
 
 
 def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
