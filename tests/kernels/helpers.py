@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,3 +57,39 @@ def multi_slice_expected(x, a_pools, b_pools, outs, spans, first_rows, ranks, sc
     offsets = [sum(widths[:s]) for s in range(count)]
     lora_expand_slices_reference(out, y, wide[count:], offsets, batch)
     return out
+
+
+# --- the compiled Triton path, checked without a GPU ------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, *, interpret: bool = True) -> None:
+    """Run ``code`` in a fresh interpreter at the repository root; ``interpret=False`` drops
+    ``TRITON_INTERPRET`` so Triton compiles (the choice is made when a kernel is defined)."""
+    env = {k: v for k, v in os.environ.items() if interpret or k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict) -> None:
+    """Compile ``kernel`` for sm_90 without a GPU (call it in a ``run_python(...,
+    interpret=False)`` subprocess): arguments in ``constexprs`` take those values, pointers
+    the types in ``pointers`` (an unlisted ``*_ptr`` is ``*i32``), the rest are ``i32``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {
+        n: "constexpr" if n in constexprs else pointers.get(n, "*i32" if "ptr" in n else "i32")
+        for n in names
+    }
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+    )
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))

@@ -20,11 +20,6 @@ the same fp32 sums to the same format once (shrink) or the reference rounds more
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -36,10 +31,9 @@ from loramux.kernels.lora import (
     lora_shrink_slices_reference,
 )
 from loramux.kernels.lora_batch import LoRABatch
-from tests.kernels.helpers import DTYPES, assert_close
+from tests.kernels.helpers import DTYPES, assert_close, compile_for_hopper, run_python
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 IN_FEATURES = 37
 POOL_ROWS = 160
@@ -337,27 +331,15 @@ def test_gather_bmm_matches_reference(batch_name, dtype, rtol):
 # --- imports and the compiled path ----------------------------------------------------------
 
 
-def _run_python(code: str, env: dict[str, str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
 def test_importing_the_ops_does_not_import_triton():
     """Triton (and so kernel decoration) happens only when a Triton path runs."""
-    _run_python(
-        "import sys, loramux.kernels.lora\nassert 'triton' not in sys.modules, 'triton imported'",
-        dict(os.environ),
+    run_python(
+        "import sys, loramux.kernels.lora\nassert 'triton' not in sys.modules, 'triton imported'"
     )
 
 
 def _compile_for_hopper() -> None:
     """Compile every kernel for sm_90, without a GPU (run in a subprocess)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     # bf16 takes every 16-bit path (tf32 dots, the bit-exact rounding); fp32 the ieee dots
     # and the plain cast. fp16 differs from bf16 only in the cast's type.
     for dtype in ("bf16", "fp32"):
@@ -375,27 +357,14 @@ def _compile_for_hopper() -> None:
             (lora_triton._expand_bgmv_kernel, {"NUM_R_TILES": 1, "BLOCK_R": 16, "BLOCK_N": 64}),
         ]
         for kernel, constexprs in launches:
-            names = kernel.arg_names
-            signature = {
-                n: "constexpr"
-                if n in constexprs
-                else pointers.get(n, "*i32" if "ptr" in n else "i32")
-                for n in names
-            }
-            source = ASTSource(
-                fn=kernel,
-                signature=signature,
-                constexprs={(names.index(n),): v for n, v in constexprs.items()},
-            )
-            triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            compile_for_hopper(kernel, pointers, constexprs)
 
 
 def test_kernels_compile_for_hopper():
     """The compiled (non-interpreted) path type-checks and lowers to sm_90 code.
 
     Triton's cache keys on the kernel source, so a cached compile is a valid pass."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    _run_python(
+    run_python(
         "from tests.kernels.test_lora_triton import _compile_for_hopper; _compile_for_hopper()",
-        env,
+        interpret=False,
     )

@@ -16,11 +16,6 @@ float32 summation order.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -32,9 +27,9 @@ from loramux.kernels.quant_linear import (
     quantize_int8,
 )
 from loramux.kernels.quant_triton import block_k_for, quant_linear_triton
+from tests.kernels.helpers import compile_for_hopper, run_python
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # (dtype, rtol): see the module doc.
 DTYPES = [
@@ -260,14 +255,8 @@ def test_cuda_graph_capture_and_replay():
 def _compile_for_hopper() -> None:
     """Compile the kernel for sm_90 without a GPU (run in a subprocess): the native 16-bit
     dots the interpreter never runs, and the float32 ones, for both kinds."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from loramux.kernels import quant_triton
 
-    kernel = quant_triton._quant_linear_kernel
-    names = kernel.arg_names
     for act in ("bf16", "fp16", "fp32"):
         for int4 in (False, True):
             constexprs = {
@@ -285,24 +274,14 @@ def _compile_for_hopper() -> None:
                 **dict.fromkeys(("scales_ptr", "mins_ptr"), "*fp32"),
                 "q_ptr": "*u8" if int4 else "*i8",
             }
-            signature = {
-                n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names
-            }
-            source = ASTSource(
-                fn=kernel,
-                signature=signature,
-                constexprs={(names.index(n),): v for n, v in constexprs.items()},
-            )
-            triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            compile_for_hopper(quant_triton._quant_linear_kernel, pointers, constexprs)
 
 
 def test_kernel_compiles_for_hopper():
     """The compiled (non-interpreted) path type-checks and lowers to sm_90 code.
 
     Triton's cache keys on the kernel source, so a cached compile is a valid pass."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.kernels.test_quant_triton import _compile_for_hopper; _compile_for_hopper()"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    run_python(
+        "from tests.kernels.test_quant_triton import _compile_for_hopper; _compile_for_hopper()",
+        interpret=False,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
