@@ -175,7 +175,8 @@ SMOKE = Grid(
     step_rank=8,
     step_adapter_counts=(1, 4),
     step_target_adapters=4,
-    quant_shapes=projection_shapes(128, 256),  # every K a multiple of the 128-input group
+    # one shape (K a multiple of the 128-input group): the interpreter is slow
+    quant_shapes=projection_shapes(128, 256)[:1],
     quant_tokens=(1, 5),
 )
 

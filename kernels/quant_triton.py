@@ -57,6 +57,9 @@ from loramux.kernels.quant_linear import QuantizedWeight
 # divides the group size, at most MAX_BLOCK_K (32 for GGUF's groups of 32); per-channel
 # int8 takes next_pow2(K), at most MAX_BLOCK_K, with a masked last block.
 BLOCK_N = 64
+# In Triton's interpreter each program is a Python loop over numpy tiles: wide tiles make
+# few programs (an LM head of 49,152 outputs: 4.3 s a call at 64, under a second at 2048).
+INTERPRETER_BLOCK_N = 2048
 MAX_BLOCK_T = 64
 MAX_BLOCK_K = 128
 MIN_DOT = 16  # tl.dot's smallest tile dimension
@@ -179,7 +182,8 @@ def quant_linear_triton(
     block_k = block_k_for(weight)
     int4 = weight.kind == "int4"
     mins = weight.mins if int4 else weight.scales  # int8: a placeholder, never read
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(n, BLOCK_N))
+    block_n = INTERPRETER_BLOCK_N if _interpreting() else BLOCK_N
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
         x,
         weight.qweight,
@@ -206,7 +210,7 @@ def quant_linear_triton(
         HAS_BIAS=bias is not None,
         DOT_FP32=x.dtype == torch.float32 or _interpreting(),
         BLOCK_T=block_t,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
     return out

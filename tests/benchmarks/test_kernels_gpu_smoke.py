@@ -81,11 +81,11 @@ def test_lora_rows_cover_both_kernels_and_both_ops(smoke_run):
     assert any(r["rank"].startswith("mixed") for r in rows)
 
 
-def test_quant_rows_cover_every_form_and_projection_against_the_dense_layer(smoke_run):
+def test_quant_rows_cover_every_form_against_the_dense_layer(smoke_run):
     _, _, out = smoke_run
     rows = json.loads(_only(out, ".json").read_text())["sections"]["quant_linear"]
     assert {r["weights"] for r in rows} == {"int8 per-channel", "int4 g32", "int4 g128"}
-    assert {r["projection"] for r in rows} == {"q/o", "gate/up", "down"}
+    assert {r["projection"] for r in rows} == {"q/o"}  # the smoke grid's one shape
     assert {r["tokens"] for r in rows} == {1, 5}
     for row in rows:
         # The packed weights are smaller than the dense ones, so their floor is no higher.

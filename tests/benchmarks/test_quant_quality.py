@@ -67,25 +67,25 @@ def test_float32_agrees_with_itself_and_the_report_renders(tiny_quality):
 
 @pytest.mark.slow
 def test_smollm2_quantized_modes_stay_within_their_limits(smollm2_dir, make_adapter):
-    """The limits on the real model (a third of the text, the base and one adapter; the
+    """The limits on the real model (a sixth of the text, the base and one adapter; the
     whole table is the benchmark's), with the modes and limits the benchmark judges."""
     adapter = make_adapter(smollm2_dir, **ADAPTERS["r8-attn"])
     modes = tuple(m for m in quant_quality.MODES if m.name in ("float32", "int8", "int4-g32"))
-    modes += (Mode("int4-g64", {"quantization": "int4", "quantization_group_size": 64}),)
     report = quant_quality.measure(
         smollm2_dir,
         {"r8-attn": adapter},
         modes,
         window=512,
         tokens=8,
-        prompts=quant_quality.greedy_prompts(16),
+        prompts=quant_quality.greedy_prompts(8),
         engine_fields={"kv_cache_bytes": 64 << 20},
-        max_windows=2,
+        max_windows=1,
         log=lambda _: None,
     )
-    for mode in modes[1:3]:
+    for mode in modes[1:]:
         assert mode.limit is not None
         for model, row in report["results"][mode.name].items():
             assert row["within_limit"] is True, (mode.name, model, row)
-    # Coarser groups re-quantize SmolLM2's 4-bit grid: a loss the measure must see.
-    assert report["results"]["int4-g64"]["base"]["increase"] > 0.01
+    # int8 re-rounds every weight: a change the measure must see (on these 512 tokens
+    # -0.3%, on the whole text +0.3%: within the limit either way).
+    assert abs(report["results"]["int8"]["base"]["increase"]) > 0.0005

@@ -10,6 +10,8 @@ arrivals, prefix hits, small prefill chunks and preemption.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from loramux.engine import EngineConfig, SamplingParams
@@ -122,6 +124,25 @@ def test_quantized_weights_take_a_fraction_of_the_float_bytes(tiny_model_dir):
     assert layer.nbytes == layer.out_features * layer.in_features * 0.75
 
 
+def test_the_start_log_says_what_the_weights_take(tiny_model_dir, caplog):
+    def weights_line(**fields) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="loramux.engine.engine"):
+            engine = build_engine(tiny_model_dir, **fields)
+        lines = [r.getMessage() for r in caplog.records if r.name == "loramux.engine.engine"]
+        assert lines[0].startswith("base weights:"), lines
+        return lines[0], weight_bytes(engine.model)
+
+    line, size = weights_line()
+    assert line == f"base weights: {size / 2**20:,.0f} MiB in floats"
+    line, size = weights_line(quantization="int4")
+    # 2 layers x 7 projections int4, the embedding and the untied head int8 per row (g64)
+    assert line == (
+        f"base weights: {size / 2**20:,.0f} MiB, packed modules 14 int4/g32, 2 int8/g64 "
+        "(the rest in floats)"
+    )
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
@@ -225,12 +246,12 @@ def test_smollm2_served_from_its_gguf_matches_peft(smollm2_dir, make_adapter, tm
     engine = build_engine(metadata, adapters, gguf_file=str(gguf_file), kv_cache_bytes=64 << 20)
     assert engine.model.model.layers[0].mlp.down_proj.qweight.kind == "int4"  # Q4_1
     assert engine.model.lm_head.qweight is engine.model.model.embed_tokens.qweight  # tied Q8_0
-    requests = mixed_requests(6)
+    requests = mixed_requests(4)  # the base and each adapter
     outs = engine.generate(
         [p for p, _ in requests],
-        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
         adapters=[a for _, a in requests],
     )
     assert_matches_reference(
-        engine, smollm2_dir, adapters, requests, [o.token_ids for o in outs], 16
+        engine, smollm2_dir, adapters, requests, [o.token_ids for o in outs], 12
     )
