@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -43,6 +45,15 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 def check_output_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.out is None:
         parser.error(NO_RESULTS_DIR)
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """A hard link where ``source`` and ``target`` share a file system (a model's hundreds of
+    MB cost nothing), else a copy: ``shutil.copytree``'s ``copy_function``."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -37,6 +37,7 @@ from loramux.benchmarks.bench_server import free_port
 from loramux.benchmarks.files import (
     add_output_options,
     check_output_options,
+    link_or_copy,
     pyplot,
     save_figure,
     write_report,
@@ -77,13 +78,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _link_or_copy(source: str, target: str) -> None:
-    try:
-        os.link(source, target)  # the 538 MB checkpoint: no copy where one file system
-    except OSError:
-        shutil.copy2(source, target)
-
-
 class Serve:
     """A ``loramux serve`` subprocess on a fresh data directory, with an API key."""
 
@@ -92,7 +86,7 @@ class Serve:
         # What a first start writes (float32: the de-quantized checkpoint, ~20 s; gguf: the
         # config and tokenizer, a few seconds), seeded: every run is a later start.
         seed = seeds[mode]
-        shutil.copytree(seed, self.data_dir / "models" / seed.name, copy_function=_link_or_copy)
+        shutil.copytree(seed, self.data_dir / "models" / seed.name, copy_function=link_or_copy)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAMUX_")}
         env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **MODES[mode])

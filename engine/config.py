@@ -16,7 +16,7 @@ _DTYPES = {
 }
 LOAD_FORMATS = ("safetensors", "random")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
-QUANTIZATIONS = ("none", "int8", "int4")  # as model/quantized.py's
+QUANTIZATIONS = ("none", "int8", "int4")  # what each packs: model/quantized.py
 
 
 @dataclass

@@ -70,8 +70,9 @@ class QuantizedWeight:
             self.kind, self.qweight.to(device), self.scales.to(device), mins, self.group_size
         )
 
-    def rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The matrix of the output rows ``index`` (a permutation, an embedding's lookup)."""
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The matrix of the output rows ``index`` (a permutation, an embedding's lookup, a
+        tile)."""
         mins = None if self.mins is None else self.mins[index]
         return QuantizedWeight(
             self.kind, self.qweight[index], self.scales[index], mins, self.group_size
@@ -201,13 +202,6 @@ def quant_linear_torch(
     y = x.new_empty(x.shape[0], n)
     for first in range(0, n, rows):
         index = slice(first, min(n, first + rows))
-        tile = dequantize(_row_slice(weight, index)).to(x.dtype)
+        tile = dequantize(weight.rows(index)).to(x.dtype)
         y[:, index] = F.linear(x, tile, None if bias is None else bias[index])
     return y
-
-
-def _row_slice(weight: QuantizedWeight, index: slice) -> QuantizedWeight:
-    mins = None if weight.mins is None else weight.mins[index]
-    return QuantizedWeight(
-        weight.kind, weight.qweight[index], weight.scales[index], mins, weight.group_size
-    )

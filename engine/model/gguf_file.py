@@ -112,6 +112,8 @@ def read_gguf(path: Path) -> GGUFFile:
     cursor.offset = 4
     version, tensor_count, metadata_count = cursor.unpack("IQQ")
     if version not in VERSIONS:
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in VERSIONS:
+            raise ValueError(f"{path.name} is a big-endian GGUF file; only little-endian is read")
         raise ValueError(f"{path.name} is GGUF version {version}; loramux reads {VERSIONS}")
     metadata = {}
     for _ in range(metadata_count):

@@ -1,7 +1,7 @@
 """The decoder's quantized modules: projections and embeddings whose weights stay packed.
 
-``QUANTIZATIONS`` (``engine/config.py``) names what a float checkpoint can be quantized to when the engine loads
-it (round to nearest, ``loramux.kernels.quant_linear``):
+``QUANTIZATIONS`` (``engine/config.py``) names what a float checkpoint can be quantized to
+when the engine loads it (round to nearest, ``loramux.kernels.quant_linear``):
 
 * ``int8``: every projection of the layers int8 per output channel;
 * ``int4``: every projection int4 in groups of ``group_size`` inputs (asymmetric).
@@ -19,7 +19,8 @@ chosen once where the engine is built.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -131,19 +132,19 @@ def install_quantized(
 def quantize_model_(
     model: nn.Module, quantization: str, group_size: int, *, op: QuantLinearOp
 ) -> None:
-    """Quantize a float decoder in place (random weights for benchmarks at real shapes)."""
+    """Quantize a float decoder in place (random weights for benchmarks at real shapes). A
+    tied LM head is the embedding's parameter, which ``named_parameters`` yields once, under
+    the embedding's name."""
     weights, biases = {}, {}
     for name, param in model.named_parameters():
         packed = quantize_tensor(name, param.data, quantization, group_size)
-        if packed is not None:
-            weights[name] = packed
-    for name in weights:
-        bias = model.get_submodule(name.removesuffix(".weight"))
-        if isinstance(bias, nn.Linear) and bias.bias is not None:
-            biases[f"{name.removesuffix('.weight')}.bias"] = bias.bias.data
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if tied:
-        weights.pop("lm_head.weight", None)
+        if packed is None:
+            continue
+        weights[name] = packed
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            biases[f"{name.removesuffix('.weight')}.bias"] = module.bias.data
+    tied = model.config.tie_word_embeddings
     dtype = next(model.parameters()).dtype
     install_quantized(model, weights, biases, dtype=dtype, op=op, tie_word_embeddings=tied)
 
@@ -152,32 +153,29 @@ def quantized_modules(model: nn.Module) -> list[QuantizedLinear | QuantizedEmbed
     return [m for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedEmbedding)]
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights: float parameters plus packed ones (each once)."""
+def _packed_weights(model: nn.Module) -> Iterator[QuantizedWeight]:
+    """Each packed weight once (a tied LM head shares the embedding's)."""
     seen: set[int] = set()
-    total = 0
     for module in quantized_modules(model):
         if id(module.qweight) not in seen:
             seen.add(id(module.qweight))
-            total += module.qweight.nbytes
-    return total + sum(p.numel() * p.element_size() for p in model.parameters())
+            yield module.qweight
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights: float parameters plus packed ones."""
+    packed = sum(w.nbytes for w in _packed_weights(model))
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def parameter_count(model: nn.Module) -> int:
     """The model's parameters, packed ones counted as the floats they stand for."""
-    seen: set[int] = set()
-    total = sum(p.numel() for p in model.parameters())
-    for module in quantized_modules(model):
-        if id(module.qweight) not in seen:
-            seen.add(id(module.qweight))
-            total += module.qweight.out_features * module.qweight.in_features
-    return total
+    packed = sum(w.out_features * w.in_features for w in _packed_weights(model))
+    return packed + sum(p.numel() for p in model.parameters())
 
 
 def describe_weights(model: nn.Module, config) -> str:
     """One line for the engine's start log: what the base weights take and in which forms."""
-    from collections import Counter
-
     forms = Counter(f"{m.qweight.kind}/g{m.qweight.group_size}" for m in quantized_modules(model))
     source = f" from {config.gguf_file}" if config.gguf_file else ""
     if not forms:

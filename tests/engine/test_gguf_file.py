@@ -67,3 +67,11 @@ def test_a_file_cut_short_or_not_gguf_is_refused(tmp_path):
     (tmp_path / "text.gguf").write_bytes(b"not a model at all, just some words")
     with pytest.raises(ValueError, match="no GGUF magic"):
         read_gguf(tmp_path / "text.gguf")
+
+
+def test_a_big_endian_file_is_named_as_one(tmp_path):
+    data = bytearray(_write(tmp_path / "m.gguf").read_bytes())
+    data[4:8] = (3).to_bytes(4, "big")  # the version as a big-endian writer stores it
+    (tmp_path / "big.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="big-endian"):
+        read_gguf(tmp_path / "big.gguf")

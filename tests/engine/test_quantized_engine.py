@@ -124,6 +124,33 @@ def test_quantized_weights_take_a_fraction_of_the_float_bytes(tiny_model_dir):
     assert layer.nbytes == layer.out_features * layer.in_features * 0.75
 
 
+def test_random_weights_quantize_in_place_with_a_tied_head(tmp_path, tokenizer_dir):
+    """``load_format="random"`` (benchmarks at real shapes) packs the drawn weights; a tied
+    LM head shares the embedding's packed weight, counted once."""
+    import torch
+
+    from loramux.engine.model.loader import load_model
+    from loramux.kernels.quant_linear import quant_linear_torch
+    from tests.fixtures.models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tied", tokenizer_dir, tie_word_embeddings=True)
+    model = load_model(
+        model_dir,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        load_format="random",
+        quantization="int4",
+        quant_op=quant_linear_torch,
+    )
+    assert isinstance(model.model.layers[1].self_attn.k_proj, QuantizedLinear)
+    assert model.lm_head.qweight is model.model.embed_tokens.qweight
+    embedding = model.model.embed_tokens.qweight
+    projections = [m.qweight for m in model.modules() if isinstance(m, QuantizedLinear)]
+    floats = sum(p.numel() * 4 for p in model.parameters())
+    packed = {id(w): w.nbytes for w in projections} | {id(embedding): embedding.nbytes}
+    assert weight_bytes(model) == floats + sum(packed.values())
+
+
 def test_the_start_log_says_what_the_weights_take(tiny_model_dir, caplog):
     def weights_line(**fields) -> str:
         caplog.clear()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -89,14 +88,6 @@ def test_no_command_is_an_error():
 
 
 # --- serve end to end ------------------------------------------------------------------------
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard-link a file (the 538 MB weights cost nothing), copying across filesystems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 @dataclass
