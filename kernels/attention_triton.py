@@ -43,12 +43,14 @@ to the next power of two (at least 16, ``tl.dot``'s minimum) with masked loads.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from loramux.kernels.paged_attention import TritonAttentionPlan
+from loramux.kernels.kv_quant import QuantizedKV
+from loramux.kernels.paged_attention import KVCache, TritonAttentionPlan
 
 # Decode: each split covers at least this many tokens, so short contexts run unsplit
 # (no scratch, no second kernel) and a split amortizes its partial write-out.
@@ -99,6 +101,24 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _dequantize(x, QUANT: tl.constexpr):
+    """A quantized cache's 8-bit values in float32 (``kv_quant``): int8 (QUANT 1) as they
+    are; fp8 e4m3 (QUANT 2, loaded as its bytes) decoded from the bits, exactly and alike
+    in the interpreter: ``1.mmm x 2^(eeee - 7)``, subnormals ``0.mmm x 2^-6``, and the NaN
+    byte (a stale slot's) as 0, as the torch gather reads it."""
+    if QUANT == 1:
+        return x.to(tl.float32)
+    else:
+        bits = x.to(tl.int32) & 0xFF
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 0x7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        value = tl.where((bits & 0x7F) == 0x7F, 0.0, value)
+        return tl.where((bits & 0x80) != 0, -value, value)
+
+
+@triton.jit
 def _attend_tiles(
     acc,  # [M, D_PAD] fp32 running a
     m_i,  # [M] fp32 running max (log2 domain)
@@ -108,10 +128,16 @@ def _attend_tiles(
     table_ptr,  # this sequence's row of the block table
     k_base,  # k_cache pointer offset to this KV head
     v_base,
+    ks_base,  # a quantized cache's scales, offset to this KV head (QUANT only)
+    vs_base,
     stride_kb,
     stride_ks,
     stride_vb,
     stride_vs,
+    stride_ksb,
+    stride_kss,
+    stride_vsb,
+    stride_vss,
     lo,  # first key position
     hi,  # one past the last key position
     qk_scale,  # scale * log2(e)
@@ -122,6 +148,7 @@ def _attend_tiles(
     CAUSAL: tl.constexpr,
     INTERPRET: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Online-softmax update of (acc, m, l) over keys ``lo <= p < hi`` (module docstring).
 
@@ -142,8 +169,13 @@ def _attend_tiles(
         k = tl.load(
             k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks + offs_d[None, :],
             mask=kv_mask,
-            other=0.0,
+            other=0,
         )  # [N, D_PAD]
+        if QUANT != 0:
+            k_scale = tl.load(
+                ks_base + block * stride_ksb + offset * stride_kss, mask=valid, other=0.0
+            )
+            k = _cast(_dequantize(k, QUANT) * k_scale[:, None], q.dtype, INTERPRET)
         s = _dot(q, tl.trans(k), INTERPRET, IEEE) * qk_scale  # [M, N] t_ij (log2 domain)
         if CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -156,8 +188,13 @@ def _attend_tiles(
         v = tl.load(
             v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + offs_d[None, :],
             mask=kv_mask,
-            other=0.0,
+            other=0,
         )  # [N, D_PAD]
+        if QUANT != 0:
+            v_scale = tl.load(
+                vs_base + block * stride_vsb + offset * stride_vss, mask=valid, other=0.0
+            )
+            v = _cast(_dequantize(v, QUANT) * v_scale[:, None], q.dtype, INTERPRET)
         # P is rounded to the cache dtype for the tensor-core product (as flash attention
         # does); the sum l above used the unrounded fp32 P.
         acc = acc * correction[:, None] + _dot(_cast(p, v.dtype, INTERPRET), v, INTERPRET, IEEE)
@@ -170,6 +207,8 @@ def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
     v_ptr,
+    ks_ptr,  # [num_blocks, block_size, Hkv] fp32 scales of a quantized cache (QUANT)
+    vs_ptr,
     tables_ptr,  # [B, max_blocks] int32
     ctx_ptr,  # [B] int32
     out_ptr,  # [B, Hq, D], written when NUM_SPLITS == 1
@@ -185,6 +224,12 @@ def _decode_split_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_ksb,
+    stride_kss,
+    stride_ksh,
+    stride_vsb,
+    stride_vss,
+    stride_vsh,
     stride_tb,
     stride_ob,
     stride_oh,
@@ -197,6 +242,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,  # 0: the cache in the query's dtype; 1: int8; 2: fp8 (its bytes)
 ):
     """One (sequence, KV head, split): the G query heads against keys of one span."""
     seq = tl.program_id(0)
@@ -218,7 +264,9 @@ def _decode_split_kernel(
         q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(k_ptr.dtype.element_ty)  # [G_PAD, D_PAD]
+    )  # [G_PAD, D_PAD]
+    if QUANT == 0:
+        q = q.to(k_ptr.dtype.element_ty)
 
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -233,10 +281,16 @@ def _decode_split_kernel(
         tables_ptr + seq.to(tl.int64) * stride_tb,
         k_ptr + kv_head * stride_kh,
         v_ptr + kv_head * stride_vh,
+        ks_ptr + kv_head * stride_ksh,
+        vs_ptr + kv_head * stride_vsh,
         stride_kb,
         stride_ks,
         stride_vb,
         stride_vs,
+        stride_ksb,
+        stride_kss,
+        stride_vsb,
+        stride_vss,
         lo,
         hi,
         qk_scale,
@@ -247,6 +301,7 @@ def _decode_split_kernel(
         False,
         INTERPRET,
         IEEE,
+        QUANT,
     )
 
     if NUM_SPLITS == 1:
@@ -306,6 +361,8 @@ def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,
     v_ptr,
+    ks_ptr,  # [num_blocks, block_size, Hkv] fp32 scales of a quantized cache (QUANT)
+    vs_ptr,
     tables_ptr,  # [S, max_blocks] int32
     ctx_ptr,  # [S] int32
     starts_ptr,  # [S] int32 first query row of each sequence
@@ -320,6 +377,12 @@ def _prefill_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_ksb,
+    stride_kss,
+    stride_ksh,
+    stride_vsb,
+    stride_vss,
+    stride_vsh,
     stride_tb,
     stride_ot,
     stride_oh,
@@ -332,6 +395,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,  # 0: the cache in the query's dtype; 1: int8; 2: fp8 (its bytes)
 ):
     """One (token tile, sequence, KV head): causal attention of the tile's queries."""
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
@@ -357,7 +421,9 @@ def _prefill_kernel(
         q_ptr + (row0 + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=io_mask,
         other=0.0,
-    ).to(k_ptr.dtype.element_ty)  # [M, D_PAD]
+    )  # [M, D_PAD]
+    if QUANT == 0:
+        q = q.to(k_ptr.dtype.element_ty)
     q_pos = ctx_len - n_new + token  # bottom-right aligned causal position of each row
     # The tile's last token sees keys up to its own position; padding rows (past n_new)
     # sit past it and are never stored.
@@ -375,10 +441,16 @@ def _prefill_kernel(
         tables_ptr + seq.to(tl.int64) * stride_tb,
         k_ptr + kv_head * stride_kh,
         v_ptr + kv_head * stride_vh,
+        ks_ptr + kv_head * stride_ksh,
+        vs_ptr + kv_head * stride_vsh,
         stride_kb,
         stride_ks,
         stride_vb,
         stride_vs,
+        stride_ksb,
+        stride_kss,
+        stride_vsb,
+        stride_vss,
         0,
         hi,
         qk_scale,
@@ -389,6 +461,7 @@ def _prefill_kernel(
         True,
         INTERPRET,
         IEEE,
+        QUANT,
     )
     out = acc / l_i[:, None]  # l >= 1: every row sees key 0
     tl.store(
@@ -403,21 +476,56 @@ def _interpreting() -> bool:
     return not isinstance(_prefill_kernel, triton.runtime.JITFunction)
 
 
-def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class _CacheOperands:
+    """What the kernels take for the keys and values: the data as they load it, and for a
+    quantized cache its scales (the data stands in for them otherwise, never read)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+    quant: int  # the kernels' QUANT: 0 none, 1 int8, 2 fp8 (loaded as bytes)
+
+    def strides(self) -> tuple[int, ...]:
+        """(k block, slot, head; v ...; k scales block, slot, head; v scales ...)."""
+        return (
+            *self.k.stride()[:3],
+            *self.v.stride()[:3],
+            *self.k_scales.stride()[:3],
+            *self.v_scales.stride()[:3],
+        )
+
+
+def _cache_operands(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache) -> _CacheOperands:
+    """Checks the caches against the query and returns the kernels' operands."""
     q_heads, head_dim = query.shape[1:]
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must have the same shape and dtype")
+    if k_cache.shape != v_cache.shape or type(k_cache) is not type(v_cache):
+        raise ValueError("k_cache and v_cache must have the same shape and form")
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} vs cache {k_cache.shape[3]} (max {MAX_HEAD_DIM})")
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
-    if k_cache.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported cache dtype {k_cache.dtype}")
+    if isinstance(k_cache, QuantizedKV):
+        if k_cache.data.dtype != v_cache.data.dtype:
+            raise ValueError("k_cache and v_cache must be quantized alike")
+        if query.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported query dtype {query.dtype}")
+        if k_cache.data.dtype == torch.int8:
+            k, v, quant = k_cache.data, v_cache.data, 1
+        else:
+            k, v, quant = k_cache.data.view(torch.uint8), v_cache.data.view(torch.uint8), 2
+        operands = _CacheOperands(k, v, k_cache.scales, v_cache.scales, quant)
+    else:
+        if k_cache.dtype != v_cache.dtype or k_cache.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported cache dtypes {k_cache.dtype}, {v_cache.dtype}")
+        operands = _CacheOperands(k_cache, v_cache, k_cache, v_cache, 0)
     # Pointers step over (token, head) by stride; the head dim must be contiguous.
-    for t in (query, k_cache, v_cache):
+    for t in (query, operands.k, operands.v):
         if t.stride(-1) != 1:
             raise ValueError("the head dim must be contiguous")
+    return operands
 
 
 def _tiles(head_dim: int, group: int) -> tuple[int, int, int]:
@@ -436,8 +544,8 @@ def choose_num_splits(max_context_len: int, batch: int, kv_heads: int) -> int:
 
 def paged_decode_attention(
     query: torch.Tensor,  # [B, Hq, D] one new token per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
+    k_cache: KVCache,  # [num_blocks, block_size, Hkv, D]
+    v_cache: KVCache,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, L_s (including the new token)
     scale: float,
@@ -454,7 +562,7 @@ def paged_decode_attention(
     reading ``context_lens`` back from the device. Returns ``[B, Hq, D]`` in the query's
     dtype; float32 accumulation.
     """
-    _check(query, k_cache, v_cache)
+    ops = _cache_operands(query, k_cache, v_cache)
     batch, q_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
@@ -476,8 +584,10 @@ def paged_decode_attention(
     interpret = _interpreting()
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         query,
-        k_cache,
-        v_cache,
+        ops.k,
+        ops.v,
+        ops.k_scales,
+        ops.v_scales,
         block_tables,
         context_lens,
         out,
@@ -487,12 +597,7 @@ def paged_decode_attention(
         scale * math.log2(math.e),
         query.stride(0),
         query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *ops.strides(),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -504,7 +609,8 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         INTERPRET=interpret,
-        IEEE=k_cache.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32,
+        QUANT=ops.quant,
         num_warps=4,
     )
     if num_splits > 1:
@@ -527,8 +633,8 @@ def paged_decode_attention(
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, Hq, D] new tokens of all sequences
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], new tokens already written
-    v_cache: torch.Tensor,
+    k_cache: KVCache,  # [num_blocks, block_size, Hkv, D], new tokens already written
+    v_cache: KVCache,
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     context_lens: torch.Tensor,  # [S] int32, L_s (cached prefix + new tokens)
     query_starts: torch.Tensor,  # [S + 1] int32 cumulative rows, or [S] with query_ends
@@ -548,7 +654,7 @@ def paged_prefill_attention(
     listed sequence are left untouched. Float32 accumulation. Works for ``n_s = 1`` too,
     without the decode kernel's context splitting.
     """
-    _check(query, k_cache, v_cache)
+    ops = _cache_operands(query, k_cache, v_cache)
     q_heads, head_dim = query.shape[1:]
     _, block_size, kv_heads, _ = k_cache.shape
     group = q_heads // kv_heads
@@ -565,8 +671,10 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m // g_pad), num_seqs, kv_heads)
     _prefill_kernel[grid](
         query,
-        k_cache,
-        v_cache,
+        ops.k,
+        ops.v,
+        ops.k_scales,
+        ops.v_scales,
         block_tables,
         context_lens,
         query_starts,
@@ -575,12 +683,7 @@ def paged_prefill_attention(
         scale * math.log2(math.e),
         query.stride(0),
         query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *ops.strides(),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -592,7 +695,8 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         INTERPRET=interpret,
-        IEEE=k_cache.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32,
+        QUANT=ops.quant,
         num_warps=4 if d_pad <= 64 else 8,
     )
     return out
@@ -600,8 +704,8 @@ def paged_prefill_attention(
 
 def paged_attention_triton(
     query: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], new tokens already written
-    v_cache: torch.Tensor,
+    k_cache: KVCache,  # [num_blocks, block_size, Hkv, D], new tokens already written
+    v_cache: KVCache,
     plan: TritonAttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]

@@ -26,19 +26,35 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loramux.kernels.kv_quant import QuantizedKV, gather_quantized_kv, write_quantized_kv
+
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+KVCache = torch.Tensor | QuantizedKV  # one layer's keys (or values)
 
 
 def write_kv(
     key: torch.Tensor,  # [T, kv_heads, head_dim]
     value: torch.Tensor,  # [T, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    k_cache: KVCache,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: KVCache,
     slot_mapping: torch.Tensor,  # [T] int64 flat slot per token
 ) -> None:
-    """``cache.flat[slot_mapping[t]] = kv[t]`` for both caches, in place."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """``cache.flat[slot_mapping[t]] = kv[t]`` for both caches, in place (quantized as
+    ``kv_quant`` says for a quantized cache)."""
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        if isinstance(cache, QuantizedKV):
+            write_quantized_kv(x, cache, slot_mapping)
+        else:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def gather_kv(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The keys (or values) at the flat ``slots`` (``[N]``): ``[N, kv_heads, head_dim]``."""
+    if isinstance(cache, QuantizedKV):
+        return gather_quantized_kv(cache, slots, dtype)
+    return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
 
 
 # Sequences with at most this many new tokens over a cached prefix attend as that many
@@ -311,16 +327,15 @@ def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale) -> t
     batch, q_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
     # The `group` query heads sharing a KV head act as `group` query positions of
     # that head: q [B, Hkv, group, D] against k, v [B, Hkv, L, D]; no causal mask.
     # (index_select on the flat slots: several times faster on a CPU than 2-D indexing.)
     slots = plan.decode_slots.reshape(-1)
     length = plan.decode_slots.shape[1]
     q = query.view(batch, kv_heads, group, head_dim)
-    k = k_flat.index_select(0, slots).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    v = v_flat.index_select(0, slots).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    k = gather_kv(k_cache, slots, query.dtype).view(batch, length, kv_heads, head_dim)
+    v = gather_kv(v_cache, slots, query.dtype).view(batch, length, kv_heads, head_dim)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
     return attn.reshape(batch, q_heads, head_dim)
 
@@ -330,13 +345,11 @@ def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out
     _, q_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
     for first, n_new, slots, causal in plan.prefill:
         q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
-        k = k_flat[slots].transpose(0, 1)  # [Hkv, L, D]
-        v = v_flat[slots].transpose(0, 1)
+        k = gather_kv(k_cache, slots, query.dtype).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_kv(v_cache, slots, query.dtype).transpose(0, 1)
         mask = causal.repeat(group, 1)  # query rows are group-major: [group * n_new, L]
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)
