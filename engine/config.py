@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.kernels.kv_quant import KV_CACHE_DTYPES
 from loramux.kernels.quant_linear import INT4_GROUP_SIZES
 
 _DTYPES = {
@@ -63,6 +64,11 @@ class EngineConfig:
     # (Q8_0, Q4_0, Q4_1, Q4_K, and float ones); ``model`` then holds only the config and
     # tokenizer (as platform.base_model extracts them).
     gguf_file: str | None = None
+    # The paged KV cache's form (kernels/kv_quant.py): "auto" keeps the model's dtype;
+    # "int8" (the CPU's) and "fp8" (e4m3, CUDA's) store 8-bit keys and values with a float32
+    # scale per token and KV head, so a budget holds 3.8x (float32) or 1.9x (bfloat16) the
+    # tokens. Adapters stay in the model's dtype.
+    kv_cache_dtype: str = "auto"
     # Decode-only steps of up to this many sequences replay CUDA graphs captured for a set
     # of batch-size buckets (CUDA and the Triton path only); 0 runs every step eagerly.
     cuda_graph_max_batch: int = 64
@@ -127,6 +133,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)}, "
                 f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(

@@ -160,7 +160,7 @@ class Engine:
             and dtype in STATIC_DTYPES
         )
         scratch_blocks = 1 if static_decode else 0
-        block_bytes = kv_block_bytes(self.model, config.block_size, dtype)
+        block_bytes = kv_block_bytes(self.model, config.block_size, dtype, config.kv_cache_dtype)
         num_blocks = budget.bytes // block_bytes - scratch_blocks
         if num_blocks < 2:
             raise ValueError(
@@ -174,6 +174,7 @@ class Engine:
             dtype,
             device,
             scratch_blocks=scratch_blocks,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         rows = self.arena.layout.total_rows
         max_rows = None

@@ -221,6 +221,7 @@ class MemoryPlan:
     full_batch_blocks: int  # the KV blocks a full batch takes
     adapters_beside_full_batch: int  # adapters of ``rank`` that fit beside it (0: no room)
     adapters_max: int  # adapters of ``rank`` that fit with KV at its floor
+    kv_cache_dtype: str = "auto"  # the KV cache's form (kernels/kv_quant.py)
 
     @property
     def rank_adapter_bytes(self) -> int:
@@ -244,9 +245,10 @@ class MemoryPlan:
             budget += "set by kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES)"
         else:
             budget += f"{self.detail} (kv_cache_bytes / LORAMUX_ENGINE_KV_CACHE_BYTES overrides it)"
+        form = "" if self.kv_cache_dtype == "auto" else f", {self.kv_cache_dtype} keys and values"
         holds = (
             f"it holds {self.kv_blocks:,} KV blocks of {self.block_size} tokens = "
-            f"{self.kv_tokens:,} tokens ({format_bytes(self.kv_block_bytes)} a block); "
+            f"{self.kv_tokens:,} tokens ({format_bytes(self.kv_block_bytes)} a block{form}); "
             f"a rank-{self.rank} adapter takes {format_bytes(self.rank_adapter_bytes)}: "
         )
         batch = (
@@ -299,4 +301,5 @@ def plan_memory(
         full_batch_blocks=batch_blocks,
         adapters_beside_full_batch=beside,
         adapters_max=adapter_capacity_rows // PLAN_RANK,
+        kv_cache_dtype=arena.kv_cache_dtype,
     )

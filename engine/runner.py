@@ -63,6 +63,7 @@ from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.speculative.verify import VerifyGroup
 from loramux.engine.static_decode import DecodeStep, StaticDecode
 from loramux.engine.structured import MaskFiller, StepMasks
+from loramux.kernels.kv_quant import QuantizedKV, bytes_per_slot_head, storage_dtype
 
 # LM-head rows per prompt-logprob chunk: [256, vocab] float32 logits are 50 MB for a 49k vocab.
 PROMPT_LOGPROB_ROWS = 256
@@ -100,11 +101,18 @@ class NonFiniteOutput(RuntimeError):
         self.prompt_logprobs = prompt_logprobs or {}  # of every other request
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
+def kv_block_bytes(
+    model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes one KV block takes across all layers (keys and values; with a quantized
+    cache, its 8-bit data and per-slot scales: ``DeviceArena.bytes_per_block``)."""
     c = model.config
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize
-    return per_token * block_size
+    storage = storage_dtype(kv_cache_dtype)
+    if storage is None:
+        per_head = c.head_dim * dtype.itemsize
+    else:
+        per_head = bytes_per_slot_head(c.head_dim, storage)
+    return 2 * c.num_layers * c.num_kv_heads * per_head * block_size
 
 
 class ModelRunner:
@@ -146,9 +154,11 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in moves], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim] each
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for caches in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim] each
+            for cache in caches:
+                # A quantized cache's blocks as raw bytes: data and scales in one copy.
+                blocks = cache.raw if isinstance(cache, QuantizedKV) else cache
+                blocks.index_copy_(0, dst, blocks.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:

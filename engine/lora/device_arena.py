@@ -32,6 +32,12 @@ Optionally ``scratch_blocks`` more KV blocks follow the ``num_blocks`` the layou
 (neither KV's nor any row's): the static decode path (``loramux.engine.decode_graphs``)
 pads its batch with rows that write their keys and values to :attr:`DeviceArena.scratch_slot`.
 
+A quantized KV cache (``kv_cache_dtype`` int8 or fp8, ``loramux.kernels.kv_quant``) views
+the same memory's bytes as its blocks, each its 8-bit data then its per-slot scales, so E
+counts a block's bytes in the rows' elements (SmolLM2's 16-token block: 3 x 16 x 68 bytes,
+816 float32 elements where a float32 block takes 3,072). Rows and blocks still tile the
+same memory, with nothing kept aside for scales.
+
 This module only lays the memory out; which rows are whose is ``LoRAPool``'s business,
 and which blocks are whose ``KVCacheManager``'s.
 """
@@ -46,6 +52,8 @@ import torch
 
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
+from loramux.kernels.kv_quant import QuantizedKV, bytes_per_slot_head, storage_dtype
+from loramux.kernels.paged_attention import KVCache
 
 __all__ = ["DeviceArena", "RowLayout", "zeroed"]
 
@@ -63,11 +71,22 @@ class RowLayout:
     b_offsets: dict[str, int]  # module -> offB_m, first element of its B row in a row
 
     @classmethod
-    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int) -> RowLayout:
+    def for_model(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        *,
+        block_elems: int | None = None,
+    ) -> RowLayout:
+        """``block_elems``: a KV block of one layer's keys in the rows' elements (default:
+        a cache in the rows' dtype; a quantized one passes its bytes over the rows')."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"need positive num_blocks and block_size, got {num_blocks}, {block_size}"
             )
+        if block_elems is None:
+            block_elems = block_size * config.num_kv_heads * config.head_dim
         shapes = {m: config.module_shape(m) for m in LORA_TARGETS}
         a_offsets, b_offsets, a_end, b_end = {}, {}, 0, 0
         for module, (in_f, out_f) in shapes.items():  # LORA_TARGETS order
@@ -75,7 +94,7 @@ class RowLayout:
             a_end, b_end = a_end + in_f, b_end + out_f
         return cls(
             num_blocks=num_blocks,
-            block_elems=block_size * config.num_kv_heads * config.head_dim,
+            block_elems=block_elems,
             row_width=max(a_end, b_end),
             in_features={m: s[0] for m, s in shapes.items()},
             out_features={m: s[1] for m, s in shapes.items()},
@@ -152,10 +171,18 @@ class DeviceArena:
         device: torch.device | str,
         *,
         scratch_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         if scratch_blocks < 0:
             raise ValueError(f"scratch_blocks must be >= 0, got {scratch_blocks}")
-        self.layout = RowLayout.for_model(model_config, num_blocks, block_size)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_storage = storage_dtype(kv_cache_dtype)  # None: KV in ``dtype``
+        self.layout = RowLayout.for_model(
+            model_config,
+            num_blocks,
+            block_size,
+            block_elems=self._quantized_block_elems(model_config, block_size, dtype),
+        )
         self.dtype, self.device = dtype, torch.device(device)
         self.num_layers = model_config.num_layers
         self.scratch_blocks = scratch_blocks
@@ -163,15 +190,22 @@ class DeviceArena:
         self.block_size = block_size
         blocks = num_blocks + scratch_blocks
         shape = (blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values.
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (zeroed(shape, dtype, self.device), zeroed(shape, dtype, self.device))
+        # The memory the rows share with KV: per layer, one tensor for keys, one for values.
+        memory = [
+            (
+                zeroed((blocks * self.layout.block_elems,), dtype, self.device),
+                zeroed((blocks * self.layout.block_elems,), dtype, self.device),
+            )
             for _ in range(self.num_layers)
+        ]
+        # [num_blocks, block_size, kv_heads, head_dim] per layer, keys and values.
+        self.kv_caches: list[tuple[KVCache, KVCache]] = [
+            (self._kv_view(k, shape), self._kv_view(v, shape)) for k, v in memory
         ]
         rows, width = self.layout.total_rows, self.layout.row_width
         # [total_rows, W] per layer: A rows over the key tensor, B rows over the value tensor.
-        self._a_rows = [k.view(-1)[: rows * width].view(rows, width) for k, _ in self.kv_caches]
-        self._b_rows = [v.view(-1)[: rows * width].view(rows, width) for _, v in self.kv_caches]
+        self._a_rows = [k[: rows * width].view(rows, width) for k, _ in memory]
+        self._b_rows = [v[: rows * width].view(rows, width) for _, v in memory]
         # The model asks for a pool per (layer, module) on every projection of every step:
         # the views are made once.
         lay = self.layout
@@ -185,6 +219,30 @@ class DeviceArena:
             for layer, b in enumerate(self._b_rows)
             for m in LORA_TARGETS
         }
+
+    def _quantized_block_elems(
+        self, config: ModelConfig, block_size: int, dtype: torch.dtype
+    ) -> int | None:
+        """A quantized block's bytes (data and scales) in the rows' elements, or None."""
+        if self.kv_storage is None:
+            return None
+        per_head = bytes_per_slot_head(config.head_dim, self.kv_storage)
+        block_bytes = block_size * config.num_kv_heads * per_head
+        if block_bytes % dtype.itemsize:
+            raise ValueError(
+                f"a quantized KV block of {block_bytes} bytes is not a whole number of "
+                f"{dtype} elements: use a block size of a multiple of {dtype.itemsize}"
+            )
+        return block_bytes // dtype.itemsize
+
+    def _kv_view(self, memory: torch.Tensor, shape: tuple[int, ...]) -> KVCache:
+        """The KV cache over one layer's ``memory``: the tensor itself, or its bytes as
+        the blocks of a ``QuantizedKV`` (each its 8-bit data, then its scales)."""
+        if self.kv_storage is None:
+            return memory.view(shape)
+        blocks, block_size, kv_heads, head_dim = shape
+        raw = memory.view(torch.uint8).view(blocks, -1)
+        return QuantizedKV(raw, block_size, kv_heads, head_dim, self.kv_storage)
 
     @property
     def scratch_slot(self) -> int:
@@ -201,7 +259,8 @@ class DeviceArena:
 
     @property
     def bytes_per_block(self) -> int:
-        """Device bytes one KV block takes across all layers (keys and values)."""
+        """Device bytes one KV block takes across all layers (keys and values; a quantized
+        block's scales are in its bytes)."""
         return 2 * self.num_layers * self.layout.block_elems * self.dtype.itemsize
 
     # --- views -----------------------------------------------------------------

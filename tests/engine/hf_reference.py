@@ -23,6 +23,26 @@ def reference_model(model_dir: Path, adapter_dir: Path | None, dtype=torch.float
     return _load(str(model_dir), None if adapter_dir is None else str(adapter_dir), dtype)
 
 
+def fake_quantized_cache(kv_cache_dtype: str):
+    """transformers' own KV cache, storing each new key and value as an engine with
+    ``kv_cache_dtype`` reads it back (``kernels/kv_quant.fake_quantize_kv``: per token and
+    KV head, after RoPE); None for ``auto`` (the model's default cache)."""
+    if kv_cache_dtype == "auto":
+        return None
+    from transformers import DynamicCache
+
+    from loramux.kernels.kv_quant import fake_quantize_kv
+
+    class FakeQuantizedCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            # [batch, kv_heads, new tokens, head_dim]: the maths is per last-dim vector.
+            key_states = fake_quantize_kv(key_states, kv_cache_dtype)
+            value_states = fake_quantize_kv(value_states, kv_cache_dtype)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return FakeQuantizedCache()
+
+
 @torch.inference_mode()
 def greedy_tokens(
     model_dir: Path,
@@ -32,11 +52,13 @@ def greedy_tokens(
     *,
     eos_ids: frozenset[int] = frozenset(),
     dtype=torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> list[int]:
-    """Greedy tokens for one request run alone, with transformers' own KV cache."""
+    """Greedy tokens for one request run alone, with transformers' own KV cache (holding
+    what an engine's quantized cache would for ``kv_cache_dtype``)."""
     model = reference_model(model_dir, adapter_dir, dtype)
     ids = torch.tensor([prompt_ids])
-    out = model(input_ids=ids, use_cache=True)
+    out = model(input_ids=ids, use_cache=True, past_key_values=fake_quantized_cache(kv_cache_dtype))
     tokens: list[int] = []
     while True:
         token = int(out.logits[0, -1].argmax())

@@ -101,15 +101,22 @@ def test_another_tenant_is_admitted_at_once_however_full_kv_is(tiny_model_dir, c
     assert "a-late" not in first
 
 
+# 64 KV blocks of the tiny model: float32 blocks of 8 KiB; int8 ones of 2.5 KiB (2 KiB of
+# 8-bit keys and values, 512 bytes of scales), a rank-row then spanning 4 blocks.
+KV_BYTES_FOR_64_BLOCKS = {"auto": 512 << 10, "int8": 64 * 2560}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_blocks_in_an_adapters_way_are_moved_not_recomputed_and_keep_their_tokens(
-    tiny_model_dir, cold_adapter
+    tiny_model_dir, cold_adapter, kv_cache_dtype
 ):
     """A long request whose blocks sit where the adapter's rows go is copied below (free
     blocks there), not preempted: the adapter loads at once and the request's tokens are
-    those of an undisturbed run."""
+    those of an undisturbed run (a quantized cache's moves carry each slot's scales)."""
     config = {
         "model": str(tiny_model_dir),
-        "kv_cache_bytes": 512 << 10,
+        "kv_cache_bytes": KV_BYTES_FOR_64_BLOCKS[kv_cache_dtype],
+        "kv_cache_dtype": kv_cache_dtype,
         "dtype": "float32",
         "max_num_seqs": 8,
         "max_num_batched_tokens": 1024,
@@ -121,6 +128,7 @@ def test_blocks_in_an_adapters_way_are_moved_not_recomputed_and_keep_their_token
     undisturbed = Engine(EngineConfig(**config)).generate([long_prompt], long_params)[0]
 
     engine = Engine(EngineConfig(**config))
+    assert engine.kv.num_blocks == 64
     engine.add_adapter("cold", cold_adapter)
     # Fillers take the bottom 48 blocks for one step, so the long request's 13 blocks go
     # above them, up to where the adapter's rows must go.

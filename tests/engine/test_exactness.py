@@ -54,7 +54,11 @@ def assert_matches_reference(engine, model_dir, adapters, requests, outputs, max
     for (prompt, adapter), got in zip(requests, outputs, strict=True):
         prompt_ids = tokenizer(prompt)["input_ids"]
         expected = greedy_tokens(
-            model_dir, None if adapter is None else adapters[adapter], prompt_ids, max_tokens
+            model_dir,
+            None if adapter is None else adapters[adapter],
+            prompt_ids,
+            max_tokens,
+            kv_cache_dtype=engine.config.kv_cache_dtype,
         )
         assert got == expected, f"prompt {prompt!r} adapter {adapter}"
 

@@ -113,3 +113,40 @@ def test_quantized_model_on_cuda_with_graphs_matches_peft(
     requests = mixed_requests(8)
     outputs = run_staggered(engine, requests, 12)
     assert_matches_reference(engine, reference, tiny_adapters, requests, outputs, 12)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_quantized_kv_cache_on_cuda_with_graphs_matches_peft(
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+    kv_cache_dtype,
+):
+    """8-bit keys and values written by the torch ops inside captured graphs and read by
+    the compiled attention kernels, against PEFT with the same cache, and the eager path."""
+    fields = {"device": "cuda", "dtype": "float32", "block_size": 4, "max_num_seqs": 8}
+    engine = build_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        kv_cache_dtype=kv_cache_dtype,
+        cuda_graph_max_batch=4,
+        **fields,
+    )
+    static = engine.runner.static_decode
+    assert static is not None and static.captured
+    requests = mixed_requests(6)
+    max_tokens = [9, 6, 5, 4, 3, 2]
+    outputs = run_ragged(engine, requests, max_tokens)
+    assert static.steps_run
+    for (prompt, adapter), n, got in zip(requests, max_tokens, outputs, strict=True):
+        prompt_ids = engine.tokenizer(prompt)["input_ids"]
+        path = None if adapter is None else tiny_adapters[adapter]
+        expected = greedy_tokens(tiny_model_dir, path, prompt_ids, n, kv_cache_dtype=kv_cache_dtype)
+        assert got == expected, (prompt, adapter)
+    eager = build_engine(
+        tiny_model_dir,
+        tiny_adapters,
+        kv_cache_dtype=kv_cache_dtype,
+        cuda_graph_max_batch=0,
+        **fields,
+    )
+    assert run_ragged(eager, requests, max_tokens) == outputs

@@ -123,3 +123,19 @@ def test_quantized_model_matches_peft_on_its_dequantized_weights(
         engine, reference, tiny_adapters, requests, [o.token_ids for o in outs], 3
     )
     assert triton_kernels["quant_linear_triton"] > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_matches_peft_with_the_same_cache(
+    triton_kernels,
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+    kv_cache_dtype,
+):
+    """The attention kernels read 8-bit keys and values with their scales; decode and
+    prefill rows in one step, staggered arrivals."""
+    engine = _engine(tiny_model_dir, tiny_adapters, kv_cache_dtype=kv_cache_dtype)
+    requests = mixed_requests(4)
+    outputs = run_staggered(engine, requests, 4)
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 4)
+    _assert_every_launcher_ran(triton_kernels)
