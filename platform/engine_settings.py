@@ -22,6 +22,7 @@ FROM_SETTINGS = {
     "device": "device",
     "dtype": "dtype",
     "kv_cache_bytes": "kv_cache_bytes",
+    "kv_cache_dtype": "kv_cache_dtype",
     "adapter_device_bytes": "adapter_device_bytes",
     "adapter_host_bytes": "adapter_host_bytes",
     "adapter_load_workers": "adapter_load_workers",

@@ -26,6 +26,7 @@ ENGINE_TUNING_FIELDS = (
     "device",
     "dtype",
     "kv_cache_bytes",
+    "kv_cache_dtype",
     "adapter_device_bytes",
     "adapter_host_bytes",
     "adapter_disk_cache_bytes",

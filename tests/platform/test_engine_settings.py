@@ -49,6 +49,7 @@ def test_settings_reach_the_engine(tmp_path, monkeypatch):
         "LORAMUX_ENGINE_MAX_ADAPTERS_PER_STEP": "3",
         "LORAMUX_ENGINE_ENABLE_PREFIX_CACHING": "false",
         "LORAMUX_ENGINE_DTYPE": "bfloat16",
+        "LORAMUX_ENGINE_KV_CACHE_DTYPE": "fp8",
         "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES": str(1 << 30),
     }.items():
         monkeypatch.setenv(name, value)
@@ -62,6 +63,7 @@ def test_settings_reach_the_engine(tmp_path, monkeypatch):
         3,
     )
     assert config.enable_prefix_caching is False and config.dtype == "bfloat16"
+    assert config.kv_cache_dtype == "fp8"
     assert config.adapter_disk_cache_dir == str(tmp_path / "adapter-cache")
     assert config.adapter_disk_cache_bytes == 1 << 30
     assert config.model == str(tmp_path)
