@@ -109,6 +109,8 @@ class Grid:
     attn_contexts: tuple[int, ...] = (512, 2048, 8192)
     attn_kv_heads: tuple[int, ...] = (8, 32)
     attn_target: tuple[int, int] = (64, 2048)  # (batch, context) of the bandwidth target
+    # Decode attention over these KV caches too (the target is the model dtype's)
+    attn_kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8", "int8")
     # (sequences, new tokens, prefix)
     prefill_shapes: tuple[tuple[int, int, int], ...] = ((1, 2048, 0), (8, 512, 1024))
     prefill_kv_heads: tuple[int, ...] = (8, 32)
@@ -166,6 +168,7 @@ SMOKE = Grid(
     attn_contexts=(24, 300),  # 300: past one split of MIN_SPLIT_TOKENS
     attn_kv_heads=(2, 4),
     attn_target=(3, 300),
+    attn_kv_cache_dtypes=("auto", "fp8"),
     prefill_shapes=((1, 24, 0), (2, 8, 16)),
     prefill_kv_heads=(2,),
     step_layers=2,
@@ -216,7 +219,8 @@ def run_attention(grid: Grid, ctx: BenchContext, decode: bool) -> list[dict]:
     else:
         kv_heads, shapes = grid.prefill_kv_heads, grid.prefill_shapes
     rows = []
-    for heads in kv_heads:
+    kv_cache_dtypes = grid.attn_kv_cache_dtypes if decode else ("auto",)
+    for heads, kv_cache_dtype in itertools.product(kv_heads, kv_cache_dtypes):
         config = grid.model(num_layers=1, kv_heads=heads)
         for num_seqs, new_tokens, prefix in shapes:
             case = AttentionCase(
@@ -227,7 +231,10 @@ def run_attention(grid: Grid, ctx: BenchContext, decode: bool) -> list[dict]:
                 q_heads=config.num_heads,
                 head_dim=config.head_dim,
                 block_size=grid.block_size,
-                target=decode and (num_seqs, prefix + new_tokens) == grid.attn_target,
+                target=decode
+                and kv_cache_dtype == "auto"
+                and (num_seqs, prefix + new_tokens) == grid.attn_target,
+                kv_cache_dtype=kv_cache_dtype,
             )
             rows.append(run_attention_case(case, ctx))
     return rows

@@ -15,6 +15,10 @@ lengths, n_s their new tokens (T = Σ n_s queries), Hq / Hkv query / KV heads of
     flops = 4 Hq D Σ_s Σ_i (p_i + 1)          q·k and p·v for the keys each query sees
                                                (decode: p + 1 = L_s)
 
+With ``kv_cache_dtype`` int8 or fp8 the kernels read an 8-bit cache (``kernels/kv_quant.py``):
+``e`` of the keys and values becomes ``(D + 4) / D`` bytes (the data and each slot's scale),
+and the reference reads the de-quantized values.
+
 Decode rows also give the achieved bandwidth (bytes / time) and its fraction of the
 measured copy bandwidth: the target is ≥ 70% at batch 64 × 2048 context.
 
@@ -37,6 +41,13 @@ from functools import partial
 import torch
 
 from loramux.benchmarks.kernels_gpu_timing import BenchContext, kernel_row, run_case
+from loramux.kernels.kv_quant import (
+    QuantizedKV,
+    bytes_per_slot_head,
+    dequantize_kv,
+    storage_dtype,
+    write_quantized_kv,
+)
 from loramux.kernels.paged_attention import paged_attention_reference, plan_attention
 
 BASELINE_GATHER_BYTES = 16 << 30
@@ -54,6 +65,7 @@ class AttentionCase:
     head_dim: int
     block_size: int
     target: bool = False  # the decode target's shape (batch 64 × 2048 on the GPU grid)
+    kv_cache_dtype: str = "auto"  # "int8" / "fp8": an 8-bit cache (kernels/kv_quant.py)
 
     @property
     def decode(self) -> bool:
@@ -69,8 +81,18 @@ def shuffled_block_tables(context_lens: list[int], block_size: int) -> list[list
     return [order[end - count : end] for end, count in zip(ends, counts, strict=True)]
 
 
+def _quantized(cache: torch.Tensor, storage: torch.dtype) -> QuantizedKV:
+    """``cache`` ([num_blocks, block_size, Hkv, D]) written into an 8-bit cache, every slot."""
+    blocks, block_size, heads, head_dim = cache.shape
+    quantized = QuantizedKV.empty(blocks, block_size, heads, head_dim, storage, cache.device)
+    slots = torch.arange(blocks * block_size, device=cache.device)
+    write_quantized_kv(cache.view(-1, heads, head_dim), quantized, slots)
+    return quantized
+
+
 def run_attention_case(case: AttentionCase, ctx: BenchContext) -> dict:
     heads = {"q_heads": case.q_heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim}
+    heads["kv_cache_dtype"] = case.kv_cache_dtype
     if case.decode:
         fields = {"batch": case.num_seqs, "context": case.prefix + 1, **heads}
         fields["target"] = case.target
@@ -89,13 +111,21 @@ def _measure(case: AttentionCase, ctx: BenchContext) -> dict:
     shape = (sum(map(len, tables)), case.block_size, case.kv_heads, case.head_dim)
     k_cache = torch.randn(shape, dtype=ctx.dtype, device=ctx.device)
     v_cache = torch.randn(shape, dtype=ctx.dtype, device=ctx.device)
+    # What the kernels read: the float caches, or their 8-bit forms (whose values the
+    # reference reads back in float32).
+    k_read, v_read, kv_bytes_per_elem = k_cache, v_cache, float(ctx.dtype.itemsize)
+    storage = storage_dtype(case.kv_cache_dtype)
+    if storage is not None:
+        k_read, v_read = (_quantized(c, storage) for c in (k_cache, v_cache))
+        k_cache, v_cache = (dequantize_kv(c.data, c.scales, ctx.dtype) for c in (k_read, v_read))
+        kv_bytes_per_elem = bytes_per_slot_head(case.head_dim, storage) / case.head_dim
     query = torch.randn(tokens, case.q_heads, case.head_dim, dtype=ctx.dtype, device=ctx.device)
     # Every sequence has as many blocks: the kernels' [B, max_blocks] tables need no padding.
     table_tensor = torch.tensor(tables, dtype=torch.int32, device=ctx.device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=ctx.device)
     scale = case.head_dim**-0.5
     # What both kernels read; the reference reads the query and the cache, then host lists.
-    paged = (query, k_cache, v_cache, table_tensor, lens)
+    paged = (query, k_read, v_read, table_tensor, lens)
     if case.decode:
         triton_fn = partial(
             attention_triton.paged_decode_attention, *paged, scale, max_context_len=context
@@ -129,7 +159,8 @@ def _measure(case: AttentionCase, ctx: BenchContext) -> dict:
     n = case.new_tokens
     keys_seen = case.num_seqs * (n * case.prefix + n * (n + 1) // 2)
     q_elements = 2 * tokens * case.q_heads * case.head_dim
-    num_bytes = ctx.dtype.itemsize * (kv_elements + q_elements) + 4 * table_tensor.numel()
+    kv_bytes = int(kv_bytes_per_elem * kv_elements)
+    num_bytes = kv_bytes + ctx.dtype.itemsize * q_elements + 4 * table_tensor.numel()
     flops = 4 * case.q_heads * case.head_dim * keys_seen
     row = kernel_row(ctx, triton_fn, baseline_fn, expected, num_bytes, flops, checked * n)
     if not case.decode:

@@ -31,6 +31,7 @@ SECTION_COLUMNS = {
         Column("batch", "batch"),
         Column("context", "context"),
         Column("Hkv", "kv_heads"),
+        Column("KV", "kv_cache_dtype"),
         Column("splits", "num_splits"),
         *_TIMES,
         Column("GB/s", "achieved_gbs", ".0f"),
