@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loramux.kernels.kv_quant import QuantizedKV, gather_quantized_kv, write_quantized_kv
+from loramux.kernels.kv_quant import QuantizedKV, gather_quantized_context, write_quantized_kv
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,10 +51,14 @@ def write_kv(
 
 
 def gather_kv(cache: KVCache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The keys (or values) at the flat ``slots`` (``[N]``): ``[N, kv_heads, head_dim]``."""
+    """The keys (or values) of contexts: ``slots`` ``[R, L]``, each row the flat slots of
+    positions ``0 .. L-1`` through one block table; returns ``[R, L, kv_heads, head_dim]``.
+    (index_select on the flat slots: several times faster on a CPU than 2-D indexing; a
+    quantized cache copies whole blocks.)"""
     if isinstance(cache, QuantizedKV):
-        return gather_quantized_kv(cache, slots, dtype)
-    return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+        return gather_quantized_context(cache, slots, dtype)
+    flat = cache.view(-1, *cache.shape[2:]).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, *cache.shape[2:])
 
 
 # Sequences with at most this many new tokens over a cached prefix attend as that many
@@ -329,13 +333,9 @@ def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale) -> t
     group = q_heads // kv_heads
     # The `group` query heads sharing a KV head act as `group` query positions of
     # that head: q [B, Hkv, group, D] against k, v [B, Hkv, L, D]; no causal mask.
-    # (index_select on the flat slots: several times faster on a CPU than 2-D indexing.)
-    slots = plan.decode_slots.reshape(-1)
-    length = plan.decode_slots.shape[1]
     q = query.view(batch, kv_heads, group, head_dim)
-    k = gather_kv(k_cache, slots, query.dtype).view(batch, length, kv_heads, head_dim)
-    v = gather_kv(v_cache, slots, query.dtype).view(batch, length, kv_heads, head_dim)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k = gather_kv(k_cache, plan.decode_slots, query.dtype).transpose(1, 2)
+    v = gather_kv(v_cache, plan.decode_slots, query.dtype).transpose(1, 2)
     attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
     return attn.reshape(batch, q_heads, head_dim)
 
@@ -348,8 +348,8 @@ def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out
     for first, n_new, slots, causal in plan.prefill:
         q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
-        k = gather_kv(k_cache, slots, query.dtype).transpose(0, 1)  # [Hkv, L, D]
-        v = gather_kv(v_cache, slots, query.dtype).transpose(0, 1)
+        k = gather_kv(k_cache, slots[None], query.dtype)[0].transpose(0, 1)  # [Hkv, L, D]
+        v = gather_kv(v_cache, slots[None], query.dtype)[0].transpose(0, 1)
         mask = causal.repeat(group, 1)  # query rows are group-major: [group * n_new, L]
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)

@@ -260,3 +260,23 @@ def test_quantized_attention_compiles_for_hopper():
         "from tests.kernels.test_kv_quant import _compile_for_hopper; _compile_for_hopper()",
         interpret=False,
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_context_is_gathered_whole_blocks_at_a_time_as_slot_by_slot(mode):
+    """``gather_quantized_context`` (whole blocks) against ``gather_quantized_kv`` (each
+    slot), for contexts ending inside a block, on a block edge, and padded with block 0."""
+    from loramux.kernels.kv_quant import gather_quantized_context
+
+    gen = torch.Generator().manual_seed(8)
+    cache = _empty_cache(mode, blocks=9, block_size=4)
+    write_quantized_kv(torch.randn(36, 2, 16, generator=gen), cache, torch.arange(36))
+    tables = torch.tensor([[5, 2, 7], [8, 0, 0], [3, 1, 6]])
+    positions = torch.arange(10)
+    slots = pa.flat_slots(tables, positions.expand(3, 10), 4)
+    got = gather_quantized_context(cache, slots, torch.float32)
+    expected = gather_quantized_kv(cache, slots.reshape(-1), torch.float32).view(3, 10, 2, 16)
+    assert torch.equal(got, expected)
+    assert torch.equal(
+        gather_quantized_context(cache, slots[:, :8], torch.float32), expected[:, :8]
+    )
