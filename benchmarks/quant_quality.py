@@ -20,9 +20,13 @@ quantized from the float32 checkpoint as it loads (round to nearest). A caveat t
 need: the float32 weights are themselves the de-quantized Q4_1 values, 16 levels per group
 of 32, so int4 with groups of 32 recovers them almost exactly (each group's min and max are
 on the grid); groups of 64 (SmolLM2's 576 inputs take no larger power of two) show what 4 bits cost a model that was never 4-bit.
+``kv-int8`` and ``kv-fp8`` hold the KV cache in 8 bits with a scale per token and KV head
+(``kernels/kv_quant.py``) under the float32 weights; ``gguf+kv-int8`` under the GGUF's.
+The scoring prefills each window through the cache, so every token after the first
+attends to quantized keys and values, as in serving.
 
 Limits (each ``Mode``'s ``limit``): int8 weights at most 1% perplexity increase over float32,
-int4 (groups of 32, the default) at most 5%. The tests assert them on the tiny model (``tests/benchmarks/test_quant_quality.py``);
+int4 (groups of 32, the default) at most 5%, int8 or fp8 KV at most 1%. The tests assert them on the tiny model (``tests/benchmarks/test_quant_quality.py``);
 the recorded ``benchmarks/results/quant_quality.{md,json}`` is SmolLM2's.
 """
 
@@ -57,6 +61,11 @@ MODES = (
     # Not judged: SmolLM2's float32 weights are 4-bit values in groups of 32 (see above), so
     # coarser groups measure re-quantizing a 4-bit grid, not what 4 bits cost a float model.
     Mode("int4-g64", {"quantization": "int4", "quantization_group_size": 64}),
+    # The KV cache in 8 bits (kernels/kv_quant.py) under float32 weights, and int8 KV under
+    # the GGUF's own weights (what LORAMUX_ENGINE_KV_CACHE_DTYPE=int8 serves by default).
+    Mode("kv-int8", {"kv_cache_dtype": "int8"}, limit=0.01),
+    Mode("kv-fp8", {"kv_cache_dtype": "fp8"}, limit=0.01),
+    Mode("gguf+kv-int8", {"kv_cache_dtype": "int8"}, gguf=True, limit=0.01),
 )
 
 
@@ -214,7 +223,9 @@ def render(report: dict) -> str:
         "GGUF (16 levels per group of 32), so `gguf` is the same model (the differences are "
         "float rounding) and int4 in groups of 32 nearly recovers that grid: its figure says "
         "little about 4 bits on a model never quantized. `int4-g64` re-quantizes the grid into "
-        "coarser groups and is not judged. Greedy runs drift apart at near-ties of a 135M "
+        "coarser groups and is not judged. The `kv-` rows hold the KV cache's keys and values "
+        "in 8 bits (a float32 scale per token and KV head) under the float32 weights, "
+        "`gguf+kv-int8` under the GGUF's. Greedy runs drift apart at near-ties of a 135M "
         "model: compare the perplexities first.",
     ]
     return "\n".join(lines) + "\n"
@@ -258,9 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         gguf_model_dir=metadata,
         engine_fields={"kv_cache_bytes": 256 << 20},
     )
-    report["command"] = "loramux bench quant-quality " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    arguments = sys.argv[1:] if argv is None else argv
+    report["command"] = " ".join(["loramux bench quant-quality", *arguments])
     report["machine"] = machine_info()
     write_report(args.out / "quant_quality", report, render(report))
     failed = any(
