@@ -85,6 +85,21 @@ def test_prefix_hits_small_chunks_and_preemption_under_int4_weights_match_peft(
     assert_matches_reference(engine, reference, tiny_adapters, requests, outputs, 20)
 
 
+def test_speculative_verification_over_an_int8_cache_matches_peft(
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+):
+    """n-gram proposals verified as short query rows over the 8-bit cache; rejected
+    proposals' slots are written over (each slot's bytes its own token's)."""
+    from tests.engine.speculative.test_speculative_engine import NGRAM, assert_speculated
+
+    engine = build_engine(tiny_model_dir, tiny_adapters, kv_cache_dtype="int8", **NGRAM)
+    requests = mixed_requests(6)
+    outputs = run_staggered(engine, requests, 24)
+    assert_speculated(engine)
+    assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 24)
+
+
 def test_the_same_budget_holds_the_smaller_blocks(tiny_model_dir):
     """int8 keys and values with their scales: 20 bytes a head-slot where float32 takes 64
     (head_dim 16), so 3.2x the blocks; a block is 160 of the rows' float32 elements, not
