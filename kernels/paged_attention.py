@@ -21,6 +21,7 @@ here chooses between them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -310,22 +311,24 @@ def attend_reference(
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    gather: Callable = gather_kv,
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """The torch implementation: batched SDPA for decodes, masked SDPA per prefilling
-    sequence."""
+    sequence. ``gather`` reads contexts (``gather_kv``'s contract; the CPU's native read of
+    an 8-bit cache, ``kv_native``, is another)."""
     if plan.all_decode:  # the hot path: no scatter into a fresh tensor
-        return _reference_decodes(query, k_cache, v_cache, plan, scale)
+        return _reference_decodes(query, k_cache, v_cache, plan, scale, gather)
     out = torch.empty_like(query)
     if plan.decode_rows.numel():
         decoded = _reference_decodes(
-            query.index_select(0, plan.decode_rows), k_cache, v_cache, plan, scale
+            query.index_select(0, plan.decode_rows), k_cache, v_cache, plan, scale, gather
         )
         out.index_copy_(0, plan.decode_rows, decoded)
-    _reference_prefills(query, k_cache, v_cache, plan, scale, out)
+    _reference_prefills(query, k_cache, v_cache, plan, scale, out, gather)
     return out
 
 
-def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale) -> torch.Tensor:
+def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, gather) -> torch.Tensor:
     """Attention of the decode queries ``[B, q_heads, head_dim]`` (rows ``decode_rows`` of
     the step): one batched SDPA over their contexts padded to the longest."""
     batch, q_heads, head_dim = query.shape
@@ -334,13 +337,13 @@ def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale) -> t
     # The `group` query heads sharing a KV head act as `group` query positions of
     # that head: q [B, Hkv, group, D] against k, v [B, Hkv, L, D]; no causal mask.
     q = query.view(batch, kv_heads, group, head_dim)
-    k = gather_kv(k_cache, plan.decode_slots, query.dtype).transpose(1, 2)
-    v = gather_kv(v_cache, plan.decode_slots, query.dtype).transpose(1, 2)
+    k = gather(k_cache, plan.decode_slots, query.dtype).transpose(1, 2)
+    v = gather(v_cache, plan.decode_slots, query.dtype).transpose(1, 2)
     attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
     return attn.reshape(batch, q_heads, head_dim)
 
 
-def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out) -> None:
+def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out, gather) -> None:
     """Rows of each prefilling sequence of ``out``: a causally masked SDPA per sequence."""
     _, q_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
@@ -348,8 +351,8 @@ def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out
     for first, n_new, slots, causal in plan.prefill:
         q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
-        k = gather_kv(k_cache, slots[None], query.dtype)[0].transpose(0, 1)  # [Hkv, L, D]
-        v = gather_kv(v_cache, slots[None], query.dtype)[0].transpose(0, 1)
+        k = gather(k_cache, slots[None], query.dtype)[0].transpose(0, 1)  # [Hkv, L, D]
+        v = gather(v_cache, slots[None], query.dtype)[0].transpose(0, 1)
         mask = causal.repeat(group, 1)  # query rows are group-major: [group * n_new, L]
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)

@@ -109,7 +109,12 @@ def select_backend(
     from loramux.engine.lora.torch_backend import TorchBackend
 
     if explicit in ("", "auto"):
-        return TorchBackend(device, _native_lora(device, dtype), _native_quant(device, dtype))
+        return TorchBackend(
+            device,
+            _native_lora(device, dtype),
+            _native_quant(device, dtype),
+            _native_kv(device, dtype),
+        )
     return TorchBackend(device)
 
 
@@ -138,4 +143,17 @@ def _native_quant(device: torch.device, dtype: torch.dtype):
     native, how = load_native_quant_linear()
     if native is None:
         logger.warning("Quantized weights on the CPU use the torch ops (slower): %s", how)
+    return native
+
+
+def _native_kv(device: torch.device, dtype: torch.dtype):
+    """The CPU's native read of an 8-bit KV cache for ``auto`` on a float32 CPU engine, or
+    None (a float cache never calls it; built here like the others, a second or less)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    from loramux.kernels.kv_native import load_native_kv_gather
+
+    native, how = load_native_kv_gather()
+    if native is None:
+        logger.warning("An 8-bit KV cache on the CPU is read by the torch ops (slower): %s", how)
     return native

@@ -21,6 +21,7 @@ Attention: ``loramux.kernels.paged_attention``'s torch implementation and plan.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from loramux.engine.lora.backend import BoundAttention, KernelBackend
 from loramux.engine.lora.native_lora import NativeStepLoRA
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.engine.model.quantized import QuantLinearOp
+from loramux.kernels.kv_native import NativeKVGather
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.lora_native import NativeLoRA
 from loramux.kernels.lora_torch import (
@@ -172,11 +174,18 @@ class TorchBackend(KernelBackend):
         device: torch.device,
         native: NativeLoRA | None = None,
         native_quant: NativeQuantLinear | None = None,
+        native_kv: NativeKVGather | None = None,
     ):
         self.device = torch.device(device)
         self.native = native
         self.stacks = StackCache()
         self.native_quant = native_quant
+        # An 8-bit KV cache read natively (one pass over a context's bytes), else by torch.
+        self.attend = (
+            attend_reference
+            if native_kv is None
+            else functools.partial(attend_reference, gather=native_kv.gather)
+        )
 
     @property
     def quant_linear(self) -> QuantLinearOp:
@@ -190,7 +199,7 @@ class TorchBackend(KernelBackend):
 
     def plan_attention(self, block_tables, context_lens, query_lens, block_size, device):
         plan = plan_attention(block_tables, context_lens, query_lens, block_size, device)
-        return BoundAttention(plan, attend_reference)
+        return BoundAttention(plan, self.attend)
 
     def lora_step(self, table: LoRATable, pools: LoRAWeightSource):
         if self.native is not None:

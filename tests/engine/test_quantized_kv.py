@@ -10,9 +10,12 @@ checks that the same bytes hold the smaller blocks.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from loramux.engine import EngineConfig
+from loramux.kernels.dispatch import KERNELS_ENV
 from loramux.kernels.kv_quant import QuantizedKV
 from tests.engine.factories import build_engine
 from tests.engine.test_exactness import (
@@ -98,6 +101,26 @@ def test_speculative_verification_over_an_int8_cache_matches_peft(
     outputs = run_staggered(engine, requests, 24)
     assert_speculated(engine)
     assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 24)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", MODES)
+def test_the_torch_read_gives_the_native_read_s_tokens(
+    tiny_model_dir,
+    tiny_adapters,  # noqa: F811
+    monkeypatch,
+    kv_cache_dtype,
+):
+    """``LORAMUX_KERNELS=torch`` reads the cache with torch ops, the default natively
+    (``kernels/kv_native.py``): the same tokens (the same bits, in fact)."""
+    requests = mixed_requests(6)
+    results = {}
+    for kernels in ("auto", "torch"):
+        monkeypatch.setenv(KERNELS_ENV, kernels)
+        engine = build_engine(tiny_model_dir, tiny_adapters, kv_cache_dtype=kv_cache_dtype)
+        native = isinstance(engine.backend.attend, functools.partial)
+        assert native == (kernels == "auto")
+        results[kernels] = run_staggered(engine, requests, 12)
+    assert results["auto"] == results["torch"]
 
 
 def test_the_same_budget_holds_the_smaller_blocks(tiny_model_dir):

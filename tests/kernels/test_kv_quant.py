@@ -280,3 +280,51 @@ def test_a_context_is_gathered_whole_blocks_at_a_time_as_slot_by_slot(mode):
     assert torch.equal(
         gather_quantized_context(cache, slots[:, :8], torch.float32), expected[:, :8]
     )
+
+
+# --- the CPU's native read --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native_kv():
+    from loramux.kernels.kv_native import load_native_kv_gather
+
+    native, how = load_native_kv_gather()
+    assert native is not None, how
+    return native
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_native_read_gives_the_torch_read_s_bits(native_kv, mode):
+    """Whole blocks in any order, contexts ending inside a block and on its edge, stale
+    fp8 NaN bytes read as 0: the same float32 bits as ``gather_quantized_context``."""
+    from loramux.kernels.kv_quant import gather_quantized_context
+
+    gen = torch.Generator().manual_seed(9)
+    cache = _empty_cache(mode, blocks=12, block_size=4, heads=3, head_dim=24)
+    write_quantized_kv(torch.randn(48, 3, 24, generator=gen) * 5, cache, torch.arange(48))
+    if mode == "fp8":
+        cache.data_bytes[10, 1:, :, ::5] = 0x7F
+        cache.data_bytes[11, :, 1, 2::7] = 0xFF
+    tables = torch.tensor([[5, 11, 7, 0], [10, 2, 0, 0], [3, 1, 6, 9]])
+    for length in (16, 12, 9, 1):
+        slots = pa.flat_slots(tables, torch.arange(length).expand(3, length), 4)
+        got = native_kv.gather(cache, slots, torch.float32)
+        assert torch.equal(got, gather_quantized_context(cache, slots, torch.float32)), length
+        assert torch.isfinite(got).all()
+
+
+def test_the_native_read_leaves_what_it_does_not_take_to_torch(native_kv):
+    float_cache = torch.randn(4, 2, 1, 8)
+    slots = torch.tensor([[0, 1, 2]])
+    assert torch.equal(
+        native_kv.gather(float_cache, slots, torch.float32),
+        pa.gather_kv(float_cache, slots, torch.float32),
+    )
+    cache = _empty_cache("int8")
+    write_quantized_kv(torch.randn(8, 2, 16), cache, torch.arange(8))
+    got = native_kv.gather(cache, slots, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, pa.gather_kv(cache, slots, torch.bfloat16))
+    with pytest.raises(ValueError, match="outside the cache's 6 blocks"):
+        native_kv.gather(cache, torch.tensor([[24, 25]]), torch.float32)
