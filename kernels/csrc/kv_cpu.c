@@ -12,12 +12,15 @@
  * passes over the context; this is one, reading a byte and writing a float per value.
  *
  * Blocks are independent: OpenMP splits them over torch's threads above PARALLEL_MIN_VALUES.
+ * No -ffast-math (the flags are native_build.py's).
  */
 #include <stdint.h>
 
-/* Values below which a call runs on one thread (a few decode contexts of a small model: waking
- * the pool costs more than it saves there). */
-#define PARALLEL_MIN_VALUES (1L << 21)
+/* Values below which a call runs on one thread (a short context: waking the pool costs more
+ * than it saves). Not higher: torch's pool sleeps while a call runs on one thread, and waking it
+ * for the torch ops around each call cost more than the read itself (SmolLM2, 4 x 1,000-token
+ * contexts on 2 cores: 100 ms a decode step at 2M values, 70 at this, float32 KV 67). */
+#define PARALLEL_MIN_VALUES (1L << 15)
 
 void loramux_gather_dequantize_kv(int fp8, const float *fp8_values, const uint8_t *raw,
                                   int64_t block_bytes, const int64_t *blocks, int64_t count,
