@@ -73,10 +73,11 @@ def test_float32_agrees_with_itself_and_the_report_renders(tiny_quality):
 def test_smollm2_quantized_modes_stay_within_their_limits(smollm2_dir, make_adapter):
     """The limits on the real model, with the modes and limits the benchmark judges (the
     whole table is the benchmark's): the weights' modes on the text's first 512 tokens,
-    the base and one adapter; fp8 KV, the coarser of the two caches (int8: +0.12% over the
-    whole text), over the whole text, the base alone. On 512 tokens the KV figures are
-    samples too small for their 1% limit: the adapter's fp8 KV read +1.13% there and +0.34%
-    over the whole text (the base: +0.12% and +0.29%)."""
+    the base and one adapter; fp8 KV, the coarser of the two caches, on the first 1,024
+    tokens, the base alone (+0.17% there, +0.29% over the whole text; int8 KV +0.12%).
+    An adapter's fp8 KV read +1.13% on the first 512 tokens and +0.34% over the whole text:
+    a sample that small does not judge a 1% limit, and the whole text costs this suite
+    too much time; the recorded table has every adapter over the whole text."""
     adapter = make_adapter(smollm2_dir, **ADAPTERS["r8-attn"])
     by_name = {m.name: m for m in quant_quality.MODES}
     weights = quant_quality.measure(
@@ -98,6 +99,7 @@ def test_smollm2_quantized_modes_stay_within_their_limits(smollm2_dir, make_adap
         tokens=8,
         prompts=quant_quality.greedy_prompts(4),
         engine_fields={"kv_cache_bytes": 256 << 20},
+        max_windows=1,
         log=lambda _: None,
     )
     for report in (weights, kv):
@@ -106,6 +108,6 @@ def test_smollm2_quantized_modes_stay_within_their_limits(smollm2_dir, make_adap
             for model, row in report["results"][mode["name"]].items():
                 assert row["within_limit"] is True, (mode["name"], model, row)
     # int8 weights and fp8 KV re-round: changes the measure must see (int8 on these 512
-    # tokens -0.3%, on the whole text +0.3%; fp8 KV +0.29%).
+    # tokens -0.3%, on the whole text +0.3%; fp8 KV +0.17%).
     assert abs(weights["results"]["int8"]["base"]["increase"]) > 0.0005
     assert abs(kv["results"]["kv-fp8"]["base"]["increase"]) > 0.0005
