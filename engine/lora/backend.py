@@ -108,52 +108,30 @@ def select_backend(
         return TritonBackend(device)
     from loramux.engine.lora.torch_backend import TorchBackend
 
-    if explicit in ("", "auto"):
-        return TorchBackend(
-            device,
-            _native_lora(device, dtype),
-            _native_quant(device, dtype),
-            _native_kv(device, dtype),
-        )
+    if explicit in ("", "auto") and torch.device(device).type == "cpu" and dtype == torch.float32:
+        return TorchBackend(device, *_native_cpu_ops())
     return TorchBackend(device)
 
 
-def _native_lora(device: torch.device, dtype: torch.dtype):
-    """The CPU's native LoRA op for ``auto`` on a float32 CPU engine, or None (logged why)."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return None
+def _native_cpu_ops():
+    """The CPU's native ops for ``auto`` on a float32 CPU engine: LoRA, the quantized matmul
+    and the read of an 8-bit KV cache, each None where it does not build (logged why). All
+    are built here, even those a model may not use (a second or less, once per machine):
+    the model is loaded after the backend is chosen."""
+    from loramux.kernels.kv_native import load_native_kv_gather
     from loramux.kernels.lora_native import load_native_lora
-
-    native, how = load_native_lora()
-    if native is None:
-        logger.warning("LoRA on the CPU uses the stacked torch ops (slower): %s", how)
-    else:
-        logger.info("LoRA on the CPU: the native op, %s", how)
-    return native
-
-
-def _native_quant(device: torch.device, dtype: torch.dtype):
-    """The CPU's native quantized matmul for ``auto`` on a float32 CPU engine, or None. It is
-    built here even for a float model (a second or less, once per machine): the model is
-    loaded after the backend is chosen."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return None
     from loramux.kernels.quant_native import load_native_quant_linear
 
-    native, how = load_native_quant_linear()
-    if native is None:
-        logger.warning("Quantized weights on the CPU use the torch ops (slower): %s", how)
-    return native
-
-
-def _native_kv(device: torch.device, dtype: torch.dtype):
-    """The CPU's native read of an 8-bit KV cache for ``auto`` on a float32 CPU engine, or
-    None (a float cache never calls it; built here like the others, a second or less)."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return None
-    from loramux.kernels.kv_native import load_native_kv_gather
-
-    native, how = load_native_kv_gather()
-    if native is None:
-        logger.warning("An 8-bit KV cache on the CPU is read by the torch ops (slower): %s", how)
-    return native
+    ops = []
+    for load, fallback in (
+        (load_native_lora, "LoRA on the CPU uses the stacked torch ops (slower)"),
+        (load_native_quant_linear, "Quantized weights on the CPU use the torch ops (slower)"),
+        (load_native_kv_gather, "An 8-bit KV cache on the CPU is read by the torch ops (slower)"),
+    ):
+        native, how = load()
+        if native is None:
+            logger.warning("%s: %s", fallback, how)
+        else:
+            logger.info("Native CPU op: %s", how)
+        ops.append(native)
+    return ops
