@@ -147,5 +147,18 @@ def wait_loaded(page) -> None:
     page.wait_for_function("() => !document.querySelector('.skeleton')")
 
 
+def click_and_wait_for_toast(page, button: str, text: str) -> None:
+    """Click `button` and wait for a new toast containing `text`: an earlier toast of the same
+    text may still be on screen (they last 5 s), so this counts them before the click."""
+    toasts = page.locator("#toasts .toast", has_text=text)
+    before = toasts.count()
+    page.click(button)
+    page.wait_for_function(
+        "([text, before]) => [...document.querySelectorAll('#toasts .toast')]"
+        ".filter((toast) => toast.textContent.includes(text)).length > before",
+        arg=[text, before],
+    )
+
+
 def session_token(page) -> str | None:
     return page.evaluate("() => sessionStorage.getItem('loramux.token')")

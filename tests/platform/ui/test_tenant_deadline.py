@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.platform.ui.conftest import sign_in, wait_loaded
+from tests.platform.ui.conftest import click_and_wait_for_toast, sign_in, wait_loaded
 
 
 def _tenant(platform, tenant_id: str) -> dict:
@@ -38,8 +38,7 @@ def test_the_operator_sets_a_tenants_deadline_and_queue_limit(page, ui_platform,
 
     page.fill("#request_timeout_s", "0.5")
     page.fill("#max_queued_requests", "3")
-    page.click("#save-limits")
-    page.get_by_text("Saved limits, budget and deadline").wait_for()
+    click_and_wait_for_toast(page, "#save-limits", "Saved limits, budget and deadline")
     shots(page, "tenant-deadline-set")
     stored = _tenant(ui_platform, tenant.id)
     assert (stored["request_timeout_s"], stored["max_queued_requests"]) == (0.5, 3)
@@ -67,8 +66,7 @@ def test_the_operator_sets_a_tenants_deadline_and_queue_limit(page, ui_platform,
 
     page.fill("#request_timeout_s", "")
     page.fill("#max_queued_requests", "")
-    page.click("#save-limits")
-    page.get_by_text("Saved limits, budget and deadline").wait_for()
+    click_and_wait_for_toast(page, "#save-limits", "Saved limits, budget and deadline")
     stored = _tenant(ui_platform, tenant.id)
     assert (stored["request_timeout_s"], stored["max_queued_requests"]) == (None, None)
     page.reload()
