@@ -65,6 +65,7 @@ from typing import Any
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import Engine
+from loramux.engine.isolation import EngineDown
 from loramux.engine.lora.adapter import LoRARequest
 from loramux.engine.lora.source import AdapterSource
 from loramux.engine.outputs import RequestOutput
@@ -207,6 +208,11 @@ class _EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDown as exc:  # no step will ever run again: stop taking requests
+            logger.error("the engine is down (%s); failing %d request(s)", exc, len(self._streams))
+            self._fail_all(exc, AsyncEngineError(f"the engine is down: {exc}"))
+            self._stop_requested = True
+            return
         except Exception as exc:
             logger.exception("engine step failed; failing %d request(s)", len(self._streams))
             self._fail_all(exc, AsyncEngineError(f"engine step failed: {exc!r}"))

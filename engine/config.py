@@ -85,6 +85,13 @@ class EngineConfig:
     # Bytes of the draft model's own paged KV cache, taken out of the KV + adapter budget
     # (None: an eighth of it).
     draft_kv_cache_bytes: int | None = None
+    # Tensor parallelism (engine/parallel/): one engine over this many processes, one per
+    # device (GPUs 0..N-1 on CUDA; on the CPU they share the cores), joined by
+    # torch.distributed (NCCL between GPUs, gloo on the CPU). Rank 0 is this process.
+    tensor_parallel_size: int = 1
+    # Seconds a rank waits for the others (joining, or in a collective) before the engine
+    # fails: a rank that died or hangs ends the engine instead of stalling it.
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -99,6 +106,8 @@ class EngineConfig:
             "num_speculative_tokens",
             "ngram_max_n",
             "ngram_min_n",
+            "tensor_parallel_size",
+            "tensor_parallel_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -167,6 +176,13 @@ class EngineConfig:
                 "EngineConfig.draft_model is the draft model's directory, set exactly when "
                 f"speculative_method is 'draft' (method {self.speculative_method!r}, "
                 f"draft_model {self.draft_model!r})"
+            )
+        if self.tensor_parallel_size > 1 and (
+            self.quantization != "none" or self.gguf_file is not None
+        ):
+            raise ValueError(
+                "EngineConfig.tensor_parallel_size > 1 serves float weights only for now: set "
+                "quantization 'none' and no gguf_file, or tensor_parallel_size 1"
             )
         if self.cuda_graph_max_batch < 0:
             raise ValueError(

@@ -53,6 +53,7 @@ from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
 from loramux.engine.model.quantized import describe_weights
 from loramux.engine.outputs import RequestOutput
+from loramux.engine.parallel.ranks import start_ranks
 from loramux.engine.residency import ResidencyCounts, ResidencyWatch
 from loramux.engine.runner import ModelRunner, NonFiniteOutput, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
@@ -107,6 +108,12 @@ class Engine:
     def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        # Tensor parallelism: the other ranks start now and load their shards meanwhile;
+        # this process is rank 0 and holds its own (engine/parallel/).
+        self.ranks = start_ranks(config)
+        shard = None if self.ranks is None else self.ranks.plan
+        if self.ranks is not None:
+            device = self.ranks.device
         # The kernels (Triton or torch) are chosen here, once, and handed to what runs ops:
         # the model's quantized matmul first.
         self.backend = select_backend(device, dtype)
@@ -120,8 +127,14 @@ class Engine:
             group_size=config.quantization_group_size,
             gguf_file=config.gguf_file,
             quant_op=self.backend.quant_linear,
+            shard=shard,
         )
+        # The whole model's config; ``self.model.config`` (what the arena and the adapter
+        # pool are built from) is this rank's share of it.
         self.model_config = self.model.config
+        if shard is not None:
+            self.model.join(self.ranks.group, shard.vocab_start, shard.config.vocab_size)
+            self.model_config = shard.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -141,7 +154,7 @@ class Engine:
             self._load_draft_model() if config.speculative_method == "draft" else None
         )
         # kv_cache_bytes, or (None) sized to the machine now the weights are in: memory_budget.py
-        budget = budget_for(config, self.model_config)
+        budget = budget_for(config, self.model.config)  # per device
         draft_kv_bytes = 0
         if self.draft_model is not None:  # the draft's own KV cache comes out of the budget
             draft_kv_bytes = config.draft_kv_cache_bytes or budget.bytes // DRAFT_BUDGET_SHARE
@@ -155,7 +168,8 @@ class Engine:
         # The static decode path (CUDA graphs) pads its batches with rows that write to a
         # scratch block of the budget's.
         static_decode = (
-            config.cuda_graph_max_batch > 0
+            self.ranks is None  # CUDA graphs over several ranks: not yet
+            and config.cuda_graph_max_batch > 0
             and self.backend.static_decode
             and dtype in STATIC_DTYPES
         )
@@ -167,8 +181,8 @@ class Engine:
                 f"kv_cache_bytes={budget.bytes} ({budget.detail}) holds {num_blocks} KV blocks; "
                 f"raise it (one block needs {block_bytes} bytes)"
             )
-        self.arena = DeviceArena(
-            self.model_config,
+        self.arena = (DeviceArena if self.ranks is None else self.ranks.arena)(
+            self.model.config,
             num_blocks,
             config.block_size,
             dtype,
@@ -196,7 +210,7 @@ class Engine:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, min_limit=kv_floor
         )
-        self.lora_pool = LoRAPool(self.model_config, self.arena, self.kv, max_rows=max_rows)
+        self.lora_pool = LoRAPool(self.model.config, self.arena, self.kv, max_rows=max_rows)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -208,7 +222,7 @@ class Engine:
             self.kv,
             adapter_ready=self.lora_pool.is_resident,
         )
-        self.runner = ModelRunner(
+        self.runner = (ModelRunner if self.ranks is None else self.ranks.runner)(
             self.model,
             kv_caches=self.arena.kv_caches,
             block_size=config.block_size,
@@ -398,8 +412,11 @@ class Engine:
 
     def close(self) -> None:
         """Stop the adapter loader threads (queued loads are dropped). The engine can still
-        serve adapters already in RAM or on the device, but loads no more."""
+        serve adapters already in RAM or on the device, but loads no more. The other
+        tensor-parallel ranks stop: the engine serves nothing more then."""
         self.tiers.loader.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def list_adapters(self) -> list[str]:
         return self.tiers.names()
@@ -634,7 +651,9 @@ class Engine:
 
         def execute(part: SchedulerOutput):
             nonlocal runs
-            self.runner.interrupt = self.step_interrupt.check if runs == 0 else None
+            # Not over several ranks: they would wait in a collective for the abandoned layers.
+            interruptible = runs == 0 and self.ranks is None
+            self.runner.interrupt = self.step_interrupt.check if interruptible else None
             runs += 1
             try:
                 result = self.runner.execute(part)

@@ -40,6 +40,13 @@ from loramux.engine.step_interrupt import StepInterrupted
 logger = logging.getLogger(__name__)
 
 Sampled = dict[str, list]  # request id -> the (token id, logprobs) it emitted
+
+
+class EngineDown(RuntimeError):
+    """The engine itself cannot go on (a tensor-parallel rank died): no request's fault, so
+    nothing is re-run to find one; the engine's caller fails every request and stops."""
+
+
 Execute = Callable[[SchedulerOutput], Sampled]
 
 
@@ -90,6 +97,8 @@ def run_isolated(execute: Execute, plan: SchedulerOutput) -> IsolatedStep:
         return IsolatedStep(execute(plan))
     except StepInterrupted:
         raise  # not a failure: the engine drops the step (step_interrupt.py)
+    except EngineDown:
+        raise
     except NonFiniteOutput as exc:
         if len({_adapter_key(plan, rid) for rid in exc.request_ids}) == 1:
             return IsolatedStep(exc.sampled, {rid: _reason(exc) for rid in exc.request_ids})
@@ -122,6 +131,8 @@ def _run_part(
     try:
         result.sampled.update(execute(_sub_plan(part)))
         return
+    except EngineDown:
+        raise
     except NonFiniteOutput as exc:
         if len(part) == 1 or _one_adapter(part):
             # Within one adapter no op mixes requests' rows: the named ones are the cause.

@@ -115,6 +115,20 @@ def kv_block_bytes(
     return 2 * c.num_layers * c.num_kv_heads * per_head * block_size
 
 
+def copy_kv_blocks(kv_caches, moves: list[tuple[int, int]], device: torch.device) -> None:
+    """Copy KV blocks ``src -> dst`` (keys and values of every layer); the destinations
+    were free, so no pair overlaps another."""
+    if not moves:
+        return
+    src = torch.tensor([s for s, _ in moves], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in moves], dtype=torch.long, device=device)
+    for caches in kv_caches:  # [num_blocks, block_size, kv_heads, head_dim] each
+        for cache in caches:
+            # A quantized cache's blocks as raw bytes: data and scales in one copy.
+            blocks = cache.raw if isinstance(cache, QuantizedKV) else cache
+            blocks.index_copy_(0, dst, blocks.index_select(0, src))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -148,17 +162,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
-        """Copy KV blocks ``src -> dst`` (keys and values of every layer) for the scheduler's
-        moves; the destinations were free, so no pair overlaps another."""
-        if not moves:
-            return
-        src = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in moves], dtype=torch.long, device=self.device)
-        for caches in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim] each
-            for cache in caches:
-                # A quantized cache's blocks as raw bytes: data and scales in one copy.
-                blocks = cache.raw if isinstance(cache, QuantizedKV) else cache
-                blocks.index_copy_(0, dst, blocks.index_select(0, src))
+        """Copy KV blocks ``src -> dst`` for the scheduler's moves (:func:`copy_kv_blocks`)."""
+        copy_kv_blocks(self.kv_caches, moves, self.device)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -214,11 +219,15 @@ class ModelRunner:
                 constrained = constrained or seq.grammar is not None
 
         long = {"dtype": torch.long, "device": self.device}
+        table = self.lora_pool.step_table(spans)
         if self._is_static(query_lens):
-            step = DecodeStep(input_ids, context_lens, tables, self.lora_pool.step_table(spans))
-            hidden = self.static_decode.run(step)
+            hidden = self.static_decode.run(DecodeStep(input_ids, context_lens, tables, table))
         else:
-            hidden = self._forward(input_ids, tables, context_lens, query_lens, spans)
+            # The LM-head passes the step makes, in order (a sharded model's ranks make
+            # them together): the sampling and verifying rows, then prompt logprob chunks.
+            head_rows = [sample_index + verify_index] if sample_index or verify_index else []
+            head_rows += scored.chunks(PROMPT_LOGPROB_ROWS)
+            hidden = self._forward(input_ids, tables, context_lens, query_lens, table, head_rows)
         masks = self._grammar_masks(sampling) if constrained else None
         finite = torch.isfinite(hidden).all(dim=-1)  # [tokens]
         sampled = {}
@@ -288,12 +297,17 @@ class ModelRunner:
             and all(n == 1 for n in query_lens)
         )
 
-    def _forward(self, input_ids, tables, context_lens, query_lens, spans) -> torch.Tensor:
-        """The step's hidden states over tensors built for it (any mix of tokens)."""
+    def _forward(
+        self, input_ids, tables, context_lens, query_lens, table, head_rows
+    ) -> torch.Tensor:
+        """The step's hidden states over tensors built for it (any mix of tokens).
+
+        ``head_rows``: the hidden rows of each LM-head pass ``execute`` makes next, which a
+        tensor-parallel runner's other ranks must make with it (``engine/parallel``).
+        """
         attention = self.backend.plan_attention(
             tables, context_lens, query_lens, self.block_size, self.device
         )
-        table = self.lora_pool.step_table(spans)
         lora = None if table is None else self.backend.lora_step(table, self.lora_pool)
         input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return self.model(input_tensor, attention, self.kv_caches, lora, self.interrupt)
@@ -330,6 +344,10 @@ class _PromptRows:
         self.targets: list[int] = []
         self.top_counts: list[int] = []
         self.request_ids: list[str] = []
+
+    def chunks(self, size: int) -> list[list[int]]:
+        """The rows in LM-head passes of at most ``size`` (as ``_prompt_logprobs`` makes them)."""
+        return [self.rows[lo : lo + size] for lo in range(0, len(self.rows), size)]
 
     def add(self, item: ScheduledSequence, first: int) -> None:
         """Add ``item``'s rows (its chunk's first token is hidden row ``first``)."""

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.lora.adapter import LoRAWeights
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
 from loramux.kernels.kv_quant import QuantizedKV, bytes_per_slot_head, storage_dtype
@@ -274,9 +275,24 @@ class DeviceArena:
 
     # --- whole-row operations (all layers, A and B, every module) ---------------
     def zero_rows(self, start: int, end: int) -> None:
+        self._zero_rows(start, end)
+
+    def _zero_rows(self, start: int, end: int) -> None:
         for a, b in zip(self._a_rows, self._b_rows, strict=True):
             a[start:end] = 0
             b[start:end] = 0
+
+    def write_adapter(self, start: int, weights: LoRAWeights) -> None:
+        """Zero rows ``[start, start + weights.rank)`` (modules and layers the adapter skips
+        stay zero), then write each module's A and B^T of each layer into them."""
+        self._zero_rows(start, start + weights.rank)
+        for module, mw in weights.modules.items():
+            rows = slice(start, start + mw.rank)
+            for layer, a in mw.a.items():
+                self.a_pool(layer, module)[rows].copy_(a.to(self.dtype), non_blocking=True)
+                # B is copied as it is (contiguous, pinned) and transposed on the device.
+                b = mw.b[layer].to(self.device, self.dtype, non_blocking=True)
+                self.b_pool(layer, module)[rows] = b.T
 
     def move_rows(self, src: int, dst: int, count: int) -> None:
         """Copy rows ``[src, src + count)`` to ``[dst, dst + count)``; the ranges may overlap."""

@@ -99,7 +99,7 @@ class LoRAPool:
             raise ValueError("the KV manager's limit must start at num_blocks (no adapters yet)")
         self._config = model_config
         self._arena, self._layout, self._kv = arena, arena.layout, kv
-        self._dtype, self._device = arena.dtype, arena.device
+        self._device = arena.device
         # On CUDA adapters are copied in on a stream of their own, so a load overlaps the
         # step in flight instead of queueing behind it (see _copy_stream_context).
         self._copy_stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
@@ -426,15 +426,7 @@ class LoRAPool:
         B^T of each module's layers into them."""
         self.weights_version += 1
         with self._copy_stream_context():
-            self._arena.zero_rows(start, start + weights.rank)
-            for module, mw in weights.modules.items():
-                rows = slice(start, start + mw.rank)
-                for layer, a in mw.a.items():
-                    a_rows = self._arena.a_pool(layer, module)[rows]
-                    a_rows.copy_(a.to(self._dtype), non_blocking=True)
-                    # B is copied as it is (contiguous, pinned) and transposed on the device.
-                    b = mw.b[layer].to(self._device, self._dtype, non_blocking=True)
-                    self._arena.b_pool(layer, module)[rows] = b.T
+            self._arena.write_adapter(start, weights)
 
     @contextlib.contextmanager
     def _copy_stream_context(self) -> Iterator[None]:

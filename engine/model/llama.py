@@ -7,6 +7,12 @@ step comes with two objects built by the engine's kernel backend
 it) and, when some token uses an adapter, :class:`StepLoRA` (one call per projection
 group adds the step's LoRA deltas). The maths follows transformers' Llama (RMSNorm in
 float32, RoPE, GQA, SwiGLU) so that logits match it on the CPU.
+
+Under tensor parallelism (``engine/parallel``) the decoder is one rank's shard, built from
+that rank's ``ModelConfig`` (its heads, FFN slice and vocabulary range) and joined to the
+other ranks by :meth:`LlamaForCausalLM.join`: the row-parallel projections' outputs are
+summed over the ranks, and so are the vocabulary-parallel embedding's; the LM head's logits
+are gathered.
 """
 
 from __future__ import annotations
@@ -69,6 +75,19 @@ class LoRAWeightSource(Protocol):
     def b_pool(self, layer: int, module: str) -> torch.Tensor: ...  # [R, out]
 
 
+class Collectives(Protocol):
+    """What a shard needs of its ranks (``engine/parallel/group.py``)."""
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+def _summed(x: torch.Tensor, ranks: Collectives | None) -> torch.Tensor:
+    """A row-parallel output: the ranks' partial sums added (as it is with one rank)."""
+    return x if ranks is None else ranks.all_reduce_(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -110,6 +129,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
+        self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, cos, sin, attention: StepAttention, kv_cache, lora):
         tokens = x.shape[0]
@@ -120,7 +140,8 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attention.new_token_slots)
         attn = attention.attend(q, k_cache, v_cache, self.scale)  # [T, heads, head_dim]
-        return _project(attn.reshape(tokens, -1), (self.o_proj,), self.layer, O_PROJ, lora)[0]
+        out = _project(attn.reshape(tokens, -1), (self.o_proj,), self.layer, O_PROJ, lora)[0]
+        return _summed(out, self.ranks)
 
 
 class LlamaMLP(nn.Module):
@@ -131,10 +152,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, lora):
         gate, up = _project(x, (self.gate_proj, self.up_proj), self.layer, GATE_UP, lora)
-        return _project(F.silu(gate) * up, (self.down_proj,), self.layer, DOWN, lora)[0]
+        out = _project(F.silu(gate) * up, (self.down_proj,), self.layer, DOWN, lora)[0]
+        return _summed(out, self.ranks)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -170,6 +193,26 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None
+        # One rank's shard (join): the ranks, its first token id and the whole vocabulary.
+        self.ranks: Collectives | None = None
+        self.vocab_start = 0
+        self.vocab_size = config.vocab_size
+
+    def join(self, ranks: Collectives, vocab_start: int, vocab_size: int) -> None:
+        """Make this decoder one rank's shard of a model of ``vocab_size`` token ids whose
+        range from ``vocab_start`` it holds (``engine/parallel/shard.py``)."""
+        self.ranks, self.vocab_start, self.vocab_size = ranks, vocab_start, vocab_size
+        for layer in self.model.layers:
+            layer.self_attn.ranks = layer.mlp.ranks = ranks
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if self.ranks is None:
+            return self.model.embed_tokens(input_ids)
+        # Vocabulary-parallel: this rank's rows for its ids, zeros for the others', summed.
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.config.vocab_size)
+        rows = self.model.embed_tokens(torch.where(mine, local, 0))
+        return self.ranks.all_reduce_(torch.where(mine[:, None], rows, 0.0))
 
     def forward(
         self,
@@ -181,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [T, hidden]
         if self.rotary is None:
             self.rotary = RotaryEmbedding(self.config, input_ids.device)
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(attention.positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             if interrupt is not None:
@@ -190,6 +233,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab]
+        logits = self._head(hidden)
+        if self.ranks is None:
+            return logits
+        # Vocabulary-parallel: every rank's range, in order, less the last one's padding.
+        return torch.cat(self.ranks.all_gather(logits), dim=-1)[:, : self.vocab_size]
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
         if hidden.device.type == "cpu" and 1 < rows < CPU_HEAD_MIN_ROWS:
             # Padded with zero rows: the CPU's BLAS multiplies 2 or 3 rows by the wide head

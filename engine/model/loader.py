@@ -30,6 +30,7 @@ from loramux.engine.model.quantized import (
     quantize_model_,
     quantize_tensor,
 )
+from loramux.engine.parallel.shard import ShardPlan, TensorParallelError
 from loramux.kernels.quant_linear import QuantizedWeight
 
 # Checkpoint names we accept but don't need (rotary caches saved by old exports).
@@ -66,6 +67,7 @@ def load_model(
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
     gguf_file: str | Path | None = None,
     quant_op: QuantLinearOp | None = None,
+    shard: ShardPlan | None = None,
 ) -> LlamaForCausalLM:
     """The decoder of ``model_dir``: its checkpoint, or random weights drawn from ``seed``.
 
@@ -74,6 +76,10 @@ def load_model(
     ``int4``): a float checkpoint's projections are packed as they are read, one tensor at
     a time, so no float copy of the whole model is ever made. Both need ``quant_op``, the
     kernel backend's quantized matmul.
+
+    ``shard``: only that rank's part of each tensor is kept (``engine/parallel/shard.py``),
+    as it is read; the decoder is built from the rank's config. The caller joins it to the
+    other ranks (``LlamaForCausalLM.join``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -88,19 +94,27 @@ def load_model(
         raise ValueError("a quantized or GGUF model needs the backend's quant_op")
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
+    if shard is not None and packed:
+        raise TensorParallelError(
+            "tensor parallelism serves float weights only for now: serve the model without "
+            "quantization and without a GGUF file, or with tensor_parallel_size=1"
+        )
     if load_format == "random":
-        model = random_model(config, dtype=dtype, device=device, seed=seed)
+        model = random_model(config, dtype=dtype, device=device, seed=seed, shard=shard)
         if quantization != "none":
             quantize_model_(model, quantization, group_size, op=quant_op)
         return model
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if shard is not None:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(shard.local_config())
     if gguf_file is not None:
         state, packed_weights = _gguf_state(Path(gguf_file), config, expected, dtype, device)
     else:
         state, packed_weights = _safetensors_state(
-            model_dir, expected, dtype, device, quantization, group_size
+            model_dir, expected, dtype, device, quantization, group_size, shard
         )
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -128,8 +142,9 @@ def load_model(
     return model
 
 
-def _safetensors_state(model_dir, expected, dtype, device, quantization, group_size):
-    """(float tensors, packed weights) of a safetensors checkpoint, packing as they come."""
+def _safetensors_state(model_dir, expected, dtype, device, quantization, group_size, shard):
+    """(float tensors, packed weights) of a safetensors checkpoint, packing (or keeping
+    ``shard``'s part of each tensor) as they come."""
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, QuantizedWeight] = {}
     for path in checkpoint_files(model_dir):
@@ -145,6 +160,8 @@ def _safetensors_state(model_dir, expected, dtype, device, quantization, group_s
                         f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                         f"the config implies {expected[name]}"
                     )
+                if shard is not None:
+                    tensor = shard.shard_weight(name, tensor)
                 weight = quantize_tensor(name, tensor, quantization, group_size)
                 if weight is not None:
                     packed[name] = weight.to(device)
@@ -170,15 +187,29 @@ def _gguf_state(gguf_file: Path, config, expected, dtype, device):
 
 
 def random_model(
-    config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, seed: int
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int,
+    shard: ShardPlan | None = None,
 ) -> LlamaForCausalLM:
-    """The decoder of ``config`` with random weights made on ``device`` in ``dtype``."""
+    """The decoder of ``config`` with random weights made on ``device`` in ``dtype``
+    (``shard``: that rank's part of the same values, one whole tensor drawn at a time)."""
     with torch.device("meta"):  # no storage yet: 13 GB at Llama-7B must not touch the host
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config if shard is None else shard.local_config())
+        whole = None if shard is None else dict(LlamaForCausalLM(config).named_parameters())
     model = model.to(dtype=dtype).to_empty(device=device)  # storage on the device, in dtype
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    fill_random_(model, seed=seed)
+    if whole is None:
+        fill_random_(model, seed=seed)
+        return model.eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            drawn = torch.empty(whole[name].shape, dtype=dtype, device=param.device)
+            _fill_one(drawn, name, seed, RANDOM_WEIGHT_STD)
+            param.copy_(shard.shard_weight(name, drawn))
     return model.eval()
 
 
@@ -187,12 +218,16 @@ def fill_random_(module: nn.Module, *, seed: int, std: float = RANDOM_WEIGHT_STD
     docstring): names ending in ``norm.weight`` get 1, biases 0, the rest N(0, std²)."""
     with torch.no_grad():
         for name, param in module.named_parameters():  # a tied weight comes once
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, std, generator=_generator(seed, name, param.device))
+            _fill_one(param, name, seed, std)
+
+
+def _fill_one(param: torch.Tensor, name: str, seed: int, std: float) -> None:
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+    elif name.endswith(".bias"):
+        param.zero_()
+    else:
+        param.normal_(0.0, std, generator=_generator(seed, name, param.device))
 
 
 def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:

@@ -62,11 +62,11 @@ class DraftModelError(ValueError):
 
 def check_draft_model(draft: LlamaForCausalLM, target: LlamaForCausalLM, max_model_len: int):
     """Raise ``DraftModelError`` unless ``draft`` can propose for ``target``."""
-    d, t = draft.config, target.config
-    if d.vocab_size != t.vocab_size:
+    d = draft.config
+    if draft.vocab_size != target.vocab_size:  # the whole model's, when target is a shard
         raise DraftModelError(
-            f"the draft model's vocabulary has {d.vocab_size} tokens and the target's "
-            f"{t.vocab_size}: a draft model must share the target's tokenizer"
+            f"the draft model's vocabulary has {draft.vocab_size} tokens and the target's "
+            f"{target.vocab_size}: a draft model must share the target's tokenizer"
         )
     if d.max_position_embeddings < max_model_len:
         raise DraftModelError(

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one engine over several devices (see ``shard.py`` for the split)."""

@@ -1,0 +1,95 @@
+"""The ranks of one tensor-parallel engine, joined by ``torch.distributed``.
+
+Two process groups over one ``TCPStore`` on rank 0's host: the *device* group carries the
+model's collectives (NCCL between GPUs, gloo on the CPU) and the *control* group (gloo,
+always on the CPU) carries rank 0's commands to the other ranks as pickled bytes, so that
+a command never waits behind device work. The groups are c10d objects of this engine's
+own, not ``torch.distributed``'s process-wide default group: several engines (a test
+session's, a benchmark's two sides) can each have theirs in one process.
+
+Every collective has the engine's timeout: a rank that died (or hangs) fails the
+others' next collective with an error instead of blocking them for ever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GroupAddress", "TensorParallelGroup", "free_port"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where the ranks meet: rank 0's store (what the other ranks are started with)."""
+
+    host: str
+    port: int
+    world_size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+class TensorParallelGroup:
+    """This rank's handle on the engine's ranks: the model's collectives and the commands."""
+
+    def __init__(self, address: GroupAddress, rank: int, device: torch.device):
+        self.address, self.rank, self.world_size = address, rank, address.world_size
+        self.device = device
+        timeout = datetime.timedelta(seconds=address.timeout_s)
+        self._store = dist.TCPStore(
+            address.host,
+            address.port,
+            address.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+        )
+        self._control = dist.ProcessGroupGloo(
+            dist.PrefixStore("control", self._store), rank, self.world_size, timeout
+        )
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._device_group = dist.ProcessGroupNCCL(
+                dist.PrefixStore("device", self._store), rank, self.world_size, options
+            )
+        else:
+            self._device_group = self._control
+
+    # --- the model's collectives ------------------------------------------------
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        self._device_group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on each), in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._device_group.allgather([parts], [tensor.contiguous()]).wait()
+        return parts
+
+    # --- rank 0's commands --------------------------------------------------------
+    def broadcast(self, message: object = None) -> object:
+        """Rank 0 sends ``message`` (any picklable value); every rank returns it."""
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.long)
+        else:
+            size = torch.zeros(1, dtype=torch.long)
+        self._control.broadcast(size, 0).wait()
+        if self.rank != 0:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self._control.broadcast(payload, 0).wait()
+        return message if self.rank == 0 else pickle.loads(payload.numpy().tobytes())

@@ -1,0 +1,204 @@
+"""Rank 0 of a tensor-parallel engine: it starts the other ranks and tells them what to do.
+
+``EngineRanks`` spawns one process per other rank (``worker.run_rank``), joins them in a
+``TensorParallelGroup`` and sends commands (``commands.py``). ``MirroredArena`` and
+``ShardedRunner`` are rank 0's arena and runner: each operation that changes device state
+or runs the model is sent to the other ranks first and then done here, so the engine above
+them (scheduler, pool, tiers, sampler) is the single-device engine, unchanged.
+
+A rank that dies makes rank 0's next collective fail (gloo and NCCL see the closed
+connection, or time out): that error, raised in a step, is the engine's failure
+(:class:`RankFailed` names the rank and its exit code), and ``close`` stops whatever
+is left of the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loramux.engine.config import EngineConfig
+from loramux.engine.isolation import EngineDown
+from loramux.engine.lora.adapter import LoRAWeights
+from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.parallel.commands import (
+    BuildArena,
+    Command,
+    CopyKVBlocks,
+    MoveRows,
+    RunStep,
+    Stop,
+    WriteAdapter,
+    ZeroRows,
+)
+from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup, free_port
+from loramux.engine.parallel.shard import ShardPlan
+from loramux.engine.parallel.worker import rank_command, rank_device
+from loramux.engine.runner import ModelRunner, NonFiniteOutput
+
+__all__ = ["EngineRanks", "MirroredArena", "RankFailed", "ShardedRunner", "start_ranks"]
+
+logger = logging.getLogger("loramux.engine.parallel")
+STOP_WAIT_S = 10.0
+
+
+class RankFailed(EngineDown):
+    """A rank of the engine died or stopped answering: the engine cannot go on."""
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: subprocess.Popen
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def start_ranks(config: EngineConfig) -> EngineRanks | None:
+    """The engine's other ranks, started (None for an engine of one device)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    return EngineRanks(config, ModelConfig.from_pretrained(config.model))
+
+
+class EngineRanks:
+    """The engine's ranks, seen from rank 0."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.world_size = config.tensor_parallel_size
+        self.plan = ShardPlan(model_config, self.world_size, 0)  # checks the split first
+        self.device = rank_device(config, 0)
+        address = GroupAddress(
+            "127.0.0.1", free_port(), self.world_size, config.tensor_parallel_timeout_s
+        )
+        threads = _threads_per_rank(self.device, self.world_size)
+        # Fresh interpreters (no forked torch or CUDA state, and unlike multiprocessing's
+        # spawn, no re-import of whatever script started rank 0).
+        self._ranks = [
+            _Rank(rank, subprocess.Popen(rank_command(config, rank, address, threads)))
+            for rank in range(1, self.world_size)
+        ]
+        try:
+            self.group = TensorParallelGroup(address, 0, self.device)
+        except Exception as exc:
+            self._terminate()
+            raise RankFailed(f"the engine's {self.world_size} ranks did not join: {exc}") from exc
+        self._closed = False
+        logger.info(
+            "tensor parallel: %d ranks (pids %s), %d heads and %d KV heads per rank",
+            self.world_size,
+            ", ".join(str(r.process.pid) for r in self._ranks),
+            self.plan.local_heads,
+            self.plan.local_kv_heads,
+        )
+
+    def arena(self, *args, **kwargs) -> MirroredArena:
+        """Rank 0's arena (``DeviceArena``'s arguments)."""
+        return MirroredArena(self, *args, **kwargs)
+
+    def runner(self, *args, **kwargs) -> ShardedRunner:
+        """Rank 0's runner (``ModelRunner``'s arguments)."""
+        return ShardedRunner(self, *args, **kwargs)
+
+    def send(self, command: Command) -> None:
+        """Send ``command`` to every other rank (before rank 0 does its own part)."""
+        try:
+            self.group.broadcast(command)
+        except Exception as exc:
+            raise self.failure(exc) from exc
+
+    def failure(self, exc: BaseException) -> RankFailed:
+        """A collective failed: which rank is gone, if one is."""
+        dead = [r for r in self._ranks if not r.is_alive()]
+        if dead:
+            names = ", ".join(f"rank {r.rank} (exit code {r.process.returncode})" for r in dead)
+            return RankFailed(f"tensor-parallel {names} of the engine stopped: {exc}")
+        return RankFailed(f"a tensor-parallel collective failed: {exc}")
+
+    def dead_ranks(self) -> list[int]:
+        return [r.rank for r in self._ranks if not r.is_alive()]
+
+    def close(self) -> None:
+        """Stop the other ranks: ``Stop`` if they are all there, else terminate them."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.dead_ranks():
+            try:
+                self.group.broadcast(Stop())
+            except Exception as exc:  # closing anyway
+                logger.warning("stopping the ranks: %s", exc)
+        for rank in self._ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rank.process.wait(STOP_WAIT_S)
+        self._terminate()
+
+    def _terminate(self) -> None:
+        for rank in self._ranks:
+            if rank.is_alive():
+                rank.process.kill()
+                rank.process.wait(STOP_WAIT_S)
+
+
+def _threads_per_rank(device: torch.device, world_size: int) -> int:
+    """On the CPU the ranks share the cores: each gets its part (rank 0's own setting is
+    the caller's); on GPUs one thread each is enough to launch."""
+    if device.type == "cuda":
+        return 1
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class MirroredArena(DeviceArena):
+    """Rank 0's arena: every change to its rows is sent to the other ranks first."""
+
+    def __init__(self, ranks: EngineRanks, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ranks = ranks
+        ranks.send(BuildArena(self.layout.num_blocks, self.block_size, self.scratch_blocks))
+
+    def write_adapter(self, start: int, weights: LoRAWeights) -> None:
+        self.ranks.send(WriteAdapter(start, weights))
+        super().write_adapter(start, self.ranks.plan.shard_adapter(weights))
+
+    def zero_rows(self, start: int, end: int) -> None:
+        self.ranks.send(ZeroRows(start, end))
+        super().zero_rows(start, end)
+
+    def move_rows(self, src: int, dst: int, count: int) -> None:
+        self.ranks.send(MoveRows(src, dst, count))
+        super().move_rows(src, dst, count)
+
+
+class ShardedRunner(ModelRunner):
+    """Rank 0's runner: each forward and block copy is sent to the other ranks first."""
+
+    def __init__(self, ranks: EngineRanks, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ranks = ranks
+
+    def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
+        if moves:
+            self.ranks.send(CopyKVBlocks(list(moves)))
+        super().copy_kv_blocks(moves)
+
+    def execute(self, output):
+        try:
+            return super().execute(output)
+        except (RankFailed, NonFiniteOutput):
+            raise
+        except RuntimeError as exc:  # a collective inside the model or the LM head
+            if isinstance(exc, dist.DistError) or self.ranks.dead_ranks():
+                raise self.ranks.failure(exc) from exc
+            raise
+
+    def _forward(self, input_ids, tables, context_lens, query_lens, table, head_rows):
+        self.ranks.send(RunStep(input_ids, tables, context_lens, query_lens, table, head_rows))
+        return super()._forward(input_ids, tables, context_lens, query_lens, table, head_rows)

@@ -1,0 +1,131 @@
+"""A rank other than 0: its shard of the model and of the arena, doing rank 0's commands.
+
+Started by rank 0 (``ranks.py``) as a process of its own, one per device. It loads its
+shard of the weights, joins the ranks and then does what each command says until ``Stop``
+or until a collective fails: rank 0 gone (killed, crashed) fails the next broadcast, and
+the rank exits instead of waiting for a step that will never come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from loramux.engine.config import EngineConfig
+from loramux.engine.lora.backend import select_backend
+from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.loader import load_model
+from loramux.engine.parallel.commands import Command, RunStep
+from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup
+from loramux.engine.parallel.shard import ShardPlan
+from loramux.engine.runner import copy_kv_blocks
+
+logger = logging.getLogger("loramux.engine.parallel")
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``rank``'s device: GPU ``rank`` on CUDA (each rank one GPU), else the CPU."""
+    device = config.torch_device
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class RankWorker:
+    """What a rank holds, and the operations the commands call (``commands.py``)."""
+
+    def __init__(self, config: EngineConfig, rank: int, group: TensorParallelGroup):
+        self.config, self.rank, self.group = config, rank, group
+        self.device, self.dtype = group.device, config.torch_dtype
+        self.plan = ShardPlan(ModelConfig.from_pretrained(config.model), group.world_size, rank)
+        self.backend = select_backend(self.device, self.dtype)
+        self.model = load_model(
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+            shard=self.plan,
+        )
+        self.model.join(group, self.plan.vocab_start, self.plan.config.vocab_size)
+        self.arena: DeviceArena | None = None
+        self.block_size = config.block_size
+        self.weights_version = 0  # the LoRA source's version: bumped by every row change
+        self.running = True
+
+    # --- LoRAWeightSource, over the arena's rows ----------------------------------
+    def a_pool(self, layer: int, module: str) -> torch.Tensor:
+        return self.arena.a_pool(layer, module)
+
+    def b_pool(self, layer: int, module: str) -> torch.Tensor:
+        return self.arena.b_pool(layer, module)
+
+    # --- what the commands do ------------------------------------------------------
+    def build_arena(self, num_blocks: int, block_size: int, scratch_blocks: int) -> None:
+        self.block_size = block_size
+        self.arena = DeviceArena(
+            self.model.config,
+            num_blocks,
+            block_size,
+            self.dtype,
+            self.device,
+            scratch_blocks=scratch_blocks,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+        )
+
+    def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
+        copy_kv_blocks(self.arena.kv_caches, moves, self.device)
+
+    @torch.inference_mode()
+    def forward(self, step: RunStep) -> torch.Tensor:
+        attention = self.backend.plan_attention(
+            step.tables, step.context_lens, step.query_lens, self.block_size, self.device
+        )
+        table = step.lora_table
+        lora = None if table is None else self.backend.lora_step(table, self)
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        return self.model(input_ids, attention, self.arena.kv_caches, lora)
+
+    def serve(self) -> None:
+        """Do rank 0's commands until it says stop."""
+        with torch.inference_mode():
+            while self.running:
+                command = self.group.broadcast()
+                assert isinstance(command, Command), type(command)
+                command.apply(self)
+
+
+def rank_command(config: EngineConfig, rank: int, address: GroupAddress, threads: int) -> list[str]:
+    """The command line of rank ``rank``'s process (``python -m`` this module)."""
+    return [
+        sys.executable,
+        "-m",
+        "loramux.engine.parallel",  # __main__.py: run_rank
+        json.dumps(
+            {
+                "config": dataclasses.asdict(config),
+                "rank": rank,
+                "address": dataclasses.asdict(address),
+                "threads": threads,
+            }
+        ),
+    ]
+
+
+def run_rank(config: EngineConfig, rank: int, address: GroupAddress, threads: int) -> None:
+    """A rank process's main: join, load, serve; any failure ends the process."""
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(message)s")
+    torch.set_num_threads(threads)
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        group = TensorParallelGroup(address, rank, device)
+        RankWorker(config, rank, group).serve()
+    except Exception as exc:  # rank 0 gone, or this rank broken: either way, exit
+        logger.error("rank %d of pid %d stops: %s", rank, os.getpid(), exc)
+        raise SystemExit(1) from exc

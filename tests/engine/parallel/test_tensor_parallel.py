@@ -1,0 +1,140 @@
+"""One engine over two CPU processes (gloo) gives the greedy tokens of one process and of
+transformers + PEFT: a mixed-adapter batch (ranks 4, 8 and 16 over different targets)
+arriving at different steps, with prefix-cache hits and preemptions forced by a small
+budget, on the tiny model (2 KV heads: one per rank) and on one whose 3 KV heads are
+replicated over the 2 ranks (with biases on every projection: the row-parallel ones are
+added once). Each engine's other rank is a real process, stopped by ``close``; a killed
+rank fails the engine's next step with an error naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loramux.engine import Engine, SamplingParams
+from loramux.engine.lora.device_arena import DeviceArena, RowLayout
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.parallel.ranks import RankFailed
+from loramux.engine.parallel.shard import ShardPlan
+from tests.engine.factories import build_engine
+from tests.engine.test_exactness import (
+    ADAPTER_SPECS,
+    assert_matches_reference,
+    mixed_requests,
+    run_staggered,
+)
+from tests.fixtures.models import build_tiny_model
+
+SYSTEM = "You are a helpful assistant who answers briefly and precisely. "
+MAX_TOKENS = 12
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 96
+
+
+def _with_random_biases(model_dir):
+    """Give every bias of the checkpoint random values (they are zeros from init)."""
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    generator = torch.Generator().manual_seed(7)
+    for name, tensor in state.items():
+        if name.endswith(".bias"):
+            state[name] = 0.1 * torch.randn(tensor.shape, generator=generator)
+    save_file(state, path, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def replicated_kv_model_dir(tmp_path_factory, tokenizer_dir):
+    """6 query heads sharing 3 KV heads (each KV head repeated twice over 2 ranks)."""
+    model_dir = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-3kv"),
+        tokenizer_dir,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    return _with_random_biases(model_dir)
+
+
+@pytest.fixture(params=["split-kv", "replicated-kv"])
+def model_and_adapters(request, tiny_model_dir, make_adapter):
+    model_dir = (
+        tiny_model_dir
+        if request.param == "split-kv"
+        else request.getfixturevalue("replicated_kv_model_dir")
+    )
+    adapters = {name: make_adapter(model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    return model_dir, adapters
+
+
+def _small_budget(model_dir, world: int) -> int:
+    """The smallest budget per device (in the sizes of one rank's share: half the KV heads,
+    or as many when they are replicated) that holds the three adapters' 28 rank-rows and
+    KV's floor (one request of ``MAX_MODEL_LEN``) beside them: the 8 requests, which need
+    more, are preempted on one process and on two."""
+    shard = ShardPlan(ModelConfig.from_pretrained(model_dir), world, 0).local_config()
+    floor = MAX_MODEL_LEN // BLOCK_SIZE
+    for num_blocks in itertools.count(floor):
+        layout = RowLayout.for_model(shard, num_blocks, BLOCK_SIZE)
+        if layout.total_rows >= 28 and layout.kv_limit_for(layout.total_rows - 28) >= floor:
+            arena = DeviceArena(shard, 1, BLOCK_SIZE, torch.float32, "cpu")
+            return num_blocks * arena.bytes_per_block
+
+
+def _run(engine: Engine, requests) -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds of the same staggered requests: the second hits the first's prefixes."""
+    first = run_staggered(engine, requests, MAX_TOKENS)
+    hits = engine.kv.prefix_cache_hits
+    second = run_staggered(engine, requests, MAX_TOKENS)
+    assert engine.kv.prefix_cache_hits > hits > 0
+    return first, second
+
+
+def test_two_ranks_give_one_process_s_and_peft_s_tokens(model_and_adapters):
+    model_dir, adapters = model_and_adapters
+    requests = [(SYSTEM + prompt, adapter) for prompt, adapter in mixed_requests(8)]
+    outputs, preemptions = {}, {}
+    for world in (1, 2):
+        engine = build_engine(
+            model_dir,
+            adapters,
+            tensor_parallel_size=world,
+            block_size=BLOCK_SIZE,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_bytes=_small_budget(model_dir, world),
+        )
+        try:
+            outputs[world] = _run(engine, requests)
+            preemptions[world] = engine.num_preemptions
+            assert engine.kv.num_used_blocks == 0
+            if world == 2:
+                assert_matches_reference(
+                    engine, model_dir, adapters, requests, outputs[2][1], MAX_TOKENS
+                )
+        finally:
+            engine.close()
+    assert preemptions[1] > 0 and preemptions[2] > 0, preemptions
+    assert outputs[2] == outputs[1]
+
+
+def test_a_killed_rank_fails_the_next_step_naming_it(tiny_model_dir):
+    engine = build_engine(tiny_model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=20)
+    try:
+        (rank,) = engine.ranks._ranks
+        os.kill(rank.process.pid, signal.SIGKILL)
+        rank.process.wait(10)
+        started = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(exit code -9\)"):
+            engine.generate(["Hello"], SamplingParams(max_tokens=4))
+        assert time.monotonic() - started < 20
+    finally:
+        engine.close()
