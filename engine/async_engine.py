@@ -121,6 +121,7 @@ class _EngineLoop:
         self._lock = threading.Lock()  # guards `closed` against a racing submit()
         self.closed = False  # set once the loop no longer takes commands
         self._stop_requested = False  # engine thread only
+        self.down: EngineDown | None = None  # why the engine can never step again
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self.thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
 
@@ -210,6 +211,7 @@ class _EngineLoop:
             outputs = self.engine.step()
         except EngineDown as exc:  # no step will ever run again: stop taking requests
             logger.error("the engine is down (%s); failing %d request(s)", exc, len(self._streams))
+            self.down = exc
             self._fail_all(exc, AsyncEngineError(f"the engine is down: {exc}"))
             self._stop_requested = True
             return
@@ -261,6 +263,7 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()  # guards _loop across callers in different threads
         self._loop: _EngineLoop | None = None
+        self._down: EngineDown | None = None  # kept once the loop that saw it is gone
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -288,6 +291,12 @@ class AsyncEngine:
         loop = self._loop
         return loop is not None and not loop.closed and loop.thread.is_alive()
 
+    @property
+    def down(self) -> EngineDown | None:
+        """Why the engine can never step again (a tensor-parallel rank died), or None."""
+        loop = self._loop
+        return self._down or (None if loop is None else loop.down)
+
     async def start(self) -> None:
         """Start the engine thread (idempotent; generate() and the others start it too)."""
         self._current_loop()
@@ -302,12 +311,16 @@ class AsyncEngine:
             loop.submit(loop.request_stop)
         await asyncio.to_thread(loop.thread.join)
         with self._lock:
+            self._down = self._down or loop.down
             if self._loop is loop:
                 self._loop = None
 
     def _current_loop(self) -> _EngineLoop:
         with self._lock:
             loop = self._loop
+            down = self._down or (None if loop is None else loop.down)
+            if down is not None:  # for good: no new loop
+                raise EngineStoppedError(f"the engine is down: {down}")
             # Never two threads on one Engine: replace a loop only once its thread is gone.
             if loop is None or (loop.closed and not loop.thread.is_alive()):
                 loop = self._loop = _EngineLoop(self.engine)

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--port", type=int, help="port (default: LORAMUX_ENGINE_SERVER_PORT or 8100)"
     )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="one engine over this many GPUs, one process each "
+        "(default: LORAMUX_ENGINE_TENSOR_PARALLEL_SIZE or 1)",
+    )
     engine.set_defaults(handler=_engine)
     bench = commands.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
     bench.add_argument(
@@ -120,7 +126,11 @@ def _engine(args: argparse.Namespace) -> int:
 
     overrides = {
         key: value
-        for key, value in {"engine_host": args.host, "engine_port": args.port}.items()
+        for key, value in {
+            "engine_host": args.host,
+            "engine_port": args.port,
+            "tensor_parallel_size": args.tensor_parallel_size,
+        }.items()
         if value is not None
     }
     settings = Settings(**overrides)
@@ -141,10 +151,15 @@ def _engine(args: argparse.Namespace) -> int:
         shutdown_timeout_s=settings.shutdown_timeout_s,
         stop_requests=host.stop_requests,
         on_shutdown=host.withdraw,
+        # An engine down for good (a tensor-parallel rank died) ends the process, status 1.
+        take_exit=lambda request_exit: setattr(host, "on_down", request_exit),
         host=settings.engine_host,
         port=settings.engine_port,
         log_level="info",
     )
+    if host.engine.down is not None:
+        print(f"loramux engine {host.engine_id} stopped: {host.engine.down}", file=sys.stderr)
+        return 1
     return 0
 
 

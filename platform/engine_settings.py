@@ -40,6 +40,7 @@ FROM_SETTINGS = {
     "ngram_max_n": "ngram_max_n",
     "ngram_min_n": "ngram_min_n",
     "draft_kv_cache_bytes": "draft_kv_cache_bytes",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 # EngineConfig field -> what sets it.
 SET_BY_THE_PLATFORM = {
@@ -60,6 +61,8 @@ ENGINE_DEFAULTS = {
     "block_size": "16 tokens a KV block suits every backend; the kernels are tuned for it",
     "seed": "requests carry their own seed; the engine's only seeds those without one",
     "load_format": "random weights are for benchmarks at real shapes, never for serving",
+    "tensor_parallel_timeout_s": "60 s for a rank to join or answer a collective: far above "
+    "a step, and a dead rank's peers see its closed connection at once anyway",
 }
 
 

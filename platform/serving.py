@@ -61,6 +61,11 @@ class DrainingServer(uvicorn.Server):
         finally:
             timer.cancel()
 
+    def request_exit(self) -> None:
+        """Shut down as on SIGTERM, from the server's own event loop (the process then
+        exits with the status its caller returns, not as killed by a signal)."""
+        self.should_exit = True
+
     def _grace_over(self) -> None:
         stopped = self._stop_requests()
         if stopped:
@@ -77,10 +82,12 @@ def serve(
     shutdown_timeout_s: float,
     stop_requests: Callable[[], int],
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    take_exit: Callable[[Callable[[], None]], None] | None = None,
     **uvicorn_options,
 ) -> None:
     """Run ``app`` until a signal, then shut down within ``shutdown_timeout_s`` (+ the
-    backstop): ``uvicorn.run`` with :class:`DrainingServer`'s bounded drain."""
+    backstop): ``uvicorn.run`` with :class:`DrainingServer`'s bounded drain. ``take_exit``
+    is handed a function that starts the same shutdown from inside the app."""
     config = uvicorn.Config(
         app, timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S, **uvicorn_options
     )
@@ -90,4 +97,6 @@ def serve(
         stop_requests=stop_requests,
         on_shutdown=on_shutdown,
     )
+    if take_exit is not None:
+        take_exit(server.request_exit)
     server.run()

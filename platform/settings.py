@@ -112,6 +112,13 @@ class Settings(BaseSettings):
         "KV head, so kv_cache_bytes holds 3.8x the tokens of float32 (1.9x of bfloat16) for a "
         "64-wide head, at a small cost in quality (benchmarks/results/quant_quality.md).",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        gt=0,
+        description="One engine over this many GPUs (tensor parallelism: GPUs 0..N-1 of its "
+        "machine, or N processes sharing the CPU's cores), for a base model larger than one "
+        "device. Float weights only (no quantization, no GGUF file).",
+    )
     adapter_device_bytes: int | None = Field(
         default=None,
         gt=0,

@@ -45,6 +45,7 @@ ENGINE_TUNING_FIELDS = (
     "ngram_min_n",
     "draft_model",
     "draft_kv_cache_bytes",
+    "tensor_parallel_size",
 )
 # Settings fields of the engine server: LORAMUX_ENGINE_SERVER_<NAME>.
 ENGINE_SERVER_FIELDS = (

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime
 import pickle
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,22 +69,41 @@ class TensorParallelGroup:
             )
         else:
             self._device_group = self._control
+        # Seconds this rank spent in collectives (sending, and waiting for the slowest rank),
+        # and how many: the communication share of a step (benchmarks/tensor_parallel.py).
+        # On CUDA a collective is timed to its launch unless the caller synchronizes.
+        self.collective_s = 0.0
+        self.collectives = 0
+        self.command_s = 0.0  # ...and in sending (or waiting for) rank 0's commands
+
+    def _timed(self, collective: Callable[[], dist.Work]) -> None:
+        started = time.perf_counter()
+        collective().wait()
+        self.collective_s += time.perf_counter() - started
+        self.collectives += 1
 
     # --- the model's collectives ------------------------------------------------
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""
-        self._device_group.allreduce([tensor]).wait()
+        self._timed(lambda: self._device_group.allreduce([tensor]))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on each), in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._device_group.allgather([parts], [tensor.contiguous()]).wait()
+        self._timed(lambda: self._device_group.allgather([parts], [tensor.contiguous()]))
         return parts
 
     # --- rank 0's commands --------------------------------------------------------
     def broadcast(self, message: object = None) -> object:
         """Rank 0 sends ``message`` (any picklable value); every rank returns it."""
+        started = time.perf_counter()
+        try:
+            return self._broadcast(message)
+        finally:
+            self.command_s += time.perf_counter() - started
+
+    def _broadcast(self, message: object) -> object:
         if self.rank == 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.long)

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -49,6 +49,7 @@ from loramux.platform.engine_fleet.wire import output_to_json, params_from_json,
 from loramux.platform.store import ObjectStore
 
 logger = logging.getLogger(__name__)
+DOWN_POLL_S = 0.25  # how often the host looks whether its engine went down
 
 
 class EngineHost:
@@ -74,6 +75,10 @@ class EngineHost:
         self.heartbeat = Heartbeat(registry, self.record) if registry is not None else None
         self._adapters: dict[str, StoredAdapter] = {}
         self._beating: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
+        # Called once if the engine goes down for good (a tensor-parallel rank died): the
+        # process should end, so that whatever runs it starts a whole engine again.
+        self.on_down: Callable[[], None] | None = None
         self.streaming: set[str] = set()  # ids of the requests whose output is being streamed
         self._aborting: set[asyncio.Task] = set()
 
@@ -87,6 +92,19 @@ class EngineHost:
             await self.heartbeat.beat(patient=True)
             self._beating = asyncio.create_task(self.heartbeat.run())
         self.registered = True
+        self._watching = asyncio.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """Leave the registry at once when the engine goes down (its requests have failed
+        already), rather than when its record expires, and tell ``on_down``."""
+        while self.engine.down is None:
+            await asyncio.sleep(DOWN_POLL_S)
+        logger.error(
+            "engine %s is down: %s; leaving the registry", self.engine_id, self.engine.down
+        )
+        await self.withdraw()
+        if self.on_down is not None:
+            self.on_down()
 
     async def withdraw(self) -> None:
         """Leave the registry (no new requests are routed here); idempotent."""
@@ -101,6 +119,9 @@ class EngineHost:
                     await self.registry.withdraw(self.engine_id)
 
     async def stop(self) -> None:
+        watching, self._watching = self._watching, None
+        if watching is not None and not watching.done():
+            watching.cancel()
         await self.withdraw()
         await self.engine.stop()
 
@@ -131,6 +152,8 @@ class EngineHost:
     def not_ready_reason(self) -> str | None:
         """Why platforms cannot send requests here now, or None. An engine whose record has
         expired (its heartbeats fail: Redis is out of reach) is in no platform's routing."""
+        if self.engine.down is not None:
+            return f"the engine is down: {self.engine.down}"
         if not self.engine.is_running:
             return "the engine loop is not running"
         if not self.registered:

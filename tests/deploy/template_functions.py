@@ -218,4 +218,5 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "or": _or,
     "eq": lambda value, *others: any(value == other for other in others),
     "ne": lambda a, b: a != b,
+    "gt": lambda a, b: a > b,
 }

@@ -154,6 +154,21 @@ def test_each_engine_has_one_gpu_and_advertises_its_stable_dns_name(renderer):
 
 
 @each_renderer
+def test_a_tensor_parallel_engine_pod_gets_its_gpus_and_shared_memory(renderer):
+    one_gpu = one(render(renderer), "StatefulSet", "engine")
+    assert "dshm" not in [m["name"] for m in container(one_gpu)["volumeMounts"]]
+    rendered = render(renderer, {"engine": {"tensorParallelSize": 4}})
+    engines = one(rendered, "StatefulSet", "engine")
+    assert container(engines)["resources"]["limits"]["nvidia.com/gpu"] == 4
+    mounts = {m["name"]: m["mountPath"] for m in container(engines)["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"
+    volumes = {v["name"]: v for v in engines["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    config = one(rendered, "ConfigMap")["data"]
+    assert config["LORAMUX_ENGINE_TENSOR_PARALLEL_SIZE"] == "4"
+
+
+@each_renderer
 def test_the_hpa_scales_the_platform_deployment(renderer):
     rendered = render(
         renderer, {"platform": {"autoscaling": {"minReplicas": 3, "maxReplicas": 12}}}

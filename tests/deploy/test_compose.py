@@ -45,8 +45,12 @@ def test_each_engine_reserves_its_own_gpu(services):
     for name, engine in engines.items():
         (device,) = engine["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
-        (gpu,) = device["device_ids"]
-        gpus.append(gpu)
+        # One GPU per tensor-parallel rank: as many as the engine's setting says.
+        ranks = int(engine["environment"].get("LORAMUX_ENGINE_TENSOR_PARALLEL_SIZE", "1"))
+        assert len(device["device_ids"]) == ranks, name
+        if ranks > 1:  # NCCL's shared memory: more than Docker's 64 MiB
+            assert engine["shm_size"].endswith("gb"), name
+        gpus += device["device_ids"]
     assert len(set(gpus)) == len(gpus)
     # A plain `up` starts one engine; the others need their profile (and their GPU).
     assert [name for name, engine in engines.items() if not engine.get("profiles")] == ["engine"]

@@ -1,0 +1,33 @@
+"""``python -m loramux.benchmarks.tensor_parallel --smoke`` on the tiny model: one engine in
+one process and one over two (gloo), the same requests, the report written. Times mean
+nothing here and are not asserted; what is: the report's shape, that both engines gave the
+same token ids, and that the tensor-parallel run spent some, not all, of its step time in
+collectives (timed by the ranks' group)."""
+
+from __future__ import annotations
+
+import json
+
+from loramux.benchmarks import tensor_parallel
+
+
+def test_the_smoke_compares_one_process_with_two_ranks(tiny_model_dir, tmp_path):
+    status = tensor_parallel.main(
+        [
+            "--smoke",
+            "--model",
+            str(tiny_model_dir),
+            "--out",
+            str(tmp_path),
+            "--cache-dir",
+            str(tmp_path),
+        ]
+    )
+    assert status == 0
+    report = json.loads((tmp_path / "tensor_parallel_cpu.json").read_text())
+    assert report["same_tokens"] is True
+    one, split = report["one_process"], report["tensor_parallel"]
+    assert (one["tensor_parallel_size"], split["tensor_parallel_size"]) == (1, 2)
+    assert one["output_tokens"] == split["output_tokens"] == 2 * 4
+    assert 0 < split["communication_share"] < 1 and 0 < split["command_share"] < 1
+    assert "communication share" in (tmp_path / "tensor_parallel_cpu.md").read_text()
