@@ -1,9 +1,12 @@
 """``python -m loramux.benchmarks.tensor_parallel``: what splitting one engine over two
 processes costs in communication, next to one process with as many cores.
 
-The same requests (SmolLM2-135M-Instruct in float32 by default, ``--requests`` greedy
-requests of ``--tokens`` tokens over a mix of adapters: ranks 8 and 16, attention-only and
-all seven modules) run on two engines in turn:
+The same requests (``--requests`` greedy requests of ``--tokens`` tokens over a mix of
+adapters: ranks 8 and 16, attention-only and all seven modules) run on two engines in turn.
+The default model is SmolLM2-135M's shape with 8 query heads instead of its 9 (4 KV heads
+instead of 3; heads of 72 so the hidden size stays 576) and random weights
+(``load_format="random"``): 9 heads do not split over 2 ranks, and a step's work and bytes
+do not depend on the weights' values. ``--model`` serves a real checkpoint instead.
 
 * **one process**: ``tensor_parallel_size=1`` with ``--cores`` torch threads;
 * **tensor parallel**: ``tensor_parallel_size=2``, each rank one process with
@@ -26,6 +29,9 @@ machine with two GPUs runs it).
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,19 +54,93 @@ SHAPES = ((8, QKVO), (16, ALL_SEVEN))
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loramux.benchmarks.tensor_parallel")
-    parser.add_argument("--model", type=Path, help="HF folder (default: SmolLM2 from the GGUF)")
+    parser.add_argument(
+        "--model", type=Path, help="HF folder (default: SmolLM2's shape with 8 heads, random)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (needs 2 GPUs)")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bf16 on CUDA")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--cores", type=int, default=2, help="threads of the one process")
     parser.add_argument("--smoke", action="store_true", help="2 requests of 4 tokens")
+    # The probe's second rank (all_reduce_ms starts it): not for use by hand.
+    parser.add_argument("--probe-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-shape", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--probe-count", type=int, default=PROBE_ALL_REDUCES, help=argparse.SUPPRESS
+    )
     add_output_options(parser)
     args = parser.parse_args(argv)
+    if args.probe_rank is not None:
+        return args
     check_output_options(parser, args)
     if args.smoke:
         args.requests, args.tokens = 2, 4
     return args
+
+
+PROBE_ALL_REDUCES = 200
+
+
+def all_reduce_ms(
+    hidden: int,
+    tokens: int,
+    device: str,
+    rank: int = 0,
+    port: int = 0,
+    count: int = PROBE_ALL_REDUCES,
+) -> float:
+    """Milliseconds of one all-reduce of a step's ``[tokens, hidden]`` activations between
+    two ranks doing nothing else (``count`` back to back): the collectives' own
+    cost, apart from waiting for a busier rank. Rank 0 starts rank 1 as a process."""
+    from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup, free_port
+
+    torch.set_num_threads(1)
+    port = port or free_port()
+    address = GroupAddress("127.0.0.1", port, 2)
+    peer = None
+    if rank == 0:
+        command = [sys.executable, "-m", "loramux.benchmarks.tensor_parallel"]
+        probe = ["--probe-rank", "1", "--probe-port", str(port), "--probe-count", str(count)]
+        shape = ["--probe-shape", f"{tokens}x{hidden}", "--device", device]
+        peer = subprocess.Popen([*command, *probe, *shape])
+    target = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    group = TensorParallelGroup(address, rank, target)
+    activations = torch.zeros(tokens, hidden, device=target)
+    for _ in range(10):
+        group.all_reduce_(activations)
+    if target.type == "cuda":
+        torch.cuda.synchronize(target)
+    started = time.perf_counter()
+    for _ in range(count):
+        group.all_reduce_(activations)
+    if target.type == "cuda":
+        torch.cuda.synchronize(target)
+    elapsed = time.perf_counter() - started
+    if peer is not None:
+        peer.wait(60)
+    return 1000 * elapsed / count
+
+
+def eight_head_model(cache_dir: Path) -> Path:
+    """SmolLM2-135M's config with 8 query heads of 72 (4 KV heads), and its tokenizer: a
+    folder for random weights (see the module doc)."""
+    source = prepare_model(cache_dir)
+    target = cache_dir / "SmolLM2-135M-8-heads"
+    if (target / "config.json").is_file():
+        return target
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name != "config.json" and not path.name.endswith(".safetensors"):
+            shutil.copy2(path, staging / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=72)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    staging.rename(target)
+    return target
 
 
 class StepTimer:
@@ -89,6 +169,7 @@ def run_engine(args, model_dir: Path, adapters, world: int) -> dict:
             device=args.device,
             dtype=args.dtype,
             kv_cache_bytes=256 << 20,
+            load_format=args.load_format,
             enable_prefix_caching=False,
             tensor_parallel_size=world,
         )
@@ -136,7 +217,8 @@ def markdown(report: dict) -> str:
         "# Tensor parallelism: communication share of a step",
         "",
         f"{report['requests']} greedy requests of {report['tokens']} tokens over "
-        f"{report['adapters']} adapters, {report['device']}; same requests on both engines.",
+        f"{report['adapters']} adapters, {report['device']}, model {report['model']}; same "
+        "requests on both engines.",
         "",
         "| engine | processes x threads | output tok/s | mean step ms | in collectives "
         "| sending commands |",
@@ -151,6 +233,14 @@ def markdown(report: dict) -> str:
         f"Same tokens on both: **{report['same_tokens']}**. Tensor parallel / one process: "
         f"{report['throughput_ratio']:.2f}x output tokens/s.",
         "",
+        f"The collectives' own cost: one all-reduce of a decode step's "
+        f"[{report['requests']}, hidden] activations between two ranks doing nothing else "
+        f"takes {split['all_reduce_ms']:.3f} ms, so a decode step's "
+        f"{2 * report['layers'] + 1} all-reduces {split['step_all_reduces_ms']:.1f} ms "
+        f"({100 * split['step_all_reduces_ms'] / split['step_ms_mean']:.0f}% of the mean step); "
+        "the rest of the time in collectives is a rank waiting for the other, which also "
+        "takes the command from rank 0 and has its share of the step's work to do.",
+        "",
         machine_text(report["machine"]),
         "",
     ]
@@ -159,16 +249,32 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    model_dir = args.model or prepare_model(args.cache_dir)
+    if args.probe_rank is not None:
+        tokens, hidden = map(int, args.probe_shape.split("x"))
+        all_reduce_ms(
+            hidden, tokens, args.device, args.probe_rank, args.probe_port, args.probe_count
+        )
+        return 0
+    args.load_format = "safetensors" if args.model else "random"
+    model_dir = args.model or eight_head_model(args.cache_dir)
     adapters = prepare_adapters(args.cache_dir, model_dir, SHAPES, 4, seed=0)
     one = run_engine(args, model_dir, adapters, 1)
     split = run_engine(args, model_dir, adapters, 2)
     same = one.pop("token_ids") == split.pop("token_ids")
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    probes = 20 if args.smoke else PROBE_ALL_REDUCES
+    probe_ms = all_reduce_ms(hidden, args.requests, args.device, count=probes)
+    # A decode step of the run: two all-reduces per layer and the embedding's, back to back.
+    split["all_reduce_ms"] = probe_ms
+    split["step_all_reduces_ms"] = probe_ms * (2 * layers + 1)
     report = {
         "requests": args.requests,
         "tokens": args.tokens,
         "adapters": len(adapters),
         "device": args.device,
+        "model": f"{model_dir.name} ({args.load_format} weights)",
+        "layers": layers,
         "one_process": one,
         "tensor_parallel": split,
         "same_tokens": same,

@@ -30,4 +30,5 @@ def test_the_smoke_compares_one_process_with_two_ranks(tiny_model_dir, tmp_path)
     assert (one["tensor_parallel_size"], split["tensor_parallel_size"]) == (1, 2)
     assert one["output_tokens"] == split["output_tokens"] == 2 * 4
     assert 0 < split["communication_share"] < 1 and 0 < split["command_share"] < 1
+    assert split["all_reduce_ms"] > 0  # the probe's two ranks reduced
     assert "communication share" in (tmp_path / "tensor_parallel_cpu.md").read_text()
