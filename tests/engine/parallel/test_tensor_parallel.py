@@ -33,7 +33,7 @@ from tests.engine.test_exactness import (
 from tests.fixtures.models import build_tiny_model
 
 SYSTEM = "You are a helpful assistant who answers briefly and precisely. "
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
 

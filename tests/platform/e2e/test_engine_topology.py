@@ -2,18 +2,25 @@
 (tiny model), a platform on real PostgreSQL and Redis with ``LORAMUX_ENGINE_MODE=remote``,
 a real Celery worker validating uploads, and an S3-compatible server (moto).
 
+``engine-a`` is one engine over two CPU processes (tensor parallelism, gloo between its
+ranks); ``engine-b`` is one process.
+
 200 requests over 40 adapters: each adapter's requests stick to one engine, the adapters
-(and so the load) spread over both. Then one engine is killed (SIGKILL) while streams run
-on both: only its in-flight requests fail, each with an error naming the engine, each
-delivered token billed once; the others finish, and new requests (for its adapters too)
-go to the survivor at once.
+(and so the load) spread over both. Then ``engine-a``'s second rank is killed (SIGKILL)
+while streams run on both engines: the engine is down, its process exits with status 1
+within seconds (a whole engine process killed outright is ``test_topology_outages``'s);
+only its in-flight requests fail, each with an error naming the engine, each delivered
+token billed once; the others finish, and new requests (for its adapters too) go to the
+survivor at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ NUM_REQUESTS = 200
 CONCURRENCY = 8
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TIMEOUT_S = 120
+ENGINE_END_S = 20  # engine-a's process is gone within this after its rank
 
 
 def _redis_db(redis_url: str, db: int) -> str:
@@ -84,13 +92,15 @@ def topology(tmp_path, tiny_model_dir, postgres_database_url, redis_url, s3_endp
         engine_secret=SECRET,
         engine_heartbeat_s=HEARTBEAT_S,
     )
+    parallel_env = {**engine_env, "LORAMUX_ENGINE_TENSOR_PARALLEL_SIZE": "2"}
     with (
-        engine_processes(["engine-a", "engine-b"], engine_env, tmp_path) as engines,
+        engine_processes(["engine-a"], parallel_env, tmp_path) as parallel,
+        engine_processes(["engine-b"], engine_env, tmp_path) as single,
         running_worker({**os.environ, **worker_env}, tmp_path / "worker.log"),
         start_platform(settings) as platform,
     ):
         eventually(lambda: len(platform.context.engine.engines()) == 2, "both engines routed")
-        yield Topology(platform, engines)
+        yield Topology(platform, {**parallel, **single})
 
 
 def _upload_all(topology: Topology, adapter_dirs: list[Path]) -> None:
@@ -219,8 +229,9 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
         assert home <= held, (engine_id, home - held)
         assert _generated_tokens(engine) > 0
 
-    # --- kill one engine while streams run on both ------------------------------------------
+    # --- kill a rank of one engine while streams run on both ---------------------------------
     victim, survivor = topology.engines["engine-a"], topology.engines["engine-b"]
+    (rank,) = _children(victim.process.pid)  # engine-a's second rank
     streams = 12
     started = threading.Semaphore(0)
     with ThreadPoolExecutor(streams) as pool:
@@ -230,8 +241,13 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
         ]
         for _ in range(streams):  # every stream has tokens: all are in flight somewhere
             assert started.acquire(timeout=TIMEOUT_S), "a stream never started"
-        victim.kill()
+        os.kill(rank, signal.SIGKILL)
+        killed = time.monotonic()
+        # The engine is down for good: its process leaves the registry and exits, status 1.
+        assert victim.process.wait(timeout=ENGINE_END_S) == 1, victim.log_tail()
+        ended_after = time.monotonic() - killed
         results = [f.result(timeout=TIMEOUT_S) for f in futures]
+    assert "tensor-parallel rank 1 (exit code -9)" in victim.log.read_text()
     failed = [r for r in results if r.error is not None]
     finished = [r for r in results if r.error is None]
     assert failed and finished, results  # both engines had streams in flight
@@ -256,6 +272,11 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
     total = platform.admin_usage(tenant_id=topology.tenant.id).json()["totals"]
     expected = 4 * NUM_REQUESTS + sum(r.tokens for r in results) + 4 * 10
     assert total["completion_tokens"] == expected
+    print(f"engine-a exited {ended_after:.1f} s after its rank; {len(failed)} streams failed")
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _engine_names(platform: Platform) -> dict[str, str]:

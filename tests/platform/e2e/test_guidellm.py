@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 ADAPTER = "guidellm-adapter"
 REQUEST_FORMATS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-REQUESTS = 8  # per run
+REQUESTS = 4  # per run
 STREAMS = 2  # each run's concurrency
 PROMPT_TOKENS = 32  # of synthetic text, before any chat template
 OUTPUT_TOKENS = 16

@@ -40,7 +40,7 @@ from tests.platform.e2e.outage_calls import Call, assert_billed_as_delivered, us
 
 SECRET = "outage-topology-secret"
 HEARTBEAT_S = 1.0  # an engine's record lives 3 s without a heartbeat
-LONG = 480  # tokens: a few seconds of the tiny model, longer than any outage step here
+LONG = 240  # tokens: about 7 s through platform and engine here, longer than any outage step
 TIMEOUT_S = 120
 
 
