@@ -107,10 +107,18 @@ def _token_id(value) -> int:
 class Engine:
     def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
         self.config = config
-        device, dtype = config.torch_device, config.torch_dtype
         # Tensor parallelism: the other ranks start now and load their shards meanwhile;
         # this process is rank 0 and holds its own (engine/parallel/).
         self.ranks = start_ranks(config)
+        try:
+            self._build(config, metrics)
+        except BaseException:  # a refused setting, a budget too small: no ranks left behind
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _build(self, config: EngineConfig, metrics: EngineMetrics | None) -> None:
+        device, dtype = config.torch_device, config.torch_dtype
         shard = None if self.ranks is None else self.ranks.plan
         if self.ranks is not None:
             device = self.ranks.device

@@ -24,6 +24,8 @@ from loramux.engine.model.config import ModelConfig
 from loramux.engine.parallel.ranks import RankFailed
 from loramux.engine.parallel.shard import ShardPlan
 from tests.engine.factories import build_engine
+from tests.engine.speculative.test_speculative_engine import NGRAM as SPECULATIVE
+from tests.engine.speculative.test_speculative_engine import assert_speculated
 from tests.engine.test_exactness import (
     ADAPTER_SPECS,
     assert_matches_reference,
@@ -138,3 +140,61 @@ def test_a_killed_rank_fails_the_next_step_naming_it(tiny_model_dir):
         assert time.monotonic() - started < 20
     finally:
         engine.close()
+
+
+def test_two_ranks_speculate_and_sample_as_one_process(tiny_model_dir, make_adapter):
+    """n-gram speculation (proposals accepted and rejected) gives PEFT's greedy tokens over
+    two ranks; seeded sampling with penalties, top-k/top-p and logprobs gives one process's
+    tokens and logprobs (the same steps on the same batch: only the all-reduce's order of
+    additions differs, in the logits' last bits)."""
+    adapters = {name: make_adapter(tiny_model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    requests = mixed_requests(6)
+    sampling = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+        logprobs=2,
+        seed=11,
+        ignore_eos=True,
+    )
+    sampled = {}
+    for world in (1, 2):
+        engine = build_engine(tiny_model_dir, adapters, tensor_parallel_size=world, **SPECULATIVE)
+        try:
+            if world == 2:
+                greedy = run_staggered(engine, requests, 24)
+                assert_speculated(engine)
+                assert_matches_reference(engine, tiny_model_dir, adapters, requests, greedy, 24)
+            outs = engine.generate(
+                [prompt for prompt, _ in requests],
+                sampling,
+                adapters=[adapter for _, adapter in requests],
+            )
+            sampled[world] = [(o.token_ids, o.logprobs) for o in outs]
+        finally:
+            engine.close()
+    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(sampled[1], sampled[2], strict=True):
+        assert tokens_2 == tokens_1
+        for one, two in zip(logprobs_1, logprobs_2, strict=True):
+            assert [t for t, _ in one.top] == [t for t, _ in two.top]
+            assert abs(one.logprob - two.logprob) < 1e-4
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(one.top, two.top, strict=True))
+
+
+def _children() -> set[int]:
+    pid = os.getpid()
+    return {int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()}
+
+
+def test_an_engine_that_cannot_start_leaves_no_rank_behind(tiny_model_dir):
+    before = _children()
+    with pytest.raises(ValueError, match="KV blocks"):
+        build_engine(tiny_model_dir, tensor_parallel_size=2, kv_cache_bytes=4096)
+    assert _children() == before
+    # A split the model does not allow is refused before any rank starts.
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        build_engine(tiny_model_dir, tensor_parallel_size=3)
+    assert _children() == before
