@@ -42,6 +42,7 @@ from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, prepare_adapters
 from loramux.benchmarks.files import add_output_options, check_output_options, write_report
 from loramux.benchmarks.machine import machine_info, machine_text
 from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.speculative import StepTimer
 
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -143,22 +144,6 @@ def eight_head_model(cache_dir: Path) -> Path:
     return target
 
 
-class StepTimer:
-    """Wraps ``engine.step``: the seconds of every step after ``reset``."""
-
-    def __init__(self, engine):
-        self.seconds: list[float] = []
-        step = engine.step
-
-        def timed():
-            started = time.perf_counter()
-            out = step()
-            self.seconds.append(time.perf_counter() - started)
-            return out
-
-        engine.step = timed
-
-
 def run_engine(args, model_dir: Path, adapters, world: int) -> dict:
     from loramux.engine import Engine, EngineConfig, SamplingParams
 
@@ -184,21 +169,23 @@ def run_engine(args, model_dir: Path, adapters, world: int) -> dict:
         chosen = [names[i % len(names)] for i in range(args.requests)]
         engine.generate(prompts[:2], SamplingParams(max_tokens=2), adapters=chosen[:2])  # warm
         timer = StepTimer(engine)
+        began = time.monotonic()
         group = None if engine.ranks is None else engine.ranks.group
         comm_before = (0.0, 0.0) if group is None else (group.collective_s, group.command_s)
         started = time.perf_counter()
         outs = engine.generate(prompts, params, adapters=chosen)
         wall = time.perf_counter() - started
         tokens = sum(len(o.token_ids) for o in outs)
-        step_s = sum(timer.seconds)
+        steps = timer.decode_steps(after=began)
+        step_s = sum(steps)
         result = {
             "tensor_parallel_size": world,
             "threads_per_process": max(1, args.cores // world),
             "wall_s": wall,
             "output_tokens": tokens,
             "output_tokens_per_s": tokens / wall,
-            "steps": len(timer.seconds),
-            "step_ms_mean": 1000 * step_s / len(timer.seconds),
+            "steps": len(steps),
+            "step_ms_mean": 1000 * step_s / len(steps),
             "token_ids": [o.token_ids for o in outs],
         }
         if group is not None:
