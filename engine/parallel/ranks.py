@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ __all__ = ["EngineRanks", "MirroredArena", "RankFailed", "ShardedRunner", "start
 
 logger = logging.getLogger("loramux.engine.parallel")
 STOP_WAIT_S = 10.0
+DEATH_WAIT_S = 2.0  # after a failed collective, how long a dying rank may take to be seen
 
 
 class RankFailed(EngineDown):
@@ -116,8 +118,14 @@ class EngineRanks:
             raise self.failure(exc) from exc
 
     def failure(self, exc: BaseException) -> RankFailed:
-        """A collective failed: which rank is gone, if one is."""
+        """A collective failed: which rank is gone, if one is. A killed rank's connections
+        close while its process is still being torn down, so its death may be seen a moment
+        after the error: it is waited for, briefly."""
+        deadline = time.monotonic() + DEATH_WAIT_S
         dead = [r for r in self._ranks if not r.is_alive()]
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.02)
+            dead = [r for r in self._ranks if not r.is_alive()]
         if dead:
             names = ", ".join(f"rank {r.rank} (exit code {r.process.returncode})" for r in dead)
             return RankFailed(f"tensor-parallel {names} of the engine stopped: {exc}")

@@ -1,6 +1,6 @@
 """``loramux bench``: a preset served by loramux and by transformers + PEFT, reported.
 
-The engine driver's checks share one run of ``cpu-smoke`` (6 requests) with its baseline
+The engine driver's checks share one run of ``cpu-smoke`` (4 requests) with its baseline
 and both sweeps (1 and 4 adapters; 1x and 4x the load): each test checks its part of that
 run's report, markdown and plots. The HTTP driver has a run of its own.
 """
@@ -15,6 +15,8 @@ import pytest
 
 from tests.benchmarks.commands import loramux
 
+REQUESTS = 4  # per run: both tenants get some, and each run takes about 2 s of arrivals
+
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -23,7 +25,7 @@ def engine_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path
         "bench",
         "cpu-smoke",
         "--requests",
-        "6",
+        str(REQUESTS),
         "--sweep",
         "adapters",
         "--sweep",
@@ -55,10 +57,10 @@ def test_cpu_smoke_reports_both_systems_and_their_ratio(engine_run, engine_repor
     assert report["loramux"]["driver"] == "engine"
     for system in ("loramux", "baseline"):
         figures = report[system]
-        assert figures["requests"] == {"total": 6, "ok": 6, "failed": 0}
+        assert figures["requests"] == {"total": REQUESTS, "ok": REQUESTS, "failed": 0}
         assert figures["output_tokens_per_s"] > 0 and figures["ttft_s"]["p50"] > 0
     assert report["ratios"]["output_tokens_per_s"] > 0
-    assert report["workload"]["seed"] == 0 and report["workload"]["num_requests"] == 6
+    assert report["workload"]["seed"] == 0 and report["workload"]["num_requests"] == REQUESTS
     markdown = (out / "bench_cpu-smoke.md").read_text()
     assert "loramux / transformers + PEFT:" in markdown and markdown in done.stdout
     for plot in ("latency_cdf", "tenant_share"):
@@ -71,7 +73,7 @@ def test_cpu_smoke_over_http(tmp_path):
         "bench",
         "cpu-smoke",
         "--requests",
-        "6",
+        str(REQUESTS),
         "--driver",
         "http",
         "--no-baseline",
@@ -80,7 +82,7 @@ def test_cpu_smoke_over_http(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "bench_cpu-smoke.json").read_text())
-    assert report["loramux"]["requests"] == {"total": 6, "ok": 6, "failed": 0}
+    assert report["loramux"]["requests"] == {"total": REQUESTS, "ok": REQUESTS, "failed": 0}
     assert report["loramux"]["itl_s"]["p50"] > 0
     assert "loramux (http)" in (tmp_path / "bench_cpu-smoke.md").read_text()
 
@@ -89,7 +91,7 @@ def test_throughput_against_adapters_sweep(engine_run, engine_report):
     _, out = engine_run
     sweep = engine_report["sweeps"]["adapters"]
     assert [p["num_adapters"] for p in sweep["points"]] == [1, 4]
-    assert all(p["figures"]["requests"]["ok"] == 6 for p in sweep["points"])
+    assert all(p["figures"]["requests"]["ok"] == REQUESTS for p in sweep["points"])
     plot = out / "bench_cpu-smoke_throughput_vs_adapters.png"
     assert plot.stat().st_size > 10_000
 
@@ -104,7 +106,7 @@ def test_ttft_against_offered_load_sweep(engine_run, engine_report):
     for point in sweep["points"]:
         figures = point["figures"]
         assert point["num_adapters"] == report["workload"]["num_adapters"]
-        assert figures["requests"] == {"total": 6, "ok": 6, "failed": 0}
+        assert figures["requests"] == {"total": REQUESTS, "ok": REQUESTS, "failed": 0}
         assert figures["ttft_s"]["p50"] > 0 and figures["ttft_s"]["p99"] >= figures["ttft_s"]["p50"]
         assert "samples" not in figures
     markdown = (out / "bench_cpu-smoke.md").read_text()
