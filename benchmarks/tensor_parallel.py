@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     one = run_engine(args, model_dir, adapters, 1)
     split = run_engine(args, model_dir, adapters, 2)
     same = one.pop("token_ids") == split.pop("token_ids")
-    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
-    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    model_config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = model_config["hidden_size"], model_config["num_hidden_layers"]
     probes = 20 if args.smoke else PROBE_ALL_REDUCES
     probe_ms = all_reduce_ms(hidden, args.requests, args.device, count=probes)
     # A decode step of the run: two all-reduces per layer and the embedding's, back to back.

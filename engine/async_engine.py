@@ -317,8 +317,7 @@ class AsyncEngine:
 
     def _current_loop(self) -> _EngineLoop:
         with self._lock:
-            loop = self._loop
-            down = self._down or (None if loop is None else loop.down)
+            loop, down = self._loop, self.down
             if down is not None:  # for good: no new loop
                 raise EngineStoppedError(f"the engine is down: {down}")
             # Never two threads on one Engine: replace a loop only once its thread is gone.

@@ -139,10 +139,9 @@ class Engine:
         )
         # The whole model's config; ``self.model.config`` (what the arena and the adapter
         # pool are built from) is this rank's share of it.
-        self.model_config = self.model.config
+        self.model_config = self.model.config if shard is None else shard.config
         if shard is not None:
             self.model.join(self.ranks.group, shard.vocab_start, shard.config.vocab_size)
-            self.model_config = shard.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,

@@ -57,13 +57,14 @@ import torch
 
 from loramux.engine.lora.backend import KernelBackend
 from loramux.engine.lora.pool import LoRAPool
-from loramux.engine.model.llama import LlamaForCausalLM
+from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.speculative.verify import VerifyGroup
 from loramux.engine.static_decode import DecodeStep, StaticDecode
 from loramux.engine.structured import MaskFiller, StepMasks
 from loramux.kernels.kv_quant import QuantizedKV, bytes_per_slot_head, storage_dtype
+from loramux.kernels.lora_batch import LoRATable
 
 # LM-head rows per prompt-logprob chunk: [256, vocab] float32 logits are 50 MB for a 49k vocab.
 PROMPT_LOGPROB_ROWS = 256
@@ -220,13 +221,13 @@ class ModelRunner:
 
         long = {"dtype": torch.long, "device": self.device}
         table = self.lora_pool.step_table(spans)
+        head = sample_index + verify_index  # the rows of the one LM-head pass below
         if self._is_static(query_lens):
             hidden = self.static_decode.run(DecodeStep(input_ids, context_lens, tables, table))
         else:
             # The LM-head passes the step makes, in order (a sharded model's ranks make
             # them together): the sampling and verifying rows, then prompt logprob chunks.
-            head_rows = [sample_index + verify_index] if sample_index or verify_index else []
-            head_rows += scored.chunks(PROMPT_LOGPROB_ROWS)
+            head_rows = ([head] if head else []) + scored.chunks(PROMPT_LOGPROB_ROWS)
             hidden = self._forward(input_ids, tables, context_lens, query_lens, table, head_rows)
         masks = self._grammar_masks(sampling) if constrained else None
         finite = torch.isfinite(hidden).all(dim=-1)  # [tokens]
@@ -234,7 +235,7 @@ class ModelRunner:
         # One LM-head pass for the sampling rows and the verifying ones: reading the head's
         # weights (vocab x hidden) dominates it, and a second pass cost a CPU step at batch
         # 4 a fifth of its time.
-        index = torch.tensor(sample_index + verify_index, **long)
+        index = torch.tensor(head, **long)
         if len(index):
             # A non-finite row is failed below; zeroed, it samples harmlessly meanwhile.
             all_logits = torch.where(
@@ -305,12 +306,43 @@ class ModelRunner:
         ``head_rows``: the hidden rows of each LM-head pass ``execute`` makes next, which a
         tensor-parallel runner's other ranks must make with it (``engine/parallel``).
         """
-        attention = self.backend.plan_attention(
-            tables, context_lens, query_lens, self.block_size, self.device
+        return forward_step(
+            self.model,
+            self.backend,
+            self.kv_caches,
+            self.lora_pool,
+            self.block_size,
+            self.device,
+            input_ids,
+            tables,
+            context_lens,
+            query_lens,
+            table,
+            self.interrupt,
         )
-        lora = None if table is None else self.backend.lora_step(table, self.lora_pool)
-        input_tensor = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        return self.model(input_tensor, attention, self.kv_caches, lora, self.interrupt)
+
+
+def forward_step(
+    model: LlamaForCausalLM,
+    backend: KernelBackend,
+    kv_caches,
+    pools: LoRAWeightSource,
+    block_size: int,
+    device: torch.device,
+    input_ids: list[int],
+    tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    table: LoRATable | None,
+    interrupt: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Hidden states of one step over tensors built for it: its attention plan and LoRA
+    metadata from ``backend``, adapters read from ``pools`` (what every rank of a sharded
+    model runs too, over its own shard: ``engine/parallel/worker.py``)."""
+    attention = backend.plan_attention(tables, context_lens, query_lens, block_size, device)
+    lora = None if table is None else backend.lora_step(table, pools)
+    input_tensor = torch.tensor(input_ids, dtype=torch.long, device=device)
+    return model(input_tensor, attention, kv_caches, lora, interrupt)
 
 
 def _verify_group(seq, drafts: list[int]) -> VerifyGroup:

@@ -275,6 +275,8 @@ class DeviceArena:
 
     # --- whole-row operations (all layers, A and B, every module) ---------------
     def zero_rows(self, start: int, end: int) -> None:
+        # write_adapter zeroes through _zero_rows: a subclass mirroring each public change
+        # to other ranks (engine/parallel/ranks.py) sends one command for a write, not two.
         self._zero_rows(start, end)
 
     def _zero_rows(self, start: int, end: int) -> None:

@@ -33,11 +33,10 @@ class BuildArena(Command):
     """Rank 0 sized its arena (from its budget); every rank's is the same size."""
 
     num_blocks: int
-    block_size: int
     scratch_blocks: int
 
     def apply(self, rank: RankWorker) -> None:
-        rank.build_arena(self.num_blocks, self.block_size, self.scratch_blocks)
+        rank.build_arena(self.num_blocks, self.scratch_blocks)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class TensorParallelGroup:
     """This rank's handle on the engine's ranks: the model's collectives and the commands."""
 
     def __init__(self, address: GroupAddress, rank: int, device: torch.device):
-        self.address, self.rank, self.world_size = address, rank, address.world_size
+        self.rank, self.world_size = rank, address.world_size
         self.device = device
         timeout = datetime.timedelta(seconds=address.timeout_s)
         self._store = dist.TCPStore(
@@ -69,18 +69,16 @@ class TensorParallelGroup:
             )
         else:
             self._device_group = self._control
-        # Seconds this rank spent in collectives (sending, and waiting for the slowest rank),
-        # and how many: the communication share of a step (benchmarks/tensor_parallel.py).
-        # On CUDA a collective is timed to its launch unless the caller synchronizes.
+        # Seconds this rank spent in collectives (sending, and waiting for the slowest rank):
+        # the communication share of a step (benchmarks/tensor_parallel.py). On CUDA a
+        # collective is timed to its launch unless the caller synchronizes.
         self.collective_s = 0.0
-        self.collectives = 0
         self.command_s = 0.0  # ...and in sending (or waiting for) rank 0's commands
 
     def _timed(self, collective: Callable[[], dist.Work]) -> None:
         started = time.perf_counter()
         collective().wait()
         self.collective_s += time.perf_counter() - started
-        self.collectives += 1
 
     # --- the model's collectives ------------------------------------------------
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:

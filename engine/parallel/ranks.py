@@ -122,17 +122,18 @@ class EngineRanks:
         close while its process is still being torn down, so its death may be seen a moment
         after the error: it is waited for, briefly."""
         deadline = time.monotonic() + DEATH_WAIT_S
-        dead = [r for r in self._ranks if not r.is_alive()]
-        while not dead and time.monotonic() < deadline:
+        while not (dead := self._dead()) and time.monotonic() < deadline:
             time.sleep(0.02)
-            dead = [r for r in self._ranks if not r.is_alive()]
         if dead:
             names = ", ".join(f"rank {r.rank} (exit code {r.process.returncode})" for r in dead)
             return RankFailed(f"tensor-parallel {names} of the engine stopped: {exc}")
         return RankFailed(f"a tensor-parallel collective failed: {exc}")
 
     def dead_ranks(self) -> list[int]:
-        return [r.rank for r in self._ranks if not r.is_alive()]
+        return [r.rank for r in self._dead()]
+
+    def _dead(self) -> list[_Rank]:
+        return [r for r in self._ranks if not r.is_alive()]
 
     def close(self) -> None:
         """Stop the other ranks: ``Stop`` if they are all there, else terminate them."""
@@ -170,7 +171,7 @@ class MirroredArena(DeviceArena):
     def __init__(self, ranks: EngineRanks, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
-        ranks.send(BuildArena(self.layout.num_blocks, self.block_size, self.scratch_blocks))
+        ranks.send(BuildArena(self.layout.num_blocks, self.scratch_blocks))
 
     def write_adapter(self, start: int, weights: LoRAWeights) -> None:
         self.ranks.send(WriteAdapter(start, weights))

@@ -24,7 +24,7 @@ from loramux.engine.model.loader import load_model
 from loramux.engine.parallel.commands import Command, RunStep
 from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup
 from loramux.engine.parallel.shard import ShardPlan
-from loramux.engine.runner import copy_kv_blocks
+from loramux.engine.runner import copy_kv_blocks, forward_step
 
 logger = logging.getLogger("loramux.engine.parallel")
 
@@ -53,7 +53,6 @@ class RankWorker:
         )
         self.model.join(group, self.plan.vocab_start, self.plan.config.vocab_size)
         self.arena: DeviceArena | None = None
-        self.block_size = config.block_size
         self.weights_version = 0  # the LoRA source's version: bumped by every row change
         self.running = True
 
@@ -65,12 +64,11 @@ class RankWorker:
         return self.arena.b_pool(layer, module)
 
     # --- what the commands do ------------------------------------------------------
-    def build_arena(self, num_blocks: int, block_size: int, scratch_blocks: int) -> None:
-        self.block_size = block_size
+    def build_arena(self, num_blocks: int, scratch_blocks: int) -> None:
         self.arena = DeviceArena(
             self.model.config,
             num_blocks,
-            block_size,
+            self.config.block_size,
             self.dtype,
             self.device,
             scratch_blocks=scratch_blocks,
@@ -82,13 +80,19 @@ class RankWorker:
 
     @torch.inference_mode()
     def forward(self, step: RunStep) -> torch.Tensor:
-        attention = self.backend.plan_attention(
-            step.tables, step.context_lens, step.query_lens, self.block_size, self.device
+        return forward_step(
+            self.model,
+            self.backend,
+            self.arena.kv_caches,
+            self,
+            self.config.block_size,
+            self.device,
+            step.input_ids,
+            step.tables,
+            step.context_lens,
+            step.query_lens,
+            step.lora_table,
         )
-        table = step.lora_table
-        lora = None if table is None else self.backend.lora_step(table, self)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, attention, self.arena.kv_caches, lora)
 
     def serve(self) -> None:
         """Do rank 0's commands until it says stop."""

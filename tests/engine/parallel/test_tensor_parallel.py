@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ from tests.engine.test_exactness import (
     run_staggered,
 )
 from tests.fixtures.models import build_tiny_model
+from tests.fixtures.processes import child_pids
 
 SYSTEM = "You are a helpful assistant who answers briefly and precisely. "
 MAX_TOKENS = 8
@@ -134,10 +134,8 @@ def test_a_killed_rank_fails_the_next_step_naming_it(tiny_model_dir):
         (rank,) = engine.ranks._ranks
         os.kill(rank.process.pid, signal.SIGKILL)
         rank.process.wait(10)
-        started = time.monotonic()
         with pytest.raises(RankFailed, match=r"rank 1 \(exit code -9\)"):
             engine.generate(["Hello"], SamplingParams(max_tokens=4))
-        assert time.monotonic() - started < 20
     finally:
         engine.close()
 
@@ -184,17 +182,12 @@ def test_two_ranks_speculate_and_sample_as_one_process(tiny_model_dir, make_adap
             assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(one.top, two.top, strict=True))
 
 
-def _children() -> set[int]:
-    pid = os.getpid()
-    return {int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()}
-
-
 def test_an_engine_that_cannot_start_leaves_no_rank_behind(tiny_model_dir):
-    before = _children()
+    before = child_pids(os.getpid())
     with pytest.raises(ValueError, match="KV blocks"):
         build_engine(tiny_model_dir, tensor_parallel_size=2, kv_cache_bytes=4096)
-    assert _children() == before
+    assert child_pids(os.getpid()) == before
     # A split the model does not allow is refused before any rank starts.
     with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
         build_engine(tiny_model_dir, tensor_parallel_size=3)
-    assert _children() == before
+    assert child_pids(os.getpid()) == before

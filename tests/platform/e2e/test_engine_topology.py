@@ -33,6 +33,7 @@ from sqlalchemy import select
 from loramux.platform.db.models import Adapter, AdapterVersion
 from loramux.platform.settings import Settings
 from tests.fixtures.polling import eventually
+from tests.fixtures.processes import child_pids
 from tests.platform.e2e.conftest import Platform, Tenant, start_platform
 from tests.platform.e2e.engine_processes import EngineProcess, engine_processes
 from tests.platform.tasks.worker_process import running_worker
@@ -231,7 +232,7 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
 
     # --- kill a rank of one engine while streams run on both ---------------------------------
     victim, survivor = topology.engines["engine-a"], topology.engines["engine-b"]
-    (rank,) = _children(victim.process.pid)  # engine-a's second rank
+    (rank,) = child_pids(victim.process.pid)  # engine-a's second rank
     streams = 12
     started = threading.Semaphore(0)
     with ThreadPoolExecutor(streams) as pool:
@@ -273,10 +274,6 @@ def test_two_engines_behind_one_platform(topology, make_adapter, tiny_model_dir)
     expected = 4 * NUM_REQUESTS + sum(r.tokens for r in results) + 4 * 10
     assert total["completion_tokens"] == expected
     print(f"engine-a exited {ended_after:.1f} s after its rank; {len(failed)} streams failed")
-
-
-def _children(pid: int) -> list[int]:
-    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _engine_names(platform: Platform) -> dict[str, str]:
