@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from loramux.benchmarks import gpu_check
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODULE = "loramux.benchmarks.bench"
 LATENCIES = ("ttft_s", "itl_s", "e2e_s")
@@ -34,24 +36,42 @@ def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     )
 
 
-def smoke(out: Path, preset: str, *extra: str) -> tuple[dict, str]:
-    done = bench(preset, "--smoke", "--out", str(out), *extra)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def smoke(gpu_check_smoke, preset: str) -> tuple[dict, str, Path]:
+    """The preset's smoke as the session's ``make gpu-check`` smoke ran it (its sections
+    ``slora-s2`` and ``punica-distinct``: tests/benchmarks/conftest.py), read from the
+    results it bundled, so the two presets run once per session."""
+    done, out = gpu_check_smoke.done, gpu_check_smoke.results
+    assert (out / f"bench_{preset}-smoke.json").is_file(), done.stdout[-3000:] + done.stderr
     markdown = (out / f"bench_{preset}-smoke.md").read_text()
-    assert markdown in done.stdout
-    return json.loads((out / f"bench_{preset}-smoke.json").read_text()), markdown
+    return json.loads((out / f"bench_{preset}-smoke.json").read_text()), markdown, out
 
 
 @pytest.fixture(scope="module")
-def slora(tmp_path_factory) -> tuple[dict, str, Path]:
-    out = tmp_path_factory.mktemp("slora-s2")
-    return (*smoke(out, "slora-s2"), out)
+def slora(gpu_check_smoke) -> tuple[dict, str, Path]:
+    return smoke(gpu_check_smoke, "slora-s2")
 
 
 @pytest.fixture(scope="module")
-def punica(tmp_path_factory) -> tuple[dict, str, Path]:
-    out = tmp_path_factory.mktemp("punica")
-    return (*smoke(out, "punica-distinct", "--sweep", "adapters", "--sweep-values", "2,4"), out)
+def punica(gpu_check_smoke) -> tuple[dict, str, Path]:
+    return smoke(gpu_check_smoke, "punica-distinct")
+
+
+def test_the_gpu_check_runs_the_presets_as_this_module_reads_them():
+    """What the fixtures above stand on: gpu_check's smoke runs ``bench.py PRESET --smoke``
+    at the smoke's own request count, punica-distinct with the adapters sweep."""
+    argv = {s.name: s.smoke_argv for s in gpu_check._sections(Path("results"))}
+    assert argv["slora-s2"][2:] == (MODULE, "slora-s2", "--smoke", "--out", "results")
+    punica = argv["punica-distinct"][2:]
+    assert punica[:3] == (MODULE, "punica-distinct", "--smoke")
+    assert punica[3:] == (*gpu_check.PUNICA_SMOKE_SWEEP, "--out", "results")
+
+
+def test_the_smoke_prints_its_markdown(tmp_path):
+    """``bench.py PRESET --smoke`` prints the report it writes (the runs above are read
+    from gpu_check's bundle, which keeps only the files)."""
+    done = bench("slora-s2", "--smoke", "--requests", "4", "--no-baseline", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "bench_slora-s2-smoke.md").read_text() in done.stdout
 
 
 def assert_every_figure(figures: dict, served: int) -> None:
