@@ -175,8 +175,7 @@ class Engine:
         # The static decode path (CUDA graphs) pads its batches with rows that write to a
         # scratch block of the budget's.
         static_decode = (
-            self.ranks is None  # CUDA graphs over several ranks: not yet
-            and config.cuda_graph_max_batch > 0
+            config.cuda_graph_max_batch > 0
             and self.backend.static_decode
             and dtype in STATIC_DTYPES
         )
@@ -344,7 +343,7 @@ class Engine:
     def _static_decode(self) -> StaticDecode:
         """Fixed buffers for decode-only steps; on CUDA their graphs are captured now."""
         config = self.config
-        return StaticDecode(
+        return (StaticDecode if self.ranks is None else self.ranks.static_decode)(
             self.model,
             self.arena.kv_caches,
             self.lora_pool,

@@ -222,12 +222,13 @@ class ModelRunner:
         long = {"dtype": torch.long, "device": self.device}
         table = self.lora_pool.step_table(spans)
         head = sample_index + verify_index  # the rows of the one LM-head pass below
+        # The LM-head passes the step makes, in order (a sharded model's ranks make them
+        # together): the sampling and verifying rows, then prompt logprob chunks.
+        head_rows = ([head] if head else []) + scored.chunks(PROMPT_LOGPROB_ROWS)
         if self._is_static(query_lens):
-            hidden = self.static_decode.run(DecodeStep(input_ids, context_lens, tables, table))
+            step = DecodeStep(input_ids, context_lens, tables, table)
+            hidden = self._static_forward(step, head_rows)
         else:
-            # The LM-head passes the step makes, in order (a sharded model's ranks make
-            # them together): the sampling and verifying rows, then prompt logprob chunks.
-            head_rows = ([head] if head else []) + scored.chunks(PROMPT_LOGPROB_ROWS)
             hidden = self._forward(input_ids, tables, context_lens, query_lens, table, head_rows)
         masks = self._grammar_masks(sampling) if constrained else None
         finite = torch.isfinite(hidden).all(dim=-1)  # [tokens]
@@ -297,6 +298,11 @@ class ModelRunner:
             and 0 < len(query_lens) <= self.static_decode.max_batch
             and all(n == 1 for n in query_lens)
         )
+
+    def _static_forward(self, step: DecodeStep, head_rows: list[list[int]]) -> torch.Tensor:
+        """A decode-only step's hidden states over the static buffers (``head_rows``: as
+        in ``_forward``)."""
+        return self.static_decode.run(step)
 
     def _forward(
         self, input_ids, tables, context_lens, query_lens, table, head_rows

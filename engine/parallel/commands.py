@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
+from loramux.engine.static_decode import DecodeStep
 from loramux.kernels.lora_batch import LoRATable
 
 if TYPE_CHECKING:
@@ -92,10 +93,43 @@ class RunStep(Command):
     head_rows: list[list[int]]
 
     def apply(self, rank: RankWorker) -> None:
-        hidden = rank.forward(self)
-        for rows in self.head_rows:  # each gathers the vocabulary from every rank
-            index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-            rank.model.compute_logits(hidden[index])
+        head_passes(rank, rank.forward(self), self.head_rows)
+
+
+@dataclass(frozen=True)
+class BuildStaticDecode(Command):
+    """Rank 0 built its static decode path (``engine/static_decode.py``): every rank builds
+    its own over its shard, at the same buckets. With ``capture`` (CUDA) the ranks capture
+    their graphs now, together: each warm-up and captured forward enters the same
+    all-reduces in the same order on every rank."""
+
+    max_context_len: int
+    buckets: list[int]
+    max_rank: int
+    capture: bool
+
+    def apply(self, rank: RankWorker) -> None:
+        rank.build_static_decode(self.max_context_len, self.buckets, self.max_rank, self.capture)
+
+
+@dataclass(frozen=True)
+class RunStaticDecode(Command):
+    """One decode-only step over the static buffers (each rank replays its graph of the
+    same bucket), then the LM-head passes rank 0 makes."""
+
+    step: DecodeStep
+    head_rows: list[list[int]]
+
+    def apply(self, rank: RankWorker) -> None:
+        head_passes(rank, rank.static_decode.run(self.step), self.head_rows)
+
+
+def head_passes(rank: RankWorker, hidden: torch.Tensor, head_rows: list[list[int]]) -> None:
+    """Rank 0's LM-head passes over ``hidden``: each gathers the vocabulary from every rank,
+    so every rank makes them with it (this rank's logits are not kept)."""
+    for rows in head_rows:
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        rank.model.compute_logits(hidden[index])
 
 
 @dataclass(frozen=True)

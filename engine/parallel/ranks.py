@@ -2,7 +2,8 @@
 
 ``EngineRanks`` spawns one process per other rank (``worker.run_rank``), joins them in a
 ``TensorParallelGroup`` and sends commands (``commands.py``). ``MirroredArena`` and
-``ShardedRunner`` are rank 0's arena and runner: each operation that changes device state
+``ShardedRunner`` are rank 0's arena and runner (``static_decode`` its static decode
+path): each operation that changes device state
 or runs the model is sent to the other ranks first and then done here, so the engine above
 them (scheduler, pool, tiers, sampler) is the single-device engine, unchanged.
 
@@ -31,9 +32,11 @@ from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.parallel.commands import (
     BuildArena,
+    BuildStaticDecode,
     Command,
     CopyKVBlocks,
     MoveRows,
+    RunStaticDecode,
     RunStep,
     Stop,
     WriteAdapter,
@@ -43,6 +46,7 @@ from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup, fre
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.engine.parallel.worker import rank_command, rank_device
 from loramux.engine.runner import ModelRunner, NonFiniteOutput
+from loramux.engine.static_decode import StaticDecode
 
 __all__ = ["EngineRanks", "MirroredArena", "RankFailed", "ShardedRunner", "start_ranks"]
 
@@ -94,6 +98,7 @@ class EngineRanks:
             self._terminate()
             raise RankFailed(f"the engine's {self.world_size} ranks did not join: {exc}") from exc
         self._closed = False
+        self.out_of_step = False  # rank 0 left a step midway: the others may be stuck in it
         logger.info(
             "tensor parallel: %d ranks (pids %s), %d heads and %d KV heads per rank",
             self.world_size,
@@ -109,6 +114,16 @@ class EngineRanks:
     def runner(self, *args, **kwargs) -> ShardedRunner:
         """Rank 0's runner (``ModelRunner``'s arguments)."""
         return ShardedRunner(self, *args, **kwargs)
+
+    def static_decode(self, *args, capture: bool, **kwargs) -> StaticDecode:
+        """Rank 0's static decode path (``StaticDecode``'s arguments); the other ranks
+        build theirs first, so that with ``capture`` all of them capture together."""
+        self.send(
+            BuildStaticDecode(
+                kwargs["max_context_len"], list(kwargs["buckets"]), kwargs["max_rank"], capture
+            )
+        )
+        return StaticDecode(*args, capture=capture, **kwargs)
 
     def send(self, command: Command) -> None:
         """Send ``command`` to every other rank (before rank 0 does its own part)."""
@@ -136,11 +151,12 @@ class EngineRanks:
         return [r for r in self._ranks if not r.is_alive()]
 
     def close(self) -> None:
-        """Stop the other ranks: ``Stop`` if they are all there, else terminate them."""
+        """Stop the other ranks: ``Stop`` if they are all there and in step, else
+        terminate them."""
         if self._closed:
             return
         self._closed = True
-        if not self.dead_ranks():
+        if not self.dead_ranks() and not self.out_of_step:
             try:
                 self.group.broadcast(Stop())
             except Exception as exc:  # closing anyway
@@ -199,14 +215,27 @@ class ShardedRunner(ModelRunner):
         super().copy_kv_blocks(moves)
 
     def execute(self, output):
+        """The step on every rank. ``NonFiniteOutput`` is raised once every rank made every
+        pass, so the engine isolates it as on one device. Any other failure may leave the
+        other ranks inside a collective that rank 0 will not enter (or, re-run, would
+        enter with other shapes): they cannot be brought back in step, so it ends the
+        engine (``RankFailed``) rather than letting ``isolation.py`` re-run parts of it."""
         try:
             return super().execute(output)
         except (RankFailed, NonFiniteOutput):
             raise
-        except RuntimeError as exc:  # a collective inside the model or the LM head
+        except Exception as exc:
             if isinstance(exc, dist.DistError) or self.ranks.dead_ranks():
-                raise self.ranks.failure(exc) from exc
-            raise
+                raise self.ranks.failure(exc) from exc  # a collective: a rank is gone
+            self.ranks.out_of_step = True
+            raise RankFailed(
+                f"rank 0 failed inside a step ({type(exc).__name__}: {exc}); the other "
+                "tensor-parallel ranks cannot be brought back in step, so the engine stops"
+            ) from exc
+
+    def _static_forward(self, step, head_rows):
+        self.ranks.send(RunStaticDecode(step, head_rows))
+        return super()._static_forward(step, head_rows)
 
     def _forward(self, input_ids, tables, context_lens, query_lens, table, head_rows):
         self.ranks.send(RunStep(input_ids, tables, context_lens, query_lens, table, head_rows))

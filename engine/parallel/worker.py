@@ -25,6 +25,8 @@ from loramux.engine.parallel.commands import Command, RunStep
 from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.engine.runner import copy_kv_blocks, forward_step
+from loramux.engine.static_decode import StaticDecode
+from loramux.kernels.interpreter import use_cpu_interpreter
 
 logger = logging.getLogger("loramux.engine.parallel")
 
@@ -53,6 +55,7 @@ class RankWorker:
         )
         self.model.join(group, self.plan.vocab_start, self.plan.config.vocab_size)
         self.arena: DeviceArena | None = None
+        self.static_decode: StaticDecode | None = None
         self.weights_version = 0  # the LoRA source's version: bumped by every row change
         self.running = True
 
@@ -73,6 +76,22 @@ class RankWorker:
             self.device,
             scratch_blocks=scratch_blocks,
             kv_cache_dtype=self.config.kv_cache_dtype,
+        )
+
+    def build_static_decode(
+        self, max_context_len: int, buckets: list[int], max_rank: int, capture: bool
+    ) -> None:
+        self.static_decode = StaticDecode(
+            self.model,
+            self.arena.kv_caches,
+            self,
+            self.backend,
+            block_size=self.config.block_size,
+            max_context_len=max_context_len,
+            buckets=buckets,
+            max_rank=max_rank,
+            scratch_slot=self.arena.scratch_slot,  # the arenas are laid out alike
+            capture=capture,
         )
 
     def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
@@ -125,6 +144,10 @@ def run_rank(config: EngineConfig, rank: int, address: GroupAddress, threads: in
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(message)s")
     torch.set_num_threads(threads)
     device = rank_device(config, rank)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        # Rank 0 runs the Triton kernels interpreted (tests, smoke runs): so does this rank,
+        # with the interpreter's fixes (kernels/interpreter.py), before a kernel is imported.
+        use_cpu_interpreter()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:

@@ -22,7 +22,9 @@ from loramux.engine.lora.device_arena import DeviceArena, RowLayout
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.parallel.ranks import RankFailed
 from loramux.engine.parallel.shard import ShardPlan
+from loramux.kernels import dispatch
 from tests.engine.factories import build_engine
+from tests.engine.hf_reference import greedy_tokens
 from tests.engine.speculative.test_speculative_engine import NGRAM as SPECULATIVE
 from tests.engine.speculative.test_speculative_engine import assert_speculated
 from tests.engine.test_exactness import (
@@ -31,6 +33,7 @@ from tests.engine.test_exactness import (
     mixed_requests,
     run_staggered,
 )
+from tests.engine.test_static_decode import run_ragged
 from tests.fixtures.models import build_tiny_model
 from tests.fixtures.processes import child_pids
 
@@ -142,8 +145,8 @@ def test_a_killed_rank_fails_the_next_step_naming_it(tiny_model_dir):
 
 def test_two_ranks_speculate_and_sample_as_one_process(tiny_model_dir, make_adapter):
     """n-gram speculation (proposals accepted and rejected) gives PEFT's greedy tokens over
-    two ranks; seeded sampling with penalties, top-k/top-p and logprobs gives one process's
-    tokens and logprobs (the same steps on the same batch: only the all-reduce's order of
+    two ranks; seeded sampling with every option (penalties, top-k/top-p/min-p, a logit
+    bias, logprobs of the output and of the prompt) gives one process's tokens and logprobs (the same steps on the same batch: only the all-reduce's order of
     additions differs, in the logits' last bits)."""
     adapters = {name: make_adapter(tiny_model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
     requests = mixed_requests(6)
@@ -152,9 +155,13 @@ def test_two_ranks_speculate_and_sample_as_one_process(tiny_model_dir, make_adap
         temperature=0.8,
         top_k=50,
         top_p=0.9,
+        min_p=0.02,
         presence_penalty=0.5,
+        frequency_penalty=0.3,
         repetition_penalty=1.2,
+        logit_bias={42: 3.0, 1000: -100.0},
         logprobs=2,
+        prompt_logprobs=2,
         seed=11,
         ignore_eos=True,
     )
@@ -171,12 +178,12 @@ def test_two_ranks_speculate_and_sample_as_one_process(tiny_model_dir, make_adap
                 sampling,
                 adapters=[adapter for _, adapter in requests],
             )
-            sampled[world] = [(o.token_ids, o.logprobs) for o in outs]
+            sampled[world] = [(o.token_ids, o.logprobs + o.prompt_logprobs[1:]) for o in outs]
         finally:
             engine.close()
     for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(sampled[1], sampled[2], strict=True):
-        assert tokens_2 == tokens_1
-        for one, two in zip(logprobs_1, logprobs_2, strict=True):
+        assert tokens_2 == tokens_1 and 1000 not in tokens_2
+        for one, two in zip(logprobs_1, logprobs_2, strict=True):  # output, then prompt
             assert [t for t, _ in one.top] == [t for t, _ in two.top]
             assert abs(one.logprob - two.logprob) < 1e-4
             assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(one.top, two.top, strict=True))
@@ -190,4 +197,63 @@ def test_an_engine_that_cannot_start_leaves_no_rank_behind(tiny_model_dir):
     # A split the model does not allow is refused before any rank starts.
     with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
         build_engine(tiny_model_dir, tensor_parallel_size=3)
+    assert child_pids(os.getpid()) == before
+
+
+def test_two_ranks_decode_over_the_static_buffers_as_one_process(
+    tiny_model_dir, make_adapter, monkeypatch
+):
+    """The static decode path (CUDA graphs on GPUs) over two ranks: both build their
+    buffers, and each decode-only step runs on every rank at the same bucket (in Triton's
+    interpreter here, eagerly; a GPU replays each rank's graph). Steps of 3 decodes run in
+    bucket 4 with a padding row: a rank running it at another size would enter the
+    all-reduces with other shapes and fail the step, and a padding row written to a real
+    slot on either rank would change the tokens."""
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")  # the ranks inherit it
+    adapters = {name: make_adapter(tiny_model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    requests = mixed_requests(6)
+    max_tokens = [9, 6, 5, 4, 3, 2]
+    outputs = {}
+    for world in (1, 2):
+        engine = build_engine(
+            tiny_model_dir,
+            adapters,
+            tensor_parallel_size=world,
+            block_size=BLOCK_SIZE,
+            cuda_graph_max_batch=4,
+            max_num_seqs=8,
+        )
+        try:
+            static = engine.runner.static_decode
+            assert static is not None and engine.arena.scratch_blocks == 1
+            outputs[world] = run_ragged(engine, requests, max_tokens)
+            assert {bucket for bucket, _ in static.steps_run} == {1, 2, 4}, static.steps_run
+        finally:
+            engine.close()
+    assert outputs[2] == outputs[1]
+    for (prompt, adapter), n, got in zip(requests, max_tokens, outputs[2], strict=True):
+        prompt_ids = engine.tokenizer(prompt)["input_ids"]
+        path = None if adapter is None else adapters[adapter]
+        assert got == greedy_tokens(tiny_model_dir, path, prompt_ids, n), (prompt, adapter)
+
+
+def test_a_failure_inside_rank_0_s_step_stops_the_engine_cleanly(tiny_model_dir):
+    """Rank 0 raising between two layers leaves rank 1 waiting in the next layer's
+    all-reduce: re-running parts of the step (isolation.py) would pair rank 0's new
+    collectives with that stale one. The engine stops instead, naming the failure, and
+    closing it leaves no rank behind."""
+    before = child_pids(os.getpid())
+    engine = build_engine(tiny_model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=20)
+    try:
+        layer = engine.model.model.layers[1]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault in layer 1")
+
+        layer.forward = broken
+        with pytest.raises(RankFailed, match=r"rank 0 failed inside a step .*injected fault"):
+            engine.generate(["Hello"], SamplingParams(max_tokens=4))
+        assert engine.ranks.out_of_step
+    finally:
+        engine.close()
     assert child_pids(os.getpid()) == before
