@@ -242,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             hidden, tokens, args.device, args.probe_rank, args.probe_port, args.probe_count
         )
         return 0
+    if args.device.startswith("cuda") and torch.cuda.device_count() < 2:
+        print(
+            f"--device cuda needs two GPUs (one per rank); this machine has "
+            f"{torch.cuda.device_count()}, so the GPU figures are not measured yet",
+            file=sys.stderr,
+        )
+        return 2
     args.load_format = "safetensors" if args.model else "random"
     model_dir = args.model or eight_head_model(args.cache_dir)
     adapters = prepare_adapters(args.cache_dir, model_dir, SHAPES, 4, seed=0)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from loramux.benchmarks import tensor_parallel
 
 
@@ -32,3 +35,12 @@ def test_the_smoke_compares_one_process_with_two_ranks(tiny_model_dir, tmp_path)
     assert 0 < split["communication_share"] < 1 and 0 < split["command_share"] < 1
     assert split["all_reduce_ms"] > 0  # the probe's two ranks reduced
     assert "communication share" in (tmp_path / "tensor_parallel_cpu.md").read_text()
+
+
+def test_the_gpu_form_without_two_gpus_says_so(tmp_path, capsys):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the GPU form would run")
+    status = tensor_parallel.main(["--device", "cuda", "--out", str(tmp_path)])
+    assert status == 2
+    assert "needs two GPUs" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
