@@ -156,14 +156,15 @@ class EngineRanks:
         if self._closed:
             return
         self._closed = True
-        if not self.dead_ranks() and not self.out_of_step:
-            try:
-                self.group.broadcast(Stop())
-            except Exception as exc:  # closing anyway
-                logger.warning("stopping the ranks: %s", exc)
-        for rank in self._ranks:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                rank.process.wait(STOP_WAIT_S)
+        if not self.out_of_step:  # else they may wait in a collective: no Stop reaches them
+            if not self.dead_ranks():
+                try:
+                    self.group.broadcast(Stop())
+                except Exception as exc:  # closing anyway
+                    logger.warning("stopping the ranks: %s", exc)
+            for rank in self._ranks:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    rank.process.wait(STOP_WAIT_S)
         self._terminate()
 
     def _terminate(self) -> None:
