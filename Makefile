@@ -14,7 +14,10 @@ run: setup
 test: setup system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest
+	# Two workers, a test file each at a time (most of the suite waits on processes, sockets
+	# and one core); then, alone, the tests whose measure is the machine's own time.
+	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not exclusive"
+	$(VENV)/bin/pytest -m exclusive
 
 setup: $(STAMP)
 

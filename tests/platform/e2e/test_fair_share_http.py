@@ -31,6 +31,9 @@ from loramux.platform.settings import Settings
 from tests.fixtures.models import build_tiny_model
 from tests.platform.e2e.conftest import Platform, Tenant, start_platform
 
+# Shares and times to first token measured against the clock: run alone (``make test``).
+pytestmark = pytest.mark.exclusive
+
 SLOTS = 8
 STEP_S = 0.025  # sleep added to each engine step (the tiny model's own step is a few ms)
 MAX_TOKENS = 16  # short requests: many of them end in a window, so the share is fine-grained
