@@ -73,12 +73,16 @@ def random_model_dir(folder: Path, hf_config: dict, tokenizer_source) -> Path:
     called only when ``folder`` is missing or holds another config.
     """
     config_text = json.dumps(hf_config, indent=2) + "\n"
-    config_path = folder / "config.json"
-    if (
-        config_path.is_file()
-        and config_path.read_text() == config_text
-        and (folder / "tokenizer.json").is_file()
-    ):
+
+    def made() -> bool:
+        config_path = folder / "config.json"
+        return (
+            config_path.is_file()
+            and config_path.read_text() == config_text
+            and (folder / "tokenizer.json").is_file()
+        )
+
+    if made():
         return folder
     source = Path(tokenizer_source())
     staging = folder.with_name(f"{folder.name}.partial-{uuid.uuid4().hex[:8]}")
@@ -88,8 +92,13 @@ def random_model_dir(folder: Path, hf_config: dict, tokenizer_source) -> Path:
             if (source / name).is_file():
                 shutil.copy(source / name, staging / name)
         (staging / "config.json").write_text(config_text)
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)  # the folder appears complete or not at all
+        if not made():  # else another process made it meanwhile, and may be reading it
+            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                staging.rename(folder)  # the folder appears complete or not at all
+            except OSError:  # another process's complete folder got there in between
+                if not made():
+                    raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def eight_head_model(cache_dir: Path) -> Path:
     target = cache_dir / "SmolLM2-135M-8-heads"
     if (target / "config.json").is_file():
         return target
-    staging = target.with_name(target.name + ".partial")
+    staging = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for path in source.iterdir():
@@ -140,7 +141,12 @@ def eight_head_model(cache_dir: Path) -> Path:
     config = json.loads((source / "config.json").read_text())
     config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=72)
     (staging / "config.json").write_text(json.dumps(config, indent=2))
-    staging.rename(target)
+    try:
+        staging.rename(target)
+    except OSError:  # another process published it first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
     return target
 
 

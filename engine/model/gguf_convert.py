@@ -42,15 +42,27 @@ def _plain_config(config):
 
 
 def _write_atomically(out_dir: Path, marker: str, gguf_file: Path, write) -> None:
-    """Run ``write(tmp_dir)``, mark it complete and rename it onto ``out_dir``."""
+    """Run ``write(tmp_dir)``, mark it complete and rename it onto ``out_dir``.
+
+    Another process may be writing the same folder (two servers, or test workers, started
+    at once on one cache): whichever finishes second keeps the first one's complete folder,
+    which the first may already be reading, and drops its own.
+    """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         write(tmp_dir)
         (tmp_dir / marker).write_text(f"{gguf_file.name}\n")
-        if out_dir.exists():  # a stale, incomplete directory from an earlier crash
-            shutil.rmtree(out_dir)
-        tmp_dir.rename(out_dir)
+        if not (out_dir / marker).is_file():
+            if out_dir.exists():  # a stale, incomplete directory from an earlier crash
+                shutil.rmtree(out_dir, ignore_errors=True)
+            try:
+                tmp_dir.rename(out_dir)
+                return
+            except OSError:  # another writer's complete folder got there in between
+                if not (out_dir / marker).is_file():
+                    raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.gguf_convert import COMPLETE_MARKER, convert_gguf_to_hf, is_converted
+from loramux.engine.model.gguf_convert import (
+    COMPLETE_MARKER,
+    _write_atomically,
+    convert_gguf_to_hf,
+    is_converted,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +103,27 @@ def test_incomplete_directory_is_not_taken_as_converted(tmp_path):
     assert not is_converted(out_dir)
     with pytest.raises(FileNotFoundError):
         convert_gguf_to_hf(tmp_path / "missing.gguf", out_dir, log=lambda _: None)
+
+
+def test_a_writer_finishing_second_keeps_the_first_ones_folder(tmp_path):
+    """Two processes converting into one cache at once (servers, or test workers): the one
+    finishing second drops its copy and leaves the folder the first may be reading; a
+    stale, incomplete folder is still replaced."""
+    out_dir = tmp_path / "model"
+
+    def writer(text: str):
+        return lambda folder: (folder / "weights").write_text(text)
+
+    _write_atomically(out_dir, COMPLETE_MARKER, Path("m.gguf"), writer("first"))
+    reading = (out_dir / "weights").open()
+    _write_atomically(out_dir, COMPLETE_MARKER, Path("m.gguf"), writer("second"))
+    assert (out_dir / "weights").read_text() == "first" == reading.read()
+    reading.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # the second copy is gone
+
+    (out_dir / COMPLETE_MARKER).unlink()  # as if a conversion died before marking it
+    _write_atomically(out_dir, COMPLETE_MARKER, Path("m.gguf"), writer("again"))
+    assert (out_dir / "weights").read_text() == "again" and is_converted(out_dir)
 
 
 @torch.inference_mode()
