@@ -6,6 +6,8 @@ reason other than needing a GPU is reported as a failure.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -23,6 +25,12 @@ pytest_plugins = [
 def pytest_configure(config):
     # Engines the tests start keep a small explicit budget (not one sized to the machine).
     set_test_budget()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `make test`'s two workers share the machine's two cores: one torch thread each,
+        # and in the processes they start. Two threads each, OpenMP's waiting threads of
+        # one worker took the cores from the other (a file of engine tests ran 3x slower).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

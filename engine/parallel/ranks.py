@@ -132,16 +132,25 @@ class EngineRanks:
         except Exception as exc:
             raise self.failure(exc) from exc
 
-    def failure(self, exc: BaseException) -> RankFailed:
-        """A collective failed: which rank is gone, if one is. A killed rank's connections
+    def failure(self, exc: BaseException, *, in_step: bool = False) -> RankFailed:
+        """Why the engine cannot go on after ``exc`` (raised sending a command, or inside
+        a step when ``in_step``): a rank is gone, if one is. A killed rank's connections
         close while its process is still being torn down, so its death may be seen a moment
-        after the error: it is waited for, briefly."""
+        after the error (gloo's error need not even be a ``DistError``): it is waited for,
+        briefly. With no rank gone, the ranks are out of step: rank 0 left a step, or a
+        collective, that the others may still be waiting in."""
         deadline = time.monotonic() + DEATH_WAIT_S
         while not (dead := self._dead()) and time.monotonic() < deadline:
             time.sleep(0.02)
         if dead:
             names = ", ".join(f"rank {r.rank} (exit code {r.process.returncode})" for r in dead)
             return RankFailed(f"tensor-parallel {names} of the engine stopped: {exc}")
+        self.out_of_step = True
+        if in_step and not isinstance(exc, dist.DistError):
+            return RankFailed(
+                f"rank 0 failed inside a step ({type(exc).__name__}: {exc}); the other "
+                "tensor-parallel ranks cannot be brought back in step, so the engine stops"
+            )
         return RankFailed(f"a tensor-parallel collective failed: {exc}")
 
     def dead_ranks(self) -> list[int]:
@@ -226,13 +235,7 @@ class ShardedRunner(ModelRunner):
         except (RankFailed, NonFiniteOutput):
             raise
         except Exception as exc:
-            if isinstance(exc, dist.DistError) or self.ranks.dead_ranks():
-                raise self.ranks.failure(exc) from exc  # a collective: a rank is gone
-            self.ranks.out_of_step = True
-            raise RankFailed(
-                f"rank 0 failed inside a step ({type(exc).__name__}: {exc}); the other "
-                "tensor-parallel ranks cannot be brought back in step, so the engine stops"
-            ) from exc
+            raise self.ranks.failure(exc, in_step=True) from exc
 
     def _static_forward(self, step, head_rows):
         self.ranks.send(RunStaticDecode(step, head_rows))
