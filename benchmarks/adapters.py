@@ -16,13 +16,13 @@ publishes the folder whole (a rename), so concurrent runs never see a partial on
 from __future__ import annotations
 
 import json
-import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from loramux.benchmarks.files import publish_folder
 from loramux.benchmarks.models import model_key
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -119,12 +119,7 @@ def cached_adapter(
     tensors = lora_tensors(model_config, rank, targets, seed=seed, dtype=dtype)
     staging = path.with_name(f"{name}.partial-{uuid.uuid4().hex[:8]}")
     write_adapter(staging, tensors, adapter_config(rank, targets))
-    try:
-        staging.rename(path)
-    except OSError:  # another process published it first
-        shutil.rmtree(staging, ignore_errors=True)
-        if not path.is_dir():
-            raise
+    publish_folder(staging, path, (path / WEIGHTS_FILE).is_file)
     return path
 
 

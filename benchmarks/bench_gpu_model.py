@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from loramux.benchmarks.adapters import QKVO, adapter_config, lora_tensors, write_adapter
+from loramux.benchmarks.files import publish_folder
 
 LLAMA_7B = {
     "architectures": ["LlamaForCausalLM"],
@@ -92,15 +93,10 @@ def random_model_dir(folder: Path, hf_config: dict, tokenizer_source) -> Path:
             if (source / name).is_file():
                 shutil.copy(source / name, staging / name)
         (staging / "config.json").write_text(config_text)
-        if not made():  # else another process made it meanwhile, and may be reading it
-            shutil.rmtree(folder, ignore_errors=True)
-            try:
-                staging.rename(folder)  # the folder appears complete or not at all
-            except OSError:  # another process's complete folder got there in between
-                if not made():
-                    raise
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_folder(staging, folder, made)
     return folder
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -62,6 +63,25 @@ def write_atomic(path: Path, text: str) -> None:
     staging = path.with_name(path.name + ".tmp")
     staging.write_text(text)
     staging.replace(path)
+
+
+def publish_folder(staging: Path, target: Path, made: Callable[[], bool]) -> None:
+    """Rename the complete folder ``staging`` onto ``target``, so ``target`` appears whole or
+    not at all. Another process may make the same folder at once (the suite's two workers
+    on one cache): when ``made()`` says ``target`` is complete, it is that process's, which
+    may already be read, so it is kept and ``staging`` dropped. An incomplete ``target``
+    (a run that died) is replaced."""
+    try:
+        if made():
+            return
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            staging.rename(target)
+        except OSError:  # another process's complete folder got there in between
+            if not made():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_report(stem: Path, report: dict, markdown: str) -> None:

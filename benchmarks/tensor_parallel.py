@@ -40,7 +40,12 @@ from pathlib import Path
 import torch
 
 from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, prepare_adapters
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.files import (
+    add_output_options,
+    check_output_options,
+    publish_folder,
+    write_report,
+)
 from loramux.benchmarks.machine import machine_info, machine_text
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.speculative import StepTimer
@@ -141,12 +146,7 @@ def eight_head_model(cache_dir: Path) -> Path:
     config = json.loads((source / "config.json").read_text())
     config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=72)
     (staging / "config.json").write_text(json.dumps(config, indent=2))
-    try:
-        staging.rename(target)
-    except OSError:  # another process published it first
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
+    publish_folder(staging, target, (target / "config.json").is_file)
     return target
 
 

@@ -53,19 +53,16 @@ def _write_atomically(out_dir: Path, marker: str, gguf_file: Path, write) -> Non
     try:
         write(tmp_dir)
         (tmp_dir / marker).write_text(f"{gguf_file.name}\n")
-        if not (out_dir / marker).is_file():
-            if out_dir.exists():  # a stale, incomplete directory from an earlier crash
-                shutil.rmtree(out_dir, ignore_errors=True)
-            try:
-                tmp_dir.rename(out_dir)
-                return
-            except OSError:  # another writer's complete folder got there in between
-                if not (out_dir / marker).is_file():
-                    raise
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+        if (out_dir / marker).is_file():  # another writer's, done first
+            return
+        shutil.rmtree(out_dir, ignore_errors=True)  # a stale one from an earlier crash
+        try:
+            tmp_dir.rename(out_dir)
+        except OSError:  # another writer's complete folder got there in between
+            if not (out_dir / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # gone already once renamed
 
 
 def extract_gguf_metadata(gguf_file: Path, out_dir: Path, *, log=print) -> Path:

@@ -3,9 +3,9 @@
 ``EngineRanks`` spawns one process per other rank (``worker.run_rank``), joins them in a
 ``TensorParallelGroup`` and sends commands (``commands.py``). ``MirroredArena`` and
 ``ShardedRunner`` are rank 0's arena and runner (``static_decode`` its static decode
-path): each operation that changes device state
-or runs the model is sent to the other ranks first and then done here, so the engine above
-them (scheduler, pool, tiers, sampler) is the single-device engine, unchanged.
+path): each operation that changes device state or runs the model is sent to the other
+ranks first and then done here, so the engine above them (scheduler, pool, tiers, sampler)
+is the single-device engine, unchanged.
 
 A rank that dies makes rank 0's next collective fail (gloo and NCCL see the closed
 connection, or time out): that error, raised in a step, is the engine's failure
