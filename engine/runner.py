@@ -42,7 +42,8 @@ computed tokens: the scheduler's update drops those slots, and a later step over
 Prompt logprobs: the hidden state at position ``p`` gives the logits of token ``p + 1``, so
 a chunk ``[start, end)`` of a request that asks for them yields the entries of prompt tokens
 ``start + 1 .. end`` (the first token of a chunk was scored by the previous chunk's last
-position). Only those rows go through the LM head, ``PROMPT_LOGPROB_ROWS`` at a time, and
+position). Only those rows go through the LM head, each request's own passes of at most
+``PROMPT_LOGPROB_ROWS`` (so its logprobs do not depend on the requests beside it), and
 only each row's token logprob and top-k come back: the full ``[rows, vocab]`` logits are
 never held at once, and requests that don't ask pay nothing. Entries a sequence already has
 (computed before a preemption) are not computed again.
@@ -282,8 +283,7 @@ class ModelRunner:
         rows = torch.tensor(scored.rows, dtype=torch.long, device=self.device)
         targets = torch.tensor(scored.targets, dtype=torch.long, device=self.device)
         entries: list[TokenLogprobs] = []
-        for lo in range(0, len(scored.rows), PROMPT_LOGPROB_ROWS):
-            hi = lo + PROMPT_LOGPROB_ROWS
+        for lo, hi in scored.spans(PROMPT_LOGPROB_ROWS):
             logits = self.model.compute_logits(hidden[rows[lo:hi]])  # [<= chunk, vocab]
             entries += logprobs_of(logits, targets[lo:hi], scored.top_counts[lo:hi])
         out: PromptLogprobs = {}
@@ -384,8 +384,25 @@ class _PromptRows:
         self.request_ids: list[str] = []
 
     def chunks(self, size: int) -> list[list[int]]:
-        """The rows in LM-head passes of at most ``size`` (as ``_prompt_logprobs`` makes them)."""
-        return [self.rows[lo : lo + size] for lo in range(0, len(self.rows), size)]
+        """The rows in LM-head passes (as ``_prompt_logprobs`` makes them): each request's
+        own, at most ``size`` at a time. A matrix multiply's last bits for a row depend on
+        where in the matrix the row sits, so passes shared by several requests gave one
+        prompt logprobs that depended on its neighbours in the step."""
+        return [self.rows[lo:hi] for lo, hi in self.spans(size)]
+
+    def spans(self, size: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` index ranges of ``rows``, one request's and at most ``size`` each."""
+        spans: list[tuple[int, int]] = []
+        lo = 0
+        for hi in range(1, len(self.rows) + 1):
+            if (
+                hi == len(self.rows)
+                or self.request_ids[hi] != self.request_ids[lo]
+                or hi - lo == size
+            ):
+                spans.append((lo, hi))
+                lo = hi
+        return spans
 
     def add(self, item: ScheduledSequence, first: int) -> None:
         """Add ``item``'s rows (its chunk's first token is hidden row ``first``)."""

@@ -86,8 +86,9 @@ class AttentionPlan:
     decode_rows: torch.Tensor  # [B] token rows of the decode queries
     decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (block 0 past its end)
     decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
-    # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence
-    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence; the
+    # mask is None for a chunk with no cached prefix (ctx == n_new: plain causal attention)
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
     @property
     def all_decode(self) -> bool:
@@ -227,7 +228,8 @@ def plan_attention(
             keys = torch.arange(ctx_len, **long)
             slots = flat_slots(step.tables[i, :table_len], keys, block_size)
             # Causal, bottom-right aligned: query j (position ctx - n + j) sees keys <= it.
-            causal = keys[ctx_len - n :, None] >= keys[None, :]
+            # Without a prefix that is SDPA's own (top-left) causal case, which needs no mask.
+            causal = None if ctx_len == n else keys[ctx_len - n :, None] >= keys[None, :]
             prefill.append((first_row, n, slots, causal))
         first_row += n
     longest = max((length for _, _, length in rows), default=0)
@@ -344,16 +346,19 @@ def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, gath
 
 
 def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out, gather) -> None:
-    """Rows of each prefilling sequence of ``out``: a causally masked SDPA per sequence."""
-    _, q_heads, head_dim = query.shape
-    kv_heads = k_cache.shape[2]
-    group = q_heads // kv_heads
+    """Rows of each prefilling sequence of ``out``: a causal SDPA per sequence.
+
+    The operands are 4-D (``[1, heads, tokens, head_dim]``) and the KV heads are shared by
+    ``enable_gqa`` (query head h reads KV head ``h // group``, as the maths says), so that
+    torch takes its fused CPU kernel, which never materialises the ``[n_new, ctx]`` scores:
+    with 3-D operands, or an explicit mask over a repeated query, it took its math path
+    (about 70% of a 2,000-token prefill went to scores, softmax and masking). A chunk with no
+    cached prefix needs no mask at all (``is_causal``: fully masked tiles are skipped)."""
     for first, n_new, slots, causal in plan.prefill:
-        q = query[first : first + n_new].view(n_new, kv_heads, group, head_dim)
-        q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * n_new, head_dim)
-        k = gather(k_cache, slots[None], query.dtype)[0].transpose(0, 1)  # [Hkv, L, D]
-        v = gather(v_cache, slots[None], query.dtype)[0].transpose(0, 1)
-        mask = causal.repeat(group, 1)  # query rows are group-major: [group * n_new, L]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        attn = attn.view(kv_heads, group, n_new, head_dim).permute(2, 0, 1, 3)
-        out[first : first + n_new] = attn.reshape(n_new, q_heads, head_dim)
+        q = query[first : first + n_new].transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
+        k = gather(k_cache, slots[None], query.dtype).transpose(1, 2)  # [1, Hkv, L, D]
+        v = gather(v_cache, slots[None], query.dtype).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True
+        )
+        out[first : first + n_new] = attn[0].transpose(0, 1)  # [n, Hq, D]

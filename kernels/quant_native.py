@@ -4,13 +4,19 @@ through ctypes.
 Same definition as :mod:`loramux.kernels.quant_linear` (``y = x @ dequantize(W)^T + bias``)
 for float32 activations. Steps of up to :data:`DOT_MAX_TOKENS` tokens take the C file's dot
 products over rows de-quantized in L1 (a decode step reads each packed weight once); longer
-ones (prefill) de-quantize tiles of :data:`TILE_BYTES` and hand them to the BLAS, whose
-blocking is worth more there than the bytes saved. The C file says how it is laid out.
+ones (prefill) de-quantize tiles of :data:`TILE_BYTES` and hand them to a matrix multiply,
+whose blocking is worth more there than the bytes saved. The C file says how it is laid out.
+
+The multiply is oneDNN's (``mkldnn._linear_pointwise``) where torch has it, else
+``torch.mm`` (MKL's). On the AMD machines this project runs on, MKL's float32 GEMM takes a
+path that does about 90 GFLOP/s a core and oneDNN's about 215 at prefill sizes
+(``benchmarks/results/prefill_cpu.md``); both sum in float32, in different orders.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +29,37 @@ SOURCE = CSRC / "quant_cpu.c"
 # Up to this many tokens: the C dot products. Above: de-quantized tiles through the BLAS
 # (measured on SmolLM2's layers, one thread: see benchmarks/results/quant_cpu_kernels.md).
 DOT_MAX_TOKENS = 8
-TILE_BYTES = 2 << 20  # float32 bytes of one de-quantized tile (stays in L2/L3)
+TILE_BYTES = 8 << 20  # float32 bytes of one de-quantized tile: a small model's whole weight
 _KIND_BITS = {"int8": 8, "int4": 4}
+
+# y [T, N] = x [T, K] @ w[N, K]^T + bias [N] (bias may be None)
+TileMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def mm_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.mm(x, w.t())
+    return y if bias is None else y.add_(bias)
+
+
+def onednn_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def pick_tile_matmul() -> tuple[TileMatmul, str]:
+    """oneDNN's multiply where this torch has it and it agrees with ``torch.mm`` on a probe;
+    else ``torch.mm``. Returns the op and its name."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return mm_matmul, "torch.mm"
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 64, generator=generator)
+        w = torch.randn(24, 64, generator=generator)
+        bias = torch.randn(24, generator=generator)
+        if torch.allclose(onednn_matmul(x, w, bias), mm_matmul(x, w, bias), atol=1e-4):
+            return onednn_matmul, "oneDNN"
+    except (AttributeError, RuntimeError):  # an op this torch build lacks
+        pass
+    return mm_matmul, "torch.mm"
 
 
 @dataclass(frozen=True)
@@ -33,6 +68,7 @@ class NativeQuantLinear:
 
     library: ctypes.CDLL
     path: Path
+    tile_matmul: TileMatmul = mm_matmul  # the multiply of de-quantized tiles (prefill)
 
     def linear(
         self,
@@ -95,13 +131,15 @@ class NativeQuantLinear:
         n, k = weight.out_features, weight.in_features
         rows = max(1, min(n, TILE_BYTES // (4 * k)))
         tile = x.new_empty(rows, k)
+        if rows == n:  # one tile: the whole weight
+            self.dequantize_rows(weight, 0, tile)
+            return self.tile_matmul(x, tile, bias)
         y = x.new_empty(x.shape[0], n)
         for first in range(0, n, rows):
             count = min(rows, n - first)
             self.dequantize_rows(weight, first, tile[:count])
-            torch.mm(x, tile[:count].t(), out=y[:, first : first + count])
-        if bias is not None:
-            y += bias
+            part = None if bias is None else bias[first : first + count]
+            y[:, first : first + count] = self.tile_matmul(x, tile[:count], part)
         return y
 
 
@@ -147,4 +185,5 @@ def load_native_quant_linear(
     rows.argtypes = [ctypes.c_int, pointer, pointer, pointer, size, size, size, size, pointer]
     rows.argtypes += [size]
     rows.restype = None
-    return NativeQuantLinear(library, Path(library._name)), how
+    matmul, name = pick_tile_matmul()
+    return NativeQuantLinear(library, Path(library._name), matmul), f"{how}; prefill tiles: {name}"
