@@ -75,17 +75,18 @@ class RunningPlatform:
 
 
 @contextlib.contextmanager
-def serve_platform(model_dir: Path, **settings: Any) -> Iterator[RunningPlatform]:
-    """The embedded default on ``model_dir`` served over HTTP until the block ends;
-    ``settings`` are extra ``Settings`` fields (``kv_cache_bytes``, ``max_num_seqs``...)."""
+def serve_platform(model_dir: Path | None, **settings: Any) -> Iterator[RunningPlatform]:
+    """The embedded default on ``model_dir`` (None: its own GGUF, as ``loramux serve``
+    serves it) over HTTP until the block ends; ``settings`` are extra ``Settings`` fields
+    (``kv_cache_bytes``, ``max_num_seqs``...)."""
     from loramux.platform.app import create_app
     from loramux.platform.context import build_context
     from loramux.platform.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="loramux-bench-") as data_dir:
-        config = Settings(
-            data_dir=Path(data_dir), model=str(model_dir), device="cpu", port=0, **settings
-        )
+        if model_dir is not None:
+            settings["model"] = str(model_dir)
+        config = Settings(data_dir=Path(data_dir), device="cpu", port=0, **settings)
         context = build_context(config, log=lambda _: None)
         try:
             with ServerThread(create_app(context)) as server:

@@ -7,6 +7,7 @@ This module is the engine's front door: the platform imports only what is export
 """
 
 from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineStoppedError
+from loramux.engine.compute_threads import default_compute_threads
 from loramux.engine.config import INT4_GROUP_SIZES, QUANTIZATIONS, EngineConfig
 from loramux.engine.engine import Engine, EngineError, UnknownAdapter
 from loramux.engine.lora.adapter import (
@@ -36,6 +37,7 @@ from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import ErrorKind, FinishReason, RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, SpeculationStats, TierStats
 from loramux.engine.structured import (
+    GrammarCacheStats,
     GrammarError,
     JsonObject,
     JsonSchema,
@@ -77,6 +79,7 @@ __all__ = [
     "EngineStoppedError",
     "ErrorKind",
     "FinishReason",
+    "GrammarCacheStats",
     "GrammarError",
     "JsonObject",
     "JsonSchema",
@@ -102,6 +105,7 @@ __all__ = [
     "UnknownAdapter",
     "check_spec",
     "convert_gguf_to_hf",
+    "default_compute_threads",
     "extract_gguf_metadata",
     "format_instructions",
     "is_converted",

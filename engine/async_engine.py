@@ -354,7 +354,7 @@ class AsyncEngine:
         if spec is not None:
             # Compiled here, off the engine thread (a new schema takes milliseconds; the
             # first one also builds the compiler): the add below finds it in the cache.
-            await asyncio.to_thread(self.engine.compile_structured, spec)
+            await asyncio.to_thread(self.engine.compile_structured, spec, tenant)
         loop = self._current_loop()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         finished = False

@@ -18,6 +18,10 @@ _DTYPES = {
 LOAD_FORMATS = ("safetensors", "random")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 QUANTIZATIONS = ("none", "int8", "int4")  # what each packs: model/quantized.py
+# A CPU step that prefills lasts about this long by default: another tenant's request that
+# arrives during one waits for its end and then one more such step, so its first token
+# comes within about 1.5 of these on average (benchmarks/results/bench_prefill-flood.md).
+DEFAULT_CPU_STEP_TARGET_S = 0.15
 
 
 @dataclass
@@ -44,6 +48,16 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step: decodes + prefill chunks
     max_prefill_chunk: int | None = None  # cap on one request's prefill tokens per step
+    # Prompt tokens per step are sized so that a step that prefills lasts about this long
+    # (prefill_budget.py), within max_num_batched_tokens: a long prompt then holds another
+    # tenant's first token for a step or two, not for its whole prefill. None: the device's
+    # default (DEFAULT_CPU_STEP_TARGET_S on the CPU; on CUDA no time target, the token
+    # budget alone).
+    prefill_step_target_s: float | None = None
+    # Threads of torch's CPU ops (intra-op). None: OMP_NUM_THREADS if set, else every core
+    # this process may run on (its CPU affinity and cgroup quota; compute_threads.py). The
+    # platform passes fewer when it shares the process.
+    compute_threads: int | None = None
     max_model_len: int | None = None  # context cap (default: the model's)
     max_adapters_per_step: int | None = None  # distinct adapters in one step (None: no cap)
     adapter_wait_steps: int = 16  # steps a capped-out adapter waits before others drain for it
@@ -52,6 +66,11 @@ class EngineConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     seed: int = 0  # for requests without their own seed
+    # Host RAM of compiled structured-output grammars kept for reuse (LRU, as measured in
+    # structured/grammar_bytes.py: a 12,000-value enum keeps about 4.8 MiB), and the most one
+    # tenant's may take (None: a quarter), so one tenant's new schemas evict its own first.
+    grammar_cache_bytes: int = 256 << 20
+    grammar_cache_tenant_bytes: int | None = None
     # "safetensors": the checkpoint in ``model``; "random": weights drawn at random on the
     # device from ``model``'s config.json (benchmarks at real shapes without the files).
     load_format: str = "safetensors"
@@ -90,8 +109,12 @@ class EngineConfig:
     # torch.distributed (NCCL between GPUs, gloo on the CPU). Rank 0 is this process.
     tensor_parallel_size: int = 1
     # Seconds a rank waits for the others (joining, or in a collective) before the engine
-    # fails: a rank that died or hangs ends the engine instead of stalling it.
+    # fails: the bound for a rank alive but stuck. A rank that died is seen at once.
     tensor_parallel_timeout_s: float = 60.0
+    # Seconds a rank may go without a heartbeat (its process stopped, frozen) before rank 0
+    # kills it and fails the engine naming it; a rank busy in a long step still beats.
+    # Shorter than tensor_parallel_timeout_s, or the collective's timeout comes first.
+    tensor_parallel_heartbeat_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -103,11 +126,13 @@ class EngineConfig:
             "adapter_host_bytes",
             "adapter_disk_cache_bytes",
             "adapter_load_workers",
+            "grammar_cache_bytes",
             "num_speculative_tokens",
             "ngram_max_n",
             "ngram_min_n",
             "tensor_parallel_size",
             "tensor_parallel_timeout_s",
+            "tensor_parallel_heartbeat_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -115,10 +140,13 @@ class EngineConfig:
         names = (
             "kv_cache_bytes",
             "max_prefill_chunk",
+            "prefill_step_target_s",
+            "compute_threads",
             "max_model_len",
             "max_adapters_per_step",
             "adapter_device_bytes",
             "draft_kv_cache_bytes",
+            "grammar_cache_tenant_bytes",
         )
         for name in names:
             value = getattr(self, name)
@@ -184,6 +212,22 @@ class EngineConfig:
                 "EngineConfig.tensor_parallel_size > 1 serves float weights only for now: set "
                 "quantization 'none' and no gguf_file, or tensor_parallel_size 1"
             )
+        if self.tensor_parallel_heartbeat_timeout_s >= self.tensor_parallel_timeout_s:
+            raise ValueError(
+                "EngineConfig.tensor_parallel_heartbeat_timeout_s "
+                f"({self.tensor_parallel_heartbeat_timeout_s}) must be shorter than "
+                f"tensor_parallel_timeout_s ({self.tensor_parallel_timeout_s}): a stopped rank "
+                "is named by its heartbeat, before the collective's own timeout"
+            )
+        if (
+            self.grammar_cache_tenant_bytes is not None
+            and self.grammar_cache_tenant_bytes > self.grammar_cache_bytes
+        ):
+            raise ValueError(
+                f"EngineConfig.grammar_cache_tenant_bytes ({self.grammar_cache_tenant_bytes}) "
+                f"is one tenant's share of grammar_cache_bytes ({self.grammar_cache_bytes}) and "
+                "cannot exceed it"
+            )
         if self.cuda_graph_max_batch < 0:
             raise ValueError(
                 "EngineConfig.cuda_graph_max_batch must be 0 (no CUDA graphs) or positive, "
@@ -203,6 +247,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def step_target_s(self) -> float | None:
+        """The prefill step target in force (``prefill_step_target_s`` or the device's)."""
+        if self.prefill_step_target_s is not None:
+            return self.prefill_step_target_s
+        return DEFAULT_CPU_STEP_TARGET_S if self.torch_device.type == "cpu" else None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from loramux.engine.compute_threads import apply_compute_threads
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.isolation import IsolatedStep, run_isolated
@@ -54,6 +55,7 @@ from loramux.engine.model.loader import load_model
 from loramux.engine.model.quantized import describe_weights
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.parallel.ranks import start_ranks
+from loramux.engine.prefill_budget import PrefillBudget
 from loramux.engine.residency import ResidencyCounts, ResidencyWatch
 from loramux.engine.runner import ModelRunner, NonFiniteOutput, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
@@ -119,6 +121,10 @@ class Engine:
 
     def _build(self, config: EngineConfig, metrics: EngineMetrics | None) -> None:
         device, dtype = config.torch_device, config.torch_dtype
+        # Over several CPU ranks, rank 0 takes its part of the threads like the others.
+        self.threads = apply_compute_threads(
+            config.compute_threads if self.ranks is None else self.ranks.threads
+        )
         shard = None if self.ranks is None else self.ranks.plan
         if self.ranks is not None:
             device = self.ranks.device
@@ -155,6 +161,8 @@ class Engine:
             self.tokenizer,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
+            cache_bytes=config.grammar_cache_bytes,
+            tenant_cache_bytes=config.grammar_cache_tenant_bytes,
         )
         # Before the budget is sized: its weights are in the machine's memory too.
         self.draft_model = (
@@ -217,6 +225,12 @@ class Engine:
             num_blocks, config.block_size, config.enable_prefix_caching, min_limit=kv_floor
         )
         self.lora_pool = LoRAPool(self.model.config, self.arena, self.kv, max_rows=max_rows)
+        # Prompt tokens per step, sized to the step's target time (prefill_budget.py).
+        self.prefill_budget = PrefillBudget(
+            config.step_target_s,
+            max_tokens=config.max_num_batched_tokens,
+            min_tokens=min(config.block_size, config.max_num_batched_tokens),
+        )
         self.scheduler = Scheduler(
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -227,6 +241,7 @@ class Engine:
             ),
             self.kv,
             adapter_ready=self.lora_pool.is_resident,
+            prompt_budget=self.prefill_budget.tokens,
         )
         self.runner = (ModelRunner if self.ranks is None else self.ranks.runner)(
             self.model,
@@ -252,6 +267,7 @@ class Engine:
         )
         self.metrics = metrics or EngineMetrics()
         self.metrics.kv_blocks_total.set(num_blocks)
+        self.metrics.watch_grammar_cache(self.grammars)  # read when scraped
         self.tiers = AdapterTiers(
             self.lora_pool,
             HostAdapterCache(config.adapter_host_bytes),
@@ -289,8 +305,10 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         logger.info(describe_weights(self.model, config))
+        logger.info(self.threads.describe())
         for line in self.memory_plan.describe():
             logger.info(line)
+        logger.info(self.grammars.describe())
         self.residency_watch = ResidencyWatch(advice=self.memory_plan.advice(), log=logger)
 
     def _load_draft_model(self) -> LlamaForCausalLM:
@@ -473,7 +491,7 @@ class Engine:
         self._check_prompt_fits(len(prompt_ids), params)
         grammar = None
         if params.structured is not None:
-            grammar = self.compile_structured(params.structured).matcher()
+            grammar = self.compile_structured(params.structured, tenant).matcher()
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.config.torch_device)
@@ -507,12 +525,15 @@ class Engine:
         if lora is not None:
             self.tiers.note_request(lora.adapter_id)
 
-    def compile_structured(self, spec: StructuredSpec) -> CompiledGrammar:
-        """``spec`` compiled for this engine's tokenizer (cached per spec); EngineError naming
-        the problem if it cannot be enforced. Thread-safe: ``AsyncEngine`` calls it off the
-        engine thread before it adds the request, so that a slow compile stalls no step."""
+    def compile_structured(
+        self, spec: StructuredSpec, tenant: str | None = None
+    ) -> CompiledGrammar:
+        """``spec`` compiled for this engine's tokenizer (cached per spec and tenant, charged
+        to the tenant's share of the cache); EngineError naming the problem if it cannot be
+        enforced. Thread-safe: ``AsyncEngine`` calls it off the engine thread before it adds
+        the request, so that a slow compile stalls no step."""
         try:
-            return self.grammars.compile(spec)
+            return self.grammars.compile(spec, tenant)
         except GrammarError as exc:
             raise EngineError(str(exc)) from None
 
@@ -621,6 +642,8 @@ class Engine:
             return failures
         finally:
             self.step_interrupt.end()
+        if not step.reruns:
+            self.prefill_budget.observe(plan.num_prompt_tokens, time.perf_counter() - started)
         if self.speculator is not None and not step.reruns:
             self.speculator.observe_step(plan, time.perf_counter() - started)
             self.metrics.spec_proposal_cost.set(self.speculator.proposal_cost)
@@ -841,6 +864,7 @@ class Engine:
                 0 if self.speculator is None else self.config.num_speculative_tokens
             ),
             speculation={k: dataclasses.replace(v) for k, v in self._speculation.items()},
+            grammar_cache=self.grammars.cache_stats(),
         )
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:

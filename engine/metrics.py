@@ -9,9 +9,17 @@ has no work rather than its last value.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from loramux.engine.tenant_share import TenantShareStats
+
+if TYPE_CHECKING:
+    from loramux.engine.structured_outputs import Grammars
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
@@ -202,6 +210,11 @@ class EngineMetrics:
             registry=r,
         )
 
+    def watch_grammar_cache(self, grammars: Grammars) -> None:
+        """Export the compiled-grammar cache's figures, read from it when scraped (its
+        compiles run on other threads too)."""
+        self.registry.register(_GrammarCacheCollector(grammars))
+
     def count_served(self, served: dict[str | None, tuple[int, int]]) -> None:
         """Add one step's (prompt, output) tokens per tenant."""
         for tenant, (prompt, output) in served.items():
@@ -217,6 +230,73 @@ class EngineMetrics:
             self.tenant_share.labels(label).set(stats.share or 0.0)
             self.tenant_weight.labels(label).set(stats.weight)
             self.tenant_weight_share.labels(label).set(stats.weight_share or 0.0)
+
+
+class _GrammarCacheCollector(Collector):
+    """``loramux_grammar_cache_*``: bytes and entries held, engine-wide and per tenant with
+    an entry (a tenant whose grammars were all evicted drops out), the budgets, and counts
+    since the start."""
+
+    def __init__(self, grammars: Grammars):
+        self._grammars = grammars
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._grammars.cache_stats()
+        usage = self._grammars.tenant_usage()
+        for name, text, value in (
+            ("bytes", "Bytes of compiled grammars the cache holds (host RAM).", stats.bytes),
+            ("entries", "Compiled grammars the cache holds.", stats.entries),
+            ("budget_bytes", "The most the cache keeps.", stats.budget_bytes),
+            (
+                "tenant_budget_bytes",
+                "The most one tenant's grammars keep.",
+                stats.tenant_budget_bytes,
+            ),
+        ):
+            yield GaugeMetricFamily(f"loramux_grammar_cache_{name}", text, value=value)
+        tenant_bytes = GaugeMetricFamily(
+            "loramux_grammar_cache_tenant_bytes",
+            "Bytes of the tenant's compiled grammars the cache holds.",
+            labels=["tenant"],
+        )
+        tenant_entries = GaugeMetricFamily(
+            "loramux_grammar_cache_tenant_entries",
+            "The tenant's compiled grammars the cache holds.",
+            labels=["tenant"],
+        )
+        for tenant, (nbytes, entries) in sorted(usage.items(), key=lambda i: _tenant_label(i[0])):
+            tenant_bytes.add_metric([_tenant_label(tenant)], nbytes)
+            tenant_entries.add_metric([_tenant_label(tenant)], entries)
+        yield tenant_bytes
+        yield tenant_entries
+        lookups = CounterMetricFamily(
+            "loramux_grammar_cache_lookups",
+            "Compiles asked for, by result: hit (cached, or compiled by another thread) or "
+            "miss (compiled; failed compiles too).",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], stats.hits)
+        lookups.add_metric(["miss"], stats.misses)
+        yield lookups
+        evictions = CounterMetricFamily(
+            "loramux_grammar_cache_evictions",
+            "Compiled grammars evicted, by the budget that needed the room: the tenant's own "
+            "or the engine's.",
+            labels=["budget"],
+        )
+        evictions.add_metric(["tenant"], stats.tenant_evictions)
+        evictions.add_metric(["engine"], stats.evictions - stats.tenant_evictions)
+        yield evictions
+        yield CounterMetricFamily(
+            "loramux_grammar_cache_evicted_bytes",
+            "Bytes of the compiled grammars evicted.",
+            value=stats.evicted_bytes,
+        )
+        yield CounterMetricFamily(
+            "loramux_grammar_cache_not_kept",
+            "Compiled grammars larger than the tenant budget: used by their requests, not kept.",
+            value=stats.not_kept,
+        )
 
 
 def _tenant_label(tenant: str | None) -> str:

@@ -9,11 +9,11 @@ the update that completes its prompt finishes it, so it never reaches a decode.
 
 Policy, in order:
 
-1. **Running sequences first**, highest priority first, then earliest arrival. Each
-   gets its next tokens (1 for a decode, a chunk of the remaining prompt otherwise).
-   When KV blocks run out, a running sequence is *preempted by recompute*: its blocks
-   are freed and it goes back to the waiting queue to be computed again later. The
-   victim is the lowest priority, then the latest arrival.
+1. **Running decodes first**, highest priority first, then earliest arrival: each gets
+   its next token. When KV blocks run out, a running sequence is *preempted by
+   recompute*: its blocks are freed and it goes back to the waiting queue to be computed
+   again later. The victim is the lowest priority, then the latest arrival. Running
+   sequences still prefilling get their next chunk by policy 8, beside the waiting ones.
 2. **Waiting sequences** are admitted in order of priority (higher first), then the
    tenant's *virtual token counter* (lower first), then arrival. The counter is the
    VTC fair-share rule (``fair_share.py``): each tenant's counter grows by the tokens served to it divided
@@ -65,6 +65,14 @@ Policy, in order:
    the step in flight short when such a request arrives (``step_interrupt.py``), that is
    how priority is protected: by preempting steps, not by reserving slots, which would idle
    capacity whenever the high class is quiet.
+8. **Prompt tokens shared fairly**: a step takes at most ``prompt_budget()`` prefill tokens
+   (the engine sizes it so that a step lasts about its target time, ``prefill_budget.py``)
+   and each request at most ``max_prefill_chunk`` of them. They go, a chunk at a time, to
+   running prefills and waiting sequences in one order (priority, the tenant's virtual
+   counter, arrival), taken afresh after each chunk is charged. A tenant's long prompts,
+   prompt lists or ``n`` copies thus hold no other tenant's first token for longer than a
+   step or two: a new request of a tenant with nothing queued joins at the lowest counter
+   (policy 2), so it is the next in line, and no step lasts long.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_prompt_tokens: int = 0  # of those, prefill rows (prompt chunks and recomputes)
     # KV blocks moved out of a waiting adapter's way, (src, dst): the runner copies their
     # contents before anything reads them, whether or not anything is scheduled.
     kv_moves: list[tuple[int, int]] = field(default_factory=list)
@@ -130,8 +139,59 @@ class SchedulerLimits:
     adapter_wait_steps: int = 16
 
 
+@dataclass
+class _StepDraft:
+    """The step being decided: what is scheduled so far and the token budgets left."""
+
+    max_tokens: int  # every row of the step
+    max_prompt_tokens: int  # of those, prefill rows (prompt chunks and recomputes)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    adapters: set[int] = field(default_factory=set)  # distinct adapters in the step
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)
+    tokens: int = 0
+    prompt_tokens: int = 0
+    _prefills: set[str] = field(default_factory=set)  # request ids of prefill items
+
+    @property
+    def budget(self) -> int:
+        return self.max_tokens - self.tokens
+
+    @property
+    def prompt_budget(self) -> int:
+        return min(self.budget, self.max_prompt_tokens - self.prompt_tokens)
+
+    def add(self, item: ScheduledSequence, prefill: bool) -> None:
+        self.scheduled.append(item)
+        self.tokens += item.num_query_tokens
+        if prefill:
+            self.prompt_tokens += item.num_tokens
+            self._prefills.add(item.seq.request_id)
+        if item.seq.adapter_id is not None:
+            self.adapters.add(item.seq.adapter_id)
+
+    def drop(self, seq: Sequence) -> None:
+        """``seq`` was preempted after it was scheduled: its tokens go back to the budgets."""
+        for item in [item for item in self.scheduled if item.seq is seq]:
+            self.scheduled.remove(item)
+            self.tokens -= item.num_query_tokens
+            if item.seq.request_id in self._prefills:
+                self.prompt_tokens -= item.num_tokens
+        self._prefills.discard(seq.request_id)
+
+
+def _preemption_order(seq: Sequence) -> tuple[int, float]:
+    """Lowest first: the running sequence preempted first (lowest priority, latest arrival)."""
+    return (seq.priority, -seq.metrics.arrival_time)
+
+
 def _always_ready(adapter_id: int) -> bool:
     return True
+
+
+def _no_prompt_cap() -> int:
+    return 1 << 62
 
 
 class Scheduler:
@@ -140,10 +200,14 @@ class Scheduler:
         limits: SchedulerLimits,
         kv: KVCacheManager,
         adapter_ready: Callable[[int], bool] = _always_ready,
+        prompt_budget: Callable[[], int] = _no_prompt_cap,
     ):
         self.limits = limits
         self.kv = kv
         self.adapter_ready = adapter_ready  # adapter id -> on the device now
+        # The most prompt (prefill) tokens the next step may take: the engine sizes it so
+        # that a step lasts about its target time (prefill_budget.py); capped by the limits.
+        self.prompt_budget = prompt_budget
         self.fair = FairShare()
         self.adapter_room: AdapterRoom | None = None  # set by the engine before each step
         self.waiting: list[Sequence] = []
@@ -185,69 +249,109 @@ class Scheduler:
     # --- decide ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
-        limits = self.limits
-        budget = limits.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
-        adapters: set[int] = set()
-        kv_moves = self._make_adapter_room(preempted)
+        step = _StepDraft(
+            max_tokens=self.limits.max_num_batched_tokens,
+            max_prompt_tokens=max(1, self.prompt_budget()),
+        )
+        step.kv_moves = self._make_adapter_room(step.preempted)
 
-        # 1. Running sequences, most important first; the least important are preempted
-        #    when blocks run short. Those below a newly arrived higher priority sit this
-        #    step out (policy 7).
+        # 1. Running decodes, most important first; the least important running sequences
+        #    are preempted when blocks run short. Those below a newly arrived higher
+        #    priority sit this step out (policy 7).
         self.running.sort(key=lambda s: (-s.priority, s.metrics.arrival_time))
         urgent = self._urgent_priority()
         queue = [s for s in self.running if urgent is None or s.priority >= urgent]
-        # Sitting out, they still hold their adapters (the cap counts what runs next step).
-        adapters.update(
-            s.adapter_id for s in self.running if s not in queue and s.adapter_id is not None
+        # Every running sequence holds its adapter, in the step or not (sitting out, or left
+        # for want of budget): the cap counts what runs now and next.
+        step.adapters.update(s.adapter_id for s in self.running if s.adapter_id is not None)
+        decodes = [s for s in queue if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in queue if s.num_uncomputed_tokens > 1]
+        self._schedule_running(decodes, [*decodes, *prefilling], step)
+        # 2. Prompt tokens, shared by the fair share (policy 8): running prefills and
+        #    waiting sequences in one order.
+        self._schedule_prompts(prefilling, step)
+        for seq in step.admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+
+        # Group by adapter (base model first) so the runner can form LoRA segments.
+        scheduled = step.scheduled
+        scheduled.sort(key=lambda item: -1 if item.seq.adapter_id is None else item.seq.adapter_id)
+        tokens = sum(item.num_query_tokens for item in scheduled)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=step.preempted,
+            num_batched_tokens=tokens,
+            num_prompt_tokens=step.prompt_tokens,
+            kv_moves=step.kv_moves,
         )
-        while queue and budget > 0:
-            seq = queue.pop(0)
-            n = self._chunk(seq, budget)
+
+    def _schedule_running(
+        self, order: list[Sequence], unscheduled: list[Sequence], step: _StepDraft
+    ) -> None:
+        """Schedule each of ``order`` (running sequences) for its next chunk, preempting the
+        least important of ``unscheduled`` (or the sequence itself) when blocks run short."""
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one's blocks
+            prefill = seq.num_uncomputed_tokens > 1
+            n = self._chunk(seq, step.prompt_budget if prefill else step.budget)
+            if n <= 0:
+                continue
+            unscheduled.remove(seq)
             while not self.kv.can_allocate(seq.request_id, seq.num_computed_tokens + n):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, preempted)
+                victim = min(unscheduled, key=_preemption_order, default=seq)
+                if _preemption_order(victim) > _preemption_order(seq):
+                    victim = seq  # everything left outranks it: it goes itself
+                if victim is not seq:
+                    unscheduled.remove(victim)
+                self._preempt(victim, step.preempted)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            drafts = self._drafts(seq, n, budget)
+            drafts = self._drafts(seq, n, step.budget)
             self.kv.allocate(seq.request_id, seq.num_computed_tokens + n + len(drafts))
             item = self._scheduled(seq, n)
             item.draft_token_ids = drafts
-            scheduled.append(item)
-            budget -= item.num_query_tokens
-            if seq.adapter_id is not None:
-                adapters.add(seq.adapter_id)
+            step.add(item, prefill)
 
-        # 2./3./4. Waiting sequences.
+    def _schedule_prompts(self, prefilling: list[Sequence], step: _StepDraft) -> None:
+        """Policy 8: the step's prompt tokens go, a chunk at a time, to running prefills and
+        waiting sequences in one order: priority, then the tenant's virtual counter, then
+        arrival. Each chunk is charged as it is scheduled and the order taken afresh, so a
+        tenant that has had its share yields the rest of the step to the others. Waiting
+        sequences are admitted by policies 2-6."""
         self.waiting.sort(key=self._waiting_order)
-        pending = list(self.waiting)
         starving = self._starving_sequence()
-        admitted: list[Sequence] = []
-        # The first sequence that finds no room stops admission for its priority class's
-        # tenant (arrival order within a tenant) and for lower classes; other tenants of
-        # its class may still be admitted by their share (policy 6).
+        # The first waiting sequence that finds no room stops admission for its priority
+        # class's tenant (arrival order within a tenant) and for lower classes; other
+        # tenants of its class may still be admitted by their share (policy 6). Running
+        # prefills go on: they hold their slots and blocks already.
         stopped_class: int | None = None
         stopped_tenants: set[str | None] = set()
-        while pending:
-            seq = pending.pop(0)
-            if budget <= 0:
-                break
+        pending = [*((seq, True) for seq in prefilling), *((seq, False) for seq in self.waiting)]
+        pending.sort(key=lambda entry: self._waiting_order(entry[0]))
+        while pending and step.prompt_budget > 0:
+            seq, is_running = pending.pop(0)
+            if is_running:
+                others = [s for s, r in pending if r and s.status is SequenceStatus.RUNNING]
+                self._schedule_running([seq], [seq, *others], step)
+                pending.sort(key=lambda entry: self._waiting_order(entry[0]))
+                continue
             if stopped_class is not None and seq.priority != stopped_class:
-                break
-            if seq in preempted or (starving is not None and seq is not starving):
+                continue
+            if seq in step.preempted or (starving is not None and seq is not starving):
                 continue
             if seq.tenant in stopped_tenants:
                 continue
             if seq.adapter_id is not None and not self.adapter_ready(seq.adapter_id):
                 continue
-            if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, adapters):
+            if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, step.adapters):
                 if seq.adapter_blocked_since is None:
                     seq.adapter_blocked_since = self.step_count
                 continue
-            room = self._make_room(seq, budget, admitted, preempted, scheduled)
+            room = self._make_room(seq, step)
             if room is None:
                 stopped_class = seq.priority
                 stopped_tenants.add(seq.tenant)
@@ -259,27 +363,10 @@ class Scheduler:
             seq.cached_prefix = None
             seq.adapter_blocked_since = None
             seq.status = SequenceStatus.RUNNING
-            admitted.append(seq)
-            scheduled.append(self._scheduled(seq, n))
-            # Not `budget -= n`: _make_room may have preempted scheduled victims, whose
-            # tokens go back to the budget.
-            budget = limits.max_num_batched_tokens - sum(
-                item.num_query_tokens for item in scheduled
-            )
-            if seq.adapter_id is not None:
-                adapters.add(seq.adapter_id)
-            # Its tenant was charged for the chunk: the next freed slot may be another's.
-            pending.sort(key=self._waiting_order)
-        for seq in admitted:
-            self.waiting.remove(seq)
-            self.running.append(seq)
-
-        # Group by adapter (base model first) so the runner can form LoRA segments.
-        scheduled.sort(key=lambda item: -1 if item.seq.adapter_id is None else item.seq.adapter_id)
-        tokens = sum(item.num_query_tokens for item in scheduled)
-        return SchedulerOutput(
-            scheduled=scheduled, preempted=preempted, num_batched_tokens=tokens, kv_moves=kv_moves
-        )
+            step.admitted.append(seq)
+            step.add(self._scheduled(seq, n), prefill=True)
+            # Its tenant was charged for the chunk: the next tokens may be another's.
+            pending.sort(key=lambda entry: self._waiting_order(entry[0]))
 
     def _urgent_priority(self) -> int | None:
         """Policy 7: the priority of a new arrival that outranks running sequences, if any.
@@ -422,38 +509,30 @@ class Scheduler:
             key=lambda s: (held[s.tenant] / share[s.tenant], s.metrics.arrival_time),
         )
 
-    def _make_room(
-        self,
-        seq: Sequence,
-        budget: int,
-        admitted: list[Sequence],
-        preempted: list[Sequence],
-        scheduled: list[ScheduledSequence],
-    ) -> int | None:
+    def _make_room(self, seq: Sequence, step: _StepDraft) -> int | None:
         """Find a prefix hit and blocks for ``seq``'s next chunk, preempting lower
         priorities if needed. Returns the chunk size, or None if it can't run now."""
         while True:
             if seq.cached_prefix is None:
                 seq.cached_prefix = self._find_cached_prefix(seq)
                 seq.num_computed_tokens = seq.cached_prefix.num_tokens
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, step.prompt_budget)
             total = seq.num_computed_tokens + n
             fits_blocks = self.kv.can_allocate(seq.request_id, total, seq.cached_prefix)
-            fits_slots = len(self.running) + len(admitted) < self.limits.max_num_seqs
+            fits_slots = len(self.running) + len(step.admitted) < self.limits.max_num_seqs
             if fits_blocks and fits_slots:
                 return n
             victims = [s for s in self.running if s.priority < seq.priority]
             if victims:
-                victim = min(victims, key=lambda s: (s.priority, -s.metrics.arrival_time))
+                victim = min(victims, key=_preemption_order)
             else:
-                victim = self._share_victim(seq, admitted, blocks_short=not fits_blocks)
+                victim = self._share_victim(seq, step.admitted, blocks_short=not fits_blocks)
             if victim is None:
                 seq.cached_prefix = None  # the handle goes stale; look up afresh next step
                 seq.num_computed_tokens = 0
                 return None
-            budget += sum(item.num_query_tokens for item in scheduled if item.seq is victim)
-            scheduled[:] = [item for item in scheduled if item.seq is not victim]
-            self._preempt(victim, preempted)
+            step.drop(victim)
+            self._preempt(victim, step.preempted)
             # The freed blocks may have been our cached prefix: look it up again.
             seq.cached_prefix = None
 
@@ -512,6 +591,10 @@ class Scheduler:
             # Emitted tokens but the last are accepted proposals: the step computed their KV.
             accepted = min(len(new), len(emitted) - 1) if emitted else 0
             seq.num_computed_tokens += item.num_tokens + accepted
+            m = seq.metrics
+            m.computed_prompt_tokens = max(
+                m.computed_prompt_tokens, min(seq.num_computed_tokens, m.prompt_tokens)
+            )
             self.kv.commit(
                 seq.request_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_salt
             )

@@ -44,6 +44,10 @@ class RequestMetrics:
     arrival_time: float
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Prompt tokens whose KV the engine has had for this request (computed, or found in
+    # the prefix cache: cached_prompt_tokens of them), the most it reached: what a request
+    # abandoned during its prefill cost the engine.
+    computed_prompt_tokens: int = 0
     completion_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -1,5 +1,6 @@
 """A live snapshot of one engine for operators: load, KV cache, adapter tiers, latency,
-what the memory budget holds and whether memory is the limit (``residency``).
+what the memory budget holds and whether memory is the limit (``residency``), and what the
+compiled-grammar cache holds.
 
 Prometheus histograms (``metrics.py``) count since the process started; an operator
 watching the engine wants *recent* latency instead, so the engine also keeps the last
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from loramux.engine.lora.tiers import AdapterTiers, Tier
 from loramux.engine.memory_budget import MemoryPlan
 from loramux.engine.residency import ResidencyStats
+from loramux.engine.structured.grammar_cache import GrammarCacheStats
 from loramux.engine.tenant_share import DEFAULT_SHARE_WINDOW_S, TenantShareStats
 
 DEFAULT_WINDOW_S = 300.0  # percentiles cover the last five minutes...
@@ -145,6 +147,9 @@ class EngineStats:
     speculative_method: str = "off"
     num_speculative_tokens: int = 0
     speculation: dict[str, SpeculationStats] = field(default_factory=dict)
+    # Compiled structured-output grammars kept in host RAM: bytes and entries against the
+    # engine's and each tenant's budget, evictions (structured/grammar_cache.py).
+    grammar_cache: GrammarCacheStats = field(default_factory=GrammarCacheStats)
 
     @property
     def tenant_ids(self) -> list[str]:

@@ -63,7 +63,7 @@ def build_engine_client(
         from loramux.platform.engine_fleet.routed import build_routed_engines
 
         return build_routed_engines(settings, base_model)
-    return LocalEngine(Engine(engine_config(settings, base_model)), store)
+    return LocalEngine(Engine(engine_config(settings, base_model, shares_process=True)), store)
 
 
 def build_context(settings: Settings, *, log=print, with_engine: bool = True) -> PlatformContext:

@@ -13,7 +13,7 @@ with two, an upload could be validated and marked ready at a rank the engine ref
 
 from __future__ import annotations
 
-from loramux.engine import EngineConfig
+from loramux.engine import EngineConfig, default_compute_threads
 from loramux.platform.base_model import ResolvedBaseModel
 from loramux.platform.settings import Settings
 
@@ -29,11 +29,14 @@ FROM_SETTINGS = {
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
     "max_prefill_chunk": "max_prefill_chunk",
+    "prefill_step_target_s": "prefill_step_target_s",
     "max_model_len": "max_model_len",
     "max_adapters_per_step": "max_adapters_per_step",
     "adapter_wait_steps": "adapter_wait_steps",
     "max_lora_rank": "max_adapter_rank",
     "enable_prefix_caching": "enable_prefix_caching",
+    "grammar_cache_bytes": "grammar_cache_bytes",
+    "grammar_cache_tenant_bytes": "grammar_cache_tenant_bytes",
     "cuda_graph_max_batch": "cuda_graph_max_batch",
     "speculative_method": "speculative_method",
     "num_speculative_tokens": "num_speculative_tokens",
@@ -55,6 +58,9 @@ SET_BY_THE_PLATFORM = {
     "adapter_disk_cache_dir": "<data dir>/adapter-cache while LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES > 0",
     "adapter_disk_cache_bytes": "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES (0: no disk tier at all)",
     "draft_model": "LORAMUX_ENGINE_DRAFT_MODEL's folder, as a string (unset: none)",
+    "compute_threads": "LORAMUX_ENGINE_COMPUTE_THREADS; unset, for an engine in the "
+    "platform's process the available cores less an eighth for the platform "
+    "(compute_threads.platform_reserve), for a `loramux engine` process the engine's default",
 }
 # EngineConfig field -> why the platform keeps the engine's default.
 ENGINE_DEFAULTS = {
@@ -62,13 +68,22 @@ ENGINE_DEFAULTS = {
     "seed": "requests carry their own seed; the engine's only seeds those without one",
     "load_format": "random weights are for benchmarks at real shapes, never for serving",
     "tensor_parallel_timeout_s": "60 s for a rank to join or answer a collective: far above "
-    "a step, and a dead rank's peers see its closed connection at once anyway",
+    "a step; only a rank alive but stuck waits it out (a dead one is seen at once, a stopped "
+    "one by its heartbeat)",
+    "tensor_parallel_heartbeat_timeout_s": "10 s without a heartbeat names a stopped rank: "
+    "a rank beats every second even inside a long step, so only a frozen process goes silent",
 }
 
 
-def engine_config(settings: Settings, base_model: ResolvedBaseModel) -> EngineConfig:
-    """The engine this platform's settings describe (in-process or ``loramux engine``)."""
+def engine_config(
+    settings: Settings, base_model: ResolvedBaseModel, *, shares_process: bool = False
+) -> EngineConfig:
+    """The engine this platform's settings describe: in the platform's process
+    (``shares_process``) or as ``loramux engine``."""
     values = {field: getattr(settings, name) for field, name in FROM_SETTINGS.items()}
+    values["compute_threads"] = settings.compute_threads
+    if settings.compute_threads is None and shares_process:
+        values["compute_threads"] = default_compute_threads(shares_process=True)
     if settings.adapter_disk_cache_bytes:
         values["adapter_disk_cache_dir"] = str(settings.data_dir / "adapter-cache")
         values["adapter_disk_cache_bytes"] = settings.adapter_disk_cache_bytes

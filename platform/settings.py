@@ -184,6 +184,21 @@ class Settings(BaseSettings):
         description="Most prompt tokens one request prefills in one step (unset: as many as "
         "the step's token budget leaves), so long prompts share steps with decodes.",
     )
+    prefill_step_target_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds a step that prefills should last: the prompt tokens per step are "
+        "sized from the measured cost of recent steps, so one tenant's long prompts hold "
+        "another's first token for a step or two (unset: 0.15 on the CPU; on a GPU no time "
+        "target, LORAMUX_ENGINE_MAX_NUM_BATCHED_TOKENS alone).",
+    )
+    compute_threads: int | None = Field(
+        default=None,
+        gt=0,
+        description="The engine's CPU threads (unset: the cores this process may use, from "
+        "its CPU affinity and cgroup quota, less an eighth of them for the platform when the "
+        "engine shares its process). The start-up log says the choice.",
+    )
     max_model_len: int | None = Field(
         default=None,
         gt=0,
@@ -209,6 +224,19 @@ class Settings(BaseSettings):
         default=True,
         description="Reuse the KV blocks of a prompt prefix already computed with the same "
         "adapter (keyed by adapter, so a tenant never reuses another adapter's blocks).",
+    )
+    grammar_cache_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description="Host RAM of compiled structured-output grammars kept for reuse (least "
+        "recently used go; a 12,000-value enum schema keeps about 4.8 MiB).",
+    )
+    grammar_cache_tenant_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="The most one tenant's compiled grammars keep of "
+        "LORAMUX_ENGINE_GRAMMAR_CACHE_BYTES (unset: a quarter), so one tenant's new schemas "
+        "evict its own first.",
     )
 
     # --- engines: in-process, or `loramux engine` processes behind the platform --------

@@ -14,4 +14,5 @@ run_rank(
     spec["rank"],
     GroupAddress(**spec["address"]),
     spec["threads"],
+    spec["heartbeat_fd"],
 )

@@ -7,8 +7,12 @@ a command never waits behind device work. The groups are c10d objects of this en
 own, not ``torch.distributed``'s process-wide default group: several engines (a test
 session's, a benchmark's two sides) can each have theirs in one process.
 
-Every collective has the engine's timeout: a rank that died (or hangs) fails the
-others' next collective with an error instead of blocking them for ever.
+A rank that died fails the others' next collective at once (its connections close); every
+collective also has the engine's timeout, so that one alive but stuck fails them too, with
+a :class:`CollectiveError`, instead of blocking them for ever (a rank that stopped is found
+sooner, by its heartbeat: ``heartbeat.py``). The one wait without it is a rank's wait for
+rank 0's next command, which lasts as long as the engine is idle (rank 0's death closes its
+connections and ends it at once).
 """
 
 from __future__ import annotations
@@ -23,9 +27,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupAddress", "TensorParallelGroup", "free_port"]
+__all__ = ["CollectiveError", "GroupAddress", "TensorParallelGroup", "free_port"]
 
 DEFAULT_TIMEOUT_S = 60.0
+# How long a rank waits for rank 0's next command: unbounded in practice (an idle engine
+# sends none), finite for gloo's clocks.
+COMMAND_WAIT = datetime.timedelta(days=365)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (gloo raises a plain ``RuntimeError``): the ranks'
+    link failed, as opposed to this rank's own code."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,10 +86,12 @@ class TensorParallelGroup:
         # collective is timed to its launch unless the caller synchronizes.
         self.collective_s = 0.0
         self.command_s = 0.0  # ...and in sending (or waiting for) rank 0's commands
+        self._awaiting_command = dist.BroadcastOptions()  # root 0, no timeout to speak of
+        self._awaiting_command.timeout = COMMAND_WAIT
 
     def _timed(self, collective: Callable[[], dist.Work]) -> None:
         started = time.perf_counter()
-        collective().wait()
+        _wait(collective)
         self.collective_s += time.perf_counter() - started
 
     # --- the model's collectives ------------------------------------------------
@@ -105,10 +119,18 @@ class TensorParallelGroup:
         if self.rank == 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.long)
-        else:
-            size = torch.zeros(1, dtype=torch.long)
-        self._control.broadcast(size, 0).wait()
-        if self.rank != 0:
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        self._control.broadcast(payload, 0).wait()
-        return message if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+            _wait(lambda: self._control.broadcast(size, 0))
+            _wait(lambda: self._control.broadcast(payload, 0))
+            return message
+        size = torch.zeros(1, dtype=torch.long)
+        _wait(lambda: self._control.broadcast([size], self._awaiting_command))
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        _wait(lambda: self._control.broadcast(payload, 0))
+        return pickle.loads(payload.numpy().tobytes())
+
+
+def _wait(collective: Callable[[], dist.Work]) -> None:
+    try:
+        collective().wait()
+    except RuntimeError as exc:  # gloo's and NCCL's errors, DistError among them
+        raise CollectiveError(str(exc)) from exc

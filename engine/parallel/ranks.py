@@ -8,9 +8,12 @@ ranks first and then done here, so the engine above them (scheduler, pool, tiers
 is the single-device engine, unchanged.
 
 A rank that dies makes rank 0's next collective fail (gloo and NCCL see the closed
-connection, or time out): that error, raised in a step, is the engine's failure
-(:class:`RankFailed` names the rank and its exit code), and ``close`` stops whatever
-is left of the others.
+connection): that error, raised in a step, is the engine's failure (:class:`RankFailed`
+names the rank and its exit code), and ``close`` stops whatever is left of the others. A
+rank that hangs (stopped, frozen) keeps its connections open, and rank 0 would wait in the
+collective for its whole timeout: the heartbeat watch (``heartbeat.py``) finds it instead,
+once it has been silent for ``tensor_parallel_heartbeat_timeout_s``, and kills it, which
+fails the collective at once and names the rank that stopped answering.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from loramux.engine.compute_threads import default_compute_threads
 from loramux.engine.config import EngineConfig
 from loramux.engine.isolation import EngineDown
 from loramux.engine.lora.adapter import LoRAWeights
@@ -42,7 +45,13 @@ from loramux.engine.parallel.commands import (
     WriteAdapter,
     ZeroRows,
 )
-from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup, free_port
+from loramux.engine.parallel.group import (
+    CollectiveError,
+    GroupAddress,
+    TensorParallelGroup,
+    free_port,
+)
+from loramux.engine.parallel.heartbeat import HeartbeatWatch
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.engine.parallel.worker import rank_command, rank_device
 from loramux.engine.runner import ModelRunner, NonFiniteOutput
@@ -85,14 +94,17 @@ class EngineRanks:
         address = GroupAddress(
             "127.0.0.1", free_port(), self.world_size, config.tensor_parallel_timeout_s
         )
-        threads = _threads_per_rank(self.device, self.world_size)
-        # Fresh interpreters (no forked torch or CUDA state, and unlike multiprocessing's
-        # spawn, no re-import of whatever script started rank 0).
-        self._ranks = [
-            _Rank(rank, subprocess.Popen(rank_command(config, rank, address, threads)))
-            for rank in range(1, self.world_size)
-        ]
+        threads = threads_per_rank(config, self.device)
+        self.threads = threads  # each rank's, rank 0's too
+        self._watch = HeartbeatWatch(
+            config.tensor_parallel_heartbeat_timeout_s, self._stopped_answering
+        )
+        self._silent: dict[int, float] = {}  # rank -> its silence (s) when the watch killed it
+        self._ranks: list[_Rank] = []
         try:
+            for rank in range(1, self.world_size):
+                self._ranks.append(_Rank(rank, self._start_rank(config, rank, address, threads)))
+            self._watch.start()
             self.group = TensorParallelGroup(address, 0, self.device)
         except Exception as exc:
             self._terminate()
@@ -106,6 +118,18 @@ class EngineRanks:
             self.plan.local_heads,
             self.plan.local_kv_heads,
         )
+
+    def _start_rank(
+        self, config: EngineConfig, rank: int, address: GroupAddress, threads: int
+    ) -> subprocess.Popen:
+        heartbeat_fd = self._watch.pipe(rank)
+        try:
+            # A fresh interpreter (no forked torch or CUDA state, and unlike
+            # multiprocessing's spawn, no re-import of whatever script started rank 0).
+            command = rank_command(config, rank, address, threads, heartbeat_fd)
+            return subprocess.Popen(command, pass_fds=(heartbeat_fd,))
+        finally:
+            os.close(heartbeat_fd)  # the rank's end now: its exit closes the pipe
 
     def arena(self, *args, **kwargs) -> MirroredArena:
         """Rank 0's arena (``DeviceArena``'s arguments)."""
@@ -134,24 +158,47 @@ class EngineRanks:
 
     def failure(self, exc: BaseException, *, in_step: bool = False) -> RankFailed:
         """Why the engine cannot go on after ``exc`` (raised sending a command, or inside
-        a step when ``in_step``): a rank is gone, if one is. A killed rank's connections
-        close while its process is still being torn down, so its death may be seen a moment
-        after the error (gloo's error need not even be a ``DistError``): it is waited for,
-        briefly. With no rank gone, the ranks are out of step: rank 0 left a step, or a
-        collective, that the others may still be waiting in."""
+        a step when ``in_step``): a rank is gone, if one is (dead, or killed by the watch
+        for its silence). A killed rank's connections close while its process is still
+        being torn down, so its death may be seen a moment after the error: it is waited
+        for, briefly. With no rank gone, the ranks are out of step: rank 0 left a step, or
+        a collective, that the others may still be waiting in."""
         deadline = time.monotonic() + DEATH_WAIT_S
         while not (dead := self._dead()) and time.monotonic() < deadline:
             time.sleep(0.02)
         if dead:
-            names = ", ".join(f"rank {r.rank} (exit code {r.process.returncode})" for r in dead)
-            return RankFailed(f"tensor-parallel {names} of the engine stopped: {exc}")
+            names = ", ".join(self._why_gone(rank) for rank in dead)
+            return RankFailed(f"tensor-parallel {names}: {exc}")
         self.out_of_step = True
-        if in_step and not isinstance(exc, dist.DistError):
+        if in_step and not isinstance(exc, CollectiveError):
             return RankFailed(
                 f"rank 0 failed inside a step ({type(exc).__name__}: {exc}); the other "
                 "tensor-parallel ranks cannot be brought back in step, so the engine stops"
             )
-        return RankFailed(f"a tensor-parallel collective failed: {exc}")
+        return RankFailed(
+            "a tensor-parallel collective failed with every rank alive and beating (one "
+            f"stuck, or the ranks out of step): {exc}"
+        )
+
+    def _why_gone(self, rank: _Rank) -> str:
+        silent_s = self._silent.get(rank.rank)
+        if silent_s is None:
+            return f"rank {rank.rank} (exit code {rank.process.returncode}) of the engine stopped"
+        return (
+            f"rank {rank.rank} stopped answering (no heartbeat for {silent_s:.1f} s) and was killed"
+        )
+
+    def _stopped_answering(self, rank: int, silent_s: float) -> None:
+        """The watch's report: ``rank`` is silent. Rank 0 may be waiting for it in a
+        collective, for the collective's whole timeout: killing it closes its connections,
+        which ends that wait at once (and the engine cannot go on without it anyway)."""
+        logger.error(
+            "tensor-parallel rank %d stopped answering (no heartbeat for %.1f s): killing it",
+            rank,
+            silent_s,
+        )
+        self._silent[rank] = silent_s  # before the kill: whoever sees it dead sees why
+        next(r for r in self._ranks if r.rank == rank).process.kill()
 
     def dead_ranks(self) -> list[int]:
         return [r.rank for r in self._dead()]
@@ -165,6 +212,7 @@ class EngineRanks:
         if self._closed:
             return
         self._closed = True
+        self._watch.stop()  # a rank leaving now is not a rank gone silent
         if not self.out_of_step:  # else they may wait in a collective: no Stop reaches them
             if not self.dead_ranks():
                 try:
@@ -177,18 +225,21 @@ class EngineRanks:
         self._terminate()
 
     def _terminate(self) -> None:
+        self._watch.stop()
         for rank in self._ranks:
             if rank.is_alive():
                 rank.process.kill()
                 rank.process.wait(STOP_WAIT_S)
 
 
-def _threads_per_rank(device: torch.device, world_size: int) -> int:
-    """On the CPU the ranks share the cores: each gets its part (rank 0's own setting is
-    the caller's); on GPUs one thread each is enough to launch."""
+def threads_per_rank(config: EngineConfig, device: torch.device) -> int:
+    """On the CPU the ranks share the engine's compute threads (its setting, or the cores
+    available: compute_threads.py): each rank gets its part; on GPUs one thread each is
+    enough to launch."""
     if device.type == "cuda":
         return 1
-    return max(1, (os.cpu_count() or 1) // world_size)
+    threads = config.compute_threads or default_compute_threads()
+    return max(1, threads // config.tensor_parallel_size)
 
 
 class MirroredArena(DeviceArena):

@@ -1,6 +1,7 @@
 """A rank other than 0: its shard of the model and of the arena, doing rank 0's commands.
 
-Started by rank 0 (``ranks.py``) as a process of its own, one per device. It loads its
+Started by rank 0 (``ranks.py``) as a process of its own, one per device. It starts its
+heartbeat (``heartbeat.py``: rank 0 tells a stopped rank from a busy one by it), loads its
 shard of the weights, joins the ranks and then does what each command says until ``Stop``
 or until a collective fails: rank 0 gone (killed, crashed) fails the next broadcast, and
 the rank exits instead of waiting for a step that will never come.
@@ -23,6 +24,7 @@ from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.loader import load_model
 from loramux.engine.parallel.commands import Command, RunStep
 from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup
+from loramux.engine.parallel.heartbeat import beat_interval_s, start_heartbeat
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.engine.runner import copy_kv_blocks, forward_step
 from loramux.engine.static_decode import StaticDecode
@@ -122,8 +124,11 @@ class RankWorker:
                 command.apply(self)
 
 
-def rank_command(config: EngineConfig, rank: int, address: GroupAddress, threads: int) -> list[str]:
-    """The command line of rank ``rank``'s process (``python -m`` this module)."""
+def rank_command(
+    config: EngineConfig, rank: int, address: GroupAddress, threads: int, heartbeat_fd: int
+) -> list[str]:
+    """The command line of rank ``rank``'s process (``python -m`` this module), which
+    inherits ``heartbeat_fd``, the pipe it beats into."""
     return [
         sys.executable,
         "-m",
@@ -134,14 +139,18 @@ def rank_command(config: EngineConfig, rank: int, address: GroupAddress, threads
                 "rank": rank,
                 "address": dataclasses.asdict(address),
                 "threads": threads,
+                "heartbeat_fd": heartbeat_fd,
             }
         ),
     ]
 
 
-def run_rank(config: EngineConfig, rank: int, address: GroupAddress, threads: int) -> None:
-    """A rank process's main: join, load, serve; any failure ends the process."""
+def run_rank(
+    config: EngineConfig, rank: int, address: GroupAddress, threads: int, heartbeat_fd: int
+) -> None:
+    """A rank process's main: beat, join, load, serve; any failure ends the process."""
     logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(levelname)s %(message)s")
+    start_heartbeat(heartbeat_fd, beat_interval_s(config.tensor_parallel_heartbeat_timeout_s))
     torch.set_num_threads(threads)
     device = rank_device(config, rank)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":

@@ -2,9 +2,10 @@
 
 A request may ask for any JSON object, JSON valid against a schema, text matching a
 regex, or tool calls (:mod:`.spec`). The engine compiles the spec once per distinct spec
-(:class:`GrammarCompiler`, an LRU cache), gives each sequence a :class:`GrammarMatcher`,
-and at every step masks the logits of the rows that have one (:class:`MaskFiller`,
-:func:`apply_token_bitmask`) before sampling, then advances each matcher by its token.
+and tenant (:class:`GrammarCompiler`, an LRU cache bounded in bytes for the engine and for
+each tenant), gives each sequence a :class:`GrammarMatcher`, and at every step masks the
+logits of the rows that have one (:class:`MaskFiller`, :func:`apply_token_bitmask`) before
+sampling, then advances each matcher by its token.
 
 Why llguidance (pinned in pyproject): ``benchmarks/results/grammar_engines.json``, SmolLM2's
 tokenizer (49152 tokens) on the 2-core development CPU with other work on it (load 4.3):
@@ -68,9 +69,10 @@ from loramux.engine.structured.bitmask import (
     token_bias,
     unpack_bitmask,
 )
-from loramux.engine.structured.compiler import CacheStats, CompiledGrammar, GrammarCompiler
+from loramux.engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from loramux.engine.structured.errors import GrammarError
 from loramux.engine.structured.grammar import check_spec
+from loramux.engine.structured.grammar_cache import GrammarCacheStats
 from loramux.engine.structured.mask_filler import MaskFiller, StepMasks
 from loramux.engine.structured.matcher import GrammarMatcher
 from loramux.engine.structured.spec import (
@@ -93,8 +95,8 @@ from loramux.engine.structured.tool_calls import (
 )
 
 __all__ = [
-    "CacheStats",
     "CompiledGrammar",
+    "GrammarCacheStats",
     "GrammarCompiler",
     "GrammarError",
     "GrammarMatcher",

@@ -99,12 +99,14 @@ def describe(spec: StructuredSpec) -> str:
     raise TypeError(f"not a structured-output spec: {spec!r}")
 
 
-def check_spec(spec: StructuredSpec) -> None:
+def check_spec(spec: StructuredSpec, name: str | None = None) -> None:
     """Raise GrammarError if ``spec`` does not compile: the API can answer 400 before the
-    request reaches an engine (the engine's compile says the same)."""
+    request reaches an engine (the engine's compile says the same). ``name``: the request
+    field the error names (``describe(spec)`` by default; the Responses API's is
+    ``text.format``)."""
     if isinstance(spec, ToolCalls):
         check_tool_parameters(spec)
-    _raise_if_invalid(grammar_for(spec), describe(spec))
+    _raise_if_invalid(grammar_for(spec), name or describe(spec))
 
 
 def check_tool_parameters(spec: ToolCalls) -> None:

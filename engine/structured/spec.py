@@ -34,6 +34,12 @@ MAX_SPEC_CHARS = 256_000
 """The longest spec (its canonical JSON) a request may bring: the grammar's size and its
 compile time grow with it, and one request must not stall the engine's compiles."""
 
+MAX_SCHEMA_NUMBER = 2**53 - 1
+"""The largest magnitude of a number anywhere in a schema (I-JSON's interoperable integers,
+RFC 7493). llguidance reads a schema's numbers as 64-bit floats: past 2**53 it enforces a
+bound or a ``const`` other than the one written, past 64 bits it raises a plain ValueError,
+and an integer ``const`` or ``enum`` near -2**63 crashes the process."""
+
 # OpenAI's rule for function names.
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -51,10 +57,50 @@ def _canonical(value: Any, what: str) -> str:
 
 
 def _schema_copy(value: Any, what: str) -> dict[str, Any]:
-    """A private copy of a JSON schema object (the caller's dict may change later)."""
+    """A private copy of a JSON schema object (the caller's dict may change later), its
+    numbers checked (``MAX_SCHEMA_NUMBER``)."""
     if not isinstance(value, Mapping):
         raise GrammarError(f"{what} must be a JSON schema object, got {type(value).__name__}")
-    return json.loads(_canonical(dict(value), what))
+    copy = json.loads(_canonical(dict(value), what))
+    _check_numbers(copy)
+    return copy
+
+
+def _check_numbers(schema: dict[str, Any]) -> None:
+    """GrammarError at the first number in ``schema`` beyond ``MAX_SCHEMA_NUMBER``, named by
+    its JSON pointer (RFC 6901) so that the caller can prefix the field the schema came in."""
+    stack: list[tuple[str, Any]] = [("", schema)]  # depth first, in document order
+    while stack:
+        pointer, value = stack.pop()
+        if isinstance(value, dict):
+            items = [(_pointer_step(key), item) for key, item in value.items()]
+        elif isinstance(value, list):
+            items = [(str(index), item) for index, item in enumerate(value)]
+        else:
+            if _beyond_range(value):
+                raise GrammarError(
+                    f"{pointer} is {_shown_number(value)}; every number in a schema must be "
+                    f"within -{MAX_SCHEMA_NUMBER} to {MAX_SCHEMA_NUMBER} (2^53 - 1: the grammar "
+                    "compiler reads numbers as 64-bit floats, exact up to there)"
+                )
+            continue
+        stack.extend((f"{pointer}/{step}", item) for step, item in reversed(items))
+
+
+def _pointer_step(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _beyond_range(value: Any) -> bool:
+    # bool is an int in Python, and not a number in JSON.
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and abs(value) > MAX_SCHEMA_NUMBER
+
+
+def _shown_number(value: int | float, limit: int = 40) -> str:
+    text = repr(value)  # an int has at most 4300 digits here: json.dumps refused longer ones
+    digits = len(text.lstrip("-"))
+    return text if len(text) <= limit else f"{text[:12]}... ({digits} digits)"
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -5,7 +5,8 @@ Built from ``loramux.engine.EngineStats`` (the engine knows adapters by version 
 and tenants by id) and the names the platform's database holds for them. Latencies are
 milliseconds over the engine's recent window (``latency_window_s``); ``null`` while the
 window holds no sample. ``speculation`` says what speculative decoding proposed, had
-accepted and gained, per adapter version (the base model's row has an empty engine name).
+accepted and gained, per adapter version (the base model's row has an empty engine name);
+``grammar_cache`` what the compiled structured-output grammars hold in host RAM.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from loramux.engine import (
     EngineStats,
+    GrammarCacheStats,
     LatencySummary,
     MemoryPlan,
     ResidencyStats,
@@ -133,6 +135,31 @@ class ResidencyOut(BaseModel):
 
     @classmethod
     def from_stats(cls, stats: ResidencyStats) -> ResidencyOut:
+        return cls(**dataclasses.asdict(stats))
+
+
+class GrammarCacheOut(BaseModel):
+    """Compiled structured-output grammars kept in host RAM for reuse (engines' summed)."""
+
+    bytes: int = Field(description="Bytes the cached grammars hold, as measured at compile.")
+    entries: int = Field(description="Grammars cached (one per tenant and schema).")
+    budget_bytes: int = Field(
+        description="The most kept (LORAMUX_ENGINE_GRAMMAR_CACHE_BYTES); least recently used go."
+    )
+    tenant_budget_bytes: int = Field(
+        description="The most one tenant's grammars keep (LORAMUX_ENGINE_GRAMMAR_CACHE_TENANT_BYTES)."
+    )
+    tenants: int = Field(description="Tenants with a cached grammar.")
+    largest_tenant_bytes: int = Field(description="The bytes of the tenant holding most.")
+    hits: int = Field(description="Compiles answered from the cache.")
+    misses: int = Field(description="Compiles run (failed ones too).")
+    evictions: int = Field(description="Grammars evicted to fit a budget.")
+    tenant_evictions: int = Field(description="Of those, evicted to fit their own tenant's.")
+    evicted_bytes: int
+    not_kept: int = Field(description="Grammars larger than the tenant budget: used, not kept.")
+
+    @classmethod
+    def from_stats(cls, stats: GrammarCacheStats) -> GrammarCacheOut:
         return cls(**dataclasses.asdict(stats))
 
 
@@ -399,6 +426,9 @@ class EngineSnapshotOut(BaseModel):
         description="Speculative decoding: the method, tokens verified per step, and per "
         "adapter the tokens proposed and accepted and the tokens emitted per step."
     )
+    grammar_cache: GrammarCacheOut = Field(
+        description="Compiled structured-output grammars kept in host RAM, against their budgets."
+    )
     engines: list[EngineRowOut] = Field(
         description="Each engine on its own; the fields above merge them (counts summed, "
         "latency percentiles the worst engine's)."
@@ -445,6 +475,7 @@ class EngineSnapshotOut(BaseModel):
             memory=MemoryOut.from_plan(stats.memory),
             residency=ResidencyOut.from_stats(stats.residency),
             speculation=SpeculationOut.from_stats(stats, labels),
+            grammar_cache=GrammarCacheOut.from_stats(stats.grammar_cache),
             engines=[EngineRowOut.from_report(report) for report in engines],
         )
 

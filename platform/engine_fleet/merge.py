@@ -6,14 +6,15 @@ running are summed and the shares recomputed from the summed window tokens: a te
 share of the fleet, not of any one engine. Speculative decoding's totals are summed per
 adapter (so its acceptance rate and tokens per step are the fleet's); the method and the
 proposals per step are the engines' own when they agree, else "mixed" and the most any
-engine verifies."""
+engine verifies. The compiled-grammar caches' figures are summed."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from loramux.engine import (
     EngineStats,
+    GrammarCacheStats,
     LatencySummary,
     MemoryPlan,
     ResidencyStats,
@@ -124,6 +125,20 @@ def _merge_speculation(parts: list[dict[str, SpeculationStats]]) -> dict[str, Sp
     }
 
 
+def _merge_grammar_cache(parts: list[GrammarCacheStats]) -> GrammarCacheStats:
+    """Held bytes, entries, budgets and counts summed (each engine keeps its own grammars,
+    and gives each tenant its own share); the largest tenant's bytes the largest on one
+    engine."""
+    summed = {
+        f.name: sum(getattr(p, f.name) for p in parts)
+        for f in fields(GrammarCacheStats)
+        if f.name != "largest_tenant_bytes"
+    }
+    return GrammarCacheStats(
+        **summed, largest_tenant_bytes=max((p.largest_tenant_bytes for p in parts), default=0)
+    )
+
+
 def _one_or_mixed(values: list[str]) -> str:
     distinct = set(values)
     return distinct.pop() if len(distinct) == 1 else "mixed"
@@ -154,4 +169,5 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         speculative_method=_one_or_mixed([p.speculative_method for p in parts]),
         num_speculative_tokens=max(p.num_speculative_tokens for p in parts),
         speculation=_merge_speculation([p.speculation for p in parts]),
+        grammar_cache=_merge_grammar_cache([p.grammar_cache for p in parts]),
     )

@@ -2,12 +2,12 @@
 
 Requests carry ``SamplingParams``; a generate stream is one JSON line per
 ``RequestOutput``; ``EngineStats`` answers the stats call (an older engine's, without the
-memory plan, residency counts, per-tenant service or speculation figures, still parses:
-those take their defaults; ``speculation`` travels as adapter -> totals, the base model
-under ""). Decoding rebuilds the engine's
-own types, so ``SamplingParams`` validates what arrives (a bad field raises ValueError or
-TypeError naming it). ``logit_bias`` travels as a list of [token id, bias] pairs (JSON object
-keys are strings); ``structured`` (a structured-output spec) travels in the spec's own JSON
+memory plan, residency counts, per-tenant service, speculation or grammar-cache figures,
+still parses: those take their defaults; ``speculation`` travels as adapter -> totals, the
+base model under ""). Decoding rebuilds the engine's own types, so ``SamplingParams``
+validates what arrives (a bad field raises ValueError or TypeError naming it).
+``logit_bias`` travels as a list of [token id, bias] pairs (JSON object keys are strings);
+``structured`` (a structured-output spec) travels in the spec's own JSON
 form (``spec_to_json``). Those three are left out when unset, so an engine from before them
 still takes the requests that don't use them; a malformed spec is refused by name
 (GrammarError, a ValueError). ``speculative`` is sent only when a request opts out (False),
@@ -21,6 +21,7 @@ from typing import Any
 
 from loramux.engine import (
     EngineStats,
+    GrammarCacheStats,
     LatencySummary,
     MemoryPlan,
     RequestMetrics,
@@ -127,4 +128,5 @@ def stats_from_json(data: dict[str, Any]) -> EngineStats:
         adapter: SpeculationStats(**totals)
         for adapter, totals in data.get("speculation", {}).items()
     }
+    fields["grammar_cache"] = GrammarCacheStats(**data.get("grammar_cache", {}))
     return EngineStats(**fields)

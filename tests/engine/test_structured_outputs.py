@@ -369,9 +369,9 @@ def test_async_generate_compiles_off_the_engine_thread(tiny_model_dir):
     threads: list[str] = []
     compile_ = engine.grammars.compile
 
-    def spy(spec):
+    def spy(spec, tenant=None):
         threads.append(threading.current_thread().name)
-        return compile_(spec)
+        return compile_(spec, tenant)
 
     engine.grammars.compile = spy
     async_engine = AsyncEngine(engine)

@@ -34,7 +34,12 @@ def _loramux_command() -> list[str]:
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LORAMUX_")}
+    # As a fresh shell would start it: no loramux setting, no OpenMP wait policy.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("LORAMUX_") and key != "OMP_WAIT_POLICY"
+    }
     env.update(budget_env(), **extra)
     return env
 
@@ -238,6 +243,11 @@ def test_serve_first_start_prints_the_token_and_serves_models(first_start):
     assert any('"model": "my-adapter"' in line for line in curl_lines), output
     # The seeded directory was used, not converted again.
     assert "Converting" not in output, output
+    # The engine's threads, chosen from the cores this process may use, with OpenMP told
+    # to wait passively by the command before torch loaded.
+    threads = [line for line in output.splitlines() if "Compute threads:" in line]
+    assert len(threads) == 1, output
+    assert "OpenMP waits passively" in threads[0], threads[0]
 
 
 def test_serve_second_start_does_not_print_the_token(first_start, tmp_path):

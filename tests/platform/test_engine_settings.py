@@ -75,3 +75,12 @@ def test_without_a_disk_cache_setting_there_is_no_disk_tier(tmp_path, monkeypatc
         Settings(data_dir=tmp_path), ResolvedBaseModel(path=tmp_path, model_id="m")
     )
     assert config.adapter_disk_cache_dir is None
+
+
+def test_grammar_cache_budgets_reach_the_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAMUX_ENGINE_GRAMMAR_CACHE_BYTES", str(64 << 20))
+    monkeypatch.setenv("LORAMUX_ENGINE_GRAMMAR_CACHE_TENANT_BYTES", str(8 << 20))
+    config = engine_config(
+        Settings(data_dir=tmp_path), ResolvedBaseModel(path=tmp_path, model_id="m")
+    )
+    assert (config.grammar_cache_bytes, config.grammar_cache_tenant_bytes) == (64 << 20, 8 << 20)

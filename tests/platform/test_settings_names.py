@@ -37,11 +37,12 @@ def _settings(tmp_path, **kwargs) -> tuple[Settings, list[str]]:
 
 def test_the_families_cover_what_the_engine_reads():
     # Every setting the engine config is made of tunes the engine, except the rank limit
-    # (uploads share it: LORAMUX_MAX_ADAPTER_RANK); the disk tier's size and the draft model
-    # are set through it.
+    # (uploads share it: LORAMUX_MAX_ADAPTER_RANK); the disk tier's size, the draft model
+    # and the compute threads are set through it.
     tuning = (set(FROM_SETTINGS.values()) - {"max_adapter_rank"}) | {
         "adapter_disk_cache_bytes",
         "draft_model",
+        "compute_threads",
     }
     assert set(ENGINE_TUNING_FIELDS) == tuning
     assert (

@@ -4,7 +4,8 @@ arriving at different steps, with prefix-cache hits and preemptions forced by a 
 budget, on the tiny model (2 KV heads: one per rank) and on one whose 3 KV heads are
 replicated over the 2 ranks (with biases on every projection: the row-parallel ones are
 added once). Each engine's other rank is a real process, stopped by ``close``; a killed
-rank fails the engine's next step with an error naming it.
+rank fails the engine's next step with an error naming it, and so does a stopped one, by
+its heartbeat's silence.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from loramux.engine import Engine, SamplingParams
 from loramux.engine.lora.device_arena import DeviceArena, RowLayout
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.parallel.commands import RunStep
 from loramux.engine.parallel.ranks import RankFailed
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.kernels import dispatch
@@ -139,6 +142,65 @@ def test_a_killed_rank_fails_the_next_step_naming_it(tiny_model_dir):
         rank.process.wait(10)
         with pytest.raises(RankFailed, match=r"rank 1 \(exit code -9\)"):
             engine.generate(["Hello"], SamplingParams(max_tokens=4))
+    finally:
+        engine.close()
+
+
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+def test_a_rank_stopped_in_a_generate_is_named_within_its_heartbeat_timeout(
+    tiny_model_dir, monkeypatch
+):
+    """SIGSTOP on rank 1 in the middle of a generate leaves rank 0 waiting in the step's
+    first all-reduce, with rank 1's connections open: its heartbeat's silence names it and
+    ends the wait long before the collective's own timeout. Nothing is left behind."""
+    before = child_pids(os.getpid())
+    engine = build_engine(
+        tiny_model_dir,
+        tensor_parallel_size=2,
+        tensor_parallel_timeout_s=30,
+        tensor_parallel_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    )
+    (rank,) = engine.ranks._ranks
+    send, steps, stopped_at = engine.ranks.send, [], []
+
+    def send_then_stop_rank_1(command):
+        send(command)
+        steps.extend([command] if isinstance(command, RunStep) else [])
+        if len(steps) == 3 and not stopped_at:  # the third step of the generate
+            os.kill(rank.process.pid, signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+
+    monkeypatch.setattr(engine.ranks, "send", send_then_stop_rank_1)
+    try:
+        with pytest.raises(RankFailed, match=r"rank 1 stopped answering \(no heartbeat for"):
+            engine.generate(["Hello"], SamplingParams(max_tokens=16, ignore_eos=True))
+        waited = time.monotonic() - stopped_at[0]
+        assert waited < 3 * HEARTBEAT_TIMEOUT_S, waited
+        assert rank.process.poll() is not None  # killed by rank 0's watch
+    finally:
+        if rank.process.poll() is None:
+            os.kill(rank.process.pid, signal.SIGCONT)
+        engine.close()
+    assert child_pids(os.getpid()) == before
+
+
+def test_an_idle_engine_outlives_its_collective_timeout(tiny_model_dir):
+    """The other ranks wait for rank 0's next command as long as the engine is idle: the
+    collective timeout bounds a step's waits, not the gaps between steps."""
+    engine = build_engine(
+        tiny_model_dir,
+        tensor_parallel_size=2,
+        tensor_parallel_timeout_s=2,
+        tensor_parallel_heartbeat_timeout_s=1,
+    )
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        (first,) = engine.generate(["Hello"], params)
+        time.sleep(3)
+        (second,) = engine.generate(["Hello"], params)
+        assert second.token_ids == first.token_ids
     finally:
         engine.close()
 

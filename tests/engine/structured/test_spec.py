@@ -79,6 +79,38 @@ def test_malformed_specs_raise_grammar_error_naming_the_field(make, message):
         make()
 
 
+@pytest.mark.parametrize(
+    ("schema", "pointer"),
+    [
+        ({"type": "integer", "minimum": 2**70}, "/minimum"),
+        ({"type": "integer", "maximum": -(2**70)}, "/maximum"),
+        ({"type": "array", "maxItems": 2**64}, "/maxItems"),
+        ({"const": 2**53 + 1}, "/const"),  # the compiler would enforce 2**53 instead
+        ({"type": "integer", "enum": [1, -1e19]}, "/enum/1"),  # crashed the library's process
+        ({"type": "integer", "const": -(2**63)}, "/const"),  # crashed it too
+        ({"properties": {"a/b~": {"default": 10**30}}}, "/properties/a~1b~0/default"),
+    ],
+)
+def test_a_number_past_2_53_anywhere_in_a_schema_is_refused_naming_it(schema, pointer):
+    for make in (lambda: JsonSchema(schema), lambda: Tool("f", schema)):
+        with pytest.raises(GrammarError, match=f"^{pointer} is .* within -9007199254740991 to"):
+            make()
+
+
+def test_numbers_up_to_2_53_are_taken_and_compile():
+    from loramux.engine.structured import check_spec
+
+    top = 2**53 - 1
+    for schema in (
+        {"type": "integer", "minimum": -top, "maximum": top},
+        {"type": "integer", "enum": [-top, top, float(-top)]},
+        {"const": -top},
+        {"type": "array", "maxItems": top},
+        {"type": "boolean", "default": True},  # a bool is not a number, whatever Python says
+    ):
+        check_spec(JsonSchema(schema, strict=True))
+
+
 def test_grammar_error_is_a_value_error():
     assert issubclass(GrammarError, ValueError)
 

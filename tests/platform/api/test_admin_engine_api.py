@@ -80,6 +80,54 @@ def test_idle_engine(client, admin, context):
         "total": NO_SPECULATION,
     }
     assert (row["speculative_method"], row["num_speculative_tokens"]) == ("off", 0)
+    # No structured request yet: the compiled-grammar cache is empty, its budgets set.
+    assert body["grammar_cache"] == {
+        **NO_GRAMMARS,
+        "budget_bytes": settings.grammar_cache_bytes,
+        "tenant_budget_bytes": settings.grammar_cache_bytes // 4,
+    }
+
+
+NO_GRAMMARS = {
+    "bytes": 0,
+    "entries": 0,
+    "tenants": 0,
+    "largest_tenant_bytes": 0,
+    "hits": 0,
+    "misses": 0,
+    "evictions": 0,
+    "tenant_evictions": 0,
+    "evicted_bytes": 0,
+    "not_kept": 0,
+}
+
+
+def test_compiled_grammars_are_shown_in_bytes_per_tenant(client, admin, context, tenant_key):
+    """Two tenants send the same schema: each has its own compiled grammar, charged to it."""
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": [f"colour-{k}" for k in range(500)]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    for auth in (tenant_key(), tenant_key()):
+        done = client.post(
+            "/v1/completions",
+            json={
+                "model": context.base_model.model_id,
+                "prompt": "Pick a colour:",
+                "max_tokens": MAX_TOKENS,
+                "response_format": response_format,
+            },
+            headers=auth,
+        )
+        assert done.status_code == 200, done.text
+    cache = client.get("/admin/engine", headers=admin).json()["grammar_cache"]
+    assert (cache["entries"], cache["tenants"], cache["misses"]) == (2, 2, 2)
+    assert cache["hits"] == 2  # each request's compile at add, after its compile off-thread
+    assert 2 * 100_000 < cache["bytes"] <= 2 * cache["largest_tenant_bytes"]
+    assert cache["bytes"] <= cache["budget_bytes"]
 
 
 NO_SPECULATION = {

@@ -9,6 +9,7 @@ import pytest
 
 from loramux.engine import (
     EngineStats,
+    GrammarCacheStats,
     LatencySummary,
     SpeculationStats,
     TenantShareStats,
@@ -110,3 +111,52 @@ def test_engines_that_speculate_differently_are_mixed():
     merged = merge_stats([ngram, off])
     assert (merged.speculative_method, merged.num_speculative_tokens) == ("mixed", 4)
     assert merge_stats([off, off]).speculative_method == "off"
+
+
+def test_grammar_caches_add_up_and_the_largest_tenant_is_one_engines():
+    a = replace(
+        _engine(),
+        grammar_cache=GrammarCacheStats(
+            entries=2,
+            bytes=300,
+            budget_bytes=1000,
+            tenant_budget_bytes=250,
+            tenants=2,
+            largest_tenant_bytes=200,
+            hits=5,
+            misses=2,
+            evictions=1,
+            tenant_evictions=1,
+            evicted_bytes=100,
+            not_kept=0,
+        ),
+    )
+    b = replace(
+        _engine(),
+        grammar_cache=GrammarCacheStats(
+            entries=1,
+            bytes=240,
+            budget_bytes=1000,
+            tenant_budget_bytes=250,
+            tenants=1,
+            largest_tenant_bytes=240,
+            hits=1,
+            misses=1,
+            not_kept=1,
+        ),
+    )
+    merged = merge_stats([a, b]).grammar_cache
+    assert merged == GrammarCacheStats(
+        entries=3,
+        bytes=540,
+        budget_bytes=2000,
+        tenant_budget_bytes=500,
+        tenants=3,
+        largest_tenant_bytes=240,
+        hits=6,
+        misses=3,
+        evictions=1,
+        tenant_evictions=1,
+        evicted_bytes=100,
+        not_kept=1,
+    )

@@ -23,6 +23,7 @@ from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sequence import RequestMetrics
 from loramux.engine.stats import EngineStats, LatencySummary, SpeculationStats, TierStats
+from loramux.engine.structured import GrammarCacheStats
 from loramux.engine.tenant_share import TenantShareStats, with_shares
 from loramux.platform.engine_fleet import wire
 
@@ -215,6 +216,20 @@ def test_engine_stats_round_trip_with_the_default_tenant():
             "": SpeculationStats(12, 9, 4, 10, 19),  # the base model
             "a": SpeculationStats(8, 2, 3, 6, 8),
         },
+        grammar_cache=GrammarCacheStats(
+            entries=3,
+            bytes=5_000_000,
+            budget_bytes=256 << 20,
+            tenant_budget_bytes=64 << 20,
+            tenants=2,
+            largest_tenant_bytes=4_000_000,
+            hits=7,
+            misses=5,
+            evictions=2,
+            tenant_evictions=1,
+            evicted_bytes=900_000,
+            not_kept=1,
+        ),
     )
     assert stats.tenants["t1"].share == 0.75  # 9 + 2 * 3 of 5 + 15, output tokens count 2
     back = wire.stats_from_json(_through_json(wire.stats_to_json(stats)))
@@ -274,3 +289,4 @@ def test_an_older_engines_stats_still_parse():
     # ...and from before speculative decoding
     assert (stats.speculative_method, stats.num_speculative_tokens) == ("off", 0)
     assert stats.speculation == {}
+    assert stats.grammar_cache == GrammarCacheStats()  # ...and from before its figures

@@ -213,6 +213,49 @@ def test_engine_panel_says_when_adapters_thrash(page, ui_platform, shots):
     shots(page, "engine-thrashing")
 
 
+def _js_bytes(value: int) -> str:
+    """``bytes()`` of admin_ui's format.js: 1024-based, one decimal under 100."""
+    amount, unit = float(value), 0
+    while amount >= 1024 and unit < 4:
+        amount, unit = amount / 1024, unit + 1
+    digits = 0 if unit == 0 or amount >= 100 else 1
+    return f"{amount:.{digits}f} {['B', 'KB', 'MB', 'GB', 'TB'][unit]}"
+
+
+def test_engine_panel_shows_the_compiled_grammar_cache(page, ui_platform, shots):
+    """A structured request's compiled grammar, in the memory card: its bytes of the budget
+    (the default 256 MiB, 64 MiB a tenant), grammars held and evicted."""
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": [f"colour-{k}" for k in range(2000)]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    tenant = ui_platform.new_tenant()
+    complete(
+        ui_platform,
+        tenant,
+        model=ui_platform.base_model,
+        prompt="Pick:",
+        max_tokens=4,
+        response_format=fmt,
+    )
+    cache = _admin_get(ui_platform, "/admin/engine")["grammar_cache"]
+    assert cache["entries"] >= 1 and cache["bytes"] > 500_000  # 2,000 values: about 1 MB
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
+    page.click("nav >> text=Engine")
+    page.wait_for_url(f"{ui_platform.url}/ui/operator/engine")
+    wait_loaded(page)
+    shown, hint = page.locator("#memory-grammars").inner_text().splitlines()
+    assert shown == f"{_js_bytes(cache['bytes'])} of 256 MB"
+    share = _js_bytes(64 << 20)  # "64.0 MB"
+    entries, evicted = f"{cache['entries']:,}", f"{cache['evictions']:,}"
+    assert hint == f"{entries} cached · at most {share} a tenant · {evicted} evicted"
+    page.locator("#memory-table").scroll_into_view_if_needed()
+    shots(page, "engine-grammar-cache")
+
+
 def test_engine_panel_shows_each_tenants_share_next_to_its_weight(page, ui_platform, shots):
     """Two backlogged tenants of weights 1 and 3: the platform's own snapshot, with their
     service put in on its way to the page (a backlog on SmolLM2 would take minutes)."""

@@ -242,6 +242,26 @@ function showMemory(memory) {
   fill($("#memory-max"), count(memory.adapters_max));
 }
 
+// The compiled-grammar cache: host RAM, beside the device budget (its own budget and a
+// share per tenant; least recently used grammars go).
+function showGrammarCache(cache) {
+  const box = $("#memory-grammars");
+  if (!cache) {
+    fill(box, "–");
+    return;
+  }
+  fill(
+    box,
+    `${bytes(cache.bytes)} of ${bytes(cache.budget_bytes)}`,
+    h(
+      "div",
+      { class: "hint" },
+      `${count(cache.entries)} cached · at most ${bytes(cache.tenant_budget_bytes)} a tenant · ` +
+        `${count(cache.evictions)} evicted`,
+    ),
+  );
+}
+
 function showResidency(residency) {
   for (const name of RESIDENCY) {
     fill($(`#res-${name}-rate`), rate(residency[`${name}_per_min`]));
@@ -365,6 +385,7 @@ function show(snapshot) {
   );
   showTier($("#host-tier"), snapshot.host, "No adapter is held in RAM.");
   showMemory(snapshot.memory);
+  showGrammarCache(snapshot.grammar_cache);
   showResidency(snapshot.residency);
   showTenants(snapshot.tenants, snapshot.share_window_s);
   showEngines(snapshot.engines);
