@@ -29,6 +29,7 @@ from loramux.engine import StructuredSpec, ToolCalls
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
 from loramux.platform.api.openai_params import (
     check_best_of,
+    check_no_priority,
     check_suffix,
     completion_max_tokens,
     logit_bias_of,
@@ -64,6 +65,7 @@ async def _complete(
     target: Target,
     body: AdapterCompletionRequest,
 ):
+    check_no_priority(body.priority)
     check_suffix(body.suffix)
     check_best_of(body.best_of, body.n, stream=body.stream)
     structured = response_format_spec(body.response_format)
@@ -192,6 +194,7 @@ async def create_chat_completion(
     runtime: AdapterRuntimeDep,
 ):
     """A chat completion: the messages rendered with the base model's chat template."""
+    check_no_priority(body.priority)
     target = await service.resolve(session, tenant, body.model, runtime)
     structured, tools = await _chat_specs(body)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None

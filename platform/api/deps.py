@@ -116,7 +116,24 @@ def current_tenant(session: SessionDep, token: BearerDep) -> Tenant:
     return session.merge(row.Tenant, load=False)
 
 
-CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
+ADMIN_TOKEN_IS_NOT_A_KEY = (
+    "This is the operator's admin token: it works on the /admin routes and the UI (/ui), "
+    "not on a tenant's routes, which run as a tenant with its API key. Make one: "
+    'POST /admin/tenants with {"name": "<tenant name>"}, then '
+    "POST /admin/tenants/<tenant id>/api-keys (its `key` is shown once), both with the admin "
+    "token (or in the UI: Tenants, then API keys); send that key as the bearer token."
+)
+
+
+def tenant_caller(context: ContextDep, session: SessionDep, token: BearerDep) -> Tenant:
+    """:func:`current_tenant`, except that the admin token, which a new operator tries first
+    (``loramux serve`` prints it), is told what it is and how to get a tenant's key."""
+    if is_admin_token(context, token):
+        raise APIError(401, ADMIN_TOKEN_IS_NOT_A_KEY, code="invalid_api_key")
+    return current_tenant(session, token)
+
+
+CurrentTenant = Annotated[Tenant, Depends(tenant_caller)]
 
 
 def get_adapter_runtime(request: Request) -> AdapterRuntime:

@@ -10,6 +10,7 @@ The schemas (``schemas_openai``) check JSON types only; what a value means is ch
   are returned; like OpenAI, it cannot be streamed when it asks for more than ``n``.
 - ``echo``: the completion starts with its prompt; ``max_tokens: 0`` (score the prompt,
   generate nothing) is allowed only with it.
+- ``priority`` (not OpenAI's; vLLM's): refused, since the operator sets each tenant's.
 - ``logit_bias``: OpenAI's ``{"token id": bias}``; keys must be token ids, biases in
   [-100, 100] (the engine checks the ids against its vocabulary).
 """
@@ -63,6 +64,18 @@ def completion_max_tokens(max_tokens: int | None, *, echo: bool) -> int | None:
             code="invalid_sampling_parameters",
         )
     return max_tokens
+
+
+def check_no_priority(priority: object) -> None:
+    """A request cannot choose its priority: the operator sets each tenant's (unknown fields
+    are otherwise ignored, but this one would look as if it had worked)."""
+    if priority is not None:
+        raise Invalid(
+            "priority cannot be set per request: every request of a tenant runs at the "
+            "tenant's priority, which the operator sets (PATCH /admin/tenants/<tenant id> "
+            'with {"priority": 0-9}, or the UI\'s Tenants page). Leave priority out.',
+            code="invalid_request",
+        )
 
 
 def logit_bias_of(bias: Mapping[str, float] | None) -> dict[int, float] | None:

@@ -10,7 +10,7 @@ so :func:`install_error_docs` rewrites the document once it is built, route by r
   the database is unreachable (``database_unavailable``);
 - a route with a path parameter can answer 404 (no such resource, or not the caller's);
 - a route with parameters or a body can answer 422 (this API's shape replaces FastAPI's);
-- a route with a body can answer 408 (too slow) and 413 (too large);
+- a route with a body can answer 400 (not JSON), 408 (too slow) and 413 (too large);
 - inference routes (tag ``inference``) can answer 400, 402 (budget), 404 (model),
   429 (rate limit, queue full), 500 (the request's adapter failed while it ran, alone),
   503 (engine; a deadline it cannot meet) and 504 (past its deadline);
@@ -33,8 +33,8 @@ from loramux.platform.api.deps import bearer_token, get_session
 from loramux.platform.api.errors import ErrorBody
 
 DESCRIPTIONS = {
-    400: "The request cannot be served as sent (a sampling parameter, the messages, a "
-    "malformed upload form).",
+    400: "The request cannot be served as sent (a body that is not JSON, a sampling "
+    "parameter, the messages, a malformed upload form).",
     401: "Missing, invalid or revoked bearer token.",
     402: "The tenant's monthly budget is spent.",
     404: "No such resource, or not the caller's.",
@@ -111,7 +111,7 @@ def error_statuses(route: APIRoute, method: str) -> set[int]:
     if _params(route, "path_params"):
         statuses.add(404)
     if _has_body(route):
-        statuses |= {408, 413, 422}
+        statuses |= {400, 408, 413, 422}
     if _params(route, "path_params") or _params(route, "query_params"):
         statuses.add(422)
     for tag in route.tags:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
+from loramux.platform.api.openai_params import check_no_priority
 from loramux.platform.api.respond import InferenceDep, respond
 from loramux.platform.api.responses_input import check_supported, messages_of
 from loramux.platform.api.responses_render import ResponsesRender
@@ -61,9 +62,10 @@ async def _answer(
     target: Target,
     body: AdapterResponseRequest,
 ):
+    check_no_priority(body.priority)
     check_supported(body)
     structured = text_format_spec(body.text)
-    await run_in_threadpool(check_structured, structured)
+    await run_in_threadpool(check_structured, structured, "text.format")
     sampling = {name: getattr(body, name) for name in _SAMPLING}
     job = await service.prepare(
         session,

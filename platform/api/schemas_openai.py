@@ -7,6 +7,8 @@ as OpenAI's own clients send fields a server may not know (``metadata``...). ``u
 stored with the request's usage record (at most 256 characters, else a 400).
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos`` are extensions
 (send them with the client's ``extra_body``; benchmarks use the last two for exact lengths).
+A top-level ``priority`` (vLLM's clients send one) is the one unknown field refused (400):
+a tenant's priority is the operator's to set, per tenant, never per request.
 ``timeout`` (seconds) is loramux's too: the request's deadline, which can only shorten the
 tenant's default and the server's maximum (``services/deadlines.py``); so is
 ``speculative`` (default true): ``false`` opts the request out of the engine's speculative
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from loramux.platform.api.openai_params import Prompts
 
@@ -68,6 +71,8 @@ class _Sampling(BaseModel):
     # default and the server's maximum (services/deadlines.py).
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
+    # read only to be refused (openai_params.check_no_priority), so not in /openapi.json
+    priority: SkipJsonSchema[Any] = None
 
     @property
     def include_usage(self) -> bool:

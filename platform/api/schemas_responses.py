@@ -15,7 +15,7 @@ server does not do. Unknown fields are ignored. Of OpenAI's fields:
 - refused (400): ``tools`` (non-empty), a ``tool_choice`` that requires a tool,
   ``previous_response_id`` and ``conversation`` (no response is stored to continue),
   ``background: true``, input items other than messages and content parts other than
-  text;
+  text, and ``priority`` (a tenant's priority is the operator's to set, as in chat);
 - accepted and ignored, as harmless: ``store`` (nothing is stored: the response says
   ``"store": false``, and there is no route to retrieve it), ``parallel_tool_calls``,
   ``truncation``, ``include``, ``reasoning``, ``service_tier``, ``prompt_cache_key``,
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from loramux.platform.api.schemas_openai import SPECULATIVE_DESCRIPTION
 
@@ -74,6 +75,8 @@ class AdapterResponseRequest(BaseModel):
     # loramux: seconds this request may take in all (services/deadlines.py)
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
+    # read only to be refused (openai_params.check_no_priority), so not in /openapi.json
+    priority: SkipJsonSchema[Any] = None
 
 
 class ResponseRequest(AdapterResponseRequest):

@@ -13,7 +13,10 @@ it is a 400. ``name`` is required and must match OpenAI's pattern (1-64 letters,
 ``_`` or ``-``); it names the schema only (nothing is generated from it). A schema is a JSON
 object; ``schema`` is required (a schema-less ``json_schema`` would be ``json_object``).
 
-Every bad value is a 400 naming the field. :func:`check_structured` compiles the spec
+Every bad value is a 400 naming the field, a number in a schema too: past 2^53 - 1 in
+magnitude the engine's spec refuses it (the grammar compiler reads numbers as 64-bit
+floats), with its JSON pointer (``response_format.json_schema.schema: /properties/n/minimum
+is ...``). :func:`check_structured` compiles the spec
 without a tokenizer (``check_spec``, about a millisecond) so that a schema which cannot be
 enforced is refused before admission; the engine's own compile stays the final word (its
 refusal is a 400 as well).
@@ -90,17 +93,19 @@ def json_schema_spec(body: Mapping[str, Any], where: str) -> JsonSchema:
         raise invalid(f"{where}.strict must be true or false, got {shown(strict)}")
     try:
         return JsonSchema(dict(schema), strict=bool(strict))
-    except GrammarError as exc:  # not JSON, or over the size limit
+    except GrammarError as exc:  # not JSON, over the size limit, or a number out of range
         raise invalid(f"{where}.schema: {exc}") from None
 
 
-def check_structured(spec: StructuredSpec | None) -> None:
+def check_structured(spec: StructuredSpec | None, where: str | None = None) -> None:
     """400 naming the problem when ``spec`` cannot be compiled (run it off the event loop:
-    a large schema takes a while)."""
+    a large schema takes a while). ``where``: the field the spec came in, when it is not
+    chat's ``response_format`` (the Responses API's ``text.format``)."""
     if spec is None:
         return
+    name = f"{where}.schema" if where and isinstance(spec, JsonSchema) else where
     try:
-        check_spec(spec)
+        check_spec(spec, name)
     except ImportError:
         return  # no grammar library in this process (remote engines): the engine checks
     except GrammarError as exc:

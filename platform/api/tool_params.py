@@ -11,7 +11,8 @@
   is not among the tools.
 - ``parallel_tool_calls`` (default true): several calls in one answer; false, at most one.
 
-Every bad value is a 400 naming the field (``tools[2].function.name``). A tool whose
+Every bad value is a 400 naming the field (``tools[2].function.name``; a number out of the
+grammar's range, ``tools[0].function.parameters: /properties/n/maximum is ...``). A tool whose
 parameters cannot be compiled is a 400 naming the tool (:func:`check_tools`, off the
 event loop).
 """
@@ -125,5 +126,5 @@ def _tool(value: Any, where: str) -> Tool:
         if parameters is None:
             return Tool(name, strict=bool(strict))
         return Tool(name, dict(parameters), strict=bool(strict))
-    except GrammarError as exc:  # not JSON, or over the size limit
-        raise invalid(f"{where}.function: {exc}") from None
+    except GrammarError as exc:  # not JSON, over the size limit, or a number out of range
+        raise invalid(f"{where}.function.parameters: {exc}") from None

@@ -799,6 +799,121 @@ def run_role(server: Server, schema: Any, role: Role) -> None:
             assert tally.swept[f"{kind} in {location}"] > 0, (kind, location, tally.swept)
 
 
+# --- big numbers in schemas -----------------------------------------------------------------
+
+# Where a tenant's JSON schema travels on each route (issue 33): a schema goes in at "{}".
+SCHEMA_SITES = {
+    "chat response_format": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}},
+        },
+        ("response_format", "json_schema", "schema"),
+        "response_format.json_schema.schema",
+    ),
+    "chat tools": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
+        ("tools", "0", "function", "parameters"),
+        "tools[0].function.parameters",
+    ),
+    "completions response_format": (
+        "/v1/completions",
+        {
+            "prompt": "Hi",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}},
+        },
+        ("response_format", "json_schema", "schema"),
+        "response_format.json_schema.schema",
+    ),
+    "responses text.format": (
+        "/v1/responses",
+        {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}},
+        ("text", "format", "schema"),
+        "text.format.schema",
+    ),
+}
+NUMBER_KEYWORDS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minItems",
+    "maxItems",
+    "maxLength",
+    "const",
+    "enum",
+    "default",
+)
+# Past 2**53 (what the grammar compiler holds exactly), up to far past 64 bits; floats too,
+# some of which (an integer enum near -2**63) crashed the grammar library's process.
+BIG_NUMBERS = hypothesis.strategies.one_of(
+    hypothesis.strategies.integers(min_value=2**53, max_value=2**200),
+    hypothesis.strategies.integers(min_value=-(2**200), max_value=-(2**53)),
+    hypothesis.strategies.floats(min_value=2.0**53, allow_infinity=False),
+    hypothesis.strategies.floats(max_value=-(2.0**53), allow_infinity=False),
+)
+
+
+@hypothesis.strategies.composite
+def big_number_schemas(draw) -> tuple[dict, str]:
+    """(a schema with a number out of range, the JSON pointer of that number)."""
+    keyword = draw(hypothesis.strategies.sampled_from(NUMBER_KEYWORDS))
+    number = draw(BIG_NUMBERS)
+    kind = "array" if "Items" in keyword else "string" if "Length" in keyword else "integer"
+    leaf: dict[str, Any] = {"type": kind, keyword: [1, number] if keyword == "enum" else number}
+    pointer = f"/{keyword}/1" if keyword == "enum" else f"/{keyword}"
+    if draw(hypothesis.strategies.booleans()):  # one property down
+        return {"type": "object", "properties": {"n": leaf}}, f"/properties/n{pointer}"
+    return leaf, pointer
+
+
+def test_big_numbers_in_schemas_are_400s_naming_them(server):
+    """Every route a schema reaches: a number past the grammar's range is a 400 naming the
+    field, never a 5xx, and the kept-alive connection serves the next request."""
+    _, key, _ = server.new_tenant("fuzz-big-numbers")
+    session = requests.Session()  # one connection, kept alive across the cases
+    headers = {"Authorization": f"Bearer {key}"}
+    statuses = Counter[int]()
+
+    @hypothesis.settings(
+        max_examples=60,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
+    )
+    @hypothesis.given(
+        site=hypothesis.strategies.sampled_from(sorted(SCHEMA_SITES)),
+        drawn=big_number_schemas(),
+        strict=hypothesis.strategies.booleans(),
+        stream=hypothesis.strategies.booleans(),
+    )
+    def send(site: str, drawn: tuple[dict, str], strict: bool, stream: bool) -> None:
+        path, body, where, field_name = SCHEMA_SITES[site]
+        schema, pointer = drawn
+        body = _set_at(body, where, schema)
+        strict_at = (*where[:-1], "strict")
+        body = _set_at(body, strict_at, strict)
+        body = {**body, "model": server.model_id, "max_tokens": 2, "stream": stream}
+        response = session.post(server.url + path, json=body, headers=headers, timeout=30)
+        statuses[response.status_code] += 1
+        assert response.status_code == 400, (site, body, response.text)
+        message = response.json()["error"]["message"]
+        assert message.startswith(f"{field_name}: {pointer} is "), message
+        after = session.get(server.url + "/v1/models", headers=headers, timeout=30)
+        assert after.status_code == 200, after.text
+
+    hypothesis.seed(SEED)(send)()
+    print(f"\n== big numbers in schemas: {dict(statuses)}")
+    assert sum(statuses.values()) >= 30
+
+
 def test_fuzz_as_operator(server, schema):
     run_role(server, schema, operator_role(server))
 

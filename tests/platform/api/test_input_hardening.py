@@ -89,6 +89,23 @@ def test_admin_bodies_with_bad_strings_are_refused(client, admin, new_tenant, ba
     _assert_refused(_post_json(client, "/admin/tenants", {"name": "x", bad: 1}, admin), "body")
 
 
+def test_a_body_that_is_not_json_is_a_400_saying_where(client, auth, base):
+    # FastAPI's own answer was a 422 "5491: JSON decode error": an offset, no reason.
+    lines = ["{", f'  "model": "{base}",', '  "prompt": "Hi"', '  "max_tokens": 1', "}"]
+    body = "\n".join(lines)  # the comma after "Hi" is missing
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        response = client.post(
+            path, content=body, headers={**auth, "Content-Type": "application/json"}
+        )
+        error = assert_openai_error(response, 400)
+        assert error["code"] == "malformed_request"
+        where = body.index('"max_tokens"')
+        assert error["message"] == (
+            "The body is not valid JSON: Expecting ',' delimiter at line 4, column 3 "
+            f"(character {where})."
+        ), error
+
+
 def test_honest_non_ascii_text_still_works(client, auth, base):
     # A surrogate *pair* is one character (an emoji), not a lone surrogate.
     body = {"model": base, "prompt": "Hi \ud83d\ude00 caf\u00e9", "max_tokens": 1}

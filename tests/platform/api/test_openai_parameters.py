@@ -63,6 +63,32 @@ def test_a_user_over_256_characters_is_a_400(make_client, base):
     assert client.completions.create(model=base, prompt=PROMPT, max_tokens=1, user="u" * 256)
 
 
+# --- priority ------------------------------------------------------------------------------
+
+
+def test_a_priority_per_request_is_a_400_saying_the_operator_sets_it(make_client, base):
+    # Other unknown fields are ignored (clients send fields a server may not know); this one
+    # would look as if it had worked.
+    client, _ = make_client()
+    refused = "priority cannot be set per request: .* the operator sets"
+    for stream in (False, True):
+        extra = {"priority": 9}
+        with pytest.raises(openai.BadRequestError, match=refused):
+            client.completions.create(
+                model=base, prompt=PROMPT, max_tokens=1, stream=stream, extra_body=extra
+            )
+        with pytest.raises(openai.BadRequestError, match=refused):
+            client.chat.completions.create(
+                model=base, messages=MESSAGES, max_tokens=1, stream=stream, extra_body=extra
+            )
+        with pytest.raises(openai.BadRequestError, match=refused):
+            client.responses.create(
+                model=base, input="Hi", max_output_tokens=1, stream=stream, extra_body=extra
+            )
+    unknown = {"no_such_field": 1}
+    assert client.completions.create(model=base, prompt=PROMPT, max_tokens=1, extra_body=unknown)
+
+
 # --- suffix --------------------------------------------------------------------------------
 
 

@@ -61,10 +61,10 @@ def test_routes_with_a_path_parameter_document_404_and_422(spec):
             assert {"404", "422"} <= set(operation["responses"]), (method, path)
 
 
-def test_routes_with_a_body_document_408_413_and_422(spec):
+def test_routes_with_a_body_document_400_408_413_and_422(spec):
     for path, method, operation in _operations(spec):
         if "requestBody" in operation:
-            assert {"408", "413", "422"} <= set(operation["responses"]), (method, path)
+            assert {"400", "408", "413", "422"} <= set(operation["responses"]), (method, path)
 
 
 def test_service_specific_statuses_are_documented(spec):

@@ -132,6 +132,30 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_naming_the_problem():
     assert "/$defs/missing" in _refused(check_structured, JsonSchema(missing, strict=True))
 
 
+def test_a_number_out_of_the_grammars_range_is_a_400_naming_the_field():
+    # 2**70 used to reach the grammar library, whose ValueError was a 500 (issue 33).
+    big = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2**70}}}
+    chat = {"type": "json_schema", "json_schema": {"name": "n", "schema": big}}
+    message = _refused(response_format_spec, chat)
+    assert message.startswith(
+        "response_format.json_schema.schema: /properties/n/minimum is 1180591620717411303424; "
+        "every number in a schema must be within -9007199254740991 to 9007199254740991"
+    ), message
+    form = {"type": "json_schema", "name": "n", "schema": {"enum": [1, -(2**64)]}}
+    message = _refused(text_format_spec, {"format": form})
+    assert message.startswith("text.format.schema: /enum/1 is -18446744073709551616;"), message
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"maxItems": 2**70}}}
+    message = _refused(tool_spec, [WEATHER, tool], "auto", None)
+    assert message.startswith("tools[1].function.parameters: /maxItems is "), message
+
+
+def test_the_responses_api_names_text_format_in_compile_errors():
+    unknown = {"type": "object", "properties": {"c": {"type": "string", "format": "colour"}}}
+    message = _refused(check_structured, JsonSchema(unknown, strict=True), "text.format")
+    assert message.startswith("text.format.schema cannot be enforced:"), message
+    assert "colour" in message and "response_format" not in message
+
+
 # --- tools -------------------------------------------------------------------------------
 
 
