@@ -9,9 +9,10 @@ delta, its closing events; ``data: [DONE]`` for the chat-style APIs).
 A client that goes away ends its request at once, streamed or not: a stream stops at the
 first chunk the server could not write (and is billed for those it wrote), or when
 Starlette's disconnect listener cancels it; a non-streamed request races its run against
-the ASGI ``http.disconnect`` and, when the client wins, the run is closed (which aborts
-the engine work, in process or over HTTP to an engine process) and nothing is billed,
-since no response reached the client.
+the ASGI ``http.disconnect`` and, when the client wins, the run is closed: its engine
+requests are aborted at once (in process, or on the engine process running them) and,
+since no response reached the client, only the prompt tokens the engine had prefilled are
+billed.
 """
 
 from __future__ import annotations

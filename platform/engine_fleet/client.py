@@ -37,7 +37,9 @@ class EngineClient(Protocol):
 
     ``generate`` raises ``EngineError`` when a request is refused and ``AsyncEngineError``
     (or a subclass) when the engine could not finish it; leaving its loop early aborts the
-    request on the engine. ``remove_adapter`` raises ``EngineError`` while requests use it.
+    request on the engine. ``abort`` aborts one by id and answers with its final output
+    (finish reason ``abort``; its metrics say how much of the prompt was prefilled), or None
+    when no such request runs. ``remove_adapter`` raises ``EngineError`` while requests use it.
     """
 
     @property

@@ -143,8 +143,15 @@ class RemoteEngine:
             engine_id=self.engine_id,
         )
 
-    async def abort(self, request_id: str) -> None:
-        await self._call("POST", f"/requests/{request_id}/abort")
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort the request; its final output (reason ``abort``, with its metrics), or None
+        when the engine runs no such request (or is from before abort answered with it)."""
+        response = await self._call("POST", f"/requests/{request_id}/abort")
+        if response.status_code == 200:
+            return output_from_json(response.json())
+        if response.status_code != 204:
+            raise EngineError(_message(response))
+        return None
 
     async def register_adapter(self, name: str, adapter: StoredAdapter) -> None:
         response = await self._call(

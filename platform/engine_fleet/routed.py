@@ -6,6 +6,8 @@ registry every half heartbeat and, per request, picks an engine by ``routing.cho
 adapter affinity within a bound on imbalance, from the registry's loads raised by the
 requests this platform has in flight.
 
+``abort`` goes to the engine running the request and answers with its final output.
+
 Engines learn what they need lazily, when a request is first routed to them: the
 adapter's store objects (``register_stored_adapter`` only records them) and every
 tenant's scheduling. Both are sent again after an engine restarts (a new boot id).
@@ -94,6 +96,7 @@ class RoutedEngines:
         self._records: list[EngineRecord] = []
         self._refresher: asyncio.Task | None = None
         self._inflight: Counter[str] = Counter()  # engine id -> this platform's requests there
+        self._running_on: dict[str, EngineRecord] = {}  # request id -> the engine it is on
         self._down: dict[str, float] = {}  # engine id -> heartbeat_at when it failed a connect
         self._boots: dict[str, str] = {}  # engine id -> boot id the two maps below are about
         self._sent: dict[str, set[str]] = {}  # engine id -> adapters registered there
@@ -272,6 +275,7 @@ class RoutedEngines:
                     "none registered, or none reachable"
                 )
             self._inflight[record.engine_id] += 1
+            self._running_on[request_id] = record
             try:
                 await self._prepare(record, adapter)
                 stream = self._remote(record).generate(
@@ -312,10 +316,16 @@ class RoutedEngines:
                 self.metrics.retries.labels("adapter_reregistered").inc()
             finally:
                 self._inflight[record.engine_id] -= 1
+                self._running_on.pop(request_id, None)
 
-    async def abort(self, request_id: str) -> None:
-        """Routed requests end when their caller stops reading (the connection closes)."""
-        return None
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request this platform is running, on the engine running it: its final
+        output (with the metrics of what it cost), or None if none runs it. (Closing its
+        stream aborts it too, with no answer.)"""
+        record = self._running_on.get(request_id)
+        if record is None:
+            return None
+        return await self._remote(record).abort(request_id)
 
     # --- adapters and tenants ----------------------------------------------------------
     async def register_stored_adapter(self, name: str, adapter: StoredAdapter) -> None:

@@ -9,7 +9,7 @@ Prometheus registry). Everything under ``/v1/engine`` needs ``Authorization: Bea
 |---|---|
 | ``GET /v1/engine/info`` | id, boot id, model, capacity, context cap |
 | ``POST /v1/engine/generate`` | one request; 200 streams one JSON ``RequestOutput`` per line (``wire``), 400 if refused; a dropped connection aborts it |
-| ``POST /v1/engine/requests/{id}/abort`` | abort a request |
+| ``POST /v1/engine/requests/{id}/abort`` | abort a request: 200 with its final output (``wire``; its metrics say what it cost), 204 if no such request runs |
 | ``PUT /v1/engine/adapters/{name}`` | register an adapter version by its store objects (idempotent) |
 | ``DELETE /v1/engine/adapters/{name}`` | unregister it; 409 while requests use it |
 | ``PUT /v1/engine/tenants/{tenant}`` | a tenant's fair-share weight and/or priority |
@@ -299,9 +299,13 @@ async def _lines(
         await stream.aclose()
 
 
-@internal.post("/requests/{request_id}/abort", status_code=204)
-async def abort(request_id: str, host: HostDep) -> None:
-    await host.engine.abort(request_id)
+@internal.post("/requests/{request_id}/abort", response_model=None)
+async def abort(request_id: str, host: HostDep) -> Response:
+    out = await host.engine.abort(request_id)
+    if out is None:
+        return Response(status_code=204)
+    # json.dumps as the generate stream writes it (a -inf logprob is not strict JSON).
+    return Response(json.dumps(output_to_json(out)), media_type="application/json")
 
 
 @internal.put("/adapters/{name}", response_model=None)

@@ -91,8 +91,15 @@ def output_from_json(data: dict[str, Any]) -> RequestOutput:
         else [None if item is None else _token_logprobs(item) for item in prompt]
     )
     metrics = data.get("metrics")
-    fields["metrics"] = None if metrics is None else RequestMetrics(**metrics)
+    fields["metrics"] = None if metrics is None else _metrics(metrics)
     return RequestOutput(**fields)
+
+
+def _metrics(data: dict[str, Any]) -> RequestMetrics:
+    """A request's metrics; figures this version does not know (a newer engine's) are
+    dropped, so engines can be upgraded before the platforms that call them."""
+    known = {f.name for f in dataclasses.fields(RequestMetrics)}
+    return RequestMetrics(**{k: v for k, v in data.items() if k in known})
 
 
 def stats_to_json(stats: EngineStats) -> dict[str, Any]:

@@ -10,15 +10,19 @@ requests per prompt, or ``best_of`` candidates).
 the sequences as they come. The caller marks each delta *delivered* once the client has it
 (:meth:`Tally.deliver`; a non-streamed response delivers everything at once, and only if
 the run reached its end, so the response is sent); when the run ends for whatever reason
-(finished, failed, client gone, stopped by a shutdown) exactly one usage record is written
-for the HTTP request, whose id is the response id, with the prompt tokens of every sequence
-and only the delivered completion tokens, and none if nothing was delivered. While it
-runs, the usage journal checkpoints what it delivered (a crash loses at most one
-checkpoint interval of tokens). The ``usage`` object the client gets carries the record's
-own numbers. The job's holds on the tenant's limits are settled after the record is
-written. A final record the database cannot take (down or restarting) does not fail the
-request: the usage journal writes it once the database is back, and the holds are settled
-then; the response carries no ``usage``. A shutdown past its grace period stops running
+(finished, failed, client gone, stopped by a shutdown) one usage record is written for the
+HTTP request, whose id is the response id, with the prompt tokens of every sequence and only
+the delivered completion tokens. A run that delivered nothing writes one only if it was
+abandoned (its client left, or its deadline passed): its engine requests are aborted at
+once, each answering with the prompt tokens it had prefilled, and those are billed (a
+prompt list dropped mid-prefill is not free); one that failed, or was stopped by a
+shutdown, before delivering anything writes none. While it runs, the usage journal
+checkpoints what it delivered (a crash loses at most one checkpoint interval of tokens).
+The ``usage`` object the client gets carries the record's own numbers. The job's holds on
+the tenant's limits are settled after the record is written. A final record the database
+cannot take (down or restarting) does not fail the request: the usage journal writes it
+once the database is back, and the holds are settled then; the response carries no
+``usage``. A shutdown past its grace period stops running
 jobs (:class:`~loramux.platform.services.running.RunningRequests`): their choices end with
 finish reason ``abort`` and the client gets what was generated.
 """
@@ -30,7 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -65,6 +69,10 @@ T = TypeVar("T")
 _DONE = object()  # a pump's end-of-choice marker in the merge queue
 _STOP = object()  # the run was stopped (shutdown): end it now
 _EXPIRED = object()  # the run passed its deadline: end it with an error
+# An engine answers an abort once its current step is done (a fraction of a second); one
+# that does not answer in this long is not waited for: the run's end (its usage record)
+# must not hang on it, and closing the choices' streams aborts them anyway.
+ABORT_WAIT_S = 5.0
 
 
 async def _in_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -78,24 +86,46 @@ class _Expired(Exception):
 
 class _Merge:
     """One run's choices as one queue of ``(index, output)``; ``stop`` ends it early, and
-    so does ``expire``, which also aborts the choices' engine work at once."""
+    so does ``expire``, which also abandons the choices' engine work at once.
 
-    def __init__(self, choices: int):
+    ``abort(indices)`` aborts those choices' engine requests and notes what each had done
+    (the service's ``_abort_choices``)."""
+
+    def __init__(self, choices: int, abort: Callable[[list[int]], Awaitable[None]]):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(range(choices))
         self.pumps: list[asyncio.Task] = []
+        self._abort = abort
+        self.abandoning: asyncio.Future | None = None  # set once abandoned
 
     def stop(self) -> None:
         self.queue.put_nowait((-1, _STOP))
 
     def expire(self) -> None:
-        """The deadline passed: cancelling the pumps aborts the engine requests (their KV
-        blocks are freed now, not when the client next reads); what they had queued is still
-        handed out first, so the client gets, and is billed for, every token before the end.
-        """
-        for pump in self.pumps:
-            pump.cancel()
+        """The deadline passed: the engine requests are abandoned now (their KV blocks are
+        freed now, not when the client next reads); what they had queued is still handed out
+        first, so the client gets, and is billed for, every token before the end."""
+        self.abandon()
         self.queue.put_nowait((-1, _EXPIRED))
+
+    def abandon(self) -> asyncio.Future:
+        """Nobody will read the rest (the client left, or the deadline passed): abort the
+        unfinished choices' engine requests, then cancel the pumps. Idempotent: the same
+        future each time, done once the pumps are cancelled."""
+        if self.abandoning is None:
+            self.abandoning = asyncio.ensure_future(self._abort_then_cancel())
+        return self.abandoning
+
+    async def _abort_then_cancel(self) -> None:
+        # Aborted by id first, not by closing their streams, so that each abort answers
+        # with the request's metrics (what its prefill cost): cancelling a pump would
+        # abort the request with no answer.
+        try:
+            running = [i for i in sorted(self.unfinished) if not self.pumps[i].done()]
+            await self._abort(running)
+        finally:
+            for pump in self.pumps:
+                pump.cancel()
 
 
 class InferenceService:
@@ -198,25 +228,33 @@ class InferenceService:
 
         Raises ``EngineError`` (a refused request), ``AsyncEngineError`` from the engine, or
         ``EngineRequestFailed`` when the engine ended it unserved (its adapter failed).
-        Closing the iterator early aborts the choices still running. A shutdown's
+        Closing the iterator early (or cancelling its reader: the client left) abandons the
+        run: the choices still running are aborted, and the tally learns what each had
+        prefilled (billed if nothing was delivered). A shutdown's
         ``stop_all`` ends it early: each unfinished choice then ends with an empty output
         whose finish reason is ``abort``.
         """
         started = time.monotonic()
-        merge = _Merge(len(job.params))
+        merge = _Merge(len(job.params), partial(self._abort_choices, job, tally))
         handle = self._running.add(merge.stop) if self._running is not None else None
         if self._journal is not None:
             self._journal.open(
                 job.request_id, lambda: self._usage_event(job, tally, time.monotonic() - started)
             )
         try:
-            async for item in self._merged(job, merge):
-                yield item
+            # Closed with this run (not left to the garbage collector), so that the choices
+            # are aborted, and their prefill known, before the usage is written below.
+            async with contextlib.aclosing(self._merged(job, tally, merge)) as merged:
+                async for item in merged:
+                    yield item
             tally.ended = True
+        except (GeneratorExit, asyncio.CancelledError):
+            tally.abandoned = True  # the caller stopped reading: the client left
+            raise
         except _Expired:
             # What came before the deadline is the client's: a stream's chunks, or the
             # partial response in a non-streamed request's error body. It is billed.
-            tally.ended = tally.expired = True
+            tally.ended = tally.expired = tally.abandoned = True
             if self._load is not None:
                 state = "generating" if tally.completion_tokens else "queued"
                 self._load.expired(job.caller.tenant_id, state)
@@ -263,9 +301,12 @@ class InferenceService:
         finally:
             await stream.aclose()
 
-    async def _merged(self, job: Job, merge: _Merge) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(
+        self, job: Job, tally: Tally, merge: _Merge
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The choices' outputs as they come, each choice read by its own task into the
-        merge queue (so a stop can cut in whatever the engine is doing)."""
+        merge queue (so a stop can cut in whatever the engine is doing). Closed early (the
+        client left) or past its deadline, it abandons the choices (``_Merge.abandon``)."""
 
         async def pump(index: int) -> None:
             stream = self._generate(job, index)
@@ -283,11 +324,13 @@ class InferenceService:
             max(0.0, job.deadline.remaining()), merge.expire
         )
         started: set[int] = set()
+        stopping = False
         try:
             remaining = len(tasks)
             while remaining:
                 index, item = await merge.queue.get()
                 if item is _STOP:
+                    stopping = True
                     for stopped in sorted(merge.unfinished):
                         yield stopped, stopped_output(job, stopped)
                     return
@@ -299,16 +342,42 @@ class InferenceService:
                     raise item
                 else:
                     self._observe(job, index, item, first=index not in started)
+                    tally.prefilled(index, item.metrics)
                     started.add(index)
                     if item.finished:
                         merge.unfinished.discard(index)
                     yield index, item
+        except (GeneratorExit, asyncio.CancelledError):
+            if not stopping:  # the client left: abandoned, not stopped by a shutdown
+                merge.abandon()
+            raise
         finally:
             timer.cancel()
-            for task in tasks:
-                task.cancel()  # closing each choice's stream aborts it on the engine
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                if merge.abandoning is not None:
+                    await merge.abandoning
+                for task in tasks:
+                    task.cancel()  # closing each choice's stream aborts it on the engine
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _abort_choices(self, job: Job, tally: Tally, indices: list[int]) -> None:
+        """Abort the choices' engine requests; each abort answers with the request's final
+        output, whose metrics say how much of its prompt the engine had prefilled."""
+        if not indices or self._engine.not_ready_reason() is not None:
+            return  # no engine runs them (an abort must not start a stopped engine loop)
+        aborts = (
+            asyncio.wait_for(self._engine.abort(f"{job.request_id}-{index}"), ABORT_WAIT_S)
+            for index in indices
+        )
+        outs = await asyncio.gather(*aborts, return_exceptions=True)
+        failures = [out for out in outs if isinstance(out, BaseException)]
+        if failures:  # their pumps' cancellation still ends them, unanswered
+            logger.warning(
+                "aborting %d choice(s) of %s failed: %r", len(failures), job.request_id, failures[0]
+            )
+        for index, out in zip(indices, outs, strict=True):
+            if isinstance(out, RequestOutput):
+                tally.prefilled(index, out.metrics)
 
     def _observe(self, job: Job, index: int, out: RequestOutput, *, first: bool) -> None:
         """A choice's first output takes it out of the queue; outputs feed the measured
@@ -321,13 +390,17 @@ class InferenceService:
     def _usage_event(
         self, job: Job, tally: Tally, elapsed_s: float, finish: str | None = None
     ) -> UsageEvent:
-        """The request's usage as delivered so far (what the journal and the end record)."""
+        """The request's usage as delivered so far (what the journal and the end record);
+        abandoned before it delivered anything, the prompt tokens the engine prefilled."""
+        prefill_only = tally.bills_prefill_only
         return UsageEvent(
             request_id=job.request_id,
             tenant_id=job.caller.tenant_id,
             model=job.target.model,
-            prompt_tokens=tally.prompt_tokens,
-            cached_prompt_tokens=tally.cached_prompt_tokens,
+            prompt_tokens=tally.prefilled_prompt_tokens if prefill_only else tally.prompt_tokens,
+            cached_prompt_tokens=(
+                tally.prefilled_cached_tokens if prefill_only else tally.cached_prompt_tokens
+            ),
             completion_tokens=tally.delivered_completion_tokens,
             adapter_id=job.target.adapter_id,
             adapter_version_id=job.target.adapter_version_id,
@@ -335,6 +408,7 @@ class InferenceService:
             finish_reason=finish,
             end_user=job.end_user,
             delivered_prompt=tally.delivered_prompt,
+            abandoned_prefill=prefill_only,
         )
 
     def _finish(self, job: Job, tally: Tally, elapsed_s: float) -> None:

@@ -6,8 +6,9 @@ it (:class:`Target`), its prompts (one, or a batch for the completions API) and 
 limits. Sequences are prompt-major: prompt ``p``'s are ``p * per_prompt`` to
 ``(p + 1) * per_prompt - 1``, where ``per_prompt`` is ``n``, or ``best_of`` when more
 candidates are generated than returned. A :class:`Tally` counts, per sequence, what reached
-the client: the usage record is made of it; :meth:`Tally.returned` says which sequences the
-response shows, in the order of its choices.
+the client, and the prompt tokens the engine prefilled for it: the usage record is made of
+it; :meth:`Tally.returned` says which sequences the response shows, in the order of its
+choices.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from loramux.engine import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from loramux.engine import (
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.deadlines import Deadline
 from loramux.platform.services.limit_holds import Holds
@@ -110,6 +117,10 @@ class Choice:
     started: bool = False  # an output of it was delivered (a stream's first chunk went out)
     prompt_token_ids: list[int] | None = None  # the prompt as the engine read it
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the request asked
+    # Prompt tokens whose KV the engine had for it (computed or prefix-cache hits), the
+    # most seen, delivered or not: what an abandoned request is billed for.
+    prefilled_tokens: int = 0
+    prefilled_cached_tokens: int = 0
 
     @property
     def total_logprob(self) -> float:
@@ -124,6 +135,11 @@ class Tally:
     (``streamed=False``) collects the deltas for the response and counts them delivered
     only once the run has reached its end (``ended``): a response cut short (client gone,
     engine failure) delivers nothing.
+
+    Whatever reached the client, the run also notes how far the engine got with each
+    sequence's prompt (:meth:`prefilled`). A run *abandoned* (the client left, or the
+    deadline passed) before it delivered anything is billed for those prompt tokens
+    (:attr:`bills_prefill_only`), so that abandoning work is never free.
     """
 
     def __init__(self, job: Job, *, streamed: bool = True):
@@ -135,6 +151,7 @@ class Tally:
         self.streamed = streamed
         self.ended = False  # set by the run once it reached its end (the response follows)
         self.expired = False  # set by the run when the deadline ended it
+        self.abandoned = False  # set by the run when the client left or the deadline passed
         self.usage: Usage | None = None  # set once the run has ended and was metered
 
     def deliver(self, index: int, out: RequestOutput) -> None:
@@ -152,6 +169,18 @@ class Tally:
         if out.metrics is not None:
             choice.prompt_tokens = out.metrics.prompt_tokens or choice.prompt_tokens
             choice.cached_prompt_tokens = out.metrics.cached_prompt_tokens
+
+    def prefilled(self, index: int, metrics: RequestMetrics | None) -> None:
+        """The engine reported ``metrics`` for sequence ``index`` (an output, or the final
+        one of its abort): keep the most prompt tokens it had prefilled. An engine from
+        before ``computed_prompt_tokens`` reports none."""
+        if metrics is None:
+            return
+        choice = self.choices[index]
+        reached = metrics.computed_prompt_tokens
+        if reached > choice.prefilled_tokens:
+            choice.prefilled_tokens = reached
+            choice.prefilled_cached_tokens = min(metrics.cached_prompt_tokens, reached)
 
     def returned(self) -> list[int]:
         """The sequences the response shows, in its choices' order (choice ``p * n + i``
@@ -190,6 +219,21 @@ class Tally:
     def delivered_completion_tokens(self) -> int:
         """Tokens the client has (or gets with the response): what is billed."""
         return self.completion_tokens if self.streamed or self.ended else 0
+
+    @property
+    def bills_prefill_only(self) -> bool:
+        """Abandoned before anything reached the client: billed for the prompt tokens the
+        engine prefilled (``prefilled_prompt_tokens``), with no completion token."""
+        delivered = self.delivered_completion_tokens or self.delivered_prompt
+        return self.abandoned and not delivered
+
+    @property
+    def prefilled_prompt_tokens(self) -> int:
+        return sum(c.prefilled_tokens for c in self.choices)
+
+    @property
+    def prefilled_cached_tokens(self) -> int:
+        return sum(c.prefilled_cached_tokens for c in self.choices)
 
 
 def delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:

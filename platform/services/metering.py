@@ -1,4 +1,5 @@
-"""Metering: one priced usage record per request that delivered tokens.
+"""Metering: one priced usage record per request that delivered tokens (or was abandoned
+after the engine prefilled part of its prompt).
 
 The serving path builds a ``UsageEvent`` when a request ends (finished, stopped, or dropped
 by the client) and hands it to ``Meter.record``::
@@ -20,11 +21,16 @@ Rules:
   ``request_id`` again (a retry, a duplicate delivery, two workers racing) writes nothing
   and returns ``None``. A checkpoint never changes a final row. ``Meter.stored(request_id)``
   reads back what was recorded.
-* **Only requests that delivered something are recorded**: an event with
-  ``completion_tokens == 0`` (rejected, aborted before its first token) is skipped and
-  returns ``None``; its prompt is not billed. The exception is a request that scored its
-  prompt (``echo`` with ``max_tokens: 0``: ``delivered_prompt``): the client got the
-  prompt's log-probabilities, so its prompt is billed though nothing was generated.
+* **Only requests that delivered something, or were abandoned after the engine worked
+  on them, are recorded**: an event with ``completion_tokens == 0`` (rejected, failed
+  before its first token) is skipped and returns ``None``; its prompt is not billed. Two
+  exceptions. A request that scored its prompt (``echo`` with ``max_tokens: 0``:
+  ``delivered_prompt``): the client got the prompt's log-probabilities, so its prompt is
+  billed though nothing was generated. And a request *abandoned* before anything reached
+  its client (the client left, or its deadline passed: ``abandoned_prefill``): its
+  ``prompt_tokens`` are those the engine prefilled for it (computed or prefix-cache hits,
+  ``cached_prompt_tokens`` of them), billed when there are any, so that abandoning work is
+  never free. A request the engine failed is never billed for what it did not deliver.
 * **A dropped stream bills only what was delivered**: the caller passes, as
   ``completion_tokens``, the tokens actually sent to the client, not those generated.
 * **Cost** is computed here, at each write, from the tenant's price in force at the
@@ -79,6 +85,9 @@ class UsageEvent:
     tenant's id for its end user), stored and exported with the record.
     ``delivered_prompt``: the client received the prompt's log-probabilities (echo), so the
     request is billed for its prompt even with no completion token.
+    ``abandoned_prefill``: the request was abandoned before it delivered anything (client
+    gone, deadline passed); ``prompt_tokens`` are the prompt tokens the engine prefilled
+    for it, billed even with no completion token (there can be none).
     """
 
     request_id: str
@@ -94,6 +103,7 @@ class UsageEvent:
     created_at: datetime | None = None
     end_user: str | None = None
     delivered_prompt: bool = False
+    abandoned_prefill: bool = False
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > REQUEST_ID_MAX_LENGTH:
@@ -116,12 +126,16 @@ class UsageEvent:
             )
         if self.created_at is not None and self.created_at.utcoffset() is None:
             raise ValueError("created_at must be timezone-aware")
+        if self.abandoned_prefill and self.completion_tokens:
+            raise ValueError("an abandoned prefill delivered no completion token")
 
     @property
     def billable(self) -> bool:
         """Whether this request is recorded at all: it delivered at least one token, or its
-        prompt's log-probabilities."""
-        return self.completion_tokens > 0 or self.delivered_prompt
+        prompt's log-probabilities, or it was abandoned after the engine prefilled some of
+        its prompt."""
+        prefilled = self.abandoned_prefill and self.prompt_tokens > 0
+        return self.completion_tokens > 0 or self.delivered_prompt or prefilled
 
 
 def price_event(session: Session, event: UsageEvent, at: datetime) -> int:
@@ -170,8 +184,8 @@ class Meter:
     def record(self, event: UsageEvent) -> UsageRecord | None:
         """Price and store ``event``; the stored record, or ``None`` if nothing was written.
 
-        ``None`` means the event is not billable (no completion tokens) or its request id
-        was already recorded (then ``stored`` returns the first record).
+        ``None`` means the event is not billable (see ``UsageEvent.billable``) or its
+        request id was already recorded (then ``stored`` returns the first record).
         """
         if not event.billable:
             return None
@@ -207,8 +221,8 @@ class Meter:
 @dataclass(frozen=True)
 class Usage:
     """What a request was billed for: its usage record's numbers, so a client summing what
-    it was told gets the billing totals. All zero for a request that delivered no token
-    (not recorded, hence not billed)."""
+    it was told gets the billing totals. All zero for a request that was not recorded
+    (hence not billed)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -354,15 +354,17 @@ def _usage_totals(server, context, tenant_id: str) -> dict:
     return report.json()["totals"]
 
 
-def test_a_non_streamed_request_whose_client_leaves_is_aborted_and_not_billed(
+def test_a_non_streamed_request_whose_client_leaves_is_aborted_and_billed_its_prefill(
     make_client, server, context, base
 ):
     client, tenant_id = make_client(output_price_per_mtok=1.0)
     engine = context.engine.engine
     body = {"model": base, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    generated = engine.metrics.registry.get_sample_value
+    before = generated("loramux_generated_tokens_total")
     with request_then_leave(server.url, "/v1/completions", client.api_key, body):
         deadline = time.monotonic() + 20
-        while not engine.has_unfinished_requests():  # it runs: now the client goes away
+        while generated("loramux_generated_tokens_total") == before:  # prefilled: now leave
             assert time.monotonic() < deadline, "the request never reached the engine"
             time.sleep(0.005)
 
@@ -370,10 +372,16 @@ def test_a_non_streamed_request_whose_client_leaves_is_aborted_and_not_billed(
     while engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "the engine kept running the abandoned request"
         time.sleep(0.05)
-    generated = engine.metrics.registry.get_sample_value("loramux_generated_tokens_total")
-    assert generated < 480  # aborted long before its 480 tokens
+    assert generated("loramux_generated_tokens_total") - before < 480  # aborted long before
     time.sleep(0.5)  # the run's end (and its billing) follows the abort at once
-    assert _usage_totals(server, context, tenant_id)["requests"] == 0  # nothing delivered
+    # Nothing was delivered, but the engine's work was not free: its prompt is billed.
+    totals = _usage_totals(server, context, tenant_id)
+    prompt_tokens = len(context.engine.tokenizer(PROMPT)["input_ids"])
+    assert (totals["requests"], totals["prompt_tokens"], totals["completion_tokens"]) == (
+        1,
+        prompt_tokens,
+        0,
+    )
 
 
 def test_max_tokens_must_fit_the_context_and_defaults_fit_the_limits(make_client, context, base):

@@ -132,10 +132,10 @@ def test_a_request_expires_while_queued_and_is_not_billed(slowed_platform):
     assert 'loramux_requests_expired_total{state="queued"' in client.get("/metrics").text
 
 
-def test_a_request_expires_while_prefilling(slowed_platform):
+def test_a_request_expires_while_prefilling_and_pays_for_its_prefill(slowed_platform):
     # Chunks of 8 tokens, one per 20 ms step: a prompt of ~300 tokens takes ~0.8 s to prefill.
     client, context = slowed_platform(max_num_batched_tokens=8, max_prefill_chunk=8)
-    _, headers = tenant_headers(client, context)
+    tenant_id, headers = tenant_headers(client, context)
     prompt = " ".join(["lighthouse"] * 300)
     response = client.post(
         "/v1/completions",
@@ -153,6 +153,14 @@ def test_a_request_expires_while_prefilling(slowed_platform):
     computed = [done + n for step in context.engine.engine.runner.step_log for _, done, n in step]
     assert 8 <= max(computed) < 300  # it was part-way through its prompt
     engine_idle(context)
+    # Nothing reached the client, but the engine's work is billed: the prompt it prefilled.
+    admin = {"Authorization": f"Bearer {context.admin_token}"}
+    params = {"tenant_id": tenant_id, "group_by": "request"}
+    rows = client.get("/admin/usage", params=params, headers=admin).json()["rows"]
+    assert len(rows) == 1, rows
+    record = Meter(context.sessions).stored(rows[0]["request_id"])
+    assert (record.prompt_tokens, record.completion_tokens) == (max(computed), 0)
+    assert record.finish_reason == "deadline"
 
 
 def test_the_tenant_default_applies_and_a_longer_request_timeout_does_not_lift_it(slowed_platform):

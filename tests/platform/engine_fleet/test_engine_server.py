@@ -168,6 +168,29 @@ def test_a_dropped_connection_aborts_the_request_on_the_engine(running_engine):
     assert aborted < 400  # it stopped long before its 400 tokens
 
 
+def test_an_abort_answers_with_the_requests_final_output(running_engine):
+    """The platform aborts a request its client left by id, and learns from the answer how
+    much of the prompt the engine had prefilled (what the request is billed for)."""
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    engine = running_engine.host.engine.engine
+
+    async def go(remote: RemoteEngine):
+        stream = remote.generate("Tell me a long story", long, request_id="abort1")
+        first = await anext(stream)
+        aborted = await remote.abort("abort1")
+        rest = await _collect(stream)  # the stream ends with the same abort output
+        return first, aborted, rest, await remote.abort("abort1")
+
+    first, aborted, rest, again = asyncio.run(_run(go)(running_engine.url))
+    assert not first.finished
+    assert aborted.finished and aborted.finish_reason == "abort"
+    prompt_tokens = len(engine.tokenizer("Tell me a long story")["input_ids"])
+    assert aborted.metrics.prompt_tokens == aborted.metrics.computed_prompt_tokens == prompt_tokens
+    assert rest[-1].finish_reason == "abort" and rest[-1].token_ids == aborted.token_ids
+    assert again is None  # nothing runs under that id any more: 204
+    assert not engine.has_unfinished_requests()
+
+
 def test_an_adapter_in_use_is_not_removed(running_engine):
     stored, _ = running_engine.adapters["r8"]
     long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)

@@ -337,6 +337,30 @@ def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
     assert routed[(engine_id, "v5")] == 2
 
 
+def test_an_abort_goes_to_the_engine_running_the_request(cluster):
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        client = cluster.client()
+        await client.start()
+        try:
+            stream = client.generate("Hello", long, request_id="routed-abort", tenant="acme")
+            first = await anext(stream)
+            aborted = await client.abort("routed-abort")
+            rest = [out async for out in stream]
+            return first, aborted, rest, await client.abort("routed-abort")
+        finally:
+            await client.stop()
+
+    first, aborted, rest, again = asyncio.run(go())
+    assert not first.finished
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert aborted.metrics.computed_prompt_tokens == aborted.metrics.prompt_tokens > 0
+    assert rest[-1].finish_reason == "abort"
+    assert again is None  # the request has ended: no engine runs it
+    assert not _engines_busy(cluster)
+
+
 def test_tenant_scheduling_reaches_engines_before_their_first_request(cluster):
     async def go():
         client = cluster.client()
@@ -457,8 +481,9 @@ def _generated(cluster: Cluster) -> float:
 
 
 def test_a_client_leaving_a_non_streamed_request_aborts_it_on_the_engine(cluster, tmp_path):
-    """The platform in remote mode: the client's disconnect closes the run, which closes
-    the HTTP stream to the engine process, which aborts the request there."""
+    """The platform in remote mode: the client's disconnect closes the run, which aborts
+    the request on the engine process running it; the abort's answer says what the engine
+    had prefilled, and that is billed (no response reached the client, no completion)."""
     settings = Settings(data_dir=tmp_path, model=str(cluster.model_dir), admin_token=None)
     context = build_context(settings, log=lambda _: None, with_engine=False)
     context.engine = cluster.client()
@@ -476,12 +501,20 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it_on_the_engine(cluster
                 "ignore_eos": True,
             }
             with request_then_leave(server.url, "/v1/completions", key.json()["key"], body):
-                eventually(lambda: _engines_busy(cluster), "the request to run", interval_s=0.005)
+                eventually(
+                    lambda: _generated(cluster) > before, "the request to decode", interval_s=0.005
+                )
             eventually(lambda: not _engines_busy(cluster), "the engine to abort it", 20)
             assert _generated(cluster) - before < 400  # stopped long before its 400 tokens
-            usage = httpx.get(
-                f"{server.url}/admin/usage", params={"tenant_id": tenant_id}, headers=admin
-            )
-            assert usage.json()["totals"]["requests"] == 0  # no response, no bill
+
+            def billed() -> dict:
+                params = {"tenant_id": tenant_id}
+                usage = httpx.get(f"{server.url}/admin/usage", params=params, headers=admin)
+                return usage.json()["totals"]
+
+            totals = eventually(lambda: billed()["requests"] and billed(), "its usage", 10)
+            prompt = len(context.engine.tokenizer(body["prompt"])["input_ids"])
+            assert (totals["prompt_tokens"], totals["completion_tokens"]) == (prompt, 0)
+            assert totals["requests"] == 1
     finally:
         context.sessions.kw["bind"].dispose()

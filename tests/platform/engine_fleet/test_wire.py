@@ -290,3 +290,20 @@ def test_an_older_engines_stats_still_parse():
     assert (stats.speculative_method, stats.num_speculative_tokens) == ("off", 0)
     assert stats.speculation == {}
     assert stats.grammar_cache == GrammarCacheStats()  # ...and from before its figures
+
+
+def test_metrics_a_newer_engine_adds_are_dropped():
+    # Engines may be upgraded before the platforms that call them.
+    out = RequestOutput(
+        request_id="r",
+        prompt_token_ids=[1],
+        token_ids=[2],
+        text="x",
+        delta_token_ids=[2],
+        delta_text="x",
+        finished=True,
+        metrics=RequestMetrics(arrival_time=1.0, prompt_tokens=1),
+    )
+    data = wire.output_to_json(out)
+    data["metrics"]["a_figure_from_the_future"] = 7
+    assert wire.output_from_json(data).metrics == out.metrics

@@ -181,6 +181,42 @@ def test_a_scored_prompt_is_recorded_without_completion_tokens(make_session, ten
     assert Meter(make_session).record(event) is None  # still once
 
 
+def test_an_abandoned_request_is_billed_for_the_prompt_it_prefilled(make_session, tenant_id):
+    # The client left mid-prefill: nothing delivered, but the engine had 700 prompt tokens.
+    event = _event(
+        tenant_id,
+        prompt_tokens=700,
+        cached_prompt_tokens=200,
+        completion_tokens=0,
+        finish_reason="abort",
+        abandoned_prefill=True,
+    )
+    assert event.billable
+    record = Meter(make_session).record(event)
+    # 500 uncached × $1/M + 200 cached × $0.5/M.
+    assert (record.prompt_tokens, record.cached_prompt_tokens, record.completion_tokens) == (
+        700,
+        200,
+        0,
+    )
+    assert record.cost_micro_usd == 600
+    assert Meter(make_session).record(event) is None  # still once
+    assert _count(make_session) == 1
+
+
+def test_an_abandoned_request_the_engine_never_started_is_not_recorded(make_session, tenant_id):
+    event = _event(
+        tenant_id,
+        prompt_tokens=0,
+        cached_prompt_tokens=0,
+        completion_tokens=0,
+        abandoned_prefill=True,
+    )
+    assert not event.billable
+    assert Meter(make_session).record(event) is None
+    assert _count(make_session) == 0
+
+
 def test_a_dropped_stream_bills_the_delivered_tokens(make_session, tenant_id):
     # The route counts what reached the client (3 tokens), not what the engine generated.
     record = Meter(make_session).record(
@@ -219,6 +255,7 @@ def test_usage_for_response_repeats_the_record(make_session, tenant_id):
         {"request_id": "r" * 129},
         {"end_user": "u" * 257},
         {"created_at": datetime(2030, 1, 1)},
+        {"abandoned_prefill": True},  # with completion tokens: it delivered something
     ],
 )
 def test_malformed_events_are_refused(fields):
