@@ -54,7 +54,12 @@ from loramux.benchmarks.fairness_slo_report import (
     summarize,
     write_plots,
 )
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.files import (
+    add_output_options,
+    check_output_options,
+    fill_sizes,
+    write_report,
+)
 from loramux.benchmarks.machine import Clock, machine_info
 from loramux.benchmarks.models import prepare_model
 
@@ -132,9 +137,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_output_options(parser)
     args = parser.parse_args(argv)
     check_output_options(parser, args)
-    for name, value in SIZES["smoke" if args.smoke else "full"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, SIZES)
     sizes = (args.duration, args.probe_interval, args.bucket, args.streams, args.idle_probes)
     if min(*sizes, args.output_tokens) <= 0:
         parser.error("durations, intervals and counts must be positive")

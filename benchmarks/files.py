@@ -48,6 +48,14 @@ def check_output_options(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(NO_RESULTS_DIR)
 
 
+def fill_sizes(args: argparse.Namespace, sizes: dict[str, dict]) -> None:
+    """The options left unset take the run's size's values (``sizes["smoke"]`` with
+    ``--smoke``, else ``sizes["full"]``)."""
+    for name, value in sizes["smoke" if args.smoke else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def link_or_copy(source: str, target: str) -> None:
     """A hard link where ``source`` and ``target`` share a file system (a model's hundreds of
     MB cost nothing), else a copy: ``shutil.copytree``'s ``copy_function``."""

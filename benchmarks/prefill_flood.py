@@ -41,7 +41,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.files import (
+    add_output_options,
+    check_output_options,
+    fill_sizes,
+    write_report,
+)
 from loramux.benchmarks.machine import Clock, machine_info
 from loramux.benchmarks.prefill_flood_report import render_markdown, summarize, write_plots
 
@@ -125,9 +130,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_output_options(parser)
     args = parser.parse_args(argv)
     check_output_options(parser, args)
-    for name, value in SIZES["smoke" if args.smoke else "full"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, SIZES)
     if min(args.idle_probes, args.probes) <= 0 or args.probe_interval <= 0:
         parser.error("probe counts and the interval must be positive")
     args.command = " ".join([f"loramux bench {NAME}", *argv])
@@ -269,9 +272,8 @@ async def _run(args, target: Target) -> dict:
     victim = openai.AsyncOpenAI(
         base_url=f"{target.url}/v1", api_key=target.keys["victim"], max_retries=0, timeout=600
     )
-    for _ in range(2):  # warm-ups, untimed
-        await _probe(victim, target, prompts(PROBE_SHAPE[0]), "warmup", t0)
-    idle = []
+    # Warm-ups (their times not counted, their tokens billed all the same).
+    idle = [await _probe(victim, target, prompts(PROBE_SHAPE[0]), "warmup", t0) for _ in "ab"]
     for _ in range(args.idle_probes):
         idle.append(await _probe(victim, target, prompts(PROBE_SHAPE[0]), "idle", t0))
         await asyncio.sleep(0.2)

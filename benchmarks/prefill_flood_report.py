@@ -67,13 +67,12 @@ def summarize(run: dict) -> dict:
             "billed_completion_tokens": sum(row["completion_tokens"] for row in usage),
             "usage_records": len(usage),
         }
-    victim_probes = [p for p in probes if p["phase"] != "warmup"]
-    victim = {
+    victim = {  # every probe, warm-ups included
         "received_tokens": sum(p["tokens"] for p in probes),
         "billed_completion_tokens": sum(r["completion_tokens"] for r in run["victim_usage"]),
         "usage_records": len(run["victim_usage"]),
         "probes": len(probes),
-        "probe_errors": [p["error"] for p in victim_probes if p["error"]],
+        "probe_errors": [p["error"] for p in probes if p["error"]],
     }
     return {
         "idle": idle,

@@ -6,14 +6,16 @@ process (``python -m loramux.benchmarks.revisions JOB.json RESULT.json``) whose
 ``PYTHONPATH`` starts with a folder whose ``loramux/`` links the tree's package folders as
 its ``pyproject.toml``'s ``package-dir`` maps them; the worker checks that
 ``loramux.engine`` and ``loramux.kernels`` came from that tree (exit 3 otherwise), then
-runs ``engine_vs_peft.run_job``. The benchmarks are not linked: both engines are measured
-by this install's ``loramux.benchmarks``. "After" is this working tree, uncommitted changes
-included (``modified`` says whether ``engine/`` or ``kernels/`` had any).
+runs the job's ``runner`` module's ``run_job`` (``engine_vs_peft``'s by default). The
+benchmarks are not linked: both engines are measured by this install's
+``loramux.benchmarks``. "After" is this working tree, uncommitted changes included
+(``modified`` says whether ``engine/`` or ``kernels/`` had any).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -163,9 +165,8 @@ def worker(job_path: Path, result_path: Path) -> int:
     if stray:
         print(f"worker: expected loramux from {expect}, got {stray}", file=sys.stderr)
         return 3
-    from loramux.benchmarks.engine_vs_peft import run_job
-
-    write_atomic(result_path, json.dumps({**run_job(job), "imported_from": files}))
+    module = importlib.import_module(job.get("runner", "loramux.benchmarks.engine_vs_peft"))
+    write_atomic(result_path, json.dumps({**module.run_job(job), "imported_from": files}))
     return 0
 
 
