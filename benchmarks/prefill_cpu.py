@@ -21,6 +21,7 @@ ids from the same GGUF with ``n_threads`` equal to the run's, ``n_batch`` 2048 a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -46,24 +47,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per timed request batch")
+    parser.add_argument(
+        "--hog",
+        action="store_true",
+        help="also measure each with a busy process beside it (one core's worth of work)",
+    )
+    parser.add_argument(
+        "--spin",
+        action="store_true",
+        help="also measure with OpenMP's default active wait (OMP_WAIT_POLICY unset, as "
+        "engines ran before loramux set it)",
+    )
     parser.add_argument(
         "--llama-cpp-python", type=Path, help="a Python interpreter that imports llama_cpp"
     )
     add_output_options(parser)
     args = parser.parse_args(argv)
     check_output_options(parser, args)
-    if min(*args.lengths, *args.threads, args.repeats) <= 0:
+    if min(*args.lengths, *args.threads, args.repeats, args.batch) <= 0:
         parser.error("lengths, threads and repeats must be positive")
     args.command = " ".join(["loramux bench prefill-cpu", *argv])
     return args
 
 
-def _prompts(vocab_size: int, avoid: set[int], length: int, count: int) -> list[list[int]]:
+def _prompts(vocab_size: int, avoid: set[int], length: int, count: int, batch: int):
+    """``count`` batches of ``batch`` random prompts of ``length`` token ids."""
     import numpy as np
 
     ids = np.array([i for i in range(3, vocab_size) if i not in avoid])
     rng = np.random.default_rng(length)
-    return [rng.choice(ids, size=length).tolist() for _ in range(count)]
+    return [[rng.choice(ids, size=length).tolist() for _ in range(batch)] for _ in range(count)]
 
 
 def run_job(job: dict) -> dict:
@@ -81,9 +95,9 @@ def run_job(job: dict) -> dict:
     params = SamplingParams(max_tokens=1, temperature=0)
     engine.generate([list(range(100, 164))], params)  # warm-up
     seconds = []
-    for prompt in job["prompts"]:
+    for batch in job["prompts"]:
         start = time.perf_counter()
-        engine.generate([prompt], params)
+        engine.generate(batch, params)
         seconds.append(time.perf_counter() - start)
     return {"seconds": seconds, "torch_threads": torch.get_num_threads()}
 
@@ -96,10 +110,11 @@ llm = Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_threads=job["threads"]
             n_threads_batch=job["threads"], n_batch=2048, n_ubatch=512, verbose=False)
 llm.eval(list(range(100, 164)))
 seconds = []
-for prompt in job["prompts"]:
-    llm.reset()
+for batch in job["prompts"]:
     start = time.perf_counter()
-    llm.eval(prompt)
+    for prompt in batch:
+        llm.reset()
+        llm.eval(prompt)
     seconds.append(time.perf_counter() - start)
 import llama_cpp
 json.dump({"seconds": seconds, "version": llama_cpp.__version__}, open(sys.argv[2], "w"))
@@ -115,13 +130,30 @@ def run_llama_cpp(python: Path, job: dict, workdir: Path) -> dict:
     return json.loads(result_path.read_text())
 
 
-def _summary(seconds: list[float], length: int) -> dict:
+def _summary(seconds: list[float], tokens: int) -> dict:
     median = statistics.median(seconds)
     return {
         "seconds": [round(s, 3) for s in seconds],
         "median_s": round(median, 3),
-        "tokens_per_s": round(length / median, 1),
+        "tokens_per_s": round(tokens / median, 1),
     }
+
+
+HOG = "while True: pass"  # one core's worth of busy work, as another process on the machine
+
+
+@contextlib.contextmanager
+def _neighbour(busy: bool):
+    """A busy process beside the measurement while the block runs (nothing when not)."""
+    if not busy:
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", HOG])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     from loramux.platform.base_model import embedded_gguf_path
 
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     gguf = embedded_gguf_path()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="loramux-prefill-") as tmp:
@@ -139,29 +170,45 @@ def main(argv: list[str] | None = None) -> int:
             extract_gguf_metadata(gguf, scratch / "meta", log=lambda *a: None)
         )
         with _checkouts(args.before) as (checkouts, workdir):
+            conditions = [
+                (hog, wait)
+                for hog in (False, True)[: 1 + args.hog]
+                for wait in ("passive", "active")[: 1 + args.spin]
+            ]
             for threads in args.threads:
                 os.environ["OMP_NUM_THREADS"] = str(threads)
                 for length in args.lengths:
                     prompts = _prompts(
-                        config.vocab_size, set(config.eos_token_ids), length, args.repeats
+                        config.vocab_size,
+                        set(config.eos_token_ids),
+                        length,
+                        args.repeats,
+                        args.batch,
                     )
+                    tokens = length * args.batch
                     job = {
                         "runner": __name__,
                         "threads": threads,
                         "prompts": prompts,
                         "scratch": str(scratch),
                     }
-                    for checkout in checkouts:
-                        result = revisions.run_in_worker(checkout, job, workdir)
-                        rows.append(
-                            {
-                                "engine": f"loramux ({checkout.label}, {checkout.sha[:7]})",
-                                "threads": threads,
-                                "length": length,
-                                **_summary(result["seconds"], length),
-                            }
-                        )
-                        print(rows[-1], flush=True)
+                    shape = {"threads": threads, "length": length, "batch": args.batch}
+                    for hog, wait in conditions:
+                        _set_wait_policy(wait)
+                        for checkout in checkouts:
+                            with _neighbour(hog):
+                                result = revisions.run_in_worker(checkout, job, workdir)
+                            rows.append(
+                                {
+                                    "engine": f"loramux ({checkout.label}, {checkout.sha[:7]})",
+                                    **shape,
+                                    "hog": hog,
+                                    "wait": wait,
+                                    **_summary(result["seconds"], tokens),
+                                }
+                            )
+                            print(rows[-1], flush=True)
+                    _set_wait_policy("passive")
                     if args.llama_cpp_python is not None:
                         lc_job = {
                             "gguf": str(gguf),
@@ -173,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(
                             {
                                 "engine": f"llama.cpp (llama-cpp-python {result['version']})",
-                                "threads": threads,
-                                "length": length,
-                                **_summary(result["seconds"], length),
+                                **shape,
+                                "hog": False,
+                                "wait": "passive",
+                                **_summary(result["seconds"], tokens),
                             }
                         )
                         print(rows[-1], flush=True)
@@ -191,6 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     plots = write_plot(report, stem)
     write_report(stem, report, render_markdown(report, plots))
     return 0
+
+
+def _set_wait_policy(wait: str) -> None:
+    """The workers' OpenMP wait: ``passive`` (loramux's) or ``active`` (OpenMP's default)."""
+    if wait == "passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 class _checkouts:
@@ -221,7 +277,7 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
     plt = pyplot()
     if plt is None:
         return []
-    engines = list(dict.fromkeys(row["engine"] for row in report["rows"]))
+    engines = list(dict.fromkeys(_label(row) for row in report["rows"]))
     groups = sorted({(row["threads"], row["length"]) for row in report["rows"]})
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(engines)
@@ -231,7 +287,7 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
                 (
                     r["tokens_per_s"]
                     for r in report["rows"]
-                    if r["engine"] == engine and (r["threads"], r["length"]) == g
+                    if _label(r) == engine and (r["threads"], r["length"]) == g
                 ),
                 0,
             )
@@ -240,7 +296,9 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
         xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(groups))]
         bars = ax.bar(xs, values, width, label=engine, color=f"C{k}")
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks(range(len(groups)), [f"{t} thread(s)\n{n:,} tokens" for t, n in groups])
+    batch = report["rows"][0]["batch"] if report["rows"] else 1
+    labels = [f"{t} thread(s)\n{batch} x {n:,} tokens" for t, n in groups]
+    ax.set_xticks(range(len(groups)), labels)
     ax.set_ylabel("prefill tokens/s (higher is better)")
     ax.set_title("Prefill of one prompt on this CPU, SmolLM2-135M-Instruct Q4_1 GGUF")
     ax.legend(fontsize=8)
@@ -251,6 +309,18 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
     ]
 
 
+def _label(row: dict) -> str:
+    extra = [
+        x
+        for x in (
+            "busy neighbour" if row["hog"] else "",
+            "spinning" if row["wait"] == "active" else "",
+        )
+        if x
+    ]
+    return row["engine"] + (f", {', '.join(extra)}" if extra else "")
+
+
 def render_markdown(report: dict, plots: list[Path]) -> str:
     lines = [
         "# Prefill on the CPU: the embedded default",
@@ -258,15 +328,20 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         f"`{report['command']}`: one request of N random prompt token ids and one output "
         f"token, on `{report['gguf']}` (the engine's default settings, as `loramux serve` "
         "builds it); medians of the repeats, each engine in a process of its own with "
-        "`OMP_NUM_THREADS` set to the thread count and `OMP_WAIT_POLICY=PASSIVE`.",
+        "`OMP_NUM_THREADS` set to the thread count and `OMP_WAIT_POLICY=PASSIVE` (as the "
+        "`loramux` command sets it) unless the row says active; a busy neighbour is a "
+        "process spinning on one core beside the run.",
         "",
-        "| engine | threads | prompt tokens | median s | tokens/s | runs (s) |",
-        "|---|---:|---:|---:|---:|---|",
+        "| engine | threads | prompts x tokens | OpenMP wait | busy neighbour | median s "
+        "| tokens/s | runs (s) |",
+        "|---|---:|---:|---|---|---:|---:|---|",
     ]
     for row in report["rows"]:
+        runs = ", ".join(f"{s:.2f}" for s in row["seconds"])
         lines.append(
-            f"| {row['engine']} | {row['threads']} | {row['length']:,} | {row['median_s']:.2f} "
-            f"| {row['tokens_per_s']:.0f} | {', '.join(f'{s:.2f}' for s in row['seconds'])} |"
+            f"| {row['engine']} | {row['threads']} | {row['batch']} x {row['length']:,} "
+            f"| {row['wait']} | {'yes' if row['hog'] else 'no'} | {row['median_s']:.2f} "
+            f"| {row['tokens_per_s']:.0f} | {runs} |"
         )
     lines += [
         "",

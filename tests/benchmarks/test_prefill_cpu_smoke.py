@@ -18,7 +18,8 @@ def test_a_prefill_is_timed_in_a_worker_and_reported(tmp_path):
     report = json.loads((tmp_path / "prefill_cpu.json").read_text())
     [row] = report["rows"]
     assert row["engine"].startswith("loramux (after, ")
-    assert (row["threads"], row["length"], len(row["seconds"])) == (1, 64, 2)
+    assert (row["threads"], row["length"], row["batch"], len(row["seconds"])) == (1, 64, 1, 2)
+    assert (row["hog"], row["wait"]) == (False, "passive")
     assert row["tokens_per_s"] == pytest.approx(64 / row["median_s"], rel=0.01)
     assert (tmp_path / "prefill_cpu.png").stat().st_size > 0
     assert "| loramux (after, " in (tmp_path / "prefill_cpu.md").read_text()
