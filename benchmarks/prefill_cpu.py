@@ -47,6 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tag", help="results named prefill_cpu_TAG (default prefill_cpu)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per timed request batch")
     parser.add_argument(
         "--hog",
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / NAME
+    stem = args.out / (NAME if args.tag is None else f"{NAME}_{args.tag}")
     plots = write_plot(report, stem)
     write_report(stem, report, render_markdown(report, plots))
     return 0
@@ -325,8 +326,8 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
     lines = [
         "# Prefill on the CPU: the embedded default",
         "",
-        f"`{report['command']}`: one request of N random prompt token ids and one output "
-        f"token, on `{report['gguf']}` (the engine's default settings, as `loramux serve` "
+        f"`{report['command']}`: a batch of requests (the prompts x tokens column), each of "
+        f"random prompt token ids and one output token, on `{report['gguf']}` (the engine's default settings, as `loramux serve` "
         "builds it); medians of the repeats, each engine in a process of its own with "
         "`OMP_NUM_THREADS` set to the thread count and `OMP_WAIT_POLICY=PASSIVE` (as the "
         "`loramux` command sets it) unless the row says active; a busy neighbour is a "

@@ -195,6 +195,14 @@ async def _engine_idle(admin: httpx.AsyncClient) -> bool:
     return body["running_requests"] == 0 and body["waiting_requests"] == 0
 
 
+async def _until_idle(admin: httpx.AsyncClient) -> float:
+    """When (``time.perf_counter()``) the engine was first seen idle, polling from now."""
+    deadline = time.perf_counter() + IDLE_WAIT_S
+    while not await _engine_idle(admin) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.02)
+    return time.perf_counter()
+
+
 async def _usage_rows(admin: httpx.AsyncClient, tenant_id: str, seen: set[str]) -> list[dict]:
     """The tenant's usage records not in ``seen`` (which they are added to)."""
     got = await admin.get("/admin/usage", params={"tenant_id": tenant_id, "group_by": "request"})
@@ -228,10 +236,12 @@ async def _attack(args, target: Target, attack: Attack, prompts: Prompts, t0: fl
                 break
             await asyncio.sleep(0.05)
         run.busy_s = now()
+        idle: asyncio.Task | None = None
         if attack.echo:
             await asyncio.sleep(LEAVE_AFTER_S)
             _leave(tasks)
             run.left_s = now()
+            idle = asyncio.create_task(_until_idle(admin))
         probes = []
         for _ in range(args.probes):
             start = time.perf_counter()
@@ -240,6 +250,7 @@ async def _attack(args, target: Target, attack: Attack, prompts: Prompts, t0: fl
         if run.left_s is None:
             _leave(tasks)
             run.left_s = now()
+            idle = asyncio.create_task(_until_idle(admin))
         for result in await asyncio.gather(*tasks, return_exceptions=True):
             if isinstance(result, httpx.Response):
                 run.outcomes.append(str(result.status_code))
@@ -249,10 +260,7 @@ async def _attack(args, target: Target, attack: Attack, prompts: Prompts, t0: fl
             else:
                 run.outcomes.append(type(result).__name__)
         run.sent_prompt_tokens = attack.prompts * attack.prompt_tokens
-        deadline = time.perf_counter() + IDLE_WAIT_S
-        while not await _engine_idle(admin) and time.perf_counter() < deadline:
-            await asyncio.sleep(0.1)
-        run.idle_s = now()
+        run.idle_s = await idle - t0
         run.usage = await _usage_rows(admin, target.ids["attacker"], seen)
     await victim.close()
     return run, probes

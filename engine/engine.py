@@ -643,7 +643,11 @@ class Engine:
         finally:
             self.step_interrupt.end()
         if not step.reruns:
-            self.prefill_budget.observe(plan.num_prompt_tokens, time.perf_counter() - started)
+            self.prefill_budget.observe(
+                plan.num_prompt_tokens,
+                plan.num_batched_tokens - plan.num_prompt_tokens,
+                time.perf_counter() - started,
+            )
         if self.speculator is not None and not step.reruns:
             self.speculator.observe_step(plan, time.perf_counter() - started)
             self.metrics.spec_proposal_cost.set(self.speculator.proposal_cost)

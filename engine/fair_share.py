@@ -6,10 +6,14 @@ token computed costs ``PROMPT_TOKEN_COST``, a generated one ``OUTPUT_TOKEN_COST`
 scheduler admits the waiting tenant with the lowest counter first (within a priority
 class), so tenants that stay backlogged receive service in proportion to their weights.
 ``activate`` keeps credit from being banked; ``charge_scheduled`` charges each token once,
-when it is scheduled.
+when it is scheduled. Tenants whose counters are equal go least recently served first
+(``recency``): a tenant that joins lifted to the lowest counter ties with the tenant holding
+it, and is served before it, not after all that tenant's queued work (round robin).
 """
 
 from __future__ import annotations
+
+import itertools
 
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
@@ -23,6 +27,8 @@ class FairShare:
         self.weights: dict[str | None, float] = {}
         # request id -> tokens charged to its tenant so far (the most it ever computed)
         self._charged: dict[str, int] = {}
+        self._served: dict[str | None, int] = {}  # tenant -> when it was last charged
+        self._charges = itertools.count(1)
 
     def set_weight(self, tenant: str | None, weight: float) -> None:
         if not weight > 0:
@@ -31,6 +37,10 @@ class FairShare:
 
     def counter(self, tenant: str | None) -> float:
         return self.counters.get(tenant, 0.0)
+
+    def recency(self, tenant: str | None) -> int:
+        """Orders tenants by when they were last charged: 0 for never, larger for later."""
+        return self._served.get(tenant, 0)
 
     def activate(self, tenant: str | None, peers: set[str | None]) -> None:
         """A tenant with nothing queued joins: lift it to the lowest counter of ``peers``
@@ -42,6 +52,8 @@ class FairShare:
     def charge(self, tenant: str | None, prompt_tokens: int, output_tokens: int) -> None:
         cost = prompt_tokens * PROMPT_TOKEN_COST + output_tokens * OUTPUT_TOKEN_COST
         self.counters[tenant] = self.counter(tenant) + cost / self.weights.get(tenant, 1.0)
+        if cost > 0:
+            self._served[tenant] = next(self._charges)
 
     def charge_scheduled(
         self, tenant: str | None, request_id: str, computed: int, num_tokens: int, samples: bool

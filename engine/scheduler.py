@@ -15,7 +15,8 @@ Policy, in order:
    again later. The victim is the lowest priority, then the latest arrival. Running
    sequences still prefilling get their next chunk by policy 8, beside the waiting ones.
 2. **Waiting sequences** are admitted in order of priority (higher first), then the
-   tenant's *virtual token counter* (lower first), then arrival. The counter is the
+   tenant's *virtual token counter* (lower first; equal counters, the tenant least
+   recently served first), then arrival. The counter is the
    VTC fair-share rule (``fair_share.py``): each tenant's counter grows by the tokens served to it divided
    by its weight (prompt tokens count 1, generated tokens 2), and a tenant with nothing
    queued that sends a request starts at the lowest counter among its priority class's
@@ -424,7 +425,13 @@ class Scheduler:
         return item
 
     def _waiting_order(self, seq: Sequence):
-        return (-seq.priority, self.fair.counter(seq.tenant), seq.metrics.arrival_time)
+        fair = self.fair
+        return (
+            -seq.priority,
+            fair.counter(seq.tenant),
+            fair.recency(seq.tenant),  # equal counters: the least recently served first
+            seq.metrics.arrival_time,
+        )
 
     def _adapter_fits(self, adapter_id: int, adapters: set[int]) -> bool:
         cap = self.limits.max_adapters_per_step

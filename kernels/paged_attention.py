@@ -315,7 +315,7 @@ def attend_reference(
     scale: float,
     gather: Callable = gather_kv,
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
-    """The torch implementation: batched SDPA for decodes, masked SDPA per prefilling
+    """The torch implementation: batched SDPA for decodes, a causal SDPA per prefilling
     sequence. ``gather`` reads contexts (``gather_kv``'s contract; the CPU's native read of
     an 8-bit cache, ``kv_native``, is another)."""
     if plan.all_decode:  # the hot path: no scatter into a fresh tensor

@@ -136,11 +136,15 @@ def test_an_engine_refuses_adapter_bytes_beyond_the_machine_sized_budget(tiny_mo
 # --- what it holds, logged at start ----------------------------------------------------------
 
 
+# The engine's other start lines, checked where their subject is tested: the weights'
+# (test_quantized_engine.py), the threads' (test_compute_threads.py), the grammar cache's.
+OTHER_START_LINES = ("base weights:", "Compute threads:", "compiled grammars:")
+
+
 def _log_lines(caplog) -> list[str]:
-    """The engine's start lines about its budget (the weights' line before them aside:
-    tests/engine/test_quantized_engine.py checks it)."""
+    """The engine's start lines about its budget."""
     lines = [r.getMessage() for r in caplog.records if r.name == "loramux.engine.engine"]
-    return [line for line in lines if not line.startswith("base weights:")]
+    return [line for line in lines if not line.startswith(OTHER_START_LINES)]
 
 
 def test_start_logs_an_explicit_budget_and_what_it_holds(tiny_model_dir, caplog):

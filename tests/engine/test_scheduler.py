@@ -742,3 +742,49 @@ def test_a_higher_priority_that_cannot_be_admitted_stalls_the_others_once():
     assert scheduled_tokens(sim.step()) == {}
     for _ in range(3):
         assert set(scheduled_tokens(sim.step())) == {"low"}
+
+
+# --- prompt tokens shared fairly (policy 8) ------------------------------------------------
+
+
+def test_another_tenant_s_running_prefills_do_not_hold_a_new_request():
+    # The attacker's prompts would take every prompt token of every step for 50 steps; the
+    # victim, arriving once they run, is admitted by the very next step.
+    sim = Sim(limits(max_num_batched_tokens=64), num_blocks=1024)
+    for k in range(8):
+        sim.add(f"a{k}", prompt_len=400, tenant="attacker")
+    sim.step()
+    assert sim.sched.running and sim.sched.waiting  # mid-prefill, more queued
+    sim.add("victim", prompt_len=8, tenant="victim")
+    out = sim.step()
+    assert scheduled_tokens(out).get("victim") == 8
+
+
+def test_the_prompt_budget_bounds_a_step_and_is_shared_by_the_counters():
+    budget = [32]
+    sim = Sim(limits(max_num_batched_tokens=256), num_blocks=1024)
+    sim.sched.prompt_budget = lambda: budget[0]
+    sim.add("long", prompt_len=300, tenant="a")
+    sim.add("other", prompt_len=300, tenant="b")
+    served = Counter()
+    for _ in range(6):
+        out = sim.step()
+        assert out.num_prompt_tokens == sum(scheduled_tokens(out).values()) <= budget[0]
+        for item in out.scheduled:
+            served[item.seq.tenant] += item.num_tokens
+    assert served["a"] == served["b"] == 3 * 32  # two tenants of one weight: turn about
+    budget[0] = 64  # the engine's budget may change from one step to the next
+    assert sim.step().num_prompt_tokens == 64
+
+
+def test_decodes_run_before_prompt_chunks_and_outside_the_prompt_budget():
+    sim = Sim(limits(max_num_batched_tokens=64), num_blocks=1024)
+    sim.sched.prompt_budget = lambda: 16
+    for k in range(4):
+        sim.add(f"d{k}", prompt_len=4, max_tokens=50, tenant="chat")
+    sim.step_until(lambda out: all(i.samples for i in out.scheduled) and len(out.scheduled) == 4)
+    sim.add("long", prompt_len=200, tenant="chat")
+    out = sim.step()
+    tokens = scheduled_tokens(out)
+    assert all(tokens[f"d{k}"] == 1 for k in range(4))  # every decode ran
+    assert tokens["long"] == 16 and out.num_prompt_tokens == 16

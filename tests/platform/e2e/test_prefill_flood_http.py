@@ -32,8 +32,9 @@ from tests.platform.e2e.conftest import Platform, Tenant, start_platform
 COST_PER_STEP_S = 0.02
 COST_PER_TOKEN_S = 0.001
 # Steps from the victim's arrival at the engine to the one that samples its first token:
-# the first step after it arrives serves it (its tenant is behind on the fair share).
-MAX_STEPS_TO_FIRST_TOKEN = 2
+# the first step after it arrives serves it (its tenant joins at the attacker's counter and,
+# tied, goes first: it was served less recently).
+MAX_STEPS_TO_FIRST_TOKEN = 1
 # Prompt tokens a step of the target time holds at these costs; steps may overshoot it
 # while the budget follows the measured cost (and by one short prompt beside a chunk).
 STEP_TOKENS = (DEFAULT_CPU_STEP_TARGET_S - COST_PER_STEP_S) / COST_PER_TOKEN_S
