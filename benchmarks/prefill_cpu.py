@@ -55,10 +55,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also measure each with a busy process beside it (one core's worth of work)",
     )
     parser.add_argument(
-        "--spin",
+        "--passive",
         action="store_true",
-        help="also measure with OpenMP's default active wait (OMP_WAIT_POLICY unset, as "
-        "engines ran before loramux set it)",
+        help="also measure with OMP_WAIT_POLICY=PASSIVE (OpenMP's threads sleep at once "
+        "while they wait; the default spins briefly first)",
     )
     parser.add_argument(
         "--llama-cpp-python", type=Path, help="a Python interpreter that imports llama_cpp"
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             conditions = [
                 (hog, wait)
                 for hog in (False, True)[: 1 + args.hog]
-                for wait in ("passive", "active")[: 1 + args.spin]
+                for wait in ("default", "passive")[: 1 + args.passive]
             ]
             for threads in args.threads:
                 os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                 }
                             )
                             print(rows[-1], flush=True)
-                    _set_wait_policy("passive")
+                    _set_wait_policy("default")
                     if args.llama_cpp_python is not None:
                         lc_job = {
                             "gguf": str(gguf),
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "engine": f"llama.cpp (llama-cpp-python {result['version']})",
                                 **shape,
                                 "hog": False,
-                                "wait": "passive",
+                                "wait": "default",
                                 **_summary(result["seconds"], tokens),
                             }
                         )
@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _set_wait_policy(wait: str) -> None:
-    """The workers' OpenMP wait: ``passive`` (loramux's) or ``active`` (OpenMP's default)."""
+    """The workers' OpenMP wait: ``default`` (unset: a short spin, then sleep) or
+    ``passive`` (``OMP_WAIT_POLICY=PASSIVE``: sleep at once)."""
     if wait == "passive":
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     else:
@@ -315,7 +316,7 @@ def _label(row: dict) -> str:
         x
         for x in (
             "busy neighbour" if row["hog"] else "",
-            "spinning" if row["wait"] == "active" else "",
+            "passive wait" if row["wait"] == "passive" else "",
         )
         if x
     ]
@@ -329,9 +330,9 @@ def render_markdown(report: dict, plots: list[Path]) -> str:
         f"`{report['command']}`: a batch of requests (the prompts x tokens column), each of "
         f"random prompt token ids and one output token, on `{report['gguf']}` (the engine's default settings, as `loramux serve` "
         "builds it); medians of the repeats, each engine in a process of its own with "
-        "`OMP_NUM_THREADS` set to the thread count and `OMP_WAIT_POLICY=PASSIVE` (as the "
-        "`loramux` command sets it) unless the row says active; a busy neighbour is a "
-        "process spinning on one core beside the run.",
+        "`OMP_NUM_THREADS` set to the thread count and OpenMP's default wait unless the row "
+        "says passive (`OMP_WAIT_POLICY=PASSIVE`); a busy neighbour is a process spinning on "
+        "one core beside the run.",
         "",
         "| engine | threads | prompts x tokens | OpenMP wait | busy neighbour | median s "
         "| tokens/s | runs (s) |",

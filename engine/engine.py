@@ -30,7 +30,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from loramux.engine.compute_threads import apply_compute_threads
+from loramux.engine.compute_threads import ThreadGovernor, apply_compute_threads
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.isolation import IsolatedStep, run_isolated
@@ -304,6 +304,15 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        # On one CPU process, the threads follow the cores other processes leave free.
+        self.governor = (
+            ThreadGovernor(self.threads.threads)
+            if device.type == "cpu" and self.ranks is None
+            else None
+        )
+        if self.governor is not None and self.governor.enabled:
+            self.threads = dataclasses.replace(self.threads, governed=True)
+        self.metrics.compute_threads.set(self.threads.threads)
         logger.info(describe_weights(self.model, config))
         logger.info(self.threads.describe())
         for line in self.memory_plan.describe():
@@ -599,6 +608,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that got tokens, and
         for every request ended by an adapter that failed to load."""
+        if self.governor is not None:
+            self.metrics.compute_threads.set(self.governor.adjust())
         failures = self._fail_waiting(
             self.tiers.poll(), "could not be loaded", ErrorKind.ADAPTER_LOAD_FAILED
         )

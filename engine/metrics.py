@@ -50,6 +50,11 @@ class EngineMetrics:
         self.waiting_requests = Gauge("loramux_waiting_requests", "Requests waiting.", registry=r)
         self.kv_blocks_used = Gauge("loramux_kv_blocks_used", "KV blocks in use.", registry=r)
         self.kv_blocks_total = Gauge("loramux_kv_blocks_total", "KV blocks in all.", registry=r)
+        self.compute_threads = Gauge(
+            "loramux_compute_threads",
+            "The engine's CPU threads now (fewer while other processes take cores).",
+            registry=r,
+        )
         self.kv_blocks_moved = Counter(
             "loramux_kv_blocks_moved",
             "KV blocks copied out of the way of a waiting adapter's device rows.",

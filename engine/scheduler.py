@@ -67,13 +67,15 @@ Policy, in order:
    how priority is protected: by preempting steps, not by reserving slots, which would idle
    capacity whenever the high class is quiet.
 8. **Prompt tokens shared fairly**: a step takes at most ``prompt_budget()`` prefill tokens
-   (the engine sizes it so that a step lasts about its target time, ``prefill_budget.py``)
+   (the engine sizes it so that their part of a step lasts about a target time,
+   ``prefill_budget.py``)
    and each request at most ``max_prefill_chunk`` of them. They go, a chunk at a time, to
    running prefills and waiting sequences in one order (priority, the tenant's virtual
-   counter, arrival), taken afresh after each chunk is charged. A tenant's long prompts,
-   prompt lists or ``n`` copies thus hold no other tenant's first token for longer than a
-   step or two: a new request of a tenant with nothing queued joins at the lowest counter
-   (policy 2), so it is the next in line, and no step lasts long.
+   counter, the tenant served least recently, arrival), taken afresh after each chunk is
+   charged. A tenant's long prompts, prompt lists or ``n`` copies thus hold no other
+   tenant's first token for longer than a step: a new request of a tenant with nothing
+   queued joins at the lowest counter (policy 2), tied with the busy tenant and served less
+   recently, so it is the next in line, and no step lasts long.
 """
 
 from __future__ import annotations
@@ -319,8 +321,8 @@ class Scheduler:
 
     def _schedule_prompts(self, prefilling: list[Sequence], step: _StepDraft) -> None:
         """Policy 8: the step's prompt tokens go, a chunk at a time, to running prefills and
-        waiting sequences in one order: priority, then the tenant's virtual counter, then
-        arrival. Each chunk is charged as it is scheduled and the order taken afresh, so a
+        waiting sequences in one order: priority, then the tenant's virtual counter (equal
+        counters: the tenant served least recently), then arrival. Each chunk is charged as it is scheduled and the order taken afresh, so a
         tenant that has had its share yields the rest of the step to the others. Waiting
         sequences are admitted by policies 2-6."""
         self.waiting.sort(key=self._waiting_order)

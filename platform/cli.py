@@ -7,7 +7,6 @@ import logging
 import sys
 
 from loramux.platform.cli_operator import add_operator_commands
-from loramux.platform.process_env import prefer_passive_openmp
 
 SERVE_HELP = (
     "Start the platform (HTTP API, engine in-process) on the embedded default unless "
@@ -209,7 +208,6 @@ def _walkthrough(base: str, admin_token: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prefer_passive_openmp()  # before anything loads torch
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

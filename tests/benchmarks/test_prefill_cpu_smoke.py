@@ -19,7 +19,7 @@ def test_a_prefill_is_timed_in_a_worker_and_reported(tmp_path):
     [row] = report["rows"]
     assert row["engine"].startswith("loramux (after, ")
     assert (row["threads"], row["length"], row["batch"], len(row["seconds"])) == (1, 64, 1, 2)
-    assert (row["hog"], row["wait"]) == (False, "passive")
+    assert (row["hog"], row["wait"]) == (False, "default")
     assert row["tokens_per_s"] == pytest.approx(64 / row["median_s"], rel=0.01)
     assert (tmp_path / "prefill_cpu.png").stat().st_size > 0
     assert "| loramux (after, " in (tmp_path / "prefill_cpu.md").read_text()

@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
+from loramux.engine import SamplingParams
 from loramux.engine.compute_threads import (
+    ThreadGovernor,
     available_cores,
     default_compute_threads,
     platform_reserve,
@@ -72,23 +74,68 @@ def test_the_engine_sets_its_threads_and_logs_the_choice(
     assert engine.threads.threads == 1 and engine.threads.requested == 1
     lines = [r.getMessage() for r in caplog.records if "Compute threads" in r.getMessage()]
     assert len(lines) == 1, caplog.text
-    assert lines[0].startswith("Compute threads: 1 (the setting;")
-    assert "spin" in lines[0] and "OMP_WAIT_POLICY" in lines[0]  # this process never set it
+    assert lines[0].startswith("Compute threads: 1 (fixed:")
+    assert "(the setting;" in lines[0] and "OpenMP's default wait" in lines[0]
 
 
-def test_the_loramux_command_makes_openmp_wait_passively():
-    # Set before torch loads (it reads the policy once), and inherited by what it starts.
-    code = (
-        "import os, sys; from loramux.platform.process_env import prefer_passive_openmp;"
-        "print(prefer_passive_openmp(), os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+class FakeMachine:
+    """``/proc/stat`` and ``/proc/self/stat`` as files, and a clock, that a test advances:
+    each ``tick`` the process uses ``own`` core-seconds and other processes ``others``."""
+
+    TICKS = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, tmp_path, cpus):
+        self.cpus, self.now, self.busy, self.own = sorted(cpus), 0.0, 0.0, 0.0
+        self.proc_stat, self.self_stat = tmp_path / "stat", tmp_path / "self_stat"
+        self._write()
+
+    def tick(self, seconds: float, own: float, others: float) -> None:
+        self.now += seconds
+        self.own += own * seconds
+        self.busy += (own + others) * seconds
+        self._write()
+
+    def _write(self) -> None:
+        per_cpu = int(self.busy * self.TICKS / len(self.cpus))
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"] + [
+            f"cpu{c} {per_cpu} 0 0 1000000 0 0 0 0 0 0" for c in self.cpus
+        ]
+        self.proc_stat.write_text("\n".join(lines) + "\n")
+        own = int(self.own * self.TICKS)
+        self.self_stat.write_text(f"42 (python (x)) S {' '.join(['0'] * 10)} {own} 0 0 0\n")
+
+
+def test_the_governor_leaves_the_cores_other_processes_take(tmp_path):
+    machine = FakeMachine(tmp_path, {0, 1})
+    applied = []
+    governor = ThreadGovernor(
+        2,
+        clock=lambda: machine.now,
+        proc_stat=machine.proc_stat,
+        self_stat=machine.self_stat,
+        set_threads=applied.append,
+        cpus={0, 1},
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == ["True", "PASSIVE", "False"]
-    env["OMP_WAIT_POLICY"] = "active"  # the operator's choice stays
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == ["False", "active", "False"]
+    assert governor.enabled and governor.adjust() == 2
+    machine.tick(0.6, own=2.0, others=0.1)  # quiet: both threads busy, a sliver of others
+    assert governor.adjust() == 2 and applied == []
+    machine.tick(0.6, own=1.0, others=1.0)  # a neighbour spins on one core
+    assert governor.adjust() == 1 and applied == [1]
+    machine.tick(0.2, own=1.0, others=0.0)  # read at most every interval
+    assert governor.adjust() == 1
+    machine.tick(0.6, own=1.0, others=0.2)  # it went: both cores again
+    assert governor.adjust() == 2 and applied == [1, 2]
+    machine.tick(0.6, own=0.0, others=5.0)  # never below one thread
+    assert governor.adjust() == 1
+
+
+def test_the_engine_on_the_cpu_is_governed_unless_it_has_one_thread(
+    tiny_model_dir, restore_threads
+):
+    one = build_engine(tiny_model_dir, compute_threads=1)
+    assert one.governor is not None and not one.governor.enabled
+    assert not one.threads.governed and "fixed" in one.threads.describe()
+    two = build_engine(tiny_model_dir, compute_threads=2)
+    assert two.governor.enabled and two.threads.governed
+    assert "fewer while other processes take cores" in two.threads.describe()
+    two.generate(["Hello"], SamplingParams(max_tokens=2))  # adjusts between steps
