@@ -21,7 +21,7 @@ QUANTIZATIONS = ("none", "int8", "int4")  # what each packs: model/quantized.py
 # A CPU step that prefills lasts about this long by default: another tenant's request that
 # arrives during one waits for its end and then one more such step, so its first token
 # comes within about 1.5 of these on average (benchmarks/results/bench_prefill-flood.md).
-DEFAULT_CPU_STEP_TARGET_S = 0.15
+DEFAULT_CPU_STEP_TARGET_S = 0.12
 
 
 @dataclass

@@ -76,6 +76,16 @@ Policy, in order:
    tenant's first token for longer than a step: a new request of a tenant with nothing
    queued joins at the lowest counter (policy 2), tied with the busy tenant and served less
    recently, so it is the next in line, and no step lasts long.
+9. **A newcomer's first step is short**: when tenants with nothing running have first
+   requests waiting (of the highest priority with work), the step's prompt tokens are
+   capped at what those requests need, or a quarter of the budget if that is more. They
+   are first in the order (policy 8), so they get theirs; the others, a running prefill
+   among them, get what is left, a short chunk, and decodes run as always. The newcomer's
+   first token then costs about an idle step plus the decodes, not a step full of another
+   tenant's long prompt. At most every other step is capped so, so a stream of newcomers
+   slows a long prompt's prefill by at most a little over a third; like policy 7 it trades
+   a step of throughput for a first token, and only when a tenant starts work. Who is
+   admitted, and in what order, is unchanged: the weighted shares hold.
 """
 
 from __future__ import annotations
@@ -184,6 +194,11 @@ class _StepDraft:
         self._prefills.discard(seq.request_id)
 
 
+# A newcomer's step (policy 9) takes at most this fraction (1/N) of the prompt budget,
+# or what the newcomers need if that is more.
+NEWCOMER_STEP_SHARE = 4
+
+
 def _preemption_order(seq: Sequence) -> tuple[int, float]:
     """Lowest first: the running sequence preempted first (lowest priority, latest arrival)."""
     return (seq.priority, -seq.metrics.arrival_time)
@@ -218,6 +233,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self._urgent_seen: set[str] = set()  # request ids policy 7 already made room for
+        self._newcomer_step = 0  # the last step that went to newcomers alone (policy 9)
 
     # --- queue -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -322,10 +338,36 @@ class Scheduler:
     def _schedule_prompts(self, prefilling: list[Sequence], step: _StepDraft) -> None:
         """Policy 8: the step's prompt tokens go, a chunk at a time, to running prefills and
         waiting sequences in one order: priority, then the tenant's virtual counter (equal
-        counters: the tenant served least recently), then arrival. Each chunk is charged as it is scheduled and the order taken afresh, so a
-        tenant that has had its share yields the rest of the step to the others. Waiting
-        sequences are admitted by policies 2-6."""
+        counters: the tenant served least recently), then arrival. Each chunk is charged as
+        it is scheduled and the order taken afresh, so a tenant that has had its share
+        yields the rest of the step to the others. Waiting sequences are admitted by
+        policies 2-6. A newcomer's step is capped first (policy 9)."""
         self.waiting.sort(key=self._waiting_order)
+        newcomers = self._newcomers()
+        if newcomers:  # their step is short: the newcomers' tokens and a quarter budget
+            needed = sum(seq.num_uncomputed_tokens for seq in newcomers)
+            short = max(needed, step.max_prompt_tokens // NEWCOMER_STEP_SHARE)
+            step.max_prompt_tokens = min(step.max_prompt_tokens, short)
+            self._newcomer_step = self.step_count
+        pending = [*((seq, True) for seq in prefilling), *((seq, False) for seq in self.waiting)]
+        self._fill_prompts(pending, step)
+
+    def _newcomers(self) -> list[Sequence]:
+        """Policy 9: the waiting first requests of tenants with nothing running, of the
+        highest priority waiting or running; none if the last step was capped for them."""
+        if self._newcomer_step == self.step_count - 1 or not self.waiting:
+            return []
+        top = max(s.priority for s in (*self.running, *self.waiting))
+        busy = {s.tenant for s in self.running}
+        return [
+            s
+            for s in self.waiting
+            if s.priority == top and s.tenant not in busy and s.metrics.first_scheduled_time is None
+        ]
+
+    def _fill_prompts(self, pending: list[tuple[Sequence, bool]], step: _StepDraft) -> None:
+        """Give ``pending`` ((sequence, is running) pairs) prompt tokens in the fair order
+        until the step's prompt budget is spent."""
         starving = self._starving_sequence()
         # The first waiting sequence that finds no room stops admission for its priority
         # class's tenant (arrival order within a tenant) and for lower classes; other
@@ -333,7 +375,6 @@ class Scheduler:
         # prefills go on: they hold their slots and blocks already.
         stopped_class: int | None = None
         stopped_tenants: set[str | None] = set()
-        pending = [*((seq, True) for seq in prefilling), *((seq, False) for seq in self.waiting)]
         pending.sort(key=lambda entry: self._waiting_order(entry[0]))
         while pending and step.prompt_budget > 0:
             seq, is_running = pending.pop(0)
@@ -341,6 +382,8 @@ class Scheduler:
                 others = [s for s, r in pending if r and s.status is SequenceStatus.RUNNING]
                 self._schedule_running([seq], [seq, *others], step)
                 pending.sort(key=lambda entry: self._waiting_order(entry[0]))
+                continue
+            if seq.status is not SequenceStatus.WAITING or seq in step.admitted:
                 continue
             if stopped_class is not None and seq.priority != stopped_class:
                 continue

@@ -189,7 +189,7 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds a step that prefills should last: the prompt tokens per step are "
         "sized from the measured cost of recent steps, so one tenant's long prompts hold "
-        "another's first token for a step or two (unset: 0.15 on the CPU; on a GPU no time "
+        "another's first token for a step or two (unset: 0.12 on the CPU; on a GPU no time "
         "target, LORAMUX_ENGINE_MAX_NUM_BATCHED_TOKENS alone).",
     )
     compute_threads: int | None = Field(

@@ -788,3 +788,19 @@ def test_decodes_run_before_prompt_chunks_and_outside_the_prompt_budget():
     tokens = scheduled_tokens(out)
     assert all(tokens[f"d{k}"] == 1 for k in range(4))  # every decode ran
     assert tokens["long"] == 16 and out.num_prompt_tokens == 16
+
+
+def test_a_newcomer_s_first_step_is_short_once():
+    # Policy 9: the step that admits a tenant with nothing running takes the newcomer's
+    # tokens and a quarter of the prompt budget at most (its first token costs about an
+    # idle step); the next step is a whole one again.
+    sim = Sim(limits(max_num_batched_tokens=256), num_blocks=1024)
+    sim.sched.prompt_budget = lambda: 64
+    sim.add("long", prompt_len=400, tenant="attacker")
+    assert scheduled_tokens(sim.step()) == {"long": 64}
+    sim.add("victim", prompt_len=8, tenant="victim")
+    assert scheduled_tokens(sim.step()) == {"victim": 8, "long": 16 - 8}
+    sim.add("second", prompt_len=8, tenant="other")  # at most every other step
+    out = sim.step()
+    assert scheduled_tokens(out) == {"victim": 1, "second": 8, "long": 64 - 8}
+    assert scheduled_tokens(sim.step())["long"] == 64  # nobody new: whole steps
