@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                                 result = revisions.run_in_worker(checkout, job, workdir)
                             rows.append(
                                 {
-                                    "engine": f"loramux ({checkout.label}, {checkout.sha[:7]})",
+                                    "engine": f"loramux ({_revision(checkout)})",
                                     **shape,
                                     "hog": hog,
                                     "wait": wait,
@@ -240,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     plots = write_plot(report, stem)
     write_report(stem, report, render_markdown(report, plots))
     return 0
+
+
+def _revision(checkout: revisions.Checkout) -> str:
+    return checkout.label if checkout.rev is not None else f"after, {checkout.sha[:7]}"
 
 
 def _set_wait_policy(wait: str) -> None:
@@ -306,7 +310,9 @@ def write_plot(report: dict, stem: Path) -> list[Path]:
     ax.legend(fontsize=8)
     return [
         save_figure(
-            fig, stem.with_name(stem.name + ".png"), note=machine_text(report["machine"])[:110]
+            fig,
+            stem.with_name(stem.name + ".png"),
+            note=machine_text(report["machine"]).split(" Date")[0],
         )
     ]
 

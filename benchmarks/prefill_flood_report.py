@@ -122,7 +122,7 @@ def write_plots(report: dict, stem: Path) -> list[Path]:
     ax.set_xlim(-0.5, len(phases) - 0.1)
     ax.set_ylabel("victim's time to first token (s)")
     ax.set_title("A victim tenant's first token while another tenant floods prefill (bar: median)")
-    note = machine_text(report["machine"])[:110]
+    note = machine_text(report["machine"]).split(" Date")[0]
     return [save_figure(fig, stem.with_name(stem.name + "_ttft.png"), note=note)]
 
 
