@@ -55,11 +55,12 @@ class ThreadChoice:
     def describe(self) -> str:
         how = "the setting" if self.requested is not None else "by default"
         wait = "OpenMP waits passively" if self.passive_wait else "OpenMP's default wait"
-        follows = (
-            ", fewer while other processes take cores"
-            if self.governed
-            else " (fixed: a busy neighbour process can slow steps several-fold)"
-        )
+        if self.governed:
+            follows = ", fewer while other processes take cores"
+        elif self.threads > 1:
+            follows = " (fixed: a busy neighbour process can slow steps several-fold)"
+        else:
+            follows = ""
         return (
             f"Compute threads: {self.threads}{follows} ({how}; {self.available} core(s) "
             f"available to this process); {wait}"

@@ -243,10 +243,14 @@ def test_serve_first_start_prints_the_token_and_serves_models(first_start):
     assert any('"model": "my-adapter"' in line for line in curl_lines), output
     # The seeded directory was used, not converted again.
     assert "Converting" not in output, output
-    # The engine's threads: the cores this process may use, fewer while others take them.
+    # The engine's threads, as many as the test's workers allow (one each: OMP_NUM_THREADS),
+    # said at start with the cores the process may use.
     threads = [line for line in output.splitlines() if "Compute threads:" in line]
     assert len(threads) == 1, output
-    assert "fewer while other processes take cores" in threads[0], threads[0]
+    expected = os.environ.get("OMP_NUM_THREADS")
+    if expected is not None:
+        assert f"Compute threads: {expected}" in threads[0], threads[0]
+    assert "core(s) available to this process" in threads[0], threads[0]
 
 
 def test_serve_second_start_does_not_print_the_token(first_start, tmp_path):
