@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 
 from loramux.platform.cli_operator import add_operator_commands
 
@@ -18,6 +20,11 @@ ENGINE_HELP = (
     "Start one engine process (one per accelerator) serving the internal engine API; it "
     "registers in Redis so platforms with LORAMUX_ENGINE_MODE=remote route requests to it."
 )
+
+# Commands whose code is not the product's (``bench``: the benchmarks) are found through this
+# entry-point group when they run (pyproject.toml declares them), so the platform never
+# imports them by name.
+COMMANDS_GROUP = "loramux.commands"
 
 BENCH_HELP = (
     "Serve a preset workload and report it against its baseline in the same run: "
@@ -65,9 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from loramux.benchmarks.bench import main
+    command = _installed_command("bench")
+    if command is None:
+        return 2
+    return command(args.args)
 
-    return main(args.args)
+
+def _installed_command(name: str) -> Callable[[list[str]], int] | None:
+    """The ``main(argv)`` that the installed entry point ``name`` of ``COMMANDS_GROUP``
+    names, or None (having said why on stderr) when this installation has none."""
+    found = tuple(entry_points(group=COMMANDS_GROUP, name=name))
+    if not found:
+        print(
+            f"loramux {name}: this installation does not provide the {name!r} command (no "
+            f"{name!r} entry point in group {COMMANDS_GROUP!r}). Install loramux from its "
+            "checkout with `make setup`, or `pip install -e .`, and try again.",
+            file=sys.stderr,
+        )
+        return None
+    return found[0].load()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -174,10 +174,17 @@ def test_wheel_ships_the_package_files(tmp_path):
             shipped = "loramux/" + py_file.relative_to(REPO_ROOT).as_posix()
             assert shipped in names, f"{shipped} missing from the wheel"
 
-    scripts = re.search(r"\[console_scripts\]\n(.*?)(?:\n\[|\Z)", entry_points, re.S)
-    assert scripts is not None, entry_points
-    lines = {re.sub(r"\s+", "", line) for line in scripts.group(1).splitlines()}
-    assert "loramux=loramux.platform.cli:main" in lines, entry_points
+    assert "loramux=loramux.platform.cli:main" in _entry_points(entry_points, "console_scripts")
+    # `loramux bench`: platform/cli.py finds the benchmarks only through this entry point.
+    commands = _entry_points(entry_points, "loramux.commands")
+    assert "bench=loramux.benchmarks.bench:main" in commands, entry_points
+
+
+def _entry_points(text: str, group: str) -> set[str]:
+    """The entries of ``group`` in an entry_points.txt, without spaces."""
+    section = re.search(rf"\[{re.escape(group)}\]\n(.*?)(?:\n\[|\Z)", text, re.S)
+    assert section is not None, f"no [{group}] in:\n{text}"
+    return {re.sub(r"\s+", "", line) for line in section.group(1).splitlines() if line.strip()}
 
 
 # --- README and CI ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loramux.platform import cli
 from loramux.platform.base_model import BaseModelError, embedded_gguf_path, resolve_base_model
 from loramux.platform.engine_settings import engine_config
 from loramux.platform.settings import EMBEDDED_MODEL_ID, Settings
@@ -90,6 +91,38 @@ def test_no_command_is_an_error():
     assert result.returncode != 0
     assert "usage: loramux" in result.stderr
     assert "required" in result.stderr
+
+
+# --- commands found through entry points (bench) ------------------------------------------
+
+
+def test_bench_help_is_the_platforms_own():
+    result = subprocess.run(
+        [*_loramux_command(), "bench", "-h"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: loramux bench" in result.stdout
+    assert "Serve a preset workload" in result.stdout
+
+
+def test_bench_runs_the_command_its_entry_point_names():
+    result = subprocess.run(
+        [*_loramux_command(), "bench", "cpu-smoke", "-h"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    # The benchmarks' own options and presets: their parser answered.
+    assert "--sweep" in result.stdout and "cpu-smoke" in result.stdout
+
+
+def test_a_command_whose_entry_point_is_missing_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "entry_points", lambda **_: ())
+    assert cli.main(["bench", "cpu-smoke"]) == 2
+    error = capsys.readouterr().err
+    assert "'bench' entry point in group 'loramux.commands'" in error
+    assert "make setup" in error and "pip install -e ." in error
 
 
 # --- serve end to end ------------------------------------------------------------------------
