@@ -10,6 +10,7 @@ from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineSto
 from loramux.engine.compute_threads import default_compute_threads
 from loramux.engine.config import INT4_GROUP_SIZES, QUANTIZATIONS, EngineConfig
 from loramux.engine.engine import Engine, EngineError, UnknownAdapter
+from loramux.engine.errors import AdapterInUse
 from loramux.engine.lora.adapter import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -69,6 +70,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "AdapterConfig",
     "AdapterError",
+    "AdapterInUse",
     "AsyncEngine",
     "AsyncEngineError",
     "CallableSource",

@@ -39,7 +39,8 @@ class EngineClient(Protocol):
     (or a subclass) when the engine could not finish it; leaving its loop early aborts the
     request on the engine. ``abort`` aborts one by id and answers with its final output
     (finish reason ``abort``; its metrics say how much of the prompt was prefilled), or None
-    when no such request runs. ``remove_adapter`` raises ``EngineError`` while requests use it.
+    when no such request runs. ``remove_adapter`` raises ``AdapterInUse`` (an ``EngineError``)
+    while requests use the adapter.
     """
 
     @property

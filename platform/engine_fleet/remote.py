@@ -1,11 +1,12 @@
 """One ``loramux engine`` process, reached over its internal HTTP API (``server``).
 
-Errors map onto the in-process engine's: a refused request raises ``EngineError`` (with
-:class:`AdapterNotRegistered` when the engine does not know the adapter, e.g. after a
-restart); an engine that did not answer a request (refused the connection, or dropped it
-before any response: it died a moment ago) raises :class:`EngineUnreachable`, and one that
-goes away after it answered :class:`EngineLost` — both ``AsyncEngineError``, which the API
-answers with 503.
+Errors map onto the in-process engine's by the code of the engine's answer, never by its
+words: a refused request or call raises ``EngineError``; :class:`AdapterNotRegistered` (an
+``UnknownAdapter``) when the engine does not know the adapter (e.g. after a restart), and
+``AdapterInUse`` when requests still use the adapter it was asked to remove. An engine
+that did not answer a request (refused the connection, or dropped it before any response:
+it died a moment ago) raises :class:`EngineUnreachable`, and one that goes away after it
+answered :class:`EngineLost` — both ``AsyncEngineError``, which the API answers with 503.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 
 from loramux.engine import (
+    AdapterInUse,
     AsyncEngineError,
     EngineError,
     EngineStats,
@@ -56,7 +58,16 @@ class EngineLost(EngineUnavailable):
 
 
 class AdapterNotRegistered(UnknownAdapter):
-    """The engine does not know the adapter (it restarted since it was registered)."""
+    """The engine does not know the adapter (it restarted since it was registered, or it
+    never was)."""
+
+
+# The error codes of the engine's refusals that name a type (``server`` answers with them);
+# any other code is a plain EngineError.
+_REFUSALS: dict[str, type[EngineError]] = {
+    "unknown_adapter": AdapterNotRegistered,
+    "adapter_in_use": AdapterInUse,
+}
 
 
 class RemoteEngine:
@@ -150,7 +161,7 @@ class RemoteEngine:
         if response.status_code == 200:
             return output_from_json(response.json())
         if response.status_code != 204:
-            raise EngineError(_message(response))
+            raise _refusal(response)
         return None
 
     async def register_adapter(self, name: str, adapter: StoredAdapter) -> None:
@@ -165,17 +176,14 @@ class RemoteEngine:
             },
         )
         if response.status_code != 204:
-            raise EngineError(_message(response))
+            raise _refusal(response)
 
-    async def remove_adapter(self, name: str) -> bool:
-        """True if it was removed, False if the engine did not have it; EngineError while
-        requests use it."""
+    async def remove_adapter(self, name: str) -> None:
+        """Unregister ``name``: :class:`AdapterNotRegistered` (an ``UnknownAdapter``) if the
+        engine does not have it, ``AdapterInUse`` while requests use it."""
         response = await self._call("DELETE", f"/adapters/{name}")
-        if response.status_code == 404:
-            return False
         if response.status_code != 204:
-            raise EngineError(_message(response))
-        return True
+            raise _refusal(response)
 
     async def set_tenant(
         self, tenant: str, *, weight: float | None = None, priority: int | None = None
@@ -184,7 +192,7 @@ class RemoteEngine:
             "PUT", f"/tenants/{tenant}", {"weight": weight, "priority": priority}
         )
         if response.status_code != 200:
-            raise EngineError(_message(response))
+            raise _refusal(response)
         return int(response.json()["reprioritized"])
 
     async def stats(self) -> EngineStats:
@@ -206,13 +214,23 @@ def _message(response: httpx.Response) -> str:
         return f"HTTP {response.status_code}: {response.text[:200]}"
 
 
+def _refusal_class(code: object) -> type[EngineError]:
+    return _REFUSALS.get(code, EngineError) if isinstance(code, str) else EngineError
+
+
+def _refusal(response: httpx.Response) -> EngineError:
+    """The engine's refusal of a call, as the class its error code names."""
+    code = None
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        code = response.json()["error"]["code"]
+    return _refusal_class(code)(_message(response))
+
+
 def _raise_refusal(response: httpx.Response, engine_id: str) -> None:
     error: Any = {}
     with contextlib.suppress(ValueError):
         error = response.json().get("error", {})
     message = str(error.get("message") or f"HTTP {response.status_code}")
     if response.status_code == 400:
-        if error.get("code") == "unknown_adapter":
-            raise AdapterNotRegistered(message)
-        raise EngineError(message)
+        raise _refusal_class(error.get("code"))(message)
     raise EngineUnavailable(f"engine {engine_id}: {message}", engine_id=engine_id)

@@ -332,12 +332,13 @@ class RoutedEngines:
         self._adapters[name] = adapter
 
     async def remove_adapter(self, name: str) -> None:
-        """Unregister ``name`` from every engine it was sent to; EngineError while one
+        """Unregister ``name`` from every engine it was sent to; ``AdapterInUse`` while one
         still runs requests on it (the caller retries)."""
         for record in self._serving():
             sent = self._sent_to(record)
             if name in sent:
-                with contextlib.suppress(EngineUnavailable):  # gone: its memory is gone too
+                # Gone, or restarted since (it forgot the adapter): its memory is gone too.
+                with contextlib.suppress(EngineUnavailable, AdapterNotRegistered):
                     await self._remote(record).remove_adapter(name)
                 sent.discard(name)
         self._adapters.pop(name, None)

@@ -11,7 +11,7 @@ Prometheus registry). Everything under ``/v1/engine`` needs ``Authorization: Bea
 | ``POST /v1/engine/generate`` | one request; 200 streams one JSON ``RequestOutput`` per line (``wire``), 400 if refused; a dropped connection aborts it |
 | ``POST /v1/engine/requests/{id}/abort`` | abort a request: 200 with its final output (``wire``; its metrics say what it cost), 204 if no such request runs |
 | ``PUT /v1/engine/adapters/{name}`` | register an adapter version by its store objects (idempotent) |
-| ``DELETE /v1/engine/adapters/{name}`` | unregister it; 409 while requests use it |
+| ``DELETE /v1/engine/adapters/{name}`` | unregister it; 404 if unknown, 409 while requests use it |
 | ``PUT /v1/engine/tenants/{tenant}`` | a tenant's fair-share weight and/or priority |
 | ``GET /v1/engine/residency``, ``GET /v1/engine/stats`` | where adapters are; the live snapshot |
 
@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from loramux.engine import AsyncEngine, AsyncEngineError, EngineError
+from loramux.engine import AsyncEngine, AsyncEngineError, EngineError, UnknownAdapter
 from loramux.platform.engine_fleet.heartbeat import Heartbeat
 from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
@@ -181,7 +181,7 @@ class EngineHost:
         self._adapters[name] = adapter
 
     async def unregister(self, name: str) -> None:
-        await self.engine.remove_adapter(name)  # EngineError while requests use it
+        await self.engine.remove_adapter(name)  # UnknownAdapter, or AdapterInUse
         self._adapters.pop(name, None)
 
 
@@ -272,7 +272,7 @@ async def generate(body: GenerateBody, host: HostDep) -> Response:
         first = await anext(stream)
     except EngineError as exc:
         await stream.aclose()
-        code = "unknown_adapter" if "unknown adapter" in str(exc) else "invalid_request"
+        code = "unknown_adapter" if isinstance(exc, UnknownAdapter) else "invalid_request"
         return _error(400, str(exc), code)
     except AsyncEngineError as exc:
         await stream.aclose()
@@ -321,9 +321,9 @@ async def register_adapter(name: str, body: AdapterBody, host: HostDep) -> Respo
 async def remove_adapter(name: str, host: HostDep) -> Response:
     try:
         await host.unregister(name)
-    except EngineError as exc:
-        if "is not loaded" in str(exc):
-            return _error(404, str(exc), "unknown_adapter")
+    except UnknownAdapter as exc:
+        return _error(404, str(exc), "unknown_adapter")
+    except EngineError as exc:  # AdapterInUse, its only other refusal
         return _error(409, str(exc), "adapter_in_use")
     return Response(status_code=204)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 
-from loramux.engine import EngineError
+from loramux.engine import EngineError, UnknownAdapter
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
 from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
@@ -121,7 +121,8 @@ class AdapterRuntime:
             try:
                 await engine.remove_adapter(name)
                 return
-            except EngineError as exc:
-                if "is not loaded" in str(exc):
-                    return
+            except UnknownAdapter:  # removed already
+                return
+            except EngineError:  # in use (AdapterInUse)
+                pass
             await asyncio.sleep(REMOVAL_RETRY_S)

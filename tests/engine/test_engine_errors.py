@@ -20,7 +20,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loramux.engine import AdapterError, Engine, EngineConfig, EngineError, SamplingParams
+from loramux.engine import (
+    AdapterError,
+    AdapterInUse,
+    Engine,
+    EngineConfig,
+    EngineError,
+    SamplingParams,
+    UnknownAdapter,
+)
 from tests.fixtures.models import build_peft_adapter, build_tiny_model
 
 MAX_MODEL_LEN = 16
@@ -391,7 +399,7 @@ def test_duplicate_adapter_name_is_refused(engine, small_adapter):
 
 def test_remove_unknown_adapter_is_refused(engine):
     expected, before = baseline(engine), adapter_state(engine)
-    with pytest.raises(EngineError, match="'nope' is not loaded"):
+    with pytest.raises(UnknownAdapter, match="'nope' is not loaded"):  # an EngineError
         engine.remove_adapter("nope")
     assert_adapters_unchanged(engine, before, expected)
 
@@ -408,13 +416,13 @@ def test_remove_adapter_in_use_is_refused_until_its_requests_end(engine, small_a
     assert engine.lora_pool.num_rows_used == rows_before + 4
 
     engine.add_request("w", GOOD_PROMPT, GREEDY, adapter="small")
-    with pytest.raises(EngineError, match="'small' is in use by 1 request"):
+    with pytest.raises(AdapterInUse, match="'small' is in use by 1 request"):  # an EngineError
         engine.remove_adapter("small")  # waiting
     outs = engine.step()
-    with pytest.raises(EngineError, match="'small' is in use by 1 request"):
+    with pytest.raises(AdapterInUse, match="'small' is in use by 1 request"):
         engine.remove_adapter("small")  # running
     engine.add_request("aborted", GOOD_PROMPT, GREEDY, adapter="small")
-    with pytest.raises(EngineError, match="in use by 2 request"):
+    with pytest.raises(AdapterInUse, match="in use by 2 request"):
         engine.remove_adapter("small")
     engine.abort("aborted")
     assert engine.list_adapters() == ["kept", "small"]
@@ -426,7 +434,7 @@ def test_remove_adapter_in_use_is_refused_until_its_requests_end(engine, small_a
     assert engine.list_adapters() == ["kept"]
     assert engine.lora_pool.num_rows_used == rows_before  # device rows and host memory freed
     assert engine.tiers.host.bytes_used == host_before
-    with pytest.raises(EngineError, match="unknown adapter 'small'"):
+    with pytest.raises(UnknownAdapter, match="unknown adapter 'small'"):
         engine.add_request("x", GOOD_PROMPT, GREEDY, adapter="small")
     assert_clean(engine, expected)
 

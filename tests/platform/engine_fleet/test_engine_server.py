@@ -16,8 +16,15 @@ import httpx
 import pytest
 import uvicorn
 
-from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
-from loramux.engine.engine import EngineError
+from loramux.engine import (
+    AdapterInUse,
+    AsyncEngine,
+    Engine,
+    EngineConfig,
+    EngineError,
+    SamplingParams,
+    UnknownAdapter,
+)
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.platform.engine_fleet.remote import (
     AdapterNotRegistered,
@@ -191,7 +198,16 @@ def test_an_abort_answers_with_the_requests_final_output(running_engine):
     assert not engine.has_unfinished_requests()
 
 
+def _delete_adapter(running_engine, name: str) -> httpx.Response:
+    return httpx.delete(
+        f"{running_engine.url}/v1/engine/adapters/{name}",
+        headers={"Authorization": f"Bearer {SECRET}"},
+    )
+
+
 def test_an_adapter_in_use_is_not_removed(running_engine):
+    """The engine's refusals cross the HTTP seam as codes, and come back as the engine's
+    own error types (an AdapterInUse, an UnknownAdapter), with its words."""
     stored, _ = running_engine.adapters["r8"]
     long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
@@ -199,22 +215,36 @@ def test_an_adapter_in_use_is_not_removed(running_engine):
         await remote.register_adapter("v-r8", stored)
         stream = remote.generate("Busy", long, request_id="busy1", adapter="v-r8")
         await anext(stream)
-        with pytest.raises(EngineError, match="is in use by 1 request"):
+        with pytest.raises(AdapterInUse, match="'v-r8' is in use by 1 request"):
             await remote.remove_adapter("v-r8")
+        in_use = await asyncio.to_thread(_delete_adapter, running_engine, "v-r8")
         await stream.aclose()
         for _ in range(100):  # the abort lands on the engine thread shortly
             try:
-                return await remote.remove_adapter("v-r8")
-            except EngineError:
+                await remote.remove_adapter("v-r8")
+                return in_use, await remote.residency()
+            except AdapterInUse:
                 await asyncio.sleep(0.05)
-        return None
+        raise AssertionError("the adapter stayed in use after its request was aborted")
 
-    assert asyncio.run(_run(go)(running_engine.url)) is True
+    in_use, residency = asyncio.run(_run(go)(running_engine.url))
+    assert in_use.status_code == 409
+    assert in_use.json()["error"]["code"] == "adapter_in_use"
+    assert "v-r8" not in residency
 
     async def again(remote: RemoteEngine):
-        return await remote.remove_adapter("v-r8")
+        with pytest.raises(UnknownAdapter, match="'v-r8' is not loaded") as refused:
+            await remote.remove_adapter("v-r8")
+        assert isinstance(refused.value, AdapterNotRegistered)  # an UnknownAdapter too
 
-    assert asyncio.run(_run(again)(running_engine.url)) is False
+    asyncio.run(_run(again)(running_engine.url))
+    unknown = _delete_adapter(running_engine, "v-r8")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {
+        "message": "adapter 'v-r8' is not loaded",
+        "type": "engine_error",
+        "code": "unknown_adapter",
+    }
 
 
 def test_tenant_scheduling_and_stats(running_engine):

@@ -326,8 +326,11 @@ def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
             (engine_id,) = {e for (e, a) in client.routed if a == "v5"}
             host = cluster.hosts[engine_id]
             async with httpx.AsyncClient() as http:
-                await RemoteEngine(http, engine_id, host.url, SECRET).remove_adapter("v5")
-            final = await _serve(client, "v5", "forget-2")  # re-registered, then served
+                remote = RemoteEngine(http, engine_id, host.url, SECRET)
+                await remote.remove_adapter("v5")
+                final = await _serve(client, "v5", "forget-2")  # re-registered, then served
+                await remote.remove_adapter("v5")  # forgotten again
+            await client.remove_adapter("v5")  # the engine's "unknown adapter" is no error
             return final, engine_id, Counter(client.routed)
         finally:
             await client.stop()
