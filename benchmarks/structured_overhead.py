@@ -79,7 +79,7 @@ class _MaskTimer:
 
         self.fill_ms: list[float] = []
         self.apply_ms: list[float] = []
-        runner = engine.runner
+        runner = engine.executor
         fill = runner._grammar_masks
 
         def timed_fill(sampling):

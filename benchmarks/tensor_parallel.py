@@ -176,7 +176,7 @@ def run_engine(args, model_dir: Path, adapters, world: int) -> dict:
         engine.generate(prompts[:2], SamplingParams(max_tokens=2), adapters=chosen[:2])  # warm
         timer = StepTimer(engine)
         began = time.monotonic()
-        group = None if engine.ranks is None else engine.ranks.group
+        group = engine.devices.group  # None on one device
         comm_before = (0.0, 0.0) if group is None else (group.collective_s, group.command_s)
         started = time.perf_counter()
         outs = engine.generate(prompts, params, adapters=chosen)

@@ -9,8 +9,8 @@ This module is the engine's front door: the platform imports only what is export
 from loramux.engine.async_engine import AsyncEngine, AsyncEngineError, EngineStoppedError
 from loramux.engine.compute_threads import default_compute_threads
 from loramux.engine.config import INT4_GROUP_SIZES, QUANTIZATIONS, EngineConfig
-from loramux.engine.engine import Engine, EngineError, UnknownAdapter
-from loramux.engine.errors import AdapterInUse
+from loramux.engine.engine import Engine
+from loramux.engine.errors import AdapterInUse, EngineError, UnknownAdapter
 from loramux.engine.lora.adapter import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,

@@ -33,11 +33,12 @@ from transformers import AutoTokenizer
 from loramux.engine.compute_threads import ThreadGovernor, apply_compute_threads
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.errors import AdapterInUse, EngineError, UnknownAdapter
+from loramux.engine.executor import LocalExecutor, NonFiniteOutput
 from loramux.engine.isolation import IsolatedStep, run_isolated
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
 from loramux.engine.lora.backend import select_backend
-from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
 from loramux.engine.lora.loader import AdapterLoader
 from loramux.engine.lora.pool import LoRAPool
@@ -48,16 +49,15 @@ from loramux.engine.lora.source import (
     LocalDirectorySource,
 )
 from loramux.engine.lora.tiers import AdapterTiers
-from loramux.engine.memory_budget import budget_for, plan_memory
+from loramux.engine.memory_budget import budget_for, kv_block_bytes, plan_memory
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
 from loramux.engine.model.quantized import describe_weights
 from loramux.engine.outputs import RequestOutput
-from loramux.engine.parallel.ranks import start_ranks
+from loramux.engine.parallel.ranks import start_devices
 from loramux.engine.prefill_budget import PrefillBudget
 from loramux.engine.residency import ResidencyCounts, ResidencyWatch
-from loramux.engine.runner import ModelRunner, NonFiniteOutput, kv_block_bytes
 from loramux.engine.sampler import Sampler, make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import AdapterRoom, Scheduler, SchedulerLimits, SchedulerOutput
@@ -70,6 +70,7 @@ from loramux.engine.speculative.draft_model import (
 from loramux.engine.speculative.speculator import Speculator
 from loramux.engine.static_decode import STATIC_DTYPES, StaticDecode, decode_buckets
 from loramux.engine.stats import EngineStats, LatencyRecorder, SpeculationStats, tier_stats
+from loramux.engine.step_batch import build_step_batch
 from loramux.engine.step_interrupt import StepInterrupt, StepInterrupted
 from loramux.engine.structured import CompiledGrammar, GrammarError, StructuredSpec
 from loramux.engine.structured_outputs import Grammars
@@ -88,14 +89,6 @@ def _adapter_label(seq: Sequence) -> str:
     return "" if seq.lora is None else seq.lora.name
 
 
-class EngineError(ValueError):
-    """A request or call the engine refuses; the message says why."""
-
-
-class UnknownAdapter(EngineError):
-    """A request names an adapter the engine does not have (never added, or removed)."""
-
-
 def _token_id(value) -> int:
     """An int token id; floats, bools and strings are refused, not coerced."""
     try:
@@ -109,25 +102,20 @@ def _token_id(value) -> int:
 class Engine:
     def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
         self.config = config
-        # Tensor parallelism: the other ranks start now and load their shards meanwhile;
-        # this process is rank 0 and holds its own (engine/parallel/).
-        self.ranks = start_ranks(config)
+        # One device, or the ranks of a sharded model (engine/parallel/): chosen here, once;
+        # it builds the device side.
+        self.devices = start_devices(config)
         try:
             self._build(config, metrics)
         except BaseException:  # a refused setting, a budget too small: no ranks left behind
-            if self.ranks is not None:
-                self.ranks.close()
+            self.devices.close()
             raise
 
     def _build(self, config: EngineConfig, metrics: EngineMetrics | None) -> None:
-        device, dtype = config.torch_device, config.torch_dtype
+        devices = self.devices
+        device, dtype, shard = devices.device, config.torch_dtype, devices.shard
         # Over several CPU ranks, rank 0 takes its part of the threads like the others.
-        self.threads = apply_compute_threads(
-            config.compute_threads if self.ranks is None else self.ranks.threads
-        )
-        shard = None if self.ranks is None else self.ranks.plan
-        if self.ranks is not None:
-            device = self.ranks.device
+        self.threads = apply_compute_threads(devices.compute_threads)
         # The kernels (Triton or torch) are chosen here, once, and handed to what runs ops:
         # the model's quantized matmul first.
         self.backend = select_backend(device, dtype)
@@ -146,8 +134,7 @@ class Engine:
         # The whole model's config; ``self.model.config`` (what the arena and the adapter
         # pool are built from) is this rank's share of it.
         self.model_config = self.model.config if shard is None else shard.config
-        if shard is not None:
-            self.model.join(self.ranks.group, shard.vocab_start, shard.config.vocab_size)
+        devices.join(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -188,14 +175,16 @@ class Engine:
             and dtype in STATIC_DTYPES
         )
         scratch_blocks = 1 if static_decode else 0
-        block_bytes = kv_block_bytes(self.model, config.block_size, dtype, config.kv_cache_dtype)
+        block_bytes = kv_block_bytes(
+            self.model.config, config.block_size, dtype, config.kv_cache_dtype
+        )
         num_blocks = budget.bytes // block_bytes - scratch_blocks
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_bytes={budget.bytes} ({budget.detail}) holds {num_blocks} KV blocks; "
                 f"raise it (one block needs {block_bytes} bytes)"
             )
-        self.arena = (DeviceArena if self.ranks is None else self.ranks.arena)(
+        self.arena = self.devices.arena(
             self.model.config,
             num_blocks,
             config.block_size,
@@ -224,7 +213,9 @@ class Engine:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, min_limit=kv_floor
         )
-        self.lora_pool = LoRAPool(self.model.config, self.arena, self.kv, max_rows=max_rows)
+        self.lora_pool = LoRAPool(
+            self.model.config, self.devices.adapter_rows(self.arena), self.kv, max_rows=max_rows
+        )
         # Prompt tokens per step, sized to the step's target time (prefill_budget.py).
         self.prefill_budget = PrefillBudget(
             config.step_target_s,
@@ -243,15 +234,16 @@ class Engine:
             adapter_ready=self.lora_pool.is_resident,
             prompt_budget=self.prefill_budget.tokens,
         )
-        self.runner = (ModelRunner if self.ranks is None else self.ranks.runner)(
-            self.model,
-            kv_caches=self.arena.kv_caches,
-            block_size=config.block_size,
-            lora_pool=self.lora_pool,
-            backend=self.backend,
-            sampler=Sampler(config.seed),
-            block_tables=self.kv.block_table,
-            static_decode=self._static_decode() if static_decode else None,
+        self.executor = self.devices.executor(
+            LocalExecutor(
+                self.model,
+                kv_caches=self.arena.kv_caches,
+                block_size=config.block_size,
+                lora_weights=self.lora_pool,
+                backend=self.backend,
+                sampler=Sampler(config.seed),
+                static_decode=self._static_decode() if static_decode else None,
+            )
         )
         self.step_interrupt = StepInterrupt()  # a higher-priority arrival cuts a step short
         self.speculator = (
@@ -305,11 +297,7 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         # On one CPU process, the threads follow the cores other processes leave free.
-        self.governor = (
-            ThreadGovernor(self.threads.threads)
-            if device.type == "cpu" and self.ranks is None
-            else None
-        )
+        self.governor = ThreadGovernor(self.threads.threads) if devices.governs_threads else None
         if self.governor is not None and self.governor.enabled:
             self.threads = dataclasses.replace(self.threads, governed=True)
         self.metrics.compute_threads.set(self.threads.threads)
@@ -340,7 +328,7 @@ class Engine:
         if self.draft_model is None:
             return None
         config = self.config
-        block_bytes = kv_block_bytes(self.draft_model, config.block_size, config.torch_dtype)
+        block_bytes = kv_block_bytes(self.draft_model.config, config.block_size, config.torch_dtype)
         num_blocks = cache_bytes // block_bytes
         # A request whose context does not fit beside the others' just proposes nothing.
         tokens = num_blocks * config.block_size
@@ -370,7 +358,7 @@ class Engine:
     def _static_decode(self) -> StaticDecode:
         """Fixed buffers for decode-only steps; on CUDA their graphs are captured now."""
         config = self.config
-        return (StaticDecode if self.ranks is None else self.ranks.static_decode)(
+        return self.devices.static_decode(
             self.model,
             self.arena.kv_caches,
             self.lora_pool,
@@ -435,10 +423,10 @@ class Engine:
         """Unregister ``name``, freeing its device rows and host memory."""
         request = self.tiers.get(name)
         if request is None:
-            raise EngineError(f"adapter {name!r} is not loaded")
+            raise UnknownAdapter(f"adapter {name!r} is not loaded")
         users = [s.request_id for s in self._requests.values() if s.lora == request]
         if users:
-            raise EngineError(
+            raise AdapterInUse(
                 f"adapter {name!r} is in use by {len(users)} request(s); abort or finish them first"
             )
         self.tiers.unregister(name)
@@ -448,8 +436,7 @@ class Engine:
         serve adapters already in RAM or on the device, but loads no more. The other
         tensor-parallel ranks stop: the engine serves nothing more then."""
         self.tiers.loader.close()
-        if self.ranks is not None:
-            self.ranks.close()
+        self.devices.close()
 
     def list_adapters(self) -> list[str]:
         return self.tiers.names()
@@ -621,7 +608,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
-        self.runner.copy_kv_blocks(plan.kv_moves)
+        self.executor.copy_kv_blocks(plan.kv_moves)
         self.metrics.kv_blocks_moved.inc(len(plan.kv_moves))
         self.tiers.pin_running(
             seq.adapter_id for seq in self.scheduler.running if seq.adapter_id is not None
@@ -683,7 +670,7 @@ class Engine:
         return outputs
 
     def _execute_interruptible(self, plan: SchedulerOutput, prompt_logprobs: dict[str, list]):
-        """The runner's execute, interruptible by a higher-priority arrival on its first
+        """The executor's execute, interruptible by a higher-priority arrival on its first
         run only (a re-run that isolates a failure must finish: its parts sample).
 
         It returns the sampled tokens, as ``run_isolated`` takes them; the prompt logprobs
@@ -695,12 +682,12 @@ class Engine:
 
         def execute(part: SchedulerOutput):
             nonlocal runs
-            # Not over several ranks: they would wait in a collective for the abandoned layers.
-            interruptible = runs == 0 and self.ranks is None
-            self.runner.interrupt = self.step_interrupt.check if interruptible else None
+            interruptible = runs == 0 and self.executor.interruptible
+            self.executor.interrupt = self.step_interrupt.check if interruptible else None
             runs += 1
+            batch = build_step_batch(part, self.kv.block_table, self.lora_pool.step_table)
             try:
-                result = self.runner.execute(part)
+                result = self.executor.execute(batch)
             except NonFiniteOutput as exc:  # the others' results stand
                 prompt_logprobs.update(exc.prompt_logprobs)
                 raise

@@ -19,7 +19,7 @@ Re-running is safe because nothing of a step is committed before the scheduler's
 the KV slots a step writes belong to the tokens it computes and a re-run overwrites them,
 and prefix-cache registration and token appends happen only afterwards.
 
-Non-finite output (:class:`~loramux.engine.runner.NonFiniteOutput`) names the requests
+Non-finite output (:class:`~loramux.engine.executor.base.NonFiniteOutput`) names the requests
 whose tokens came out non-finite. When they all use one adapter (or all the base model),
 they are failed at once and the others keep their tokens; when they span several, a
 masked-dense LoRA op may have spread one adapter's values to the others' rows, so the
@@ -32,7 +32,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loramux.engine.runner import NonFiniteOutput
+from loramux.engine.executor.base import NonFiniteOutput
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.sequence import ErrorKind
 from loramux.engine.step_interrupt import StepInterrupted

@@ -38,6 +38,7 @@ import torch
 from loramux.engine.config import EngineConfig
 from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
+from loramux.kernels.kv_quant import bytes_per_slot_head, storage_dtype
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -94,6 +95,19 @@ def cuda_free_bytes(device: torch.device) -> int:
     free, _total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return free + cached
+
+
+def kv_block_bytes(
+    model: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes one KV block takes across all layers (keys and values; with a quantized
+    cache, its 8-bit data and per-slot scales: ``DeviceArena.bytes_per_block``)."""
+    storage = storage_dtype(kv_cache_dtype)
+    if storage is None:
+        per_head = model.head_dim * dtype.itemsize
+    else:
+        per_head = bytes_per_slot_head(model.head_dim, storage)
+    return 2 * model.num_layers * model.num_kv_heads * per_head * block_size
 
 
 # --- the rules -------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -153,6 +154,32 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+class AdapterRows(Protocol):
+    """The adapter rows as the pool sees them: their geometry, the row pools the LoRA ops
+    read, and the three changes it makes. A ``DeviceArena`` is one; over several ranks,
+    ``engine/parallel/executor.MirroredRows`` sends each change to the others first."""
+
+    layout: RowLayout
+    num_layers: int
+    device: torch.device
+
+    @property
+    def bytes_per_row(self) -> int: ...
+
+    @property
+    def bytes_per_block(self) -> int: ...
+
+    def a_pool(self, layer: int, module: str) -> torch.Tensor: ...
+
+    def b_pool(self, layer: int, module: str) -> torch.Tensor: ...
+
+    def write_adapter(self, start: int, weights: LoRAWeights) -> None: ...
+
+    def zero_rows(self, start: int, end: int) -> None: ...
+
+    def move_rows(self, src: int, dst: int, count: int) -> None: ...
 
 
 class DeviceArena:
@@ -275,11 +302,6 @@ class DeviceArena:
 
     # --- whole-row operations (all layers, A and B, every module) ---------------
     def zero_rows(self, start: int, end: int) -> None:
-        # write_adapter zeroes through _zero_rows: a subclass mirroring each public change
-        # to other ranks (engine/parallel/ranks.py) sends one command for a write, not two.
-        self._zero_rows(start, end)
-
-    def _zero_rows(self, start: int, end: int) -> None:
         for a, b in zip(self._a_rows, self._b_rows, strict=True):
             a[start:end] = 0
             b[start:end] = 0
@@ -287,7 +309,7 @@ class DeviceArena:
     def write_adapter(self, start: int, weights: LoRAWeights) -> None:
         """Zero rows ``[start, start + weights.rank)`` (modules and layers the adapter skips
         stay zero), then write each module's A and B^T of each layer into them."""
-        self._zero_rows(start, start + weights.rank)
+        self.zero_rows(start, start + weights.rank)
         for module, mw in weights.modules.items():
             rows = slice(start, start + mw.rank)
             for layer, a in mw.a.items():

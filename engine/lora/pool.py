@@ -43,7 +43,7 @@ import torch
 
 from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.lora.device_arena import AdapterRows
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
 from loramux.kernels.lora_batch import LoRATable
@@ -80,7 +80,7 @@ class LoRAPool:
     def __init__(
         self,
         model_config: ModelConfig,
-        arena: DeviceArena,
+        arena: AdapterRows,
         kv: KVCacheManager,
         *,
         max_rows: int | None = None,

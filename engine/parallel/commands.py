@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.static_decode import DecodeStep
-from loramux.kernels.lora_batch import LoRATable
+from loramux.engine.step_batch import ForwardInputs
 
 if TYPE_CHECKING:
     from loramux.engine.parallel.worker import RankWorker
@@ -83,17 +82,16 @@ class CopyKVBlocks(Command):
 
 @dataclass(frozen=True)
 class RunStep(Command):
-    """One forward over the arena's KV cache, then the LM-head passes rank 0 makes."""
+    """One forward over the arena's KV cache, then the LM-head passes rank 0 makes. With
+    ``static`` the step is decode-only and runs over the static buffers (each rank replays
+    its graph of the same bucket), as rank 0's does."""
 
-    input_ids: list[int]
-    tables: list[list[int]]
-    context_lens: list[int]
-    query_lens: list[int]
-    lora_table: LoRATable | None
-    head_rows: list[list[int]]
+    inputs: ForwardInputs
+    static: bool
 
     def apply(self, rank: RankWorker) -> None:
-        head_passes(rank, rank.forward(self), self.head_rows)
+        hidden = rank.forward(self.inputs, static=self.static)
+        head_passes(rank, hidden, self.inputs.head_rows)
 
 
 @dataclass(frozen=True)
@@ -110,18 +108,6 @@ class BuildStaticDecode(Command):
 
     def apply(self, rank: RankWorker) -> None:
         rank.build_static_decode(self.max_context_len, self.buckets, self.max_rank, self.capture)
-
-
-@dataclass(frozen=True)
-class RunStaticDecode(Command):
-    """One decode-only step over the static buffers (each rank replays its graph of the
-    same bucket), then the LM-head passes rank 0 makes."""
-
-    step: DecodeStep
-    head_rows: list[list[int]]
-
-    def apply(self, rank: RankWorker) -> None:
-        head_passes(rank, rank.static_decode.run(self.step), self.head_rows)
 
 
 def head_passes(rank: RankWorker, hidden: torch.Tensor, head_rows: list[list[int]]) -> None:

@@ -1,11 +1,12 @@
 """Rank 0 of a tensor-parallel engine: it starts the other ranks and tells them what to do.
 
 ``EngineRanks`` spawns one process per other rank (``worker.run_rank``), joins them in a
-``TensorParallelGroup`` and sends commands (``commands.py``). ``MirroredArena`` and
-``ShardedRunner`` are rank 0's arena and runner (``static_decode`` its static decode
-path): each operation that changes device state or runs the model is sent to the other
-ranks first and then done here, so the engine above them (scheduler, pool, tiers, sampler)
-is the single-device engine, unchanged.
+``TensorParallelGroup`` and sends commands (``commands.py``). It is the engine's
+``Devices`` (``engine/executor/base.py``): it builds rank 0's arena, adapter rows, static
+decode path and executor (``executor.py``), through which each operation that changes
+device state or runs the model is sent to the other ranks first and then done here, so
+the engine above them (scheduler, pool, tiers, sampler) is the single-device engine,
+unchanged.
 
 A rank that dies makes rank 0's next collective fail (gloo and NCCL see the closed
 connection): that error, raised in a step, is the engine's failure (:class:`RankFailed`
@@ -29,22 +30,13 @@ import torch
 
 from loramux.engine.compute_threads import default_compute_threads
 from loramux.engine.config import EngineConfig
+from loramux.engine.executor.base import Devices
+from loramux.engine.executor.local import LocalExecutor, OneDevice
 from loramux.engine.isolation import EngineDown
-from loramux.engine.lora.adapter import LoRAWeights
 from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.parallel.commands import (
-    BuildArena,
-    BuildStaticDecode,
-    Command,
-    CopyKVBlocks,
-    MoveRows,
-    RunStaticDecode,
-    RunStep,
-    Stop,
-    WriteAdapter,
-    ZeroRows,
-)
+from loramux.engine.parallel.commands import BuildArena, BuildStaticDecode, Command, Stop
+from loramux.engine.parallel.executor import MirroredRows, TensorParallelExecutor
 from loramux.engine.parallel.group import (
     CollectiveError,
     GroupAddress,
@@ -54,10 +46,9 @@ from loramux.engine.parallel.group import (
 from loramux.engine.parallel.heartbeat import HeartbeatWatch
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.engine.parallel.worker import rank_command, rank_device
-from loramux.engine.runner import ModelRunner, NonFiniteOutput
 from loramux.engine.static_decode import StaticDecode
 
-__all__ = ["EngineRanks", "MirroredArena", "RankFailed", "ShardedRunner", "start_ranks"]
+__all__ = ["EngineRanks", "RankFailed", "start_devices"]
 
 logger = logging.getLogger("loramux.engine.parallel")
 STOP_WAIT_S = 10.0
@@ -77,10 +68,11 @@ class _Rank:
         return self.process.poll() is None
 
 
-def start_ranks(config: EngineConfig) -> EngineRanks | None:
-    """The engine's other ranks, started (None for an engine of one device)."""
+def start_devices(config: EngineConfig) -> Devices:
+    """Where the engine runs: its one device, or its ranks, the others started now (they
+    load their shards meanwhile; this process is rank 0 and holds its own)."""
     if config.tensor_parallel_size == 1:
-        return None
+        return OneDevice(config.torch_device, config.compute_threads)
     return EngineRanks(config, ModelConfig.from_pretrained(config.model))
 
 
@@ -131,13 +123,29 @@ class EngineRanks:
         finally:
             os.close(heartbeat_fd)  # the rank's end now: its exit closes the pipe
 
-    def arena(self, *args, **kwargs) -> MirroredArena:
-        """Rank 0's arena (``DeviceArena``'s arguments)."""
-        return MirroredArena(self, *args, **kwargs)
+    # --- Devices: rank 0's device side ---------------------------------------------
+    governs_threads = False  # each rank has its fixed part of the threads
 
-    def runner(self, *args, **kwargs) -> ShardedRunner:
-        """Rank 0's runner (``ModelRunner``'s arguments)."""
-        return ShardedRunner(self, *args, **kwargs)
+    @property
+    def shard(self) -> ShardPlan:
+        return self.plan
+
+    @property
+    def compute_threads(self) -> int:
+        return self.threads
+
+    def join(self, model) -> None:
+        """Rank 0's shard of the model joins the others' collectives."""
+        model.join(self.group, self.plan.vocab_start, self.plan.config.vocab_size)
+
+    def arena(self, *args, **kwargs) -> DeviceArena:
+        """Rank 0's arena (``DeviceArena``'s arguments); every rank builds one alike."""
+        arena = DeviceArena(*args, **kwargs)
+        self.send(BuildArena(arena.layout.num_blocks, arena.scratch_blocks))
+        return arena
+
+    def adapter_rows(self, arena: DeviceArena) -> MirroredRows:
+        return MirroredRows(self, arena)
 
     def static_decode(self, *args, capture: bool, **kwargs) -> StaticDecode:
         """Rank 0's static decode path (``StaticDecode``'s arguments); the other ranks
@@ -148,6 +156,9 @@ class EngineRanks:
             )
         )
         return StaticDecode(*args, capture=capture, **kwargs)
+
+    def executor(self, local: LocalExecutor) -> TensorParallelExecutor:
+        return TensorParallelExecutor(self, local)
 
     def send(self, command: Command) -> None:
         """Send ``command`` to every other rank (before rank 0 does its own part)."""
@@ -240,58 +251,3 @@ def threads_per_rank(config: EngineConfig, device: torch.device) -> int:
         return 1
     threads = config.compute_threads or default_compute_threads()
     return max(1, threads // config.tensor_parallel_size)
-
-
-class MirroredArena(DeviceArena):
-    """Rank 0's arena: every change to its rows is sent to the other ranks first."""
-
-    def __init__(self, ranks: EngineRanks, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ranks = ranks
-        ranks.send(BuildArena(self.layout.num_blocks, self.scratch_blocks))
-
-    def write_adapter(self, start: int, weights: LoRAWeights) -> None:
-        self.ranks.send(WriteAdapter(start, weights))
-        super().write_adapter(start, self.ranks.plan.shard_adapter(weights))
-
-    def zero_rows(self, start: int, end: int) -> None:
-        self.ranks.send(ZeroRows(start, end))
-        super().zero_rows(start, end)
-
-    def move_rows(self, src: int, dst: int, count: int) -> None:
-        self.ranks.send(MoveRows(src, dst, count))
-        super().move_rows(src, dst, count)
-
-
-class ShardedRunner(ModelRunner):
-    """Rank 0's runner: each forward and block copy is sent to the other ranks first."""
-
-    def __init__(self, ranks: EngineRanks, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ranks = ranks
-
-    def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
-        if moves:
-            self.ranks.send(CopyKVBlocks(list(moves)))
-        super().copy_kv_blocks(moves)
-
-    def execute(self, output):
-        """The step on every rank. ``NonFiniteOutput`` is raised once every rank made every
-        pass, so the engine isolates it as on one device. Any other failure may leave the
-        other ranks inside a collective that rank 0 will not enter (or, re-run, would
-        enter with other shapes): they cannot be brought back in step, so it ends the
-        engine (``RankFailed``) rather than letting ``isolation.py`` re-run parts of it."""
-        try:
-            return super().execute(output)
-        except (RankFailed, NonFiniteOutput):
-            raise
-        except Exception as exc:
-            raise self.ranks.failure(exc, in_step=True) from exc
-
-    def _static_forward(self, step, head_rows):
-        self.ranks.send(RunStaticDecode(step, head_rows))
-        return super()._static_forward(step, head_rows)
-
-    def _forward(self, input_ids, tables, context_lens, query_lens, table, head_rows):
-        self.ranks.send(RunStep(input_ids, tables, context_lens, query_lens, table, head_rows))
-        return super()._forward(input_ids, tables, context_lens, query_lens, table, head_rows)

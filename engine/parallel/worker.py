@@ -18,16 +18,17 @@ import sys
 import torch
 
 from loramux.engine.config import EngineConfig
+from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
 from loramux.engine.lora.backend import select_backend
 from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.loader import load_model
-from loramux.engine.parallel.commands import Command, RunStep
+from loramux.engine.parallel.commands import Command
 from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup
 from loramux.engine.parallel.heartbeat import beat_interval_s, start_heartbeat
 from loramux.engine.parallel.shard import ShardPlan
-from loramux.engine.runner import copy_kv_blocks, forward_step
 from loramux.engine.static_decode import StaticDecode
+from loramux.engine.step_batch import ForwardInputs
 from loramux.kernels.interpreter import use_cpu_interpreter
 
 logger = logging.getLogger("loramux.engine.parallel")
@@ -100,7 +101,9 @@ class RankWorker:
         copy_kv_blocks(self.arena.kv_caches, moves, self.device)
 
     @torch.inference_mode()
-    def forward(self, step: RunStep) -> torch.Tensor:
+    def forward(self, inputs: ForwardInputs, *, static: bool) -> torch.Tensor:
+        if static:
+            return self.static_decode.run(decode_step(inputs))
         return forward_step(
             self.model,
             self.backend,
@@ -108,11 +111,7 @@ class RankWorker:
             self,
             self.config.block_size,
             self.device,
-            step.input_ids,
-            step.tables,
-            step.context_lens,
-            step.query_lens,
-            step.lora_table,
+            inputs,
         )
 
     def serve(self) -> None:

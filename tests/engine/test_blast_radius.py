@@ -139,7 +139,7 @@ def test_a_step_that_fails_for_everyone_fails_each_request_with_the_reason(
 ):
     engine = build_engine(tiny_model_dir, adapters)
     monkeypatch.setattr(
-        engine.runner, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("no device"))
+        engine.executor, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("no device"))
     )
     outs = engine.generate([PROMPTS[0], PROMPTS[1]], GREEDY, adapters=[None, "good"])
     assert [o.finish_reason for o in outs] == ["error", "error"]

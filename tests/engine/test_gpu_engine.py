@@ -65,7 +65,7 @@ def test_cuda_graphs_replay_peft_tokens(tiny_model_dir, tiny_adapters):  # noqa:
         cuda_graph_max_batch=4,
         max_num_seqs=8,
     )
-    static = engine.runner.static_decode
+    static = engine.executor.static_decode
     assert static is not None and static.captured
     requests = mixed_requests(6)
     max_tokens = [9, 6, 5, 4, 3, 2]
@@ -84,7 +84,7 @@ def test_cuda_graphs_replay_peft_tokens(tiny_model_dir, tiny_adapters):  # noqa:
         cuda_graph_max_batch=0,
         max_num_seqs=8,
     )
-    assert eager.runner.static_decode is None
+    assert eager.executor.static_decode is None
     assert run_ragged(eager, requests, max_tokens) == outputs
 
 
@@ -108,7 +108,7 @@ def test_quantized_model_on_cuda_with_graphs_matches_peft(
         block_size=4,
         cuda_graph_max_batch=4,
     )
-    assert engine.runner.static_decode is not None and engine.runner.static_decode.captured
+    assert engine.executor.static_decode is not None and engine.executor.static_decode.captured
     reference = build_dequantized_model(tiny_model_dir, tmp_path / "deq", quantization=quantization)
     requests = mixed_requests(8)
     outputs = run_staggered(engine, requests, 12)
@@ -131,7 +131,7 @@ def test_quantized_kv_cache_on_cuda_with_graphs_matches_peft(
         cuda_graph_max_batch=4,
         **fields,
     )
-    static = engine.runner.static_decode
+    static = engine.executor.static_decode
     assert static is not None and static.captured
     requests = mixed_requests(6)
     max_tokens = [9, 6, 5, 4, 3, 2]

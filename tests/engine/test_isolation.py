@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
+from loramux.engine.executor import NonFiniteOutput
 from loramux.engine.isolation import run_isolated
-from loramux.engine.runner import NonFiniteOutput
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 
 

@@ -55,8 +55,8 @@ def test_the_engine_holds_one_backend(tiny_model_dir, monkeypatch):
     engine = build_engine(tiny_model_dir)
     assert engine.backend.name == "torch"
     assert engine.backend.lora_op == "native"
-    assert engine.runner.backend is engine.backend
-    assert engine.runner.static_decode is None
+    assert engine.executor.backend is engine.backend
+    assert engine.executor.static_decode is None
 
 
 def _expected(pool, loaded, spans, x, layer, module):

@@ -389,7 +389,7 @@ def test_engine_shares_one_budget_between_kv_and_adapters(tiny_model_dir, make_a
     engine = build_engine(tiny_model_dir, kv_cache_bytes=16 << 20)
     kv, layout = engine.kv, engine.arena.layout
     assert kv.limit == kv.num_blocks == (16 << 20) // engine.arena.bytes_per_block
-    assert engine.runner.kv_caches is engine.arena.kv_caches
+    assert engine.executor.kv_caches is engine.arena.kv_caches
     prompt = [1, 2, 3, 4, 5]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_adapter("a", make_adapter(tiny_model_dir, rank=8, seed=3))

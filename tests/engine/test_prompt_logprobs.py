@@ -313,7 +313,7 @@ def test_static_decode_path_scores_one_token_chunks(monkeypatch, tiny_model_dir)
     batch never decodes."""
     monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
     engine = build_engine(tiny_model_dir, cuda_graph_max_batch=4, max_prefill_chunk=1, block_size=4)
-    static = engine.runner.static_decode
+    static = engine.executor.static_decode
     assert static is not None
     decode = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
     score = SamplingParams(max_tokens=0, prompt_logprobs=2)

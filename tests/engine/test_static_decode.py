@@ -60,7 +60,7 @@ def test_padded_decode_batches_match_peft(
     engine = build_engine(
         tiny_model_dir, tiny_adapters, block_size=4, cuda_graph_max_batch=4, max_num_seqs=8
     )
-    static = engine.runner.static_decode
+    static = engine.executor.static_decode
     assert static is not None and not static.captured  # no CUDA: eager over the buffers
     assert engine.arena.scratch_blocks == 1
     requests = mixed_requests(6)
@@ -88,20 +88,20 @@ def test_steps_without_adapters_take_the_variant_without_lora(
     prompt_ids = engine.tokenizer(prompt)["input_ids"]
     (base,) = engine.generate([prompt], params)
     assert base.token_ids == greedy_tokens(tiny_model_dir, None, prompt_ids, 3)
-    assert engine.runner.static_decode.steps_run == {(1, False): 2}
+    assert engine.executor.static_decode.steps_run == {(1, False): 2}
     (tuned,) = engine.generate([prompt], params, adapters=["r8-attn"])
     expected = greedy_tokens(tiny_model_dir, tiny_adapters["r8-attn"], prompt_ids, 3)
     assert tuned.token_ids == expected
-    assert engine.runner.static_decode.steps_run == {(1, False): 2, (1, True): 2}
+    assert engine.executor.static_decode.steps_run == {(1, False): 2, (1, True): 2}
 
 
 def test_no_static_path_without_triton_or_when_disabled(tiny_model_dir, monkeypatch):
     engine = build_engine(tiny_model_dir)  # CPU: the torch references
-    assert engine.runner.static_decode is None
+    assert engine.executor.static_decode is None
     assert engine.arena.scratch_blocks == 0
     monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
-    assert build_engine(tiny_model_dir, cuda_graph_max_batch=0).runner.static_decode is None
+    assert build_engine(tiny_model_dir, cuda_graph_max_batch=0).executor.static_decode is None
     with pytest.raises(ValueError, match="Triton kernels take"):
         build_engine(tiny_model_dir, dtype="float64")  # forced Triton: a dtype it lacks
     monkeypatch.setenv(dispatch.KERNELS_ENV, "auto")
-    assert build_engine(tiny_model_dir, dtype="float64").runner.static_decode is None
+    assert build_engine(tiny_model_dir, dtype="float64").executor.static_decode is None

@@ -279,13 +279,13 @@ def test_requests_without_a_spec_build_and_fill_nothing(tiny_model_dir):
     engine = build_engine(tiny_model_dir)
     engine.generate(PROMPTS[:2], greedy(max_tokens=4))
     assert not engine.grammars.built
-    assert engine.runner._mask_filler is None
+    assert engine.executor._mask_filler is None
 
 
 def test_a_re_run_step_accepts_each_token_once(tiny, tiny_model_dir, accepts, monkeypatch):
     expected = run_mixed(build_engine(tiny_model_dir))
     accepts.clear()
-    execute, calls = tiny.runner.execute, []
+    execute, calls = tiny.executor.execute, []
 
     def fails_the_first_run(plan):
         calls.append(plan)
@@ -294,7 +294,7 @@ def test_a_re_run_step_accepts_each_token_once(tiny, tiny_model_dir, accepts, mo
             raise RuntimeError("injected")
         return result
 
-    monkeypatch.setattr(tiny.runner, "execute", fails_the_first_run)
+    monkeypatch.setattr(tiny.executor, "execute", fails_the_first_run)
     outs = run_mixed(tiny)
     assert len(calls) > 2  # every step ran twice
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
@@ -354,7 +354,7 @@ def test_prompt_logprobs_and_logprobs_stay_the_raw_models(tiny):
 def test_a_token_the_grammar_refuses_fails_only_its_request(tiny, monkeypatch):
     # The sampler is made to skip the masks (an engine bug): the biased token is sampled.
     forbidden = tiny.tokenizer.encode("x", add_special_tokens=False)[0]
-    monkeypatch.setattr(tiny.runner, "_grammar_masks", lambda sampling: None)
+    monkeypatch.setattr(tiny.executor, "_grammar_masks", lambda sampling: None)
     bad = greedy(max_tokens=8, logit_bias={forbidden: 100}, structured=JsonSchema(SMALL))
     plain = greedy(max_tokens=8, ignore_eos=True)
     expected = tiny.generate([PROMPTS[1]], plain)[0]
@@ -404,7 +404,7 @@ def test_async_generate_compiles_off_the_engine_thread(tiny_model_dir):
 def check_static_decode_masks(engine, reference) -> None:
     """``engine``'s decode steps took the static path, and its outputs are the eager
     ``reference``'s (greedy) and valid (all)."""
-    static = engine.runner.static_decode
+    static = engine.executor.static_decode
     assert static is not None
     outs = run_mixed(engine)
     assert sum(static.steps_run.values()) > 0
@@ -427,5 +427,5 @@ def test_static_decode_steps_are_masked_too(tiny_model_dir, monkeypatch):
 def test_cuda_graph_replays_are_masked_too(tiny_model_dir):
     cuda = {"device": "cuda", "dtype": "float32", "block_size": 4, "max_num_seqs": 8}
     engine = build_engine(tiny_model_dir, cuda_graph_max_batch=4, **cuda)
-    assert engine.runner.static_decode.captured
+    assert engine.executor.static_decode.captured
     check_static_decode_masks(engine, build_engine(tiny_model_dir, cuda_graph_max_batch=0, **cuda))

@@ -137,7 +137,7 @@ def test_two_ranks_give_one_process_s_and_peft_s_tokens(model_and_adapters):
 def test_a_killed_rank_fails_the_next_step_naming_it(tiny_model_dir):
     engine = build_engine(tiny_model_dir, tensor_parallel_size=2, tensor_parallel_timeout_s=20)
     try:
-        (rank,) = engine.ranks._ranks
+        (rank,) = engine.devices._ranks
         os.kill(rank.process.pid, signal.SIGKILL)
         rank.process.wait(10)
         with pytest.raises(RankFailed, match=r"rank 1 \(exit code -9\)"):
@@ -162,8 +162,8 @@ def test_a_rank_stopped_in_a_generate_is_named_within_its_heartbeat_timeout(
         tensor_parallel_timeout_s=30,
         tensor_parallel_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
     )
-    (rank,) = engine.ranks._ranks
-    send, steps, stopped_at = engine.ranks.send, [], []
+    (rank,) = engine.devices._ranks
+    send, steps, stopped_at = engine.devices.send, [], []
 
     def send_then_stop_rank_1(command):
         send(command)
@@ -172,7 +172,7 @@ def test_a_rank_stopped_in_a_generate_is_named_within_its_heartbeat_timeout(
             os.kill(rank.process.pid, signal.SIGSTOP)
             stopped_at.append(time.monotonic())
 
-    monkeypatch.setattr(engine.ranks, "send", send_then_stop_rank_1)
+    monkeypatch.setattr(engine.devices, "send", send_then_stop_rank_1)
     try:
         with pytest.raises(RankFailed, match=r"rank 1 stopped answering \(no heartbeat for"):
             engine.generate(["Hello"], SamplingParams(max_tokens=16, ignore_eos=True))
@@ -286,7 +286,7 @@ def test_two_ranks_decode_over_the_static_buffers_as_one_process(
             max_num_seqs=8,
         )
         try:
-            static = engine.runner.static_decode
+            static = engine.executor.static_decode
             assert static is not None and engine.arena.scratch_blocks == 1
             outputs[world] = run_ragged(engine, requests, max_tokens)
             assert {bucket for bucket, _ in static.steps_run} == {1, 2, 4}, static.steps_run
@@ -315,7 +315,7 @@ def test_a_failure_inside_rank_0_s_step_stops_the_engine_cleanly(tiny_model_dir)
         layer.forward = broken
         with pytest.raises(RankFailed, match=r"rank 0 failed inside a step .*injected fault"):
             engine.generate(["Hello"], SamplingParams(max_tokens=4))
-        assert engine.ranks.out_of_step
+        assert engine.devices.out_of_step
     finally:
         engine.close()
     assert child_pids(os.getpid()) == before

@@ -15,7 +15,7 @@ STEP_S = 0.02  # each engine step sleeps this long (the tiny model's own step is
 def slow_steps(context, seconds: float = STEP_S) -> list:
     """Make every engine step take ``seconds`` longer; returns a log of each step's
     scheduled (request id, computed tokens before the step, tokens this step)."""
-    runner = context.engine.engine.runner
+    runner = context.engine.engine.executor
     execute = runner.execute
     log: list = []
 

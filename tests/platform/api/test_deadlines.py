@@ -150,7 +150,7 @@ def test_a_request_expires_while_prefilling_and_pays_for_its_prefill(slowed_plat
     )
     assert response.status_code == 504, response.text  # a stream's 200 waits for a token
     assert "before its first token" in response.json()["error"]["message"]
-    computed = [done + n for step in context.engine.engine.runner.step_log for _, done, n in step]
+    computed = [done + n for step in context.engine.engine.executor.step_log for _, done, n in step]
     assert 8 <= max(computed) < 300  # it was part-way through its prompt
     engine_idle(context)
     # Nothing reached the client, but the engine's work is billed: the prompt it prefilled.

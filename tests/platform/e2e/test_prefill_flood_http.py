@@ -58,7 +58,7 @@ def instrument(platform: Platform) -> EngineLog:
     """Stretch each step by its rows' cost and log it; log when requests reach the engine."""
     engine = platform.context.engine.engine
     log = EngineLog([], [])
-    execute, add_request = engine.runner.execute, engine.add_request
+    execute, add_request = engine.executor.execute, engine.add_request
 
     def costed(plan):
         rows = sum(item.num_query_tokens for item in plan.scheduled)
@@ -76,7 +76,7 @@ def instrument(platform: Platform) -> EngineLog:
         add_request(*args, **kwargs)
         log.arrivals.append((kwargs.get("tenant"), len(log.steps)))
 
-    engine.runner.execute = costed
+    engine.executor.execute = costed
     engine.add_request = logged_add
     return log
 
