@@ -197,7 +197,7 @@ def prepare(args) -> Work:
 
 def compute_budgets(args, work: Work) -> tuple[Budgets, Budgets, dict]:
     """Churn and all-resident budgets from the adapters' real sizes (float32 on the engine)."""
-    from loramux.engine.lora.device_arena import RowLayout
+    from loramux.engine.memory.arena import RowLayout
 
     config, block_size, itemsize = work.model_config, 16, 4  # EngineConfig's block size
     layout = RowLayout.for_model(config, num_blocks=1, block_size=block_size)

@@ -54,12 +54,12 @@ from loramux.benchmarks.kernels_gpu_timing import (
     relative_error,
     run_case,
 )
-from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights, ModuleWeights
 from loramux.engine.lora.backend import KernelBackend, select_backend
-from loramux.engine.lora.device_arena import DeviceArena, RowLayout
 from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.lora.torch_backend import TorchBackend
+from loramux.engine.memory.arena import DeviceArena, RowLayout
+from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS, LlamaForCausalLM, RMSNorm, StepAttention
 from loramux.engine.static_decode import DecodeStep, StaticDecode

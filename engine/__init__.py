@@ -23,7 +23,7 @@ from loramux.engine.lora.adapter import (
     read_adapter_config,
 )
 from loramux.engine.lora.source import CallableSource
-from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine.memory.plan import MemoryPlan
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.gguf_convert import (
     convert_gguf_to_hf,

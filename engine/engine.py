@@ -36,7 +36,6 @@ from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.errors import AdapterInUse, EngineError, UnknownAdapter
 from loramux.engine.executor import LocalExecutor, NonFiniteOutput
 from loramux.engine.isolation import IsolatedStep, run_isolated
-from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
 from loramux.engine.lora.backend import select_backend
 from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
@@ -49,7 +48,9 @@ from loramux.engine.lora.source import (
     LocalDirectorySource,
 )
 from loramux.engine.lora.tiers import AdapterTiers
-from loramux.engine.memory_budget import budget_for, kv_block_bytes, plan_memory
+from loramux.engine.memory.budget import kv_block_bytes
+from loramux.engine.memory.kv_cache import KVCacheManager
+from loramux.engine.memory.plan import plan_memory
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
@@ -79,9 +80,6 @@ from loramux.engine.tenant_share import TenantShare, TenantShareStats
 logger = logging.getLogger(__name__)
 
 TENANT_GAUGES_EVERY_S = 1.0
-# The draft model's KV cache takes this fraction (1/N) of the KV + adapter budget unless
-# EngineConfig.draft_kv_cache_bytes says otherwise.
-DRAFT_BUDGET_SHARE = 8
 
 
 def _adapter_label(seq: Sequence) -> str:
@@ -155,66 +153,45 @@ class Engine:
         self.draft_model = (
             self._load_draft_model() if config.speculative_method == "draft" else None
         )
-        # kv_cache_bytes, or (None) sized to the machine now the weights are in: memory_budget.py
-        budget = budget_for(config, self.model.config)  # per device
-        draft_kv_bytes = 0
-        if self.draft_model is not None:  # the draft's own KV cache comes out of the budget
-            draft_kv_bytes = config.draft_kv_cache_bytes or budget.bytes // DRAFT_BUDGET_SHARE
-            budget = dataclasses.replace(
-                budget,
-                bytes=budget.bytes - draft_kv_bytes,
-                detail=f"{budget.detail}, less {draft_kv_bytes} bytes for the draft model's KV",
-            )
-        # kv_cache_bytes is one budget for KV blocks and resident adapters (S-LoRA's unified
-        # paging): the arena's k/v tensors, KV blocks from the bottom, adapter rows from the top.
-        # The static decode path (CUDA graphs) pads its batches with rows that write to a
-        # scratch block of the budget's.
+        # How the device memory is laid out (memory/plan.py): the budget (kv_cache_bytes, or
+        # sized to the machine now the weights are in) is one for KV blocks and resident
+        # adapters (S-LoRA's unified paging: the arena's k/v tensors, KV blocks from the
+        # bottom, adapter rows from the top). The static decode path (CUDA graphs) pads its
+        # batches with rows that write to a scratch block of the budget's.
         static_decode = (
             config.cuda_graph_max_batch > 0
             and self.backend.static_decode
             and dtype in STATIC_DTYPES
         )
-        scratch_blocks = 1 if static_decode else 0
-        block_bytes = kv_block_bytes(
-            self.model.config, config.block_size, dtype, config.kv_cache_dtype
+        plan = plan_memory(
+            config,
+            self.model.config,
+            device=device,
+            static_decode=static_decode,
+            has_draft=self.draft_model is not None,
         )
-        num_blocks = budget.bytes // block_bytes - scratch_blocks
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_bytes={budget.bytes} ({budget.detail}) holds {num_blocks} KV blocks; "
-                f"raise it (one block needs {block_bytes} bytes)"
-            )
+        self.memory_plan = plan
+        self.max_model_len = plan.max_model_len
         self.arena = self.devices.arena(
             self.model.config,
-            num_blocks,
+            plan.kv_blocks,
             config.block_size,
             dtype,
             device,
-            scratch_blocks=scratch_blocks,
+            scratch_blocks=plan.scratch_blocks,
             kv_cache_dtype=config.kv_cache_dtype,
         )
-        rows = self.arena.layout.total_rows
-        max_rows = None
-        if config.adapter_device_bytes is not None:
-            max_rows = config.adapter_device_bytes // self.arena.bytes_per_row
-            if max_rows < 1:
-                raise ValueError(
-                    f"adapter_device_bytes={config.adapter_device_bytes} holds no adapter row; "
-                    f"one rank-row of this model needs {self.arena.bytes_per_row} bytes"
-                )
-        # KV's floor is the blocks one request of max_model_len needs: adapters never take
-        # them, so a request always fits once the others are preempted. The context is capped
-        # so that the floor leaves room for one adapter of max_lora_rank (half the rows at
-        # most, on a budget too small for that; never more than max_rows).
-        reserve = min(config.max_lora_rank, rows // 2, rows if max_rows is None else max_rows)
-        kv_room = max(1, self.arena.layout.kv_limit_for(rows - reserve))
-        self.max_model_len = min(self.max_model_len, kv_room * config.block_size)
-        kv_floor = -(-self.max_model_len // config.block_size)
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, min_limit=kv_floor
+            plan.kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            min_limit=plan.kv_floor_blocks,
         )
         self.lora_pool = LoRAPool(
-            self.model.config, self.devices.adapter_rows(self.arena), self.kv, max_rows=max_rows
+            self.model.config,
+            self.devices.adapter_rows(self.arena),
+            self.kv,
+            max_rows=plan.adapter_max_rows,
         )
         # Prompt tokens per step, sized to the step's target time (prefill_budget.py).
         self.prefill_budget = PrefillBudget(
@@ -254,11 +231,11 @@ class Engine:
                 ngram_max_n=config.ngram_max_n,
                 ngram_min_n=config.ngram_min_n,
                 max_model_len=self.max_model_len,
-                draft=self._draft_proposer(draft_kv_bytes),
+                draft=self._draft_proposer(plan.draft_kv_bytes),
             )
         )
         self.metrics = metrics or EngineMetrics()
-        self.metrics.kv_blocks_total.set(num_blocks)
+        self.metrics.kv_blocks_total.set(plan.kv_blocks)
         self.metrics.watch_grammar_cache(self.grammars)  # read when scraped
         self.tiers = AdapterTiers(
             self.lora_pool,
@@ -288,14 +265,6 @@ class Engine:
         self._tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
         self.tenant_share = TenantShare()  # tokens served per tenant, as steps serve them
         self._tenant_gauges_at = -math.inf  # when the per-tenant gauges were last set
-        # What the budget holds, logged now; evictions, re-loads and room waits watched.
-        self.memory_plan = plan_memory(
-            budget,
-            self.arena,
-            adapter_capacity_rows=self.lora_pool.capacity,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
         # On one CPU process, the threads follow the cores other processes leave free.
         self.governor = ThreadGovernor(self.threads.threads) if devices.governs_threads else None
         if self.governor is not None and self.governor.enabled:

@@ -95,7 +95,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.engine.fair_share import FairShare
-from loramux.engine.kv_cache import CachedPrefix, KVCacheManager
+from loramux.engine.memory.kv_cache import CachedPrefix, KVCacheManager
 from loramux.engine.sequence import ErrorKind, FinishReason, Sequence, SequenceStatus
 
 

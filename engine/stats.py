@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.engine.lora.tiers import AdapterTiers, Tier
-from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine.memory.plan import MemoryPlan
 from loramux.engine.residency import ResidencyStats
 from loramux.engine.structured.grammar_cache import GrammarCacheStats
 from loramux.engine.tenant_share import DEFAULT_SHARE_WINDOW_S, TenantShareStats
@@ -137,7 +137,7 @@ class EngineStats:
     # Preemptions, device evictions, re-loads and adapter-room waits: since the start and
     # over the last minute (residency.py).
     residency: ResidencyStats = field(default_factory=ResidencyStats)
-    memory: MemoryPlan | None = None  # what the KV + adapter budget holds (memory_budget.py)
+    memory: MemoryPlan | None = None  # what the KV + adapter budget holds (memory/plan.py)
     # Per tenant: tokens served, queue depth, share of the recent window next to the weight's
     # share (tenant_share.py); the default tenant None too.
     tenants: dict[str | None, TenantShareStats] = field(default_factory=dict)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from loramux.engine.executor.local import LocalExecutor
-    from loramux.engine.lora.device_arena import AdapterRows, DeviceArena
+    from loramux.engine.memory.arena import AdapterRows, DeviceArena
     from loramux.engine.model.llama import LlamaForCausalLM
     from loramux.engine.parallel.shard import ShardPlan
     from loramux.engine.static_decode import StaticDecode

@@ -52,7 +52,7 @@ import torch
 from loramux.engine.executor.base import NonFiniteOutput, PromptLogprobs, StepResult
 from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
 from loramux.engine.lora.backend import KernelBackend
-from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.sampler import Sampler, TokenLogprobs, logprobs_of
 from loramux.engine.static_decode import StaticDecode

@@ -1,7 +1,7 @@
 """Resident adapters as rank-rows at the top of the shared KV memory (S-LoRA unified paging).
 
 An adapter of rank r owns r consecutive rows of the ``DeviceArena`` (see
-``loramux.engine.lora.device_arena``): row i holds its i-th rank-row of A and of B
+``loramux.engine.memory.arena``): row i holds its i-th rank-row of A and of B
 (transposed) for every target module and layer, at the same index in every module's pool.
 A module or layer it does not target holds zeros there; a module whose rank is below the
 adapter's largest leaves its extra rows unread.
@@ -41,9 +41,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.lora.device_arena import AdapterRows
+from loramux.engine.memory.arena import AdapterRows
+from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
 from loramux.kernels.lora_batch import LoRATable

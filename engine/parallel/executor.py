@@ -16,7 +16,7 @@ from loramux.engine.executor.base import NonFiniteOutput, StepResult
 from loramux.engine.executor.local import LocalExecutor
 from loramux.engine.isolation import EngineDown
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.lora.device_arena import DeviceArena, RowLayout
+from loramux.engine.memory.arena import DeviceArena, RowLayout
 from loramux.engine.parallel.commands import CopyKVBlocks, MoveRows, RunStep, WriteAdapter, ZeroRows
 from loramux.engine.static_decode import StaticDecode
 from loramux.engine.step_batch import StepBatch

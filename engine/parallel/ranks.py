@@ -33,7 +33,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.executor.base import Devices
 from loramux.engine.executor.local import LocalExecutor, OneDevice
 from loramux.engine.isolation import EngineDown
-from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.parallel.commands import BuildArena, BuildStaticDecode, Command, Stop
 from loramux.engine.parallel.executor import MirroredRows, TensorParallelExecutor

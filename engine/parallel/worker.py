@@ -20,7 +20,7 @@ import torch
 from loramux.engine.config import EngineConfig
 from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
 from loramux.engine.lora.backend import select_backend
-from loramux.engine.lora.device_arena import DeviceArena
+from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.loader import load_model
 from loramux.engine.parallel.commands import Command

@@ -88,6 +88,15 @@ class MemoryOut(BaseModel):
         description="Adapters of that rank that fit beside a full batch's KV (0 if none)."
     )
     adapters_max: int = Field(description="Adapters of that rank that fit with KV at its floor.")
+    max_model_len: int = Field(
+        description="The context limit: the longest request (prompt and output) in tokens."
+    )
+    kv_floor_blocks: int = Field(
+        description="KV blocks adapters never take: those one request of max_model_len needs."
+    )
+    draft_kv_bytes: int = Field(
+        description="Bytes of the budget given to the draft model's KV cache (0 without one)."
+    )
 
     @classmethod
     def from_plan(cls, plan: MemoryPlan | None) -> MemoryOut | None:
@@ -108,6 +117,9 @@ class MemoryOut(BaseModel):
             full_batch_fits=plan.full_batch_fits,
             adapters_beside_full_batch=plan.adapters_beside_full_batch,
             adapters_max=plan.adapters_max,
+            max_model_len=plan.max_model_len,
+            kv_floor_blocks=plan.kv_floor_blocks,
+            draft_kv_bytes=plan.draft_kv_bytes,
         )
 
 

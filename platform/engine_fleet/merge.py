@@ -98,6 +98,8 @@ def _merge_memory(plans: list[MemoryPlan]) -> MemoryPlan | None:
         full_batch_blocks=sum(p.full_batch_blocks for p in plans),
         adapters_beside_full_batch=sum(p.adapters_beside_full_batch for p in plans),
         adapters_max=sum(p.adapters_max for p in plans),
+        draft_kv_bytes=sum(p.draft_kv_bytes for p in plans),
+        max_model_len=min(p.max_model_len for p in plans),  # what every engine takes
     )
 
 

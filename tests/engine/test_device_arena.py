@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from loramux.engine.lora.device_arena import DeviceArena, RowLayout, zeroed
+from loramux.engine.memory.arena import DeviceArena, RowLayout, zeroed
 from loramux.engine.model.llama import LORA_TARGETS
 from tests.engine.factories import ODD_ROWS_CONFIG
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from loramux.engine import kv_cache
-from loramux.engine.kv_cache import (
+from loramux.engine.memory import kv_cache
+from loramux.engine.memory.kv_cache import (
     BlockPoolExhausted,
     CachedPrefix,
     KVCacheManager,
@@ -63,7 +63,7 @@ def test_block_hash_same_across_processes():
     import sys
 
     code = (
-        "from loramux.engine.kv_cache import block_hash;"
+        "from loramux.engine.memory.kv_cache import block_hash;"
         "print(block_hash(None, [7, 8, 9], ('adapter-a', 'tenant-1')))"
     )
     outs = {

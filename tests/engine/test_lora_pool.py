@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from loramux.engine import EngineConfig, SamplingParams
-from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRAWeights, ModuleWeights
-from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.lora.pool import LoRAPool, PoolFull
 from loramux.engine.lora.torch_backend import TorchBackend
+from loramux.engine.memory.arena import DeviceArena
+from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.model.llama import LORA_TARGETS
 from tests.engine.factories import ODD_ROWS_CONFIG, build_engine
 

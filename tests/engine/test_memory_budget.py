@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loramux.engine import Engine, EngineConfig
-from loramux.engine import memory_budget as mb
-from loramux.engine.memory_budget import GIB, MIB
+from loramux.engine.memory import budget as mb
+from loramux.engine.memory.budget import GIB, MIB
 from tests.engine.factories import ODD_ROWS_CONFIG, build_engine
 
 CPU = torch.device("cpu")
@@ -211,3 +211,29 @@ def test_a_full_batch_that_does_not_fit_leaves_no_adapter_beside_it(tiny_model_d
         "none beside a full batch (64 requests x 512 tokens = 2,048 blocks), which does not fit "
         "(the KV cache holds 16 such requests with no adapter)" in holds
     )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"adapter_device_bytes": 2 << 20},
+        {"kv_cache_bytes": 1 << 20},  # small: the context is capped to leave an adapter room
+        {"cuda_graph_max_batch": 4, "dtype": "float32"},
+    ],
+    ids=["default", "adapter-cap", "small", "static-decode"],
+)
+def test_the_engine_is_built_from_its_memory_plan(tiny_model_dir, settings):
+    """The plan the engine reports is the one it was built from: arena, KV manager, pool,
+    context limit."""
+    engine = build_engine(tiny_model_dir, **settings)
+    plan = engine.memory_plan
+    assert engine.kv.num_blocks == engine.arena.layout.num_blocks == plan.kv_blocks
+    assert engine.arena.scratch_blocks == plan.scratch_blocks
+    assert engine.arena.bytes_per_block == plan.kv_block_bytes
+    assert engine.arena.bytes_per_row == plan.adapter_row_bytes
+    assert engine.kv.min_limit == plan.kv_floor_blocks
+    assert plan.kv_floor_blocks * plan.block_size >= plan.max_model_len == engine.max_model_len
+    assert engine.lora_pool.capacity == plan.adapter_capacity_rows
+    assert engine.lora_pool.max_rows == plan.adapter_max_rows
+    assert plan.adapter_capacity_rows >= plan.adapter_reserve_rows > 0

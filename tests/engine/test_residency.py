@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from loramux.engine import SamplingParams
-from loramux.engine.lora.device_arena import RowLayout
+from loramux.engine.memory.arena import RowLayout
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.residency import ResidencyCounts, ResidencyStats, ResidencyWatch
 from tests.engine.factories import build_engine

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from loramux.engine.detokenizer import TextDelta
-from loramux.engine.kv_cache import KVCacheManager
 from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loramux.engine import Engine, SamplingParams
-from loramux.engine.lora.device_arena import DeviceArena, RowLayout
+from loramux.engine.memory.arena import DeviceArena, RowLayout
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.parallel.commands import RunStep
 from loramux.engine.parallel.ranks import RankFailed

@@ -55,6 +55,9 @@ def test_idle_engine(client, admin, context):
     )
     assert memory["full_batch_fits"] is True
     assert 0 < memory["adapters_beside_full_batch"] <= memory["adapters_max"]
+    engine = context.engine.engine
+    assert memory["max_model_len"] == engine.max_model_len > 0
+    assert memory["kv_floor_blocks"] == engine.kv.min_limit and memory["draft_kv_bytes"] == 0
     assert body["residency"] == {
         "preemptions": 0,
         "adapter_evictions": 0,

@@ -17,7 +17,7 @@ from loramux.engine import (
     ToolCalls,
     ToolChoice,
 )
-from loramux.engine.memory_budget import MemoryPlan
+from loramux.engine.memory.plan import MemoryPlan
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.residency import ResidencyStats
 from loramux.engine.sampler import TokenLogprobs

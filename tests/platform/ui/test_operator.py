@@ -147,6 +147,8 @@ def test_engine_panel_refreshes_and_every_tenants_adapters_are_listed(
     assert page.text_content("#memory-batch-label").endswith("(64 requests × 512 tokens)")
     assert page.text_content("#memory-beside") == "none: it does not fit"
     assert page.text_content("#memory-max") == f"{memory['adapters_max']:,}"
+    context_limit = f"{memory['max_model_len']:,} tokens · {memory['kv_floor_blocks']:,} blocks"
+    assert page.text_content("#memory-context") == context_limit
     assert page.text_content("#res-adapter_reloads") == "0"
     assert page.text_content("#res-adapter_room_wait_steps-rate") == "0"
     assert page.locator("#thrash-notice").is_hidden()

@@ -240,6 +240,13 @@ function showMemory(memory) {
     memory.full_batch_fits ? count(memory.adapters_beside_full_batch) : "none: it does not fit",
   );
   fill($("#memory-max"), count(memory.adapters_max));
+  // An engine from before the plan reported its context limit sends 0.
+  fill(
+    $("#memory-context"),
+    memory.max_model_len
+      ? `${count(memory.max_model_len)} tokens · ${count(memory.kv_floor_blocks)} blocks`
+      : "–",
+  );
 }
 
 // The compiled-grammar cache: host RAM, beside the device budget (its own budget and a

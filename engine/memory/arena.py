@@ -57,7 +57,14 @@ from loramux.engine.model.llama import LORA_TARGETS
 from loramux.kernels.kv_quant import QuantizedKV, bytes_per_slot_head, storage_dtype
 from loramux.kernels.paged_attention import KVCache
 
-__all__ = ["DeviceArena", "RowLayout", "zeroed"]
+__all__ = [
+    "AdapterRows",
+    "DeviceArena",
+    "RowLayout",
+    "quantized_block_elems",
+    "row_bytes",
+    "zeroed",
+]
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,28 @@ class RowLayout:
         return range(start * w // e, (end * w - 1) // e + 1)
 
 
+def quantized_block_elems(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
+) -> int | None:
+    """A quantized KV block's bytes (data and scales) in the rows' elements of ``dtype``,
+    or None for a cache in ``dtype`` itself."""
+    storage = storage_dtype(kv_cache_dtype)
+    if storage is None:
+        return None
+    block_bytes = block_size * config.num_kv_heads * bytes_per_slot_head(config.head_dim, storage)
+    if block_bytes % dtype.itemsize:
+        raise ValueError(
+            f"a quantized KV block of {block_bytes} bytes is not a whole number of "
+            f"{dtype} elements: use a block size of a multiple of {dtype.itemsize}"
+        )
+    return block_bytes // dtype.itemsize
+
+
+def row_bytes(layout: RowLayout, num_layers: int, dtype: torch.dtype) -> int:
+    """Device bytes one rank-row takes across all layers (A in k, B in v)."""
+    return 2 * num_layers * layout.row_width * dtype.itemsize
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the CPU it lies in anonymous ``mmap`` pages, which the kernel
     hands out zero-filled on first touch: a budget of gigabytes costs no time at start
@@ -209,7 +238,7 @@ class DeviceArena:
             model_config,
             num_blocks,
             block_size,
-            block_elems=self._quantized_block_elems(model_config, block_size, dtype),
+            block_elems=quantized_block_elems(model_config, block_size, dtype, kv_cache_dtype),
         )
         self.dtype, self.device = dtype, torch.device(device)
         self.num_layers = model_config.num_layers
@@ -248,21 +277,6 @@ class DeviceArena:
             for m in LORA_TARGETS
         }
 
-    def _quantized_block_elems(
-        self, config: ModelConfig, block_size: int, dtype: torch.dtype
-    ) -> int | None:
-        """A quantized block's bytes (data and scales) in the rows' elements, or None."""
-        if self.kv_storage is None:
-            return None
-        per_head = bytes_per_slot_head(config.head_dim, self.kv_storage)
-        block_bytes = block_size * config.num_kv_heads * per_head
-        if block_bytes % dtype.itemsize:
-            raise ValueError(
-                f"a quantized KV block of {block_bytes} bytes is not a whole number of "
-                f"{dtype} elements: use a block size of a multiple of {dtype.itemsize}"
-            )
-        return block_bytes // dtype.itemsize
-
     def _kv_view(self, memory: torch.Tensor, shape: tuple[int, ...]) -> KVCache:
         """The KV cache over one layer's ``memory``: the tensor itself, or its bytes as
         the blocks of a ``QuantizedKV`` (each its 8-bit data, then its scales)."""
@@ -283,7 +297,7 @@ class DeviceArena:
     @property
     def bytes_per_row(self) -> int:
         """Device bytes one rank-row takes across all layers (A in k, B in v)."""
-        return 2 * self.num_layers * self.layout.row_width * self.dtype.itemsize
+        return row_bytes(self.layout, self.num_layers, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:

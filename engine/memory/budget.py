@@ -28,7 +28,6 @@ The functions here are pure (the machine's figures are their arguments) apart fr
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,6 @@ from pathlib import Path
 import torch
 
 from loramux.engine.config import EngineConfig
-from loramux.engine.lora.device_arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.kernels.kv_quant import bytes_per_slot_head, storage_dtype
 
@@ -49,11 +47,6 @@ CPU_MAX_BYTES = 4 * GIB
 CUDA_SHARE = 0.90
 CUDA_FIXED_HEADROOM_BYTES = 1 * GIB
 ACTIVATION_SAFETY = 2  # the activation estimate counts each live tensor once; allow twice
-
-# "A full batch", for the start-up log: max_num_seqs requests of this many tokens each
-# (prompt and output; a chat turn), capped at the context limit.
-FULL_BATCH_CONTEXT = 512
-PLAN_RANK = 16  # the start-up log counts adapters of this rank
 
 
 @dataclass(frozen=True)
@@ -212,108 +205,4 @@ def budget_for(config: EngineConfig, model: ModelConfig) -> Budget:
         dtype=config.torch_dtype,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
-    )
-
-
-# --- what it holds ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What the budget holds, as the engine logs it at start (``Engine.memory_plan``)."""
-
-    budget_bytes: int
-    source: str  # "set" or "machine"
-    detail: str  # where the figure came from, in words
-    device: str
-    block_size: int  # tokens per KV block
-    kv_block_bytes: int  # one block across all layers, keys and values
-    kv_blocks: int  # blocks the budget holds with no adapter resident
-    kv_tokens: int  # kv_blocks * block_size
-    adapter_row_bytes: int  # one rank-row of an adapter across all layers and targets
-    rank: int  # the adapter rank the counts below are for (PLAN_RANK)
-    full_batch_requests: int  # "a full batch": max_num_seqs requests...
-    full_batch_context: int  # ...of this many tokens each
-    full_batch_blocks: int  # the KV blocks a full batch takes
-    adapters_beside_full_batch: int  # adapters of ``rank`` that fit beside it (0: no room)
-    adapters_max: int  # adapters of ``rank`` that fit with KV at its floor
-    kv_cache_dtype: str = "auto"  # the KV cache's form (kernels/kv_quant.py)
-
-    @property
-    def rank_adapter_bytes(self) -> int:
-        return self.rank * self.adapter_row_bytes
-
-    @property
-    def full_batch_fits(self) -> bool:
-        return self.full_batch_blocks <= self.kv_blocks
-
-    def advice(self) -> str:
-        """What to do when memory is the limit (the thrash warning ends with it)."""
-        return (
-            f"raise kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES; now {format_bytes(self.budget_bytes)}, "
-            f"{self.detail}), or lower max_num_seqs ({self.full_batch_requests})"
-        )
-
-    def describe(self) -> list[str]:
-        """The start-up log's lines."""
-        budget = f"KV + adapter budget {format_bytes(self.budget_bytes)} on {self.device}, "
-        if self.source == "set":
-            budget += "set by kv_cache_bytes (LORAMUX_ENGINE_KV_CACHE_BYTES)"
-        else:
-            budget += f"{self.detail} (kv_cache_bytes / LORAMUX_ENGINE_KV_CACHE_BYTES overrides it)"
-        form = "" if self.kv_cache_dtype == "auto" else f", {self.kv_cache_dtype} keys and values"
-        holds = (
-            f"it holds {self.kv_blocks:,} KV blocks of {self.block_size} tokens = "
-            f"{self.kv_tokens:,} tokens ({format_bytes(self.kv_block_bytes)} a block{form}); "
-            f"a rank-{self.rank} adapter takes {format_bytes(self.rank_adapter_bytes)}: "
-        )
-        batch = (
-            f"a full batch ({self.full_batch_requests} requests x {self.full_batch_context} "
-            f"tokens = {self.full_batch_blocks:,} blocks)"
-        )
-        if self.full_batch_fits:
-            holds += f"{self.adapters_beside_full_batch:,} fit beside {batch}"
-        else:
-            per_request = self.full_batch_blocks // self.full_batch_requests
-            holds += (
-                f"none beside {batch}, which does not fit (the KV cache holds "
-                f"{self.kv_blocks // per_request:,} such requests with no adapter)"
-            )
-        holds += f", {self.adapters_max:,} at most (KV at its floor)"
-        return [budget, holds]
-
-
-def plan_memory(
-    budget: Budget,
-    arena: DeviceArena,
-    *,
-    adapter_capacity_rows: int,
-    max_num_seqs: int,
-    max_model_len: int,
-) -> MemoryPlan:
-    """What ``budget`` holds, laid out as ``arena``; ``adapter_capacity_rows`` is the most
-    rows adapters may hold (the pool's capacity: the cap, or all above KV's floor)."""
-    layout = arena.layout
-    block_size = arena.block_size
-    context = min(FULL_BATCH_CONTEXT, max_model_len)
-    batch_blocks = max_num_seqs * math.ceil(context / block_size)
-    beside = 0
-    if batch_blocks <= layout.num_blocks:
-        rows = layout.total_rows - layout.first_row_for(batch_blocks)
-        beside = min(rows, adapter_capacity_rows) // PLAN_RANK
-    return MemoryPlan(
-        budget_bytes=budget.bytes,
-        source=budget.source,
-        detail=budget.detail,
-        device=str(arena.device),
-        block_size=block_size,
-        kv_block_bytes=arena.bytes_per_block,
-        kv_blocks=layout.num_blocks,
-        kv_tokens=layout.num_blocks * block_size,
-        adapter_row_bytes=arena.bytes_per_row,
-        rank=PLAN_RANK,
-        full_batch_requests=max_num_seqs,
-        full_batch_context=context,
-        full_batch_blocks=batch_blocks,
-        adapters_beside_full_batch=beside,
-        adapters_max=adapter_capacity_rows // PLAN_RANK,
-        kv_cache_dtype=arena.kv_cache_dtype,
     )

@@ -1,6 +1,6 @@
 """Paged KV-cache bookkeeping: which physical blocks each request owns, and the prefix cache.
 
-This module holds no tensors. The device arena (``loramux.engine.lora.device_arena``) owns
+This module holds no tensors. The device arena (``loramux.engine.memory.arena``) owns
 the KV tensors, shaped ``[num_blocks, block_size, ...]``; this manager only decides which
 block ids a request may write to and read from, and the runner reads those ids through
 :meth:`KVCacheManager.block_table`.
@@ -33,7 +33,7 @@ blocks are evicted before the earlier ones; the heads of prefixes, which the mos
 share, survive the longest.
 
 *A movable limit.* The KV tensors are shared with the resident LoRA adapters (S-LoRA's
-unified paging, see ``loramux.engine.lora.device_arena``): KV blocks are handed out from
+unified paging, see ``loramux.engine.memory.arena``): KV blocks are handed out from
 the bottom, adapter rows live at the top of the same memory. Only blocks ``[0, limit)`` are
 KV's; the adapter pool moves the limit with :meth:`KVCacheManager.try_lower_limit` (which
 succeeds only when every block it takes is free or evictable) and
