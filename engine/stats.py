@@ -16,7 +16,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from loramux.engine import dataclass_json
 from loramux.engine.lora.tiers import AdapterTiers, Tier
 from loramux.engine.memory.plan import MemoryPlan
 from loramux.engine.residency import ResidencyStats
@@ -115,7 +117,13 @@ class TierStats:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What the engine is doing now (``Engine.stats()``)."""
+    """What the engine is doing now (``Engine.stats()``): one value from the engine to the
+    engine process's wire, the fleet's merge and the admin API. ``to_json`` / ``from_json``
+    carry it losslessly (``dataclass_json``: the tenant maps, keyed by ``None`` too, travel as
+    ``[tenant, value]`` pairs; ``speculation`` as adapter -> totals, the base model under "").
+    An older engine's JSON, without the memory plan, residency counts, per-tenant service,
+    speculation or grammar-cache figures, still parses: those take their defaults; figures a
+    newer engine adds are dropped."""
 
     running_requests: int
     waiting_requests: int
@@ -156,6 +164,17 @@ class EngineStats:
         """Tenants the engine holds scheduling for (the default tenant ``None`` left out)."""
         known = {*self.tenant_priorities, *self.tenant_weights, *self.tenants}
         return sorted(tenant for tenant in known if tenant is not None)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclass_json.to_json(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineStats:
+        if "adapter_residency" not in data:
+            # An engine from before the memory figures: "residency" was adapter -> tier.
+            data = dict(data)
+            data["adapter_residency"] = data.pop("residency", None) or {}
+        return dataclass_json.from_json(cls, data)
 
 
 def tier_stats(tiers: AdapterTiers, bytes_per_row: int) -> tuple[TierStats, TierStats]:

@@ -1,13 +1,31 @@
-"""Engine.stats(): the rolling latency windows and the snapshot of load, KV and adapter tiers."""
+"""Engine.stats(): the rolling latency windows, the snapshot of load, KV and adapter tiers,
+and the snapshot's JSON form."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import types
+import typing
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loramux.engine import AsyncEngine, SamplingParams
-from loramux.engine.stats import LatencyWindow, percentile
+from loramux.engine.memory.plan import MemoryPlan
+from loramux.engine.residency import ResidencyStats
+from loramux.engine.stats import (
+    EngineStats,
+    LatencySummary,
+    LatencyWindow,
+    SpeculationStats,
+    TierStats,
+    percentile,
+)
+from loramux.engine.structured import GrammarCacheStats
+from loramux.engine.tenant_share import TenantShareStats, with_shares
 from tests.engine.factories import PROMPTS, build_engine
 
 MAX_TOKENS = 6
@@ -139,3 +157,176 @@ def test_async_engine_stats_run_on_the_engine_thread(tiny_model_dir):
 
     stats = asyncio.run(scenario())
     assert stats.ttft.samples == 1 and stats.itl.samples == 2
+
+
+# --- the JSON form ---------------------------------------------------------------------------
+
+
+def _full_stats() -> EngineStats:
+    """Every field set, none to its default."""
+    return EngineStats(
+        running_requests=1,
+        waiting_requests=2,
+        kv_blocks_used=3,
+        kv_blocks_usable=10,
+        kv_blocks_total=12,
+        kv_block_size=16,
+        device=TierStats(adapters=("a",), bytes=100, capacity_bytes=1000),
+        host=TierStats(adapters=("a", "b"), bytes=200, capacity_bytes=2000),
+        adapter_residency={"a": "device", "b": "host", "c": "store"},
+        ttft=LatencySummary(samples=3, p50=0.1, p90=0.2, p99=None),
+        itl=LatencySummary(samples=0, p50=None, p90=None, p99=None),
+        window_s=120.0,
+        tenant_priorities={None: 0, "t1": 5},
+        tenant_weights={None: 1.0, "t1": 2.5},
+        kv_blocks_held=4,
+        preemptions=7,
+        residency=ResidencyStats(7, 5, 3, 9, 1.5, 2.5, 3.0, 0.25, 30.0, True),
+        memory=MemoryPlan(
+            budget_bytes=1 << 30,
+            source="set",
+            detail="set by kv_cache_bytes",
+            device="cuda:0",
+            block_size=16,
+            kv_block_bytes=737_280,
+            kv_blocks=1456,
+            kv_tokens=23_296,
+            adapter_row_bytes=1_244_160,
+            rank=16,
+            full_batch_requests=64,
+            full_batch_context=512,
+            full_batch_blocks=2048,
+            adapters_beside_full_batch=0,
+            adapters_max=40,
+            kv_cache_dtype="fp8",
+            scratch_blocks=1,
+            adapter_max_rows=600,
+            adapter_reserve_rows=16,
+            adapter_capacity_rows=500,
+            kv_floor_blocks=128,
+            max_model_len=2048,
+            draft_kv_bytes=1 << 20,
+        ),
+        tenants=with_shares(
+            {
+                None: TenantShareStats(5, 0, 5, 0, queued_requests=0, running_requests=1, weight=1),
+                "t1": TenantShareStats(90, 30, 9, 3, 5, 2, weight=2.5),
+            }
+        ),
+        share_window_s=45.0,
+        speculative_method="draft",
+        num_speculative_tokens=4,
+        speculation={"": SpeculationStats(12, 9, 4, 10, 19), "a": SpeculationStats(8, 2, 3, 6, 8)},
+        grammar_cache=GrammarCacheStats(*range(1, 13)),
+    )
+
+
+def _defaulted(cls) -> dict[str, object]:
+    """``cls``'s fields that have a default, with it."""
+    return {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+
+
+def _through_json(data):
+    return json.loads(json.dumps(data))
+
+
+def test_a_fully_populated_snapshot_round_trips():
+    stats = _full_stats()
+    for value, cls in [(stats, EngineStats), (stats.memory, MemoryPlan)]:
+        for name, default in _defaulted(cls).items():
+            assert getattr(value, name) != default, f"{cls.__name__}.{name} left at its default"
+    back = EngineStats.from_json(_through_json(stats.to_json()))
+    assert back == stats
+    assert back.device.adapters == ("a",)  # a tuple again
+    assert back.tenants[None].weight == 1 and back.speculation[""].acceptance_rate == 0.75
+
+
+def test_tenant_maps_travel_as_pairs_and_speculation_by_adapter():
+    data = _through_json(_full_stats().to_json())
+    assert data["tenant_priorities"] == [[None, 0], ["t1", 5]]
+    assert data["tenant_weights"] == [[None, 1.0], ["t1", 2.5]]
+    assert [tenant for tenant, _ in data["tenants"]] == [None, "t1"]
+    assert set(data["speculation"]) == {"", "a"}
+    assert "rank_adapter_bytes" not in data["memory"]  # properties are computed, not sent
+
+
+def _old_engine_json() -> dict:
+    """An engine from before the memory plan, residency counts, per-tenant service,
+    speculation and grammar-cache figures: ``residency`` was adapter -> tier."""
+    latency = {"samples": 0, "p50": None, "p90": None, "p99": None}
+    tier = {"adapters": ["a"], "bytes": 10, "capacity_bytes": 100}
+    return {
+        "running_requests": 0,
+        "waiting_requests": 0,
+        "kv_blocks_used": 0,
+        "kv_blocks_usable": 8,
+        "kv_blocks_total": 8,
+        "kv_block_size": 16,
+        "device": tier,
+        "host": tier,
+        "residency": {"a": "device"},
+        "ttft": latency,
+        "itl": latency,
+        "window_s": 300.0,
+        "tenant_priorities": [[None, 0]],
+        "tenant_weights": [],
+    }
+
+
+def test_an_older_engines_snapshot_parses_with_defaults():
+    stats = EngineStats.from_json(_old_engine_json())
+    assert stats.adapter_residency == {"a": "device"}
+    assert stats.tenant_priorities == {None: 0} and stats.tenant_weights == {}
+    for name, default in _defaulted(EngineStats).items():
+        assert getattr(stats, name) == default, name
+
+
+def test_an_older_memory_plan_parses_with_defaults():
+    data = _full_stats().to_json()
+    for name in ("kv_cache_dtype", "scratch_blocks", "max_model_len", "draft_kv_bytes"):
+        del data["memory"][name]
+    memory = EngineStats.from_json(data).memory
+    assert (memory.kv_cache_dtype, memory.scratch_blocks, memory.max_model_len) == ("auto", 0, 0)
+    assert memory.kv_floor_blocks == 128  # what it did send is kept
+
+
+def test_figures_a_newer_engine_adds_are_dropped():
+    data = _full_stats().to_json()
+    data["a_figure_from_the_future"] = 1
+    data["memory"]["another"] = "x"
+    data["tenants"][1][1]["and_another"] = 2.0
+    assert EngineStats.from_json(data) == _full_stats()
+
+
+def _values(hint) -> st.SearchStrategy:
+    """Any value of a field's declared type (finite floats: NaN is not equal to itself)."""
+    arms = [arm for arm in typing.get_args(hint) if arm is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return st.none() | _values(arms[0])
+    origin = typing.get_origin(hint) or hint
+    if dataclasses.is_dataclass(origin):
+        hints = typing.get_type_hints(origin)
+        return st.builds(
+            origin, **{f.name: _values(hints[f.name]) for f in dataclasses.fields(origin)}
+        )
+    if origin is dict:
+        return st.dictionaries(_values(arms[0]), _values(arms[1]), max_size=3)
+    if origin is tuple:
+        return st.lists(_values(arms[0]), max_size=3).map(tuple)
+    simple = {
+        int: st.integers(),
+        float: st.floats(allow_nan=False, allow_infinity=False),
+        str: st.text(max_size=8),
+        bool: st.booleans(),
+    }
+    return simple[origin]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stats=_values(EngineStats))
+def test_any_snapshot_round_trips_through_json(stats):
+    assert EngineStats.from_json(_through_json(stats.to_json())) == stats
