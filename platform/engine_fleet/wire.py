@@ -1,10 +1,9 @@
 """The engine processes' wire format: engine values as JSON and back, losslessly.
 
 Requests carry ``SamplingParams``; a generate stream is one JSON line per
-``RequestOutput``; ``EngineStats`` answers the stats call (an older engine's, without the
-memory plan, residency counts, per-tenant service, speculation or grammar-cache figures,
-still parses: those take their defaults; ``speculation`` travels as adapter -> totals, the
-base model under ""). Decoding rebuilds the engine's own types, so ``SamplingParams``
+``RequestOutput``; ``EngineStats`` answers the stats call in its own JSON form
+(``EngineStats.to_json`` / ``from_json``: an older engine's still parses, a newer engine's
+extra figures are dropped). Decoding rebuilds the engine's own types, so ``SamplingParams``
 validates what arrives (a bad field raises ValueError or TypeError naming it).
 ``logit_bias`` travels as a list of [token id, bias] pairs (JSON object keys are strings);
 ``structured`` (a structured-output spec) travels in the spec's own JSON
@@ -21,16 +20,9 @@ from typing import Any
 
 from loramux.engine import (
     EngineStats,
-    GrammarCacheStats,
-    LatencySummary,
-    MemoryPlan,
     RequestMetrics,
     RequestOutput,
-    ResidencyStats,
     SamplingParams,
-    SpeculationStats,
-    TenantShareStats,
-    TierStats,
     TokenLogprobs,
     spec_from_json,
     spec_to_json,
@@ -103,37 +95,8 @@ def _metrics(data: dict[str, Any]) -> RequestMetrics:
 
 
 def stats_to_json(stats: EngineStats) -> dict[str, Any]:
-    data = dataclasses.asdict(stats)
-    # JSON object keys are strings: the default tenant (None) travels in a pair list.
-    data["tenant_priorities"] = list(stats.tenant_priorities.items())
-    data["tenant_weights"] = list(stats.tenant_weights.items())
-    data["tenants"] = [[tenant, dataclasses.asdict(t)] for tenant, t in stats.tenants.items()]
-    return data
+    return stats.to_json()
 
 
 def stats_from_json(data: dict[str, Any]) -> EngineStats:
-    fields = dict(data)
-    for tier in ("device", "host"):
-        tier_data = data[tier]
-        fields[tier] = TierStats(**{**tier_data, "adapters": tuple(tier_data["adapters"])})
-    for latency in ("ttft", "itl"):
-        fields[latency] = LatencySummary(**data[latency])
-    fields["tenant_priorities"] = {tenant: value for tenant, value in data["tenant_priorities"]}
-    fields["tenant_weights"] = {tenant: value for tenant, value in data["tenant_weights"]}
-    fields["tenants"] = {
-        tenant: TenantShareStats(**value) for tenant, value in data.get("tenants", [])
-    }
-    residency = data.get("residency")
-    if "adapter_residency" not in data:
-        # An engine from before the memory figures: "residency" was adapter -> tier.
-        fields["adapter_residency"] = residency or {}
-        residency = None
-    fields["residency"] = ResidencyStats(**residency) if residency else ResidencyStats()
-    memory = data.get("memory")
-    fields["memory"] = None if memory is None else MemoryPlan(**memory)
-    fields["speculation"] = {
-        adapter: SpeculationStats(**totals)
-        for adapter, totals in data.get("speculation", {}).items()
-    }
-    fields["grammar_cache"] = GrammarCacheStats(**data.get("grammar_cache", {}))
-    return EngineStats(**fields)
+    return EngineStats.from_json(data)
