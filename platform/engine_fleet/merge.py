@@ -11,6 +11,7 @@ engine verifies. The compiled-grammar caches' figures are summed."""
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import TypeVar
 
 from loramux.engine import (
     EngineStats,
@@ -23,6 +24,8 @@ from loramux.engine import (
     merge_tenants,
 )
 
+F = TypeVar("F")
+
 _TIER_ORDER = {"device": 0, "host": 1, "loading": 2, "store": 3}
 
 
@@ -34,14 +37,6 @@ def fastest_tiers(residencies: list[dict[str, str]]) -> dict[str, str]:
             if _TIER_ORDER.get(tier, 9) < _TIER_ORDER.get(merged.get(name, ""), 9):
                 merged[name] = tier
     return merged
-
-
-def _merge_tier(tiers: list[TierStats]) -> TierStats:
-    return TierStats(
-        adapters=tuple(sorted({a for t in tiers for a in t.adapters})),
-        bytes=sum(t.bytes for t in tiers),
-        capacity_bytes=sum(t.capacity_bytes for t in tiers),
-    )
 
 
 def _worst(latencies: list[LatencySummary]) -> LatencySummary:
@@ -57,22 +52,25 @@ def _worst(latencies: list[LatencySummary]) -> LatencySummary:
     )
 
 
-_RESIDENCY_FIGURES = (
-    "preemptions",
-    "adapter_evictions",
-    "adapter_reloads",
-    "adapter_room_wait_steps",
-    "preemptions_per_min",
-    "adapter_evictions_per_min",
-    "adapter_reloads_per_min",
-    "adapter_room_wait_steps_per_min",
-)
+def _sum_fields(cls: type[F], parts: list[F], **others: object) -> F:
+    """A ``cls`` value with each field summed over ``parts``, but those given in ``others``."""
+    summed = {
+        f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls) if f.name not in others
+    }
+    return cls(**summed, **others)
+
+
+def _merge_tier(tiers: list[TierStats]) -> TierStats:
+    return _sum_fields(
+        TierStats, tiers, adapters=tuple(sorted({a for t in tiers for a in t.adapters}))
+    )
 
 
 def _merge_residency(parts: list[ResidencyStats]) -> ResidencyStats:
     """Counts and rates summed; thrashing if any engine thrashes."""
-    return ResidencyStats(
-        **{name: sum(getattr(p, name) for p in parts) for name in _RESIDENCY_FIGURES},
+    return _sum_fields(
+        ResidencyStats,
+        parts,
         window_s=max(p.window_s for p in parts),
         thrashing=any(p.thrashing for p in parts),
     )
@@ -103,20 +101,9 @@ def _merge_memory(plans: list[MemoryPlan]) -> MemoryPlan | None:
     )
 
 
-_SPECULATION_FIGURES = (
-    "proposed_tokens",
-    "accepted_tokens",
-    "verify_steps",
-    "decode_steps",
-    "generated_tokens",
-)
-
-
 def sum_speculation(parts: list[SpeculationStats]) -> SpeculationStats:
     """Speculative decoding's totals added up (over engines, or over adapters)."""
-    return SpeculationStats(
-        **{figure: sum(getattr(p, figure) for p in parts) for figure in _SPECULATION_FIGURES}
-    )
+    return _sum_fields(SpeculationStats, parts)
 
 
 def _merge_speculation(parts: list[dict[str, SpeculationStats]]) -> dict[str, SpeculationStats]:
@@ -131,13 +118,10 @@ def _merge_grammar_cache(parts: list[GrammarCacheStats]) -> GrammarCacheStats:
     """Held bytes, entries, budgets and counts summed (each engine keeps its own grammars,
     and gives each tenant its own share); the largest tenant's bytes the largest on one
     engine."""
-    summed = {
-        f.name: sum(getattr(p, f.name) for p in parts)
-        for f in fields(GrammarCacheStats)
-        if f.name != "largest_tenant_bytes"
-    }
-    return GrammarCacheStats(
-        **summed, largest_tenant_bytes=max((p.largest_tenant_bytes for p in parts), default=0)
+    return _sum_fields(
+        GrammarCacheStats,
+        parts,
+        largest_tenant_bytes=max((p.largest_tenant_bytes for p in parts), default=0),
     )
 
 
