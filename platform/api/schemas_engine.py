@@ -11,7 +11,6 @@ accepted and gained, per adapter version (the base model's row has an empty engi
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import datetime
 
 from pydantic import BaseModel, Field
@@ -102,25 +101,8 @@ class MemoryOut(BaseModel):
     def from_plan(cls, plan: MemoryPlan | None) -> MemoryOut | None:
         if plan is None:
             return None
-        return cls(
-            budget_bytes=plan.budget_bytes,
-            source=plan.source,
-            detail=plan.detail,
-            device=plan.device,
-            kv_blocks=plan.kv_blocks,
-            kv_tokens=plan.kv_tokens,
-            block_size=plan.block_size,
-            rank=plan.rank,
-            rank_adapter_bytes=plan.rank_adapter_bytes,
-            full_batch_requests=plan.full_batch_requests,
-            full_batch_context=plan.full_batch_context,
-            full_batch_fits=plan.full_batch_fits,
-            adapters_beside_full_batch=plan.adapters_beside_full_batch,
-            adapters_max=plan.adapters_max,
-            max_model_len=plan.max_model_len,
-            kv_floor_blocks=plan.kv_floor_blocks,
-            draft_kv_bytes=plan.draft_kv_bytes,
-        )
+        # Its fields, properties (rank_adapter_bytes, full_batch_fits) too, read off the plan.
+        return cls.model_validate(plan, from_attributes=True)
 
 
 class ResidencyOut(BaseModel):
@@ -147,7 +129,7 @@ class ResidencyOut(BaseModel):
 
     @classmethod
     def from_stats(cls, stats: ResidencyStats) -> ResidencyOut:
-        return cls(**dataclasses.asdict(stats))
+        return cls.model_validate(stats, from_attributes=True)
 
 
 class GrammarCacheOut(BaseModel):
@@ -172,7 +154,7 @@ class GrammarCacheOut(BaseModel):
 
     @classmethod
     def from_stats(cls, stats: GrammarCacheStats) -> GrammarCacheOut:
-        return cls(**dataclasses.asdict(stats))
+        return cls.model_validate(stats, from_attributes=True)
 
 
 class SpeculationFiguresOut(BaseModel):
@@ -195,11 +177,8 @@ class SpeculationFiguresOut(BaseModel):
 
     @staticmethod
     def figures(stats: SpeculationStats) -> dict:
-        return {
-            **dataclasses.asdict(stats),
-            "acceptance_rate": stats.acceptance_rate,
-            "tokens_per_step": stats.tokens_per_step,
-        }
+        """The totals and the rates (properties of ``stats``) by this model's field names."""
+        return {name: getattr(stats, name) for name in SpeculationFiguresOut.model_fields}
 
 
 class AdapterSpeculationOut(SpeculationFiguresOut):
@@ -252,8 +231,8 @@ class SpeculationOut(BaseModel):
                 )
                 for name in sorted(stats.speculation, key=order)
             ],
-            total=SpeculationFiguresOut(
-                **SpeculationFiguresOut.figures(sum_speculation(list(stats.speculation.values())))
+            total=SpeculationFiguresOut.model_validate(
+                sum_speculation(list(stats.speculation.values())), from_attributes=True
             ),
         )
 
