@@ -29,7 +29,7 @@ class EngineConfig:
     model: str  # HF-format Llama-family directory
     # Device bytes shared by the paged KV cache and the resident adapters (S-LoRA unified
     # paging): KV blocks fill it from the bottom, adapter rank-rows from the top. None: sized
-    # to the machine when the engine starts, after the weights (memory_budget.py: on CPU
+    # to the machine when the engine starts, after the weights (memory/budget.py: on CPU
     # 15% of the available RAM within [512 MiB, 4 GiB], on CUDA 90% of the free memory less
     # room for activations). Tests and anything starting several engines set a small one.
     kv_cache_bytes: int | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loramux.engine.sampler import TokenLogprobs
-from loramux.engine.sequence import RequestMetrics
+from loramux.engine.sequence import RequestMetrics, Sequence
 
 
 @dataclass
@@ -28,3 +28,34 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     adapter: str | None = None
     metrics: RequestMetrics | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence, delta_text: str = "", delta_ids: list[int] | None = None):
+        """``seq``'s output now, with what this step added (``delta_*``)."""
+        delta_ids = delta_ids or []
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.output_text,
+            delta_token_ids=list(delta_ids),
+            delta_text=delta_text,
+            finished=seq.is_finished,
+            finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
+            stop_reason=seq.stop_reason,
+            error=seq.error,
+            error_kind=None if seq.error_kind is None else seq.error_kind.value,
+            logprobs=list(seq.output_logprobs),
+            prompt_logprobs=_prompt_logprobs(seq, delta_ids),
+            adapter=None if seq.lora is None else seq.lora.name,
+            metrics=seq.metrics,
+        )
+
+
+def _prompt_logprobs(seq: Sequence, delta_ids: list[int]):
+    """The prompt logprobs for an output: on the request's first token and its final
+    output, once all were computed (sent twice, not on every streamed delta)."""
+    if seq.prompt_logprobs is None or seq.collects_prompt_logprobs:
+        return None
+    first_token = bool(delta_ids) and len(seq.output_token_ids) == len(delta_ids)
+    return list(seq.prompt_logprobs) if first_token or seq.is_finished else None

@@ -42,11 +42,12 @@ Policy, in order:
    it is. Running sequences finish (each has a finite ``max_tokens``), so its
    adapter's turn comes within a bounded number of steps.
 5. **Cold adapters**: a waiting sequence whose adapter is not on the device
-   (``adapter_ready`` says so; the engine loads it in the background) is skipped
+   (``adapters.is_ready`` says so; residency loads it in the background) is skipped
    without holding up the sequences behind it. When such an adapter is in host RAM but
-   finds no device room because KV blocks are in use where its rows must go, the engine
-   holds those blocks for it (``KVCacheManager.hold_from``), moves the ones in use to free
-   blocks below (a copy, not a recompute) and sets ``adapter_room``: once it has waited
+   finds no device room because KV blocks are in use where its rows must go, residency
+   holds those blocks for it (``KVCacheManager.hold_from``) and says so
+   (``adapters.room_wanted``); the scheduler moves the ones in use to free blocks below
+   (a copy, not a recompute), and once the adapter has waited
    ``adapter_wait_steps`` steps, if blocks are still in its way for want of free blocks
    below, running sequences of its priority or lower (lowest and latest first) are
    preempted until they could all move, so a cold adapter gets its rows within a bounded
@@ -93,6 +94,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loramux.engine.fair_share import FairShare
 from loramux.engine.memory.kv_cache import CachedPrefix, KVCacheManager
@@ -204,8 +206,26 @@ def _preemption_order(seq: Sequence) -> tuple[int, float]:
     return (seq.priority, -seq.metrics.arrival_time)
 
 
-def _always_ready(adapter_id: int) -> bool:
-    return True
+class AdapterGate(Protocol):
+    """What the scheduler asks of adapter residency (``engine/lora/residency.py``)."""
+
+    def is_ready(self, adapter_id: int) -> bool:
+        """Whether the adapter is on the device now (else its requests wait)."""
+        ...
+
+    def room_wanted(self) -> AdapterRoom | None:
+        """The cold adapter whose device rows KV blocks stand in, if one waits (policy 5)."""
+        ...
+
+
+class _EveryAdapterReady:
+    """The gate of a scheduler without adapter residency (tests of the policy alone)."""
+
+    def is_ready(self, adapter_id: int) -> bool:
+        return True
+
+    def room_wanted(self) -> AdapterRoom | None:
+        return None
 
 
 def _no_prompt_cap() -> int:
@@ -217,17 +237,16 @@ class Scheduler:
         self,
         limits: SchedulerLimits,
         kv: KVCacheManager,
-        adapter_ready: Callable[[int], bool] = _always_ready,
+        adapters: AdapterGate | None = None,
         prompt_budget: Callable[[], int] = _no_prompt_cap,
     ):
         self.limits = limits
         self.kv = kv
-        self.adapter_ready = adapter_ready  # adapter id -> on the device now
+        self.adapters = adapters or _EveryAdapterReady()
         # The most prompt (prefill) tokens the next step may take: the engine sizes it so
         # that a step lasts about its target time (prefill_budget.py); capped by the limits.
         self.prompt_budget = prompt_budget
         self.fair = FairShare()
-        self.adapter_room: AdapterRoom | None = None  # set by the engine before each step
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.step_count = 0
@@ -391,7 +410,7 @@ class Scheduler:
                 continue
             if seq.tenant in stopped_tenants:
                 continue
-            if seq.adapter_id is not None and not self.adapter_ready(seq.adapter_id):
+            if seq.adapter_id is not None and not self.adapters.is_ready(seq.adapter_id):
                 continue
             if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, step.adapters):
                 if seq.adapter_blocked_since is None:
@@ -435,7 +454,7 @@ class Scheduler:
             and s.request_id not in self._urgent_seen
             and s.metrics.first_scheduled_time is None
             and s.adapter_blocked_since is None
-            and (s.adapter_id is None or self.adapter_ready(s.adapter_id))
+            and (s.adapter_id is None or self.adapters.is_ready(s.adapter_id))
         ]
         if not urgent:
             return None
@@ -495,7 +514,7 @@ class Scheduler:
         blocks below, before anything else takes them; once it has waited long enough,
         preempt the least important running sequences of its priority or lower until the
         rest can move too. Returns the moves for the runner to copy."""
-        room = self.adapter_room
+        room = self.adapters.room_wanted()
         if room is None:
             return []
         moves = self.kv.move_out_of_hold()

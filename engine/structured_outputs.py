@@ -13,7 +13,7 @@ The grammar layer is :mod:`loramux.engine.structured`; this is where the engine 
   the engine thread's compile at add is a cache hit.
 
 The runner fills each step's masks (``MaskFiller``) and the sampler applies them; see
-``runner.py`` for when.
+``executor/local.py`` for when.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ between the two and form a Galois pair:
     kv_limit_for(r) >= L   <=>   r >= first_row_for(L)
 
 Optionally ``scratch_blocks`` more KV blocks follow the ``num_blocks`` the layout knows
-(neither KV's nor any row's): the static decode path (``loramux.engine.decode_graphs``)
+(neither KV's nor any row's): the static decode path (``loramux.engine.static_decode``)
 pads its batch with rows that write their keys and values to :attr:`DeviceArena.scratch_slot`.
 
 A quantized KV cache (``kv_cache_dtype`` int8 or fp8, ``loramux.kernels.kv_quant``) views

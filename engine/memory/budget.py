@@ -1,7 +1,7 @@
 """The device budget the KV cache and resident adapters share, and what it holds.
 
 ``EngineConfig.kv_cache_bytes`` is one budget for KV blocks and adapter rank-rows (S-LoRA
-unified paging, see ``lora/device_arena.py``). Set, it is used as it is. Left ``None`` it
+unified paging, see ``arena.py``). Set, it is used as it is. Left ``None`` it
 is sized to the machine once the weights are loaded:
 
 * **CPU**: ``CPU_SHARE`` (15%) of ``MemAvailable`` (``/proc/meminfo``), at least

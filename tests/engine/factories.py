@@ -23,6 +23,11 @@ PROMPTS = [
 TEST_PROPOSAL_COST = 0.1
 
 
+# A prefill step target no step reaches: the prompt budget is max_num_batched_tokens after the
+# first step, whatever the machine's load, for tests whose scheduling must not depend on time.
+UNTIMED_PREFILL_S = 1e9
+
+
 def build_engine(
     model_dir, adapters=None, *, proposal_cost: float | None = TEST_PROPOSAL_COST, **overrides
 ) -> Engine:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from loramux.engine import Engine, EngineConfig, SamplingParams
+from tests.engine.factories import UNTIMED_PREFILL_S
 
 FLOOD = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -122,6 +123,7 @@ def test_blocks_in_an_adapters_way_are_moved_not_recomputed_and_keep_their_token
         "max_num_batched_tokens": 1024,
         "max_model_len": 256,
         "adapter_wait_steps": 1000,  # no preemption: only moving can make the room
+        "prefill_step_target_s": UNTIMED_PREFILL_S,  # placement by tokens, not the load
     }
     long_prompt = [500 + t for t in range(200)]
     long_params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)

@@ -35,7 +35,7 @@ from loramux.engine import (
 )
 from loramux.engine.structured import GrammarMatcher
 from loramux.kernels import dispatch
-from tests.engine.factories import PROMPTS, build_engine
+from tests.engine.factories import PROMPTS, UNTIMED_PREFILL_S, build_engine
 
 PERSON = {
     "type": "object",
@@ -215,6 +215,7 @@ def test_a_preempted_constrained_request_still_gives_the_same_valid_json(engine,
         block_size=4,
         max_num_batched_tokens=32,
         max_prefill_chunk=8,
+        prefill_step_target_s=UNTIMED_PREFILL_S,  # preempts by tokens, not the load
     )
     prompts = [
         chat(small, "Describe a person as JSON with name, age and city."),
