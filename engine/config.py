@@ -1,4 +1,4 @@
-"""Engine configuration: one dataclass, checked in ``__post_init__``."""
+"""Engine configuration: one dataclass, checked in ``__post_init__`` concern by concern."""
 
 from __future__ import annotations
 
@@ -117,6 +117,23 @@ class EngineConfig:
     tensor_parallel_heartbeat_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        # Each concern's settings checked together; a message names the field and the fix.
+        self._check_sizes()
+        self._check_memory()
+        self._check_weights()
+        self._check_speculative()
+        self._check_parallel()
+        self._check_device()
+
+    def _one_of(self, name: str, allowed) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ValueError(
+                f"EngineConfig.{name} must be one of {', '.join(allowed)}, got {value!r}"
+            )
+
+    def _check_sizes(self) -> None:
+        """Counts and limits: positive, or None where None means a default."""
         positive = (
             "block_size",
             "max_num_seqs",
@@ -152,6 +169,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive or None, got {value}")
+
+    def _check_memory(self) -> None:
+        """The device budget's shares, the KV cache's form, the grammar cache's shares."""
         if (  # against a budget sized to the machine: checked when the engine starts
             self.adapter_device_bytes is not None
             and self.kv_cache_bytes is not None
@@ -161,21 +181,21 @@ class EngineConfig:
                 f"EngineConfig.adapter_device_bytes ({self.adapter_device_bytes}) is a share of "
                 f"kv_cache_bytes ({self.kv_cache_bytes}) and cannot exceed it"
             )
-        if self.load_format not in LOAD_FORMATS:
+        self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        if (
+            self.grammar_cache_tenant_bytes is not None
+            and self.grammar_cache_tenant_bytes > self.grammar_cache_bytes
+        ):
             raise ValueError(
-                f"EngineConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, "
-                f"got {self.load_format!r}"
+                f"EngineConfig.grammar_cache_tenant_bytes ({self.grammar_cache_tenant_bytes}) "
+                f"is one tenant's share of grammar_cache_bytes ({self.grammar_cache_bytes}) and "
+                "cannot exceed it"
             )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"EngineConfig.quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                f"got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
+
+    def _check_weights(self) -> None:
+        """How the weights load: the format, quantization and a GGUF file."""
+        self._one_of("load_format", LOAD_FORMATS)
+        self._one_of("quantization", QUANTIZATIONS)
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
                 "EngineConfig.quantization_group_size must be one of "
@@ -189,11 +209,9 @@ class EngineConfig:
                 f"quantization 'none' and load_format 'safetensors' (got {self.quantization!r}, "
                 f"{self.load_format!r}); quantization applies to float checkpoints"
             )
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"EngineConfig.speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                f"got {self.speculative_method!r}"
-            )
+
+    def _check_speculative(self) -> None:
+        self._one_of("speculative_method", SPECULATIVE_METHODS)
         if self.ngram_min_n > self.ngram_max_n:
             raise ValueError(
                 f"EngineConfig.ngram_min_n ({self.ngram_min_n}) must not exceed ngram_max_n "
@@ -205,6 +223,8 @@ class EngineConfig:
                 f"speculative_method is 'draft' (method {self.speculative_method!r}, "
                 f"draft_model {self.draft_model!r})"
             )
+
+    def _check_parallel(self) -> None:
         if self.tensor_parallel_size > 1 and (
             self.quantization != "none" or self.gguf_file is not None
         ):
@@ -219,15 +239,8 @@ class EngineConfig:
                 f"tensor_parallel_timeout_s ({self.tensor_parallel_timeout_s}): a stopped rank "
                 "is named by its heartbeat, before the collective's own timeout"
             )
-        if (
-            self.grammar_cache_tenant_bytes is not None
-            and self.grammar_cache_tenant_bytes > self.grammar_cache_bytes
-        ):
-            raise ValueError(
-                f"EngineConfig.grammar_cache_tenant_bytes ({self.grammar_cache_tenant_bytes}) "
-                f"is one tenant's share of grammar_cache_bytes ({self.grammar_cache_bytes}) and "
-                "cannot exceed it"
-            )
+
+    def _check_device(self) -> None:
         if self.cuda_graph_max_batch < 0:
             raise ValueError(
                 "EngineConfig.cuda_graph_max_batch must be 0 (no CUDA graphs) or positive, "

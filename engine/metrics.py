@@ -28,6 +28,16 @@ class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._add_latency(r)
+        self._add_memory(r)
+        self._add_adapter_tiers(r)
+        self._add_residency(r)
+        self._add_speculation(r)
+        self._add_failures(r)
+        self._add_tenants(r)
+
+    def _add_latency(self, r: CollectorRegistry) -> None:
+        """Latency and load: time to first token, inter-token gaps, queue time, requests."""
         self.time_to_first_token = Histogram(
             "loramux_time_to_first_token_seconds",
             "Arrival to first token.",
@@ -48,6 +58,9 @@ class EngineMetrics:
         )
         self.running_requests = Gauge("loramux_running_requests", "Requests running.", registry=r)
         self.waiting_requests = Gauge("loramux_waiting_requests", "Requests waiting.", registry=r)
+
+    def _add_memory(self, r: CollectorRegistry) -> None:
+        """The KV cache, its prefix cache and the compute threads."""
         self.kv_blocks_used = Gauge("loramux_kv_blocks_used", "KV blocks in use.", registry=r)
         self.kv_blocks_total = Gauge("loramux_kv_blocks_total", "KV blocks in all.", registry=r)
         self.compute_threads = Gauge(
@@ -71,6 +84,9 @@ class EngineMetrics:
         self.prefix_cache_hits = Counter(
             "loramux_prefix_cache_hit_tokens", "Prompt tokens found cached.", registry=r
         )
+
+    def _add_adapter_tiers(self, r: CollectorRegistry) -> None:
+        """Adapter tiers: loads, lookups per tier, evictions, what each tier holds."""
         self.adapter_loads = Counter(
             "loramux_adapter_loads", "Adapters loaded from their source into host RAM.", registry=r
         )
@@ -101,6 +117,9 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _add_residency(self, r: CollectorRegistry) -> None:
+        """Preemptions, interrupted steps, re-loads and room waits: is memory the limit?"""
         self.preemptions = Counter("loramux_preemptions", "Sequences preempted.", registry=r)
         self.steps_interrupted = Counter(
             "loramux_steps_interrupted",
@@ -121,6 +140,9 @@ class EngineMetrics:
             registry=r,
         )
         self.generated_tokens = Counter("loramux_generated_tokens", "Tokens generated.", registry=r)
+
+    def _add_speculation(self, r: CollectorRegistry) -> None:
+        """Speculative decoding and tokens per adapter."""
         # Speculative decoding, per adapter (the base model's label is the empty string):
         # acceptance rate = accepted / proposed; tokens per step = generated / decode steps.
         self.spec_proposed_tokens = Counter(
@@ -160,6 +182,9 @@ class EngineMetrics:
             ["adapter"],
             registry=r,
         )
+
+    def _add_failures(self, r: CollectorRegistry) -> None:
+        """Steps in which requests failed, alone (blast radius)."""
         self.step_failures = Counter(
             "loramux_step_failures",
             "Engine steps in which some request failed (the others went on).",
@@ -175,6 +200,9 @@ class EngineMetrics:
             "Requests failed alone because they made an engine step fail.",
             registry=r,
         )
+
+    def _add_tenants(self, r: CollectorRegistry) -> None:
+        """Per tenant: service, queue depth, share beside the weight's share."""
         # Per tenant (tenant_share.py): tokens as each step serves them, queue depth, and the
         # share of the last 30 s's service next to the weight's share; compare the two.
         self.tenant_served_tokens = Counter(

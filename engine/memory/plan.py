@@ -126,15 +126,7 @@ def plan_memory(
     (they need a scratch block), ``has_draft`` with a draft model (its KV comes out of the
     budget). ``budget`` is read from the machine when not given. ``ValueError`` naming the
     setting to change when the budget cannot hold an engine."""
-    budget = budget or budget_for(config, model)
-    draft_kv_bytes = 0
-    if has_draft:
-        draft_kv_bytes = config.draft_kv_cache_bytes or budget.bytes // DRAFT_BUDGET_SHARE
-        budget = dataclasses.replace(
-            budget,
-            bytes=budget.bytes - draft_kv_bytes,
-            detail=f"{budget.detail}, less {draft_kv_bytes} bytes for the draft model's KV",
-        )
+    budget, draft_kv_bytes = _less_draft(config, budget or budget_for(config, model), has_draft)
     block_size, dtype = config.block_size, config.torch_dtype
     scratch_blocks = 1 if static_decode else 0
     block_bytes = kv_block_bytes(model, block_size, dtype, config.kv_cache_dtype)
@@ -168,11 +160,7 @@ def plan_memory(
     capacity = rows - layout.first_row_for(kv_floor)
     if max_rows is not None:
         capacity = min(capacity, max_rows)
-    context = min(FULL_BATCH_CONTEXT, max_model_len)
-    batch_blocks = config.max_num_seqs * math.ceil(context / block_size)
-    beside = 0
-    if batch_blocks <= num_blocks:
-        beside = min(rows - layout.first_row_for(batch_blocks), capacity) // PLAN_RANK
+    context, batch_blocks, beside = _full_batch(config, layout, max_model_len, capacity)
     return MemoryPlan(
         budget_bytes=budget.bytes,
         source=budget.source,
@@ -198,3 +186,30 @@ def plan_memory(
         max_model_len=max_model_len,
         draft_kv_bytes=draft_kv_bytes,
     )
+
+
+def _less_draft(config: EngineConfig, budget: Budget, has_draft: bool) -> tuple[Budget, int]:
+    """The budget less the draft model's KV cache, and that cache's bytes (0 without one)."""
+    if not has_draft:
+        return budget, 0
+    draft_kv_bytes = config.draft_kv_cache_bytes or budget.bytes // DRAFT_BUDGET_SHARE
+    less = dataclasses.replace(
+        budget,
+        bytes=budget.bytes - draft_kv_bytes,
+        detail=f"{budget.detail}, less {draft_kv_bytes} bytes for the draft model's KV",
+    )
+    return less, draft_kv_bytes
+
+
+def _full_batch(
+    config: EngineConfig, layout: RowLayout, max_model_len: int, capacity: int
+) -> tuple[int, int, int]:
+    """ "A full batch" for the start-up log: its context, its KV blocks, and how many
+    adapters of ``PLAN_RANK`` fit beside it (0 when it does not fit)."""
+    context = min(FULL_BATCH_CONTEXT, max_model_len)
+    batch_blocks = config.max_num_seqs * math.ceil(context / config.block_size)
+    beside = 0
+    if batch_blocks <= layout.num_blocks:
+        rows = layout.total_rows - layout.first_row_for(batch_blocks)
+        beside = min(rows, capacity) // PLAN_RANK
+    return context, batch_blocks, beside

@@ -81,24 +81,9 @@ def load_model(
     as it is read; the decoder is built from the rank's config. The caller joins it to the
     other ranks (``LlamaForCausalLM.join``).
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(
-            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
-        )
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
-        )
-    packed = quantization != "none" or gguf_file is not None
-    if packed and quant_op is None:
-        raise ValueError("a quantized or GGUF model needs the backend's quant_op")
+    _check_load(load_format, quantization, gguf_file, quant_op, shard)
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
-    if shard is not None and packed:
-        raise TensorParallelError(
-            "tensor parallelism serves float weights only for now: serve the model without "
-            "quantization and without a GGUF file, or with tensor_parallel_size=1"
-        )
     if load_format == "random":
         model = random_model(config, dtype=dtype, device=device, seed=seed, shard=shard)
         if quantization != "none":
@@ -140,6 +125,26 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     return model
+
+
+def _check_load(load_format, quantization, gguf_file, quant_op, shard) -> None:
+    """ValueError (or TensorParallelError) naming a load ``load_model`` cannot do."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    packed = quantization != "none" or gguf_file is not None
+    if packed and quant_op is None:
+        raise ValueError("a quantized or GGUF model needs the backend's quant_op")
+    if shard is not None and packed:
+        raise TensorParallelError(
+            "tensor parallelism serves float weights only for now: serve the model without "
+            "quantization and without a GGUF file, or with tensor_parallel_size=1"
+        )
 
 
 def _safetensors_state(model_dir, expected, dtype, device, quantization, group_size, shard):
