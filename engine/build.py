@@ -143,7 +143,7 @@ def _build_parts(
         num_speculative_tokens=config.num_speculative_tokens,
     )
     requests = RequestFactory(
-        loaded.tokenizer,
+        tokenizer=loaded.tokenizer,
         vocab_size=loaded.config.vocab_size,
         eos_token_ids=loaded.eos_token_ids,
         max_model_len=plan.max_model_len,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -31,27 +32,17 @@ def _token_id(value) -> int:
         raise EngineError(f"prompt token ids must be integers, got {value!r}") from None
 
 
+@dataclass
 class RequestFactory:
     """Checks requests against the model and the context limit, and makes sequences."""
 
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        vocab_size: int,
-        eos_token_ids: frozenset[int],
-        max_model_len: int,
-        device: torch.device,
-        grammars: Grammars,
-        speculator: Speculator | None,
-    ):
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
-        self.device = device
-        self.grammars = grammars
-        self.speculator = speculator
+    tokenizer: object
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    device: torch.device  # where a seeded request's generator lives
+    grammars: Grammars
+    speculator: Speculator | None
 
     def make(
         self,
