@@ -111,7 +111,7 @@ def _build_parts(
 ) -> EngineParts:
     # Over several CPU ranks, rank 0 takes its part of the threads like the others.
     threads = apply_compute_threads(devices.compute_threads)
-    backend = select_backend(devices.device, config.torch_dtype)
+    backend = select_backend(devices.device, config.torch_dtype, config.kernels)
     loaded = _load_models(config, devices, backend)
     plan, arena, kv, pool = _memory(config, devices, loaded.model, backend, loaded.draft)
     metrics = metrics or EngineMetrics()

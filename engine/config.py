@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.kernels.dispatch import KERNEL_CHOICES
 from loramux.kernels.kv_quant import KV_CACHE_DTYPES
 from loramux.kernels.quant_linear import INT4_GROUP_SIZES
 
@@ -91,6 +92,11 @@ class EngineConfig:
     # Decode-only steps of up to this many sequences replay CUDA graphs captured for a set
     # of batch-size buckets (CUDA and the Triton path only); 0 runs every step eagerly.
     cuda_graph_max_batch: int = 64
+    # Which kernels run the engine's ops (kernels/dispatch.py, engine/lora/backend.py):
+    # "auto" (Triton on CUDA, torch elsewhere), "torch" (torch ops only, on CUDA too) or
+    # "triton" (the Triton kernels anywhere; on the CPU inside Triton's interpreter). None:
+    # LORAMUX_KERNELS, the developer's override, else auto.
+    kernels: str | None = None
     # Speculative decoding (engine/speculative/): "off"; "ngram" proposes the tokens that
     # followed the last n tokens' latest earlier occurrence in the request's own text
     # (prompt lookup, no model); "draft" runs ``draft_model``, a smaller model sharing the
@@ -241,6 +247,8 @@ class EngineConfig:
             )
 
     def _check_device(self) -> None:
+        if self.kernels is not None:
+            self._one_of("kernels", KERNEL_CHOICES)
         if self.cuda_graph_max_batch < 0:
             raise ValueError(
                 "EngineConfig.cuda_graph_max_batch must be 0 (no CUDA graphs) or positive, "

@@ -38,6 +38,7 @@ FROM_SETTINGS = {
     "grammar_cache_bytes": "grammar_cache_bytes",
     "grammar_cache_tenant_bytes": "grammar_cache_tenant_bytes",
     "cuda_graph_max_batch": "cuda_graph_max_batch",
+    "kernels": "kernels",
     "speculative_method": "speculative_method",
     "num_speculative_tokens": "num_speculative_tokens",
     "ngram_max_n": "ngram_max_n",

@@ -146,6 +146,13 @@ class Settings(BaseSettings):
         description="Decode-only steps of up to this many requests replay CUDA graphs "
         "captured at start (CUDA only; 0: every step eager).",
     )
+    kernels: Literal["auto", "torch", "triton"] | None = Field(
+        default=None,
+        description="Which kernels run the engine's ops: auto (Triton on CUDA, torch "
+        "elsewhere), torch (torch ops only, on CUDA too, to bisect a suspected kernel bug) or "
+        "triton (the Triton kernels; on the CPU only inside Triton's interpreter). Unset: "
+        "LORAMUX_KERNELS, else auto.",
+    )
     speculative_method: Literal["off", "ngram", "draft"] = Field(
         default="off",
         description="Speculative decoding: off; ngram (prompt lookup: proposes the tokens that "

@@ -43,6 +43,7 @@ ENGINE_TUNING_FIELDS = (
     "grammar_cache_bytes",
     "grammar_cache_tenant_bytes",
     "cuda_graph_max_batch",
+    "kernels",
     "speculative_method",
     "num_speculative_tokens",
     "ngram_max_n",

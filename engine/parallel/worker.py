@@ -47,7 +47,7 @@ class RankWorker:
         self.config, self.rank, self.group = config, rank, group
         self.device, self.dtype = group.device, config.torch_dtype
         self.plan = ShardPlan(ModelConfig.from_pretrained(config.model), group.world_size, rank)
-        self.backend = select_backend(self.device, self.dtype)
+        self.backend = select_backend(self.device, self.dtype, config.kernels)
         self.model = load_model(
             config.model,
             dtype=self.dtype,

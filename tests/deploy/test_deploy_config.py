@@ -82,6 +82,7 @@ def test_the_chart_can_set_every_setting():
         "maxAdaptersPerStep": 32,
         "draftModel": "/models/draft",
         "draftKvCacheBytes": 1 << 26,
+        "kernels": "torch",
     }
     values = merge_values(INSTALL_VALUES, {"engine": optional})
     passed = set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loramux.engine import EngineConfig
 from loramux.engine.lora.backend import select_backend
 from loramux.engine.lora.torch_backend import SHORT_SEGMENT_TOKENS, TorchBackend
 from loramux.engine.model.llama import PROJECTION_GROUPS
@@ -57,6 +58,16 @@ def test_the_engine_holds_one_backend(tiny_model_dir, monkeypatch):
     assert engine.backend.lora_op == "native"
     assert engine.executor.backend is engine.backend
     assert engine.executor.static_decode is None
+
+
+def test_the_engine_config_chooses_the_kernels_over_the_environment(tiny_model_dir, monkeypatch):
+    """EngineConfig.kernels (the platform's LORAMUX_ENGINE_KERNELS) wins; LORAMUX_KERNELS is
+    read only when it is unset."""
+    monkeypatch.setenv(KERNELS_ENV, "nonsense")
+    engine = build_engine(tiny_model_dir, kernels="torch")
+    assert (engine.backend.name, engine.backend.lora_op) == ("torch", "stacked")
+    with pytest.raises(ValueError, match=r"EngineConfig\.kernels must be one of auto, torch"):
+        EngineConfig(model=str(tiny_model_dir), kernels="cuda")
 
 
 def _expected(pool, loaded, spans, x, layer, module):
