@@ -1,4 +1,5 @@
-"""Engine configuration: one dataclass, checked in ``__post_init__`` concern by concern."""
+"""Engine configuration: one dataclass of flat fields, grouped by concern into typed parts
+(``config_parts.py``), each checked on its own."""
 
 from __future__ import annotations
 
@@ -6,8 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.kernels.dispatch import KERNEL_CHOICES
-from loramux.kernels.kv_quant import KV_CACHE_DTYPES
+from loramux.engine.config_parts import (
+    LOAD_FORMATS,
+    PARTS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    KernelConfig,
+    LoadConfig,
+    LoRAConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from loramux.kernels.quant_linear import INT4_GROUP_SIZES
 
 _DTYPES = {
@@ -16,13 +28,19 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-LOAD_FORMATS = ("safetensors", "random")
-SPECULATIVE_METHODS = ("off", "ngram", "draft")
-QUANTIZATIONS = ("none", "int8", "int4")  # what each packs: model/quantized.py
 # A CPU step that prefills lasts about this long by default: another tenant's request that
 # arrives during one waits for its end and then one more such step, so its first token
 # comes within about 1.5 of these on average (benchmarks/results/bench_prefill-flood.md).
 DEFAULT_CPU_STEP_TARGET_S = 0.12
+
+
+__all__ = [
+    "INT4_GROUP_SIZES",
+    "LOAD_FORMATS",
+    "QUANTIZATIONS",
+    "SPECULATIVE_METHODS",
+    "EngineConfig",
+]
 
 
 @dataclass
@@ -123,114 +141,10 @@ class EngineConfig:
     tensor_parallel_heartbeat_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        # Each concern's settings checked together; a message names the field and the fix.
-        self._check_sizes()
-        self._check_memory()
-        self._check_weights()
-        self._check_speculative()
-        self._check_parallel()
-        self._check_device()
-
-    def _one_of(self, name: str, allowed) -> None:
-        value = getattr(self, name)
-        if value not in allowed:
-            raise ValueError(
-                f"EngineConfig.{name} must be one of {', '.join(allowed)}, got {value!r}"
-            )
-
-    def _check_sizes(self) -> None:
-        """Counts and limits: positive, or None where None means a default."""
-        positive = (
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_lora_rank",
-            "adapter_wait_steps",
-            "adapter_host_bytes",
-            "adapter_disk_cache_bytes",
-            "adapter_load_workers",
-            "grammar_cache_bytes",
-            "num_speculative_tokens",
-            "ngram_max_n",
-            "ngram_min_n",
-            "tensor_parallel_size",
-            "tensor_parallel_timeout_s",
-            "tensor_parallel_heartbeat_timeout_s",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        names = (
-            "kv_cache_bytes",
-            "max_prefill_chunk",
-            "prefill_step_target_s",
-            "compute_threads",
-            "max_model_len",
-            "max_adapters_per_step",
-            "adapter_device_bytes",
-            "draft_kv_cache_bytes",
-            "grammar_cache_tenant_bytes",
-        )
-        for name in names:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive or None, got {value}")
-
-    def _check_memory(self) -> None:
-        """The device budget's shares, the KV cache's form, the grammar cache's shares."""
-        if (  # against a budget sized to the machine: checked when the engine starts
-            self.adapter_device_bytes is not None
-            and self.kv_cache_bytes is not None
-            and self.adapter_device_bytes > self.kv_cache_bytes
-        ):
-            raise ValueError(
-                f"EngineConfig.adapter_device_bytes ({self.adapter_device_bytes}) is a share of "
-                f"kv_cache_bytes ({self.kv_cache_bytes}) and cannot exceed it"
-            )
-        self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
-        if (
-            self.grammar_cache_tenant_bytes is not None
-            and self.grammar_cache_tenant_bytes > self.grammar_cache_bytes
-        ):
-            raise ValueError(
-                f"EngineConfig.grammar_cache_tenant_bytes ({self.grammar_cache_tenant_bytes}) "
-                f"is one tenant's share of grammar_cache_bytes ({self.grammar_cache_bytes}) and "
-                "cannot exceed it"
-            )
-
-    def _check_weights(self) -> None:
-        """How the weights load: the format, quantization and a GGUF file."""
-        self._one_of("load_format", LOAD_FORMATS)
-        self._one_of("quantization", QUANTIZATIONS)
-        if self.quantization_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(
-                "EngineConfig.quantization_group_size must be one of "
-                f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quantization_group_size}"
-            )
-        if self.gguf_file is not None and (
-            self.quantization != "none" or self.load_format != "safetensors"
-        ):
-            raise ValueError(
-                "EngineConfig.gguf_file serves the GGUF's own packed weights: it takes "
-                f"quantization 'none' and load_format 'safetensors' (got {self.quantization!r}, "
-                f"{self.load_format!r}); quantization applies to float checkpoints"
-            )
-
-    def _check_speculative(self) -> None:
-        self._one_of("speculative_method", SPECULATIVE_METHODS)
-        if self.ngram_min_n > self.ngram_max_n:
-            raise ValueError(
-                f"EngineConfig.ngram_min_n ({self.ngram_min_n}) must not exceed ngram_max_n "
-                f"({self.ngram_max_n})"
-            )
-        if (self.speculative_method == "draft") != (self.draft_model is not None):
-            raise ValueError(
-                "EngineConfig.draft_model is the draft model's directory, set exactly when "
-                f"speculative_method is 'draft' (method {self.speculative_method!r}, "
-                f"draft_model {self.draft_model!r})"
-            )
-
-    def _check_parallel(self) -> None:
+        # Each concern is a typed part checked on its own (config_parts.py); then what spans
+        # two of them.
+        for part in PARTS.values():
+            part.of(self)
         if self.tensor_parallel_size > 1 and (
             self.quantization != "none" or self.gguf_file is not None
         ):
@@ -238,30 +152,35 @@ class EngineConfig:
                 "EngineConfig.tensor_parallel_size > 1 serves float weights only for now: set "
                 "quantization 'none' and no gguf_file, or tensor_parallel_size 1"
             )
-        if self.tensor_parallel_heartbeat_timeout_s >= self.tensor_parallel_timeout_s:
-            raise ValueError(
-                "EngineConfig.tensor_parallel_heartbeat_timeout_s "
-                f"({self.tensor_parallel_heartbeat_timeout_s}) must be shorter than "
-                f"tensor_parallel_timeout_s ({self.tensor_parallel_timeout_s}): a stopped rank "
-                "is named by its heartbeat, before the collective's own timeout"
-            )
 
-    def _check_device(self) -> None:
-        if self.kernels is not None:
-            self._one_of("kernels", KERNEL_CHOICES)
-        if self.cuda_graph_max_batch < 0:
-            raise ValueError(
-                "EngineConfig.cuda_graph_max_batch must be 0 (no CUDA graphs) or positive, "
-                f"got {self.cuda_graph_max_batch}"
-            )
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(
-                f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(
-                f"EngineConfig.device must be auto, cpu or cuda[:N], got {self.device!r}"
-            )
+    # --- the parts, by concern (config_parts.py) -----------------------------------
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig.of(self)
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig.of(self)
+
+    @property
+    def lora(self) -> LoRAConfig:
+        return LoRAConfig.of(self)
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig.of(self)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig.of(self)
+
+    @property
+    def load(self) -> LoadConfig:
+        return LoadConfig.of(self)
+
+    @property
+    def compute(self) -> KernelConfig:
+        return KernelConfig.of(self)
 
     @property
     def torch_device(self) -> torch.device:
