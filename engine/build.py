@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -24,7 +23,6 @@ from loramux.engine.executor import Devices, Executor, LocalExecutor
 from loramux.engine.lora.backend import KernelBackend, select_backend
 from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.lora.residency import AdapterResidency
-from loramux.engine.lora.source import AdapterDiskCache
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.memory.budget import kv_block_bytes
 from loramux.engine.memory.kv_cache import KVCacheManager
@@ -115,19 +113,18 @@ def _build_parts(
     loaded = _load_models(config, devices, backend)
     plan, arena, kv, pool = _memory(config, devices, loaded.model, backend, loaded.draft)
     metrics = metrics or EngineMetrics()
-    residency = _residency(config, loaded.config, pool, kv, metrics, plan, devices)
-    prefill_budget, scheduler = _scheduler(config, kv, residency)
-    executor = devices.executor(
-        LocalExecutor(
-            loaded.model,
-            kv_caches=arena.kv_caches,
-            block_size=config.block_size,
-            lora_weights=pool,
-            backend=backend,
-            sampler=Sampler(config.seed),
-            static_decode=_static_decode(config, devices, loaded.model, arena, pool, backend, plan),
-        )
+    residency = AdapterResidency(
+        loaded.config,
+        pool,
+        kv,
+        metrics,
+        config.lora,
+        dtype=config.torch_dtype,
+        pin_memory=devices.device.type == "cuda",
+        advice=plan.advice(),
     )
+    prefill_budget, scheduler = _scheduler(config, kv, residency)
+    executor = _executor(config, devices, loaded.model, arena, pool, backend, plan)
     speculator = _speculator(config, loaded, backend, plan)
     grammars = _grammars(config, loaded)
     observer = StepObserver(
@@ -308,6 +305,20 @@ def _runs_static_decode(config: EngineConfig, backend: KernelBackend) -> bool:
     )
 
 
+def _executor(config, devices, model, arena, pool, backend, plan: MemoryPlan) -> Executor:
+    """The executor over this device's model, arena and pool (over the ranks, theirs too)."""
+    local = LocalExecutor(
+        model,
+        kv_caches=arena.kv_caches,
+        block_size=config.block_size,
+        lora_weights=pool,
+        backend=backend,
+        sampler=Sampler(config.seed),
+        static_decode=_static_decode(config, devices, model, arena, pool, backend, plan),
+    )
+    return devices.executor(local)
+
+
 def _static_decode(config, devices, model, arena, pool, backend, plan: MemoryPlan):
     """Fixed buffers for decode-only steps (their graphs captured now on CUDA), or None."""
     if not plan.scratch_blocks:  # the plan keeps a scratch block only for them
@@ -323,27 +334,6 @@ def _static_decode(config, devices, model, arena, pool, backend, plan: MemoryPla
         max_rank=config.max_lora_rank,
         scratch_slot=arena.scratch_slot,
         capture=config.torch_device.type == "cuda",
-    )
-
-
-def _residency(config, model_config, pool, kv, metrics, plan, devices) -> AdapterResidency:
-    disk_cache = None
-    if config.adapter_disk_cache_dir is not None:
-        disk_cache = AdapterDiskCache(
-            Path(config.adapter_disk_cache_dir), config.adapter_disk_cache_bytes
-        )
-    return AdapterResidency(
-        model_config,
-        pool,
-        kv,
-        metrics,
-        dtype=config.torch_dtype,
-        max_rank=config.max_lora_rank,
-        host_bytes=config.adapter_host_bytes,
-        load_workers=config.adapter_load_workers,
-        pin_memory=devices.device.type == "cuda",
-        disk_cache=disk_cache,
-        advice=plan.advice(),
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from loramux.engine.config_parts import LoRAConfig
 from loramux.engine.errors import AdapterInUse, EngineError, UnknownAdapter
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
 from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
@@ -58,30 +59,31 @@ class AdapterResidency:
         pool: LoRAPool,
         kv: KVCacheManager,
         metrics: EngineMetrics,
+        lora: LoRAConfig,
         *,
         dtype: torch.dtype,
-        max_rank: int,
-        host_bytes: int,
-        load_workers: int,
-        pin_memory: bool,
-        disk_cache: AdapterDiskCache | None,
-        advice: str,
+        pin_memory: bool,  # host copies pinned, for asynchronous copies to a GPU
+        advice: str,  # what to change when adapters thrash (the memory plan's)
     ):
         self.pool, self.kv, self.metrics = pool, kv, metrics
-        self._model_config, self._dtype, self._max_rank = model_config, dtype, max_rank
+        self._model_config, self._dtype, self._max_rank = model_config, dtype, lora.max_lora_rank
         self.tiers = AdapterTiers(
             pool,
-            HostAdapterCache(host_bytes),
+            HostAdapterCache(lora.adapter_host_bytes),
             AdapterLoader(
                 model_config,
                 dtype=dtype,
-                max_rank=max_rank,
+                max_rank=lora.max_lora_rank,
                 pin_memory=pin_memory,
-                workers=load_workers,
+                workers=lora.adapter_load_workers,
             ),
             metrics,
         )
-        self._disk_cache = disk_cache
+        self._disk_cache = None  # sources with a content id cached on local disk
+        if lora.adapter_disk_cache_dir is not None:
+            self._disk_cache = AdapterDiskCache(
+                Path(lora.adapter_disk_cache_dir), lora.adapter_disk_cache_bytes
+            )
         self._adapter_ids = itertools.count(1)
         self._room: AdapterRoom | None = None
         # Evictions, re-loads and room waits watched; the thrash warning says what to do.
