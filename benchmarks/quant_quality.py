@@ -140,7 +140,11 @@ def measure(
     runs: dict[str, dict] = {}
     for mode in modes:
         started = time.monotonic()
-        fields = {"dtype": "float32", **(engine_fields or {}), **mode.engine}
+        # Prefill chunks by tokens alone (no time target): a quantized KV cache's error
+        # depends on how much of the context is read back from the cache, so the chunking
+        # must not follow the machine's load.
+        untimed = {"prefill_step_target_s": math.inf}
+        fields = {"dtype": "float32", **untimed, **(engine_fields or {}), **mode.engine}
         if mode.gguf:
             config = EngineConfig(model=str(gguf_model_dir), gguf_file=str(gguf_file), **fields)
         else:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,8 @@ class EngineConfig:
     # (prefill_budget.py), within max_num_batched_tokens: a long prompt then holds another
     # tenant's first token for a step or two, not for its whole prefill. None: the device's
     # default (DEFAULT_CPU_STEP_TARGET_S on the CPU; on CUDA no time target, the token
-    # budget alone).
+    # budget alone). Infinity: no time target on any device (steps sized by tokens alone,
+    # whatever the machine's load: reproducible chunking, for measurements).
     prefill_step_target_s: float | None = None
     # Threads of torch's CPU ops (intra-op). None: OMP_NUM_THREADS if set, else every core
     # this process may run on (its CPU affinity and cgroup quota; compute_threads.py). The
@@ -192,7 +194,7 @@ class EngineConfig:
     def step_target_s(self) -> float | None:
         """The prefill step target in force (``prefill_step_target_s`` or the device's)."""
         if self.prefill_step_target_s is not None:
-            return self.prefill_step_target_s
+            return None if math.isinf(self.prefill_step_target_s) else self.prefill_step_target_s
         return DEFAULT_CPU_STEP_TARGET_S if self.torch_device.type == "cpu" else None
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from loramux.engine import Engine, EngineConfig
 from loramux.engine.model.config import ModelConfig
 
@@ -23,9 +25,9 @@ PROMPTS = [
 TEST_PROPOSAL_COST = 0.1
 
 
-# A prefill step target no step reaches: the prompt budget is max_num_batched_tokens after the
-# first step, whatever the machine's load, for tests whose scheduling must not depend on time.
-UNTIMED_PREFILL_S = 1e9
+# No prefill step target: the prompt budget is max_num_batched_tokens, whatever the machine's
+# load, for tests whose scheduling must not depend on time.
+UNTIMED_PREFILL_S = math.inf
 
 
 def build_engine(

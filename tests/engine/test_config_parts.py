@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -44,3 +45,11 @@ def test_a_part_is_checked_on_its_own_with_the_configs_field_names():
     # Through EngineConfig, the same part's check.
     with pytest.raises(ValueError, match=r"EngineConfig\.kernels must be one of"):
         EngineConfig(model="m", kernels="cuda")
+
+
+def test_an_infinite_prefill_target_is_no_time_target_on_any_device():
+    assert EngineConfig(model="m", device="cpu").step_target_s == 0.12
+    assert (
+        EngineConfig(model="m", device="cpu", prefill_step_target_s=math.inf).step_target_s is None
+    )
+    assert EngineConfig(model="m", device="cpu", prefill_step_target_s=0.5).step_target_s == 0.5
