@@ -26,11 +26,11 @@ from loramux.engine.lora.residency import AdapterResidency
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.memory.budget import kv_block_bytes
 from loramux.engine.memory.kv_cache import KVCacheManager
-from loramux.engine.memory.plan import MemoryPlan, plan_memory
+from loramux.engine.memory.plan import MemoryPlan, plan_memory, requested_context
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
-from loramux.engine.model.loader import load_model
+from loramux.engine.model.loader import load_engine_model, load_model
 from loramux.engine.model.quantized import describe_weights
 from loramux.engine.observer import StepObserver
 from loramux.engine.parallel.ranks import start_devices
@@ -66,8 +66,7 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     grammars: Grammars
     draft_model: LlamaForCausalLM | None
-    memory_plan: MemoryPlan
-    max_model_len: int
+    memory_plan: MemoryPlan  # the context limit too (Engine.max_model_len)
     arena: DeviceArena
     kv: KVCacheManager
     lora_pool: LoRAPool
@@ -132,7 +131,6 @@ def _build_parts(
         scheduler,
         kv,
         residency,
-        arena,
         plan,
         grammars,
         speculator,
@@ -163,7 +161,6 @@ def _build_parts(
         grammars=grammars,
         draft_model=loaded.draft,
         memory_plan=plan,
-        max_model_len=plan.max_model_len,
         arena=arena,
         kv=kv,
         lora_pool=pool,
@@ -259,17 +256,9 @@ def _scheduler(
 def _load_models(config: EngineConfig, devices: Devices, backend: KernelBackend) -> _Model:
     """The model (this device's share, joined to the others'), its tokenizer and end
     tokens, and the draft model, checked against it."""
-    model = load_model(
-        config.model,
-        dtype=config.torch_dtype,
-        device=devices.device,
-        load_format=config.load_format,
-        seed=config.seed,
-        quantization=config.quantization,
-        group_size=config.quantization_group_size,
-        gguf_file=config.gguf_file,
-        quant_op=backend.quant_linear,  # the backend's kernels run the quantized matmuls
-        shard=devices.shard,
+    # The backend's kernels run the quantized matmuls.
+    model = load_engine_model(
+        config, devices.device, shard=devices.shard, quant_op=backend.quant_linear
     )
     whole = model.config if devices.shard is None else devices.shard.config
     devices.join(model)
@@ -286,11 +275,8 @@ def _load_models(config: EngineConfig, devices: Devices, backend: KernelBackend)
             load_format=config.load_format,
             seed=config.seed + 1,
         )
-        # The context limit before the memory plan caps it: the draft must cover it.
-        max_len = whole.max_position_embeddings
-        max_len = min(config.max_model_len or max_len, max_len)
-        try:
-            check_draft_model(draft, model, max_len)
+        try:  # the draft must cover the context asked for, before the plan caps it
+            check_draft_model(draft, model, requested_context(config, whole))
         except DraftModelError as exc:
             raise EngineError(f"draft model {config.draft_model}: {exc}") from None
     return _Model(model, whole, tokenizer, eos, draft)

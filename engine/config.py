@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.config_parts import (
+    DTYPES,
     LOAD_FORMATS,
     PARTS,
     QUANTIZATIONS,
@@ -23,12 +24,6 @@ from loramux.engine.config_parts import (
 )
 from loramux.kernels.quant_linear import INT4_GROUP_SIZES
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 # A CPU step that prefills lasts about this long by default: another tenant's request that
 # arrives during one waits for its end and then one more such step, so its first token
 # comes within about 1.5 of these on average (benchmarks/results/bench_prefill-flood.md).
@@ -200,5 +195,5 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is not None:
-            return _DTYPES[self.dtype]
+            return DTYPES[self.dtype]
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32

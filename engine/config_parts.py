@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from loramux.kernels.dispatch import KERNEL_CHOICES
 from loramux.kernels.kv_quant import KV_CACHE_DTYPES
 from loramux.kernels.quant_linear import INT4_GROUP_SIZES
@@ -20,7 +22,12 @@ from loramux.kernels.quant_linear import INT4_GROUP_SIZES
 LOAD_FORMATS = ("safetensors", "random")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 QUANTIZATIONS = ("none", "int8", "int4")  # what each packs: model/quantized.py
-DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPES = {  # EngineConfig.dtype -> the torch dtype
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 class _Part:

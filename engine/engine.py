@@ -51,9 +51,18 @@ class Engine:
         # The parts (build.EngineParts) are the engine's attributes: engine.kv, .scheduler, ...
         for part in dataclasses.fields(parts):
             setattr(self, part.name, getattr(parts, part.name))
-        self.tiers = self.residency.tiers
         self._requests: dict[str, Sequence] = {}
         self._request_ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit (prompt and output), as the memory plan capped it."""
+        return self.memory_plan.max_model_len
+
+    @property
+    def tiers(self):
+        """The adapter tiers (``lora/tiers.py``), which residency owns."""
+        return self.residency.tiers
 
     # --- adapters ------------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path) -> LoRARequest:
@@ -76,7 +85,7 @@ class Engine:
     def remove_adapter(self, name: str) -> None:
         """Unregister ``name``, freeing its device rows and host memory."""
         request = self.residency.get(name)
-        users = sum(1 for s in self._requests.values() if request is not None and s.lora == request)
+        users = 0 if request is None else sum(s.lora == request for s in self._requests.values())
         self.residency.remove(name, users)
 
     def close(self) -> None:

@@ -15,7 +15,6 @@ import time
 
 from loramux.engine.executor import Sampled
 from loramux.engine.lora.residency import AdapterResidency
-from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.memory.plan import MemoryPlan
 from loramux.engine.metrics import EngineMetrics
@@ -43,7 +42,6 @@ class StepObserver:
         scheduler: Scheduler,
         kv: KVCacheManager,
         residency: AdapterResidency,
-        arena: DeviceArena,
         memory_plan: MemoryPlan,
         grammars: Grammars,
         speculator: Speculator | None,
@@ -52,7 +50,7 @@ class StepObserver:
         num_speculative_tokens: int,
     ):
         self.metrics, self.scheduler, self.kv = metrics, scheduler, kv
-        self.residency, self.arena, self.memory_plan = residency, arena, memory_plan
+        self.residency, self.memory_plan = residency, memory_plan
         self.grammars, self.speculator = grammars, speculator
         self._speculative = (speculative_method, num_speculative_tokens)
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
@@ -150,7 +148,7 @@ class StepObserver:
     def stats(self) -> EngineStats:
         """What the engine is doing now: load, KV cache, adapter tiers, recent latency."""
         scheduler, kv, residency = self.scheduler, self.kv, self.residency
-        device, host = tier_stats(residency.tiers, self.arena.bytes_per_row)
+        device, host = tier_stats(residency.tiers, self.memory_plan.adapter_row_bytes)
         ttft, itl = self.latencies.snapshot()
         method, num_tokens = self._speculative
         return EngineStats(

@@ -54,9 +54,9 @@ class RequestFactory:
         priority: int,
         tenant: str | None,
     ) -> Sequence:
-        """The request's sequence; ``EngineError`` naming the problem, with nothing made."""
-        if not isinstance(params, SamplingParams):
-            raise EngineError("params must be a SamplingParams")
+        """The request's sequence; ``EngineError`` naming the problem, with nothing made.
+        (``Engine.add_request`` has checked the id, that ``params`` is a SamplingParams
+        and the adapter's name.)"""
         vocab = self.vocab_size
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:  # the sampler would fail on them mid-step (min_tokens suppression)

@@ -112,6 +112,13 @@ class MemoryPlan:
         return [budget, holds]
 
 
+def requested_context(config: EngineConfig, model: ModelConfig) -> int:
+    """The context limit asked for (``max_model_len``, else the model's), never above the
+    model's positions; the plan caps it further so that KV's floor leaves room."""
+    positions = model.max_position_embeddings
+    return min(config.max_model_len or positions, positions)
+
+
 def plan_memory(
     config: EngineConfig,
     model: ModelConfig,
@@ -154,8 +161,7 @@ def plan_memory(
             )
     reserve = min(config.max_lora_rank, rows // 2, rows if max_rows is None else max_rows)
     kv_room = max(1, layout.kv_limit_for(rows - reserve))
-    wanted = config.max_model_len or model.max_position_embeddings
-    max_model_len = min(wanted, model.max_position_embeddings, kv_room * block_size)
+    max_model_len = min(requested_context(config, model), kv_room * block_size)
     kv_floor = -(-max_model_len // block_size)
     capacity = rows - layout.first_row_for(kv_floor)
     if max_rows is not None:

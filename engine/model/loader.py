@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from loramux.engine.config import LOAD_FORMATS, QUANTIZATIONS
+from loramux.engine.config import LOAD_FORMATS, QUANTIZATIONS, EngineConfig
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.quantized import (
@@ -125,6 +125,29 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     return model
+
+
+def load_engine_model(
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    shard: ShardPlan | None = None,
+    quant_op: QuantLinearOp | None = None,
+) -> LlamaForCausalLM:
+    """``config``'s model on ``device`` (this rank's ``shard`` of it): its weights' format,
+    dtype, seed, quantization and GGUF file as the config says (``load_model``)."""
+    return load_model(
+        config.model,
+        dtype=config.torch_dtype,
+        device=device,
+        load_format=config.load_format,
+        seed=config.seed,
+        quantization=config.quantization,
+        group_size=config.quantization_group_size,
+        gguf_file=config.gguf_file,
+        quant_op=quant_op,
+        shard=shard,
+    )
 
 
 def _check_load(load_format, quantization, gguf_file, quant_op, shard) -> None:

@@ -22,7 +22,7 @@ from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward
 from loramux.engine.lora.backend import select_backend
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.loader import load_model
+from loramux.engine.model.loader import load_engine_model
 from loramux.engine.parallel.commands import Command
 from loramux.engine.parallel.group import GroupAddress, TensorParallelGroup
 from loramux.engine.parallel.heartbeat import beat_interval_s, start_heartbeat
@@ -48,14 +48,7 @@ class RankWorker:
         self.device, self.dtype = group.device, config.torch_dtype
         self.plan = ShardPlan(ModelConfig.from_pretrained(config.model), group.world_size, rank)
         self.backend = select_backend(self.device, self.dtype, config.kernels)
-        self.model = load_model(
-            config.model,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=config.load_format,
-            seed=config.seed,
-            shard=self.plan,
-        )
+        self.model = load_engine_model(config, self.device, shard=self.plan)
         self.model.join(group, self.plan.vocab_start, self.plan.config.vocab_size)
         self.arena: DeviceArena | None = None
         self.static_decode: StaticDecode | None = None
