@@ -15,6 +15,13 @@ folder as its tokenizer and runs offline (no hub).
 Every request must succeed (none errored or incomplete), and the tokens GuideLLM counted,
 request by request (matched by the response id, which is loramux's request id), must equal
 loramux's own usage records, as the operator's usage export reports them.
+
+GuideLLM 0.8.1 can stall inside its own multiprocess scheduler: in CI one run stopped
+logging after 3 of its 4 requests and wrote no report until the 600 s deadline killed it.
+A run that has written no report ``STALL_S`` after loramux finished (and billed) every one
+of its requests is such a stall: loramux did its part, which is checked there (each of
+those requests billed once, at its full output), and the run is started again once under a
+new ``user``. A run whose requests loramux never finished is still a failure.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +50,8 @@ STREAMS = 2  # each run's concurrency
 PROMPT_TOKENS = 32  # of synthetic text, before any chat template
 OUTPUT_TOKENS = 16
 RUNS_TIMEOUT_S = 600.0
+STALL_S = 90.0  # no report this long after loramux billed all of a run's requests: stalled
+ATTEMPTS = 2  # per request format
 EXIT_GRACE_S = 30.0  # how long a run may take to exit once its report is complete
 HEALTH_PROBE = '"GET /health HTTP/1.1" 200'  # uvicorn's access log line
 OFFLINE = {
@@ -59,13 +68,14 @@ class GuideLLMRun:
 
     request_format: str
     folder: Path
+    attempt: int = 1
     process: subprocess.Popen | None = None
     hung_at_exit: bool = False  # killed after writing a complete report (``wait``)
 
     @property
     def user(self) -> str:
         """The ``user`` its requests carry, which loramux stores on their usage records."""
-        return "guidellm" + self.request_format.replace("/", "-")
+        return f"guidellm{self.request_format.replace('/', '-')}-{self.attempt}"
 
     def start(self, serve: ServeProcess, key: str, tokenizer_dir: Path) -> None:
         options = {
@@ -109,24 +119,34 @@ class GuideLLMRun:
                 stderr=subprocess.STDOUT,
             )
 
-    def wait(self, deadline: float) -> None:
+    def wait(self, deadline: float, served: Callable[[str], int]) -> bool:
         """Until it exits, or ``EXIT_GRACE_S`` after its report is complete: GuideLLM 0.8.1
         can hang at its own shutdown after writing the report (seen in CI on a loaded
         machine: the report complete, a ``resource_tracker`` warning about leaked
         semaphores, then no exit until the test's 600 s deadline killed it). What it
         measured is in the report either way, so such a run is killed and marked, and its
-        report is read like any other; an exit with an error is still a failure."""
-        reported_at = None
+        report is read like any other; an exit with an error is still a failure.
+
+        Returns False when it stalled before any report: ``STALL_S`` after ``served``
+        (loramux's count of this run's finished requests) reached ``REQUESTS``."""
+        reported_at = all_served_at = None
         while self.process.poll() is None and time.monotonic() < deadline:
+            now = time.monotonic()
             if reported_at is None and self.report_complete():
-                reported_at = time.monotonic()
-            if reported_at is not None and time.monotonic() - reported_at > EXIT_GRACE_S:
+                reported_at = now
+            if reported_at is not None and now - reported_at > EXIT_GRACE_S:
                 self.hung_at_exit = True
                 break
+            if reported_at is None and all_served_at is None and served(self.user) >= REQUESTS:
+                all_served_at = now
+            if reported_at is None and all_served_at is not None and now - all_served_at > STALL_S:
+                break
             time.sleep(0.5)
+        stalled = self.process.poll() is None and not self.hung_at_exit
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        return not (stalled and all_served_at is not None)
 
     def report_complete(self) -> bool:
         try:
@@ -155,6 +175,7 @@ class Load:
     runs: dict[str, GuideLLMRun]
     usage: dict[str, dict]
     health_probes: int
+    stalled_users: list[str]  # of runs GuideLLM stalled in after loramux served them all
 
 
 def usage_rows(serve: ServeProcess) -> dict[str, dict]:
@@ -178,23 +199,39 @@ def load(tmp_path_factory, smollm2_dir, make_adapter) -> Iterator[Load]:
     root = tmp_path_factory.mktemp("guidellm")
     with serve_with_adapter(root, smollm2_dir, adapter_dir, ADAPTER) as (serve, key):
         before, probes_before = usage_rows(serve), health_probes(serve)
-        runs = {}
+        runs, stalled = {}, []
+
+        def start(request_format: str, attempt: int) -> None:
+            folder = root / request_format.strip("/").replace("/", "-") / f"attempt-{attempt}"
+            folder.mkdir(parents=True)
+            runs[request_format] = run = GuideLLMRun(request_format, folder, attempt)
+            run.start(serve, key, smollm2_dir)
+
+        def served(user: str) -> int:
+            return sum(row["user"] == user for row in usage_rows(serve).values())
+
         try:
             for request_format in REQUEST_FORMATS:
-                folder = root / request_format.strip("/").replace("/", "-")
-                folder.mkdir()
-                runs[request_format] = run = GuideLLMRun(request_format, folder)
-                run.start(serve, key, smollm2_dir)
+                start(request_format, 1)
             deadline = time.monotonic() + RUNS_TIMEOUT_S
-            for run in runs.values():
-                run.wait(deadline)
+            for request_format in REQUEST_FORMATS:
+                while not runs[request_format].wait(deadline, served):
+                    run = runs[request_format]
+                    stalled.append(run.user)
+                    print(
+                        f"GuideLLM {request_format} (attempt {run.attempt}) stalled "
+                        f"{STALL_S:.0f} s after loramux served its {REQUESTS} requests; "
+                        f"its last output:\n{run.output()[-2000:]}"
+                    )
+                    assert run.attempt < ATTEMPTS, "GuideLLM stalled on every attempt"
+                    start(request_format, run.attempt + 1)
         finally:
             for run in runs.values():
                 if run.process is not None and run.process.poll() is None:
                     run.process.kill()
                     run.process.wait()
         added = {rid: row for rid, row in usage_rows(serve).items() if rid not in before}
-        yield Load(runs, added, health_probes(serve) - probes_before)
+        yield Load(runs, added, health_probes(serve) - probes_before, stalled)
 
 
 def test_guidellm_validates_loramux_on_health_as_it_does_vllm(load):
@@ -255,4 +292,11 @@ def test_every_request_loramux_billed_during_the_load_is_one_guidellm_counted(lo
         [benchmark] = run.report()["benchmarks"]
         for status in ("successful", "errored", "incomplete"):
             counted |= {r["response_id"] for r in benchmark["requests"][status]}
+    # A stalled GuideLLM run reported nothing; loramux served each of its requests once,
+    # in full (its count reached REQUESTS before the stall was called).
+    for user in load.stalled_users:
+        rows = [row for row in load.usage.values() if row["user"] == user]
+        assert len(rows) == REQUESTS, rows
+        assert all(row["completion_tokens"] == OUTPUT_TOKENS for row in rows), rows
+        counted |= {row["request_id"] for row in rows}
     assert set(load.usage) == counted
