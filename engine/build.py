@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
+from loramux.engine.clock import Clock
 from loramux.engine.compute_threads import ThreadChoice, ThreadGovernor, apply_compute_threads
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import EngineError
@@ -30,7 +31,7 @@ from loramux.engine.memory.plan import MemoryPlan, plan_memory, requested_contex
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
-from loramux.engine.model.loader import load_engine_model, load_model
+from loramux.engine.model.loader import load_model
 from loramux.engine.model.quantized import describe_weights
 from loramux.engine.observer import StepObserver
 from loramux.engine.parallel.ranks import start_devices
@@ -56,7 +57,8 @@ logger = logging.getLogger("loramux.engine.engine")  # the start lines are the e
 class EngineParts:
     """The engine's owners and what they share; ``Engine`` holds each as an attribute."""
 
-    devices: Devices  # one device, or the ranks of a sharded model
+    devices: Devices  # one device, the ranks of a sharded model, or a simulated device
+    clock: Clock  # the wall clock, or in simulation the simulated one
     threads: ThreadChoice
     governor: ThreadGovernor | None  # one CPU process: threads follow the free cores
     backend: KernelBackend  # the kernels (Triton or torch), chosen once
@@ -91,11 +93,14 @@ class _Model:
     draft: LlamaForCausalLM | None
 
 
-def build_parts(config: EngineConfig, metrics: EngineMetrics | None) -> EngineParts:
+def build_parts(
+    config: EngineConfig, metrics: EngineMetrics | None, devices: Devices | None = None
+) -> EngineParts:
     """Every part of an engine of ``config`` (see the module doc). Where it runs is chosen
     here, once: one device, or the ranks of a sharded model (``engine/parallel``), whose
-    other ranks start now and load their shards meanwhile."""
-    devices = start_devices(config)
+    other ranks start now and load their shards meanwhile; or the ``devices`` given (a
+    simulated device, ``engine/simulation``)."""
+    devices = start_devices(config) if devices is None else devices
     try:
         return _build_parts(config, devices, metrics)
     except BaseException:  # a refused setting, a budget too small: no ranks left behind
@@ -136,6 +141,7 @@ def _build_parts(
         speculator,
         speculative_method=config.speculative_method,
         num_speculative_tokens=config.num_speculative_tokens,
+        clock=devices.clock,
     )
     requests = RequestFactory(
         tokenizer=loaded.tokenizer,
@@ -145,12 +151,14 @@ def _build_parts(
         device=config.torch_device,
         grammars=grammars,
         speculator=speculator,
+        clock=devices.clock,
     )
     threads, governor = _governed(threads, devices, metrics)
     _log_start(config, loaded.model, threads, plan, grammars)
     step_interrupt = StepInterrupt()
     return EngineParts(
         devices=devices,
+        clock=devices.clock,
         threads=threads,
         governor=governor,
         backend=backend,
@@ -174,7 +182,7 @@ def _build_parts(
         observer=observer,
         requests=requests,
         execution=StepExecution(
-            executor, kv, pool, step_interrupt, prefill_budget, speculator, metrics
+            executor, kv, pool, step_interrupt, prefill_budget, speculator, metrics, devices.clock
         ),
     )
 
@@ -257,11 +265,8 @@ def _load_models(config: EngineConfig, devices: Devices, backend: KernelBackend)
     """The model (this device's share, joined to the others'), its tokenizer and end
     tokens, and the draft model, checked against it."""
     # The backend's kernels run the quantized matmuls.
-    model = load_engine_model(
-        config, devices.device, shard=devices.shard, quant_op=backend.quant_linear
-    )
+    model = devices.load_model(config, quant_op=backend.quant_linear)
     whole = model.config if devices.shard is None else devices.shard.config
-    devices.join(model)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     eos = frozenset(whole.eos_token_ids) | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -293,16 +298,19 @@ def _runs_static_decode(config: EngineConfig, backend: KernelBackend) -> bool:
 
 def _executor(config, devices, model, arena, pool, backend, plan: MemoryPlan) -> Executor:
     """The executor over this device's model, arena and pool (over the ranks, theirs too)."""
-    local = LocalExecutor(
-        model,
-        kv_caches=arena.kv_caches,
-        block_size=config.block_size,
-        lora_weights=pool,
-        backend=backend,
-        sampler=Sampler(config.seed),
-        static_decode=_static_decode(config, devices, model, arena, pool, backend, plan),
-    )
-    return devices.executor(local)
+
+    def local() -> LocalExecutor:  # built only where the model runs (not in simulation)
+        return LocalExecutor(
+            model,
+            kv_caches=arena.kv_caches,
+            block_size=config.block_size,
+            lora_weights=pool,
+            backend=backend,
+            sampler=Sampler(config.seed),
+            static_decode=_static_decode(config, devices, model, arena, pool, backend, plan),
+        )
+
+    return devices.executor(local, pool)
 
 
 def _static_decode(config, devices, model, arena, pool, backend, plan: MemoryPlan):

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from loramux.engine.build import build_parts
 from loramux.engine.config import EngineConfig
 from loramux.engine.errors import EngineError, UnknownAdapter
+from loramux.engine.executor import Devices
 from loramux.engine.lora.adapter import LoRARequest
 from loramux.engine.lora.source import AdapterSource
 from loramux.engine.metrics import EngineMetrics
@@ -45,9 +45,17 @@ from loramux.engine.structured import CompiledGrammar, StructuredSpec
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, metrics: EngineMetrics | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        metrics: EngineMetrics | None = None,
+        devices: Devices | None = None,
+    ):
+        """``devices``: where it runs, when not where ``config`` says (a simulated GPU:
+        ``engine/simulation/devices.simulated_engine``)."""
         self.config = config
-        parts = build_parts(config, metrics)
+        parts = build_parts(config, metrics, devices)
         # The parts (build.EngineParts) are the engine's attributes: engine.kv, .scheduler, ...
         for part in dataclasses.fields(parts):
             setattr(self, part.name, getattr(parts, part.name))
@@ -206,7 +214,7 @@ class Engine:
         if plan.is_empty:
             self.observer.update_gauges()
             if not outputs:  # nothing can run until a load finishes: wait for one, briefly
-                residency.wait_for_load(timeout=0.01)
+                self.clock.idle(residency.wait_for_load, 0.01)
             return outputs
         step = self.execution.run(plan)
         if step is not None:
@@ -219,7 +227,7 @@ class Engine:
         """The step's tokens appended (the scheduler's update), observed and handed out."""
         sampled = step.run.sampled
         self.observer.observe_served(plan, sampled)
-        updates = self.scheduler.update(plan, sampled, time.monotonic(), step.prompt_logprobs)
+        updates = self.scheduler.update(plan, sampled, self.clock.now(), step.prompt_logprobs)
         outputs = []
         for seq, text, new_ids in updates:
             # A prompt-only request finishes with no token: nothing generated to observe.

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
+from loramux.engine.clock import Clock
 from loramux.engine.executor import Sampled
 from loramux.engine.lora.residency import AdapterResidency
 from loramux.engine.memory.kv_cache import KVCacheManager
@@ -48,11 +48,13 @@ class StepObserver:
         *,
         speculative_method: str,
         num_speculative_tokens: int,
+        clock: Clock,
     ):
         self.metrics, self.scheduler, self.kv = metrics, scheduler, kv
         self.residency, self.memory_plan = residency, memory_plan
         self.grammars, self.speculator = grammars, speculator
         self._speculative = (speculative_method, num_speculative_tokens)
+        self.clock = clock
         self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
         self.tenant_share = TenantShare()  # tokens served per tenant, as steps serve them
         self.tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
@@ -70,7 +72,7 @@ class StepObserver:
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
         self.residency.observe(self.scheduler.num_preemptions)
-        now = time.monotonic()
+        now = self.clock.now()
         for item in plan.scheduled:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
@@ -133,7 +135,7 @@ class StepObserver:
         # Per-tenant gauges walk every sequence and every tenant ever seen: at most once a
         # second while there is work (a scrape reads them far less often), and once more
         # when the engine goes idle, so they never stay at a busy value.
-        now = time.monotonic()
+        now = self.clock.now()
         if now - self._tenant_gauges_at >= TENANT_GAUGES_EVERY_S or not scheduler.has_work():
             self._tenant_gauges_at = now
             self.metrics.set_tenants(self._tenant_stats())

@@ -7,10 +7,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from loramux.engine.clock import Clock, WallClock
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.errors import EngineError
 from loramux.engine.lora.adapter import LoRARequest
@@ -43,6 +44,7 @@ class RequestFactory:
     device: torch.device  # where a seeded request's generator lives
     grammars: Grammars
     speculator: Speculator | None
+    clock: Clock = field(default_factory=WallClock)  # arrival and finish times
 
     def make(
         self,
@@ -93,6 +95,7 @@ class RequestFactory:
             generator=generator,
             grammar=grammar,
             speculation=speculation,
+            clock=self.clock.now,
         )
 
     def compile_structured(

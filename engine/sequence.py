@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,7 @@ class Sequence:
         grammar: GrammarMatcher | None = None,
         speculation: RequestSpeculation | None = None,
         arrival_time: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -135,8 +137,9 @@ class Sequence:
             frozenset() if keeps_eos else eos_token_ids
         )
         self._max_model_len = max_model_len
+        self._clock = clock  # the engine's (simulated time in simulation)
         self.metrics = RequestMetrics(
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_time=clock() if arrival_time is None else arrival_time,
             prompt_tokens=len(prompt_token_ids),
         )
 
@@ -257,7 +260,7 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        self.metrics.finished_time = time.monotonic()
+        self.metrics.finished_time = self._clock()
 
     @property
     def output_text(self) -> str:

@@ -9,9 +9,9 @@ time to the prefill budget (``prefill_budget.py``) and to speculation's cost mod
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
+from loramux.engine.clock import Clock
 from loramux.engine.executor import Executor, NonFiniteOutput, PromptLogprobs
 from loramux.engine.isolation import IsolatedStep, run_isolated
 from loramux.engine.lora.pool import LoRAPool
@@ -43,16 +43,18 @@ class StepExecution:
         prefill_budget: PrefillBudget,
         speculator: Speculator | None,
         metrics: EngineMetrics,
+        clock: Clock,
     ):
         self.executor, self.kv, self.pool = executor, kv, pool
         self.interrupt, self.prefill_budget = interrupt, prefill_budget
         self.speculator, self.metrics = speculator, metrics
+        self.clock = clock  # a step's seconds feed the prefill budget: simulated ones in simulation
 
     def run(self, plan: SchedulerOutput) -> ExecutedStep | None:
         """The plan's results; None when a higher-priority arrival cut it short."""
         self.interrupt.begin(max(item.seq.priority for item in plan.scheduled))
         prompt_logprobs: PromptLogprobs = {}
-        started = time.perf_counter()
+        started = self.clock.now()
         try:
             run = run_isolated(self._execute_interruptible(prompt_logprobs), plan)
         except StepInterrupted:
@@ -61,7 +63,7 @@ class StepExecution:
         finally:
             self.interrupt.end()
         if not run.reruns:
-            seconds = time.perf_counter() - started
+            seconds = self.clock.now() - started
             decodes = plan.num_batched_tokens - plan.num_prompt_tokens
             self.prefill_budget.observe(plan.num_prompt_tokens, decodes, seconds)
             if self.speculator is not None:

@@ -19,7 +19,10 @@ from loramux.engine.step_batch import StepBatch
 if TYPE_CHECKING:
     import torch
 
+    from loramux.engine.clock import Clock
+    from loramux.engine.config import EngineConfig
     from loramux.engine.executor.local import LocalExecutor
+    from loramux.engine.lora.pool import LoRAPool
     from loramux.engine.memory.arena import AdapterRows, DeviceArena
     from loramux.engine.model.llama import LlamaForCausalLM
     from loramux.engine.parallel.shard import ShardPlan
@@ -87,18 +90,21 @@ class Executor(Protocol):
 
 
 class Devices(Protocol):
-    """Where the engine runs: one device (``local.OneDevice``), or the ranks of a sharded
-    model (``engine/parallel/ranks.EngineRanks``). Chosen once, where the engine is built,
-    it builds the device side the engine's owners use, each part doing on every device
-    what the engine asks of one."""
+    """Where the engine runs: one device (``local.OneDevice``), the ranks of a sharded
+    model (``engine/parallel/ranks.EngineRanks``), or a simulated GPU
+    (``engine/simulation/devices.SimulatedDevice``). Chosen once, where the engine is
+    built, it builds the device side the engine's owners use, each part doing on every
+    device what the engine asks of one."""
 
-    device: torch.device  # this process's
+    device: torch.device  # this process's (where the engine's own tensors live)
+    clock: Clock  # the time the engine records and decides by
     shard: ShardPlan | None  # this process's part of the model (None: all of it)
     compute_threads: int | None  # this process's CPU threads (None: the machine's default)
     governs_threads: bool  # whether the threads follow the cores other processes leave
 
-    def join(self, model: LlamaForCausalLM) -> None:
-        """Join this process's shard of ``model`` to the others' (their collectives)."""
+    def load_model(self, config: EngineConfig, *, quant_op) -> LlamaForCausalLM:
+        """``config``'s model as this process holds it (its shard, joined to the others'
+        collectives; in simulation its geometry alone)."""
         ...
 
     def close(self) -> None:
@@ -117,6 +123,7 @@ class Devices(Protocol):
         """The static decode path (``StaticDecode``'s arguments)."""
         ...
 
-    def executor(self, local: LocalExecutor) -> Executor:
-        """The executor the engine runs its steps with, over ``local``, this device's."""
+    def executor(self, local: Callable[[], LocalExecutor], pool: LoRAPool) -> Executor:
+        """The executor the engine runs its steps with: over ``local()``, this device's
+        (a simulated device builds none and reads the adapters' ranks from ``pool``)."""
         ...

@@ -49,11 +49,15 @@ from collections.abc import Callable
 
 import torch
 
+from loramux.engine.clock import WallClock
+from loramux.engine.config import EngineConfig
 from loramux.engine.executor.base import NonFiniteOutput, PromptLogprobs, StepResult
 from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
 from loramux.engine.lora.backend import KernelBackend
+from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
+from loramux.engine.model.loader import load_engine_model
 from loramux.engine.sampler import Sampler, TokenLogprobs, logprobs_of
 from loramux.engine.static_decode import StaticDecode
 from loramux.engine.step_batch import PromptRows, SamplingRows, StepBatch
@@ -196,12 +200,14 @@ class OneDevice:
 
     def __init__(self, device: torch.device, compute_threads: int | None):
         self.device = device
+        self.clock = WallClock()
         self.compute_threads = compute_threads
         # On one CPU process, the threads follow the cores other processes leave free.
         self.governs_threads = device.type == "cpu"
 
-    def join(self, model: LlamaForCausalLM) -> None:
-        """Nothing to join: the model is whole here."""
+    def load_model(self, config: EngineConfig, *, quant_op) -> LlamaForCausalLM:
+        """The whole model (nothing to join)."""
+        return load_engine_model(config, self.device, quant_op=quant_op)
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -215,5 +221,5 @@ class OneDevice:
     def static_decode(self, *args, capture: bool, **kwargs) -> StaticDecode:
         return StaticDecode(*args, capture=capture, **kwargs)
 
-    def executor(self, local: LocalExecutor) -> LocalExecutor:
-        return local
+    def executor(self, local: Callable[[], LocalExecutor], pool: LoRAPool) -> LocalExecutor:
+        return local()

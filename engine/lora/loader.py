@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.lora.adapter import AdapterError, LoRAWeights, ModuleWeights, load_adapter
+from loramux.engine.lora.adapter import AdapterError, LoRAWeights, ModuleWeights
 from loramux.engine.lora.source import AdapterFetchError, AdapterSource
 from loramux.engine.model.config import ModelConfig
 
@@ -38,6 +38,13 @@ class LoadResult:
     weights: LoRAWeights | None  # on the CPU (pinned if pin_memory); None on failure
     error: str | None  # why it failed, naming the adapter's source and the cause
     seconds: float  # fetch + parse wall time
+
+
+@dataclass(frozen=True)
+class LoaderActivity:
+    workers: int  # threads started
+    busy: int  # loading a job now
+    queued: int  # jobs no thread has taken yet
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class AdapterLoader:
         self._results: list[LoadResult] = []
         self._pending: set[int] = set()  # queued or in flight
         self._threads: list[threading.Thread] = []
+        self._busy = 0  # workers between taking a job and handing its result over
         self._closed = False
 
     def submit(self, adapter_id: int, source: AdapterSource, *, name: str) -> bool:
@@ -113,6 +121,11 @@ class AdapterLoader:
         with self._cond:
             return set(self._pending)
 
+    def activity(self) -> LoaderActivity:
+        """What the threads are doing now (a simulated clock waits for them to settle)."""
+        with self._cond:
+            return LoaderActivity(len(self._threads), self._busy, len(self._jobs))
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads; queued work is dropped and unpolled results discarded."""
         with self._cond:
@@ -133,8 +146,10 @@ class AdapterLoader:
                 if self._closed:
                     return
                 job = self._jobs.popleft()
+                self._busy += 1
             result = self._load(job)
             with self._cond:
+                self._busy -= 1
                 if self._closed:
                     return
                 self._results.append(result)
@@ -144,15 +159,9 @@ class AdapterLoader:
         start = time.perf_counter()
         weights, error = None, None
         try:
-            with job.source.materialize() as folder:
-                weights = load_adapter(
-                    folder,
-                    self._config,
-                    name=job.name,
-                    max_rank=self._max_rank,
-                    dtype=self._dtype,
-                    device="cpu",
-                )
+            weights = job.source.load(
+                self._config, name=job.name, max_rank=self._max_rank, dtype=self._dtype
+            )
             if self._pin_memory:
                 weights = _pinned(weights)
         except AdapterFetchError as exc:

@@ -40,7 +40,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.engine.lora.adapter import CONFIG_FILE, PICKLE_FILE, WEIGHTS_FILE
+import torch
+
+from loramux.engine.lora.adapter import (
+    CONFIG_FILE,
+    PICKLE_FILE,
+    WEIGHTS_FILE,
+    LoRAWeights,
+    load_adapter,
+)
+from loramux.engine.model.config import ModelConfig
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
@@ -70,6 +79,18 @@ class AdapterSource(abc.ABC):
         temporary folder if needed, removed after). Raises :class:`AdapterFetchError`
         when the files cannot be had; exceptions raised inside the block pass through.
         """
+
+    def load(
+        self, model_config: ModelConfig, *, name: str, max_rank: int, dtype: torch.dtype
+    ) -> LoRAWeights:
+        """The adapter's weights on the CPU, checked against ``model_config``: its files
+        fetched (``materialize``) and parsed (``load_adapter``). A simulated source
+        (``engine/simulation/adapters.py``) gives weights of the adapter's shapes instead,
+        at the simulated time a fetch would take."""
+        with self.materialize() as folder:
+            return load_adapter(
+                folder, model_config, name=name, max_rank=max_rank, dtype=dtype, device="cpu"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.description!r})"

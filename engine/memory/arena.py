@@ -111,6 +111,19 @@ class RowLayout:
             b_offsets=b_offsets,
         )
 
+    @classmethod
+    def for_arena(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str,
+    ) -> RowLayout:
+        """The layout of an arena in ``dtype`` whose KV cache is of ``kv_cache_dtype``."""
+        block_elems = quantized_block_elems(config, block_size, dtype, kv_cache_dtype)
+        return cls.for_model(config, num_blocks, block_size, block_elems=block_elems)
+
     @property
     def total_rows(self) -> int:
         """Rows the whole memory would hold if KV had none of it."""
@@ -234,11 +247,8 @@ class DeviceArena:
             raise ValueError(f"scratch_blocks must be >= 0, got {scratch_blocks}")
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_storage = storage_dtype(kv_cache_dtype)  # None: KV in ``dtype``
-        self.layout = RowLayout.for_model(
-            model_config,
-            num_blocks,
-            block_size,
-            block_elems=quantized_block_elems(model_config, block_size, dtype, kv_cache_dtype),
+        self.layout = RowLayout.for_arena(
+            model_config, num_blocks, block_size, dtype, kv_cache_dtype
         )
         self.dtype, self.device = dtype, torch.device(device)
         self.num_layers = model_config.num_layers

@@ -24,10 +24,12 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.clock import WallClock
 from loramux.engine.compute_threads import default_compute_threads
 from loramux.engine.config import EngineConfig
 from loramux.engine.executor.base import Devices
@@ -35,6 +37,8 @@ from loramux.engine.executor.local import LocalExecutor, OneDevice
 from loramux.engine.isolation import EngineDown
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import LlamaForCausalLM
+from loramux.engine.model.loader import load_engine_model
 from loramux.engine.parallel.commands import BuildArena, BuildStaticDecode, Command, Stop
 from loramux.engine.parallel.executor import MirroredRows, TensorParallelExecutor
 from loramux.engine.parallel.group import (
@@ -83,6 +87,7 @@ class EngineRanks:
         self.world_size = config.tensor_parallel_size
         self.plan = ShardPlan(model_config, self.world_size, 0)  # checks the split first
         self.device = rank_device(config, 0)
+        self.clock = WallClock()
         address = GroupAddress(
             "127.0.0.1", free_port(), self.world_size, config.tensor_parallel_timeout_s
         )
@@ -134,9 +139,11 @@ class EngineRanks:
     def compute_threads(self) -> int:
         return self.threads
 
-    def join(self, model) -> None:
-        """Rank 0's shard of the model joins the others' collectives."""
+    def load_model(self, config: EngineConfig, *, quant_op) -> LlamaForCausalLM:
+        """Rank 0's shard of the model, joined to the others' collectives."""
+        model = load_engine_model(config, self.device, shard=self.plan, quant_op=quant_op)
         model.join(self.group, self.plan.vocab_start, self.plan.config.vocab_size)
+        return model
 
     def arena(self, *args, **kwargs) -> DeviceArena:
         """Rank 0's arena (``DeviceArena``'s arguments); every rank builds one alike."""
@@ -157,8 +164,8 @@ class EngineRanks:
         )
         return StaticDecode(*args, capture=capture, **kwargs)
 
-    def executor(self, local: LocalExecutor) -> TensorParallelExecutor:
-        return TensorParallelExecutor(self, local)
+    def executor(self, local: Callable[[], LocalExecutor], pool) -> TensorParallelExecutor:
+        return TensorParallelExecutor(self, local())
 
     def send(self, command: Command) -> None:
         """Send ``command`` to every other rank (before rank 0 does its own part)."""
