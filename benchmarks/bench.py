@@ -44,6 +44,7 @@ from loramux.benchmarks import (
     prefill_flood,
     quant_quality,
     quantized_serve,
+    simulate_cli,
     soak,
     speculative,
 )
@@ -69,6 +70,7 @@ OWN_OPTIONS = {
     "speculative": speculative.main,
     "quantized-serve": quantized_serve.main,
     "quant-quality": quant_quality.main,
+    "simulate": simulate_cli.main,
 }
 
 

@@ -2,7 +2,8 @@
 
 Rules (shared by every driver, see ``drivers.py``):
 
-* times are seconds from the run's start (``time.perf_counter() - t0``); a request's
+* times are seconds from the run's start (``time.perf_counter() - t0``; on a simulated
+  GPU, simulated seconds: ``benchmarks/simulate.py``'s run clock); a request's
   ``arrival_s`` is taken from the workload, never measured;
 * every request is greedy and generates exactly ``output_len`` tokens: EOS is suppressed
   (``min_tokens = max_tokens = output_len``), as PEFT's ``min_new_tokens`` suppresses it.
@@ -31,6 +32,23 @@ from loramux.benchmarks.measures import RequestRecord, new_records
 from loramux.benchmarks.workload import WorkloadRequest
 
 
+class WallRunClock:
+    """A run's time on the wall clock: seconds since it started; waits sleep."""
+
+    def __init__(self):
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def wait_until(self, when: float) -> None:
+        time.sleep(max(0.0, when - self.now()))
+
+    def stepped(self, began: float, outputs: int, next_arrival: float | None) -> None:
+        """After a step begun at ``began`` that gave ``outputs`` outputs: nothing to do (a
+        step with nothing to run waits for a load itself)."""
+
+
 def exact_length_params(output_len: int):
     """Greedy sampling that produces exactly ``output_len`` tokens (EOS suppressed)."""
     from loramux.engine import SamplingParams
@@ -47,6 +65,7 @@ def run_engine(
     tenants: dict[str, tuple[int, float]] | None = None,
     token_ids: dict[int, list[int]] | None = None,
     step: Callable[[], list] | None = None,
+    clock=None,
 ) -> list[RequestRecord]:
     """Serve ``requests`` on ``engine``; one record per request, in ``requests``' order.
 
@@ -57,6 +76,8 @@ def run_engine(
     all when ``tenants`` is None). ``token_ids``, when given, is filled with each request's
     generated token ids (request index -> ids), for checking outputs. ``step``, when given,
     is called instead of ``engine.step`` (a caller timing or counting each step wraps it).
+    ``clock``: the run's time (default ``WallRunClock``; a simulated GPU's run clock moves
+    its simulated time).
     """
     tenants = tenants or {}
     for tenant, (_, weight) in tenants.items():
@@ -68,10 +89,8 @@ def run_engine(
     active: set[int] = set()  # added and not finished
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
     next_pending = 0
-    t0 = time.perf_counter()
-
-    def now() -> float:
-        return time.perf_counter() - t0
+    clock = clock or WallRunClock()
+    now = clock.now
 
     def add(request: WorkloadRequest) -> None:
         record = records[request.index]
@@ -104,8 +123,9 @@ def run_engine(
         if not active:
             if next_pending == len(pending):
                 break
-            time.sleep(max(0.0, pending[next_pending].arrival_s - now()))
+            clock.wait_until(pending[next_pending].arrival_s)
             continue
+        began = now()
         outputs = step()
         stamp = now()
         for out in outputs:
@@ -121,6 +141,8 @@ def run_engine(
                 record.finish_s = stamp
                 active.discard(index)
                 _engine_figures(record, out.metrics)
+        upcoming = pending[next_pending].arrival_s if next_pending < len(pending) else None
+        clock.stepped(began, len(outputs), upcoming)
     return [records[r.index] for r in requests]
 
 

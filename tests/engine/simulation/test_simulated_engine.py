@@ -21,7 +21,7 @@ from loramux.engine.simulation.driver import TraceRequest, run_trace
 from loramux.engine.simulation.profile import DeviceProfile
 
 RANKS = (64, 32)
-# Slow fetches (a store at 20 MB/s), so adapters arrive while others' requests run.
+# Slow fetches (the store at 2% of the profile's rate), so adapters arrive while others' requests run.
 SLOW_STORE = {"store_bytes_per_s": 0.02}
 
 

@@ -1,0 +1,156 @@
+"""``loramux bench simulate``: S-LoRA's workloads and the recorded GPU runs served by the
+real engine on a simulated GPU (``engine/simulation``). Every figure here is simulated and
+is written with its device profile and that profile's calibration.
+
+    loramux bench simulate calibrate            # the recorded H100 runs replayed
+    loramux bench simulate slora --setting S2   # S-LoRA's table, adapters 5..2,000
+
+The engine's settings are the GPU presets' (``bench_presets.H100_ENGINE``). A run's
+clock is the simulated one: the driver (``driver_engine.run_engine``) adds requests at
+their arrival times and, when a step could run nothing, moves the clock to the next
+arrival or the next adapter fetch to finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loramux.benchmarks.adapter_traffic import read_counters, traffic_between
+from loramux.benchmarks.bench_gpu_model import random_model_dir
+from loramux.benchmarks.bench_presets import H100_ENGINE
+from loramux.benchmarks.driver_engine import run_engine
+from loramux.benchmarks.measures import RequestRecord, summarize
+from loramux.benchmarks.workload import WorkloadRequest, prompt_token_ids
+from loramux.engine.config import EngineConfig
+from loramux.engine.simulation.adapters import SimulatedAdapterSource
+from loramux.engine.simulation.clock import SimulatedClock
+from loramux.engine.simulation.devices import simulated_engine
+from loramux.engine.simulation.driver import EngineStuck, TraceRequest, run_trace
+from loramux.engine.simulation.profile import DeviceProfile
+
+DEFAULT_PROFILE = "nvidia-h100-80gb-hbm3"
+
+
+class SimulatedRunClock:
+    """``run_engine``'s clock on a simulated GPU: its time is the engine's simulated time,
+    and a step that ran nothing moves it to the next event."""
+
+    def __init__(self, clock: SimulatedClock):
+        self.clock = clock
+        self._t0 = clock.now()
+
+    def now(self) -> float:
+        return self.clock.now() - self._t0
+
+    def wait_until(self, when: float) -> None:
+        self.clock.advance_to(self._t0 + when)
+
+    def stepped(self, began: float, outputs: int, next_arrival: float | None) -> None:
+        if outputs or self.now() != began:
+            return
+        events = [self.clock.next_wake()]
+        if next_arrival is not None:
+            events.append(self._t0 + next_arrival)
+        events = [t for t in events if t is not None]
+        if not events:
+            raise EngineStuck("requests are left, nothing runs and no arrival or fetch is due")
+        self.clock.advance_to(min(events))
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    """One trace served on a simulated GPU: its requests' records and what they add up to."""
+
+    summary: dict  # measures.summarize's, over simulated seconds
+    traffic: dict[str, float]  # adapter_traffic's counters over the run
+    residency: dict[str, int]  # the engine's residency counters over the run
+    steps: int
+    step_seconds: dict[str, float]  # simulated seconds by part of the step
+    real_seconds: float  # what simulating took on this machine
+
+    def per_minute(self, counter: str) -> float:
+        return 60 * self.residency[counter] / self.summary["duration_s"]
+
+
+def model_dir(cache_dir: Path, name: str, hf_config: dict, tokenizer_dir: Path) -> Path:
+    """A weightless model folder (config.json and a tokenizer) in ``cache_dir``."""
+    return random_model_dir(cache_dir / "random-models" / name, hf_config, lambda: tokenizer_dir)
+
+
+def engine_config(model: Path, **overrides) -> EngineConfig:
+    """The GPU presets' engine settings, on a simulated GPU: bfloat16 KV and adapter rows,
+    prompt chunks by tokens (CUDA's default), no speculation."""
+    settings = {**H100_ENGINE, **overrides}
+    return EngineConfig(
+        model=str(model),
+        device="cpu",
+        dtype="bfloat16",
+        prefill_step_target_s=float("inf"),
+        **settings,
+    )
+
+
+def serve(
+    config: EngineConfig,
+    profile: DeviceProfile,
+    requests: list[WorkloadRequest],
+    ranks: list[int],
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    avoid: frozenset[int] = frozenset(),
+    base_model: bool = False,
+    preload: bool = False,
+) -> SimulatedRun:
+    """``requests`` on a fresh simulated engine, adapter ``k`` of rank ``ranks[k]`` on
+    q/k/v/o; with ``base_model`` every request goes to the base model (the ceiling)."""
+    started = time.perf_counter()
+    if base_model:
+        requests = [dataclasses.replace(r, adapter=None) for r in requests]
+    prompts = {
+        r.index: prompt_token_ids(r, vocab_size=vocab_size, seed=seed, avoid=avoid)
+        for r in requests
+    }
+    engine = simulated_engine(config, profile)
+    try:
+        names = [f"a{k}" for k in range(len(ranks))]
+        for name, rank in zip(names, ranks, strict=True):
+            source = SimulatedAdapterSource(name, rank, engine.clock, profile)
+            engine.register_adapter(name, source)
+        if preload:  # every adapter onto the device before the run starts: one token each
+            warm = [TraceRequest(0.0, f"preload-{n}", [7, 8, 9], 1, adapter=n) for n in names]
+            run_trace(engine, warm)
+        before, residency_before = read_counters(engine), _residency(engine)
+        records = run_engine(
+            engine, requests, prompts, names, clock=SimulatedRunClock(engine.clock)
+        )
+        residency = {k: v - residency_before[k] for k, v in _residency(engine).items()}
+        totals = engine.executor.totals
+        return SimulatedRun(
+            summary=summarize(records, duration_s=_duration(records)),
+            traffic=traffic_between(before, read_counters(engine)),
+            residency=residency,
+            steps=totals.steps,
+            step_seconds=dict(totals.by_part),
+            real_seconds=time.perf_counter() - started,
+        )
+    finally:
+        engine.close()
+
+
+def _residency(engine) -> dict[str, int]:
+    tiers = engine.tiers
+    return {
+        "adapter_reloads": tiers.reloads,
+        "device_evictions": tiers.device_evictions,
+        "adapter_room_wait_steps": tiers.room_wait_steps,
+        "preemptions": engine.num_preemptions,
+    }
+
+
+def _duration(records: list[RequestRecord]) -> float:
+    """S-LoRA's: from the run's start to the last finish."""
+    return max((r.finish_s or 0.0) for r in records) or 1e-9

@@ -1,0 +1,138 @@
+"""``loramux bench simulate``: the command line of ``simulate_runs.py`` (see ``simulate.py``).
+
+    loramux bench simulate calibrate [--profile P]
+    loramux bench simulate slora [--setting S2] [--adapters 5,100,1000,2000] [--rates 10,40]
+
+Writes ``simulation_calibration_<profile>.{json,md}`` or
+``simulation_slora-<setting>_<profile>.{json,md}`` into the results folder. Every figure in
+them is simulated, and says so with the profile and its calibration beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from loramux.benchmarks.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.simulate import DEFAULT_PROFILE
+from loramux.benchmarks.simulate_runs import calibration, slora_table
+from loramux.benchmarks.slora_workloads import SETTINGS, TABLE_ADAPTERS
+from loramux.engine.simulation.profile import DeviceProfile
+
+
+def _numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="loramux bench simulate", description=__doc__)
+    parser.add_argument("what", choices=("calibrate", "slora"))
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="device profile (name or path)")
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="S2")
+    parser.add_argument(
+        "--adapters",
+        type=_numbers(int),
+        default=list(TABLE_ADAPTERS[1:]),
+        help="adapter counts (default: S-LoRA's table from 5)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=_numbers(float),
+        help="offered requests per second (default: the setting's, S-LoRA's)",
+    )
+    parser.add_argument("--duration", type=float, help="seconds of arrivals (default: S-LoRA's)")
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    check_output_options(parser, args)
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    command = " ".join(["loramux bench simulate", *argv])
+    profile = DeviceProfile.load(args.profile)
+    tokenizer = prepare_model(args.cache_dir)  # SmolLM2's tokenizer ids decode Llama's
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "calibrate":
+        report = {"command": command, **calibration(profile, args.cache_dir, tokenizer)}
+        stem = args.out / f"simulation_calibration_{profile.name}"
+        write_report(stem, report, calibration_markdown(report))
+        return 0
+    rates = args.rates or [SETTINGS[args.setting].rate]
+    report = {
+        "command": command,
+        **slora_table(
+            args.setting, profile, args.cache_dir, tokenizer, args.adapters, rates, args.duration
+        ),
+    }
+    stem = args.out / f"simulation_slora-{args.setting}_{profile.name}"
+    write_report(stem, report, slora_markdown(report))
+    return 0
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.4g}"
+
+
+def calibration_markdown(report: dict) -> str:
+    lines = [
+        f"# Simulation calibration: {report['profile']}",
+        "",
+        f"**Every simulated figure here is {report['label']}.** Measured figures are the "
+        "recorded H100 runs in this folder (`kernels_gpu_nvidia-h100-80gb-hbm3-quick.json`, "
+        "`bench_slora-s2.json`, `bench_punica-distinct.json`), replayed with their own "
+        "workloads and engine settings.",
+        "",
+        f"Command: `{report.get('command', '')}`",
+        "",
+        "| run | figure | unit | measured | simulated | error |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        error = "—" if r["error"] is None else f"{r['error']:+.0%}"
+        lines.append(
+            f"| {r['run']} | {r['figure']} | {r['unit']} | {_fmt(r['measured'])} | "
+            f"{_fmt(r['simulated'])} | {error} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def slora_markdown(report: dict) -> str:
+    lines = [
+        f"# S-LoRA {report['setting']} on a simulated GPU ({report['profile']})",
+        "",
+        f"**Simulated: {report['label']}.** S-LoRA's own trace (seed 42, its arrival, length "
+        "and popularity draws; `benchmarks/slora_workloads.py`); throughput is S-LoRA's "
+        "(finished requests over the time to the last finish). The base-model rows serve the "
+        "same trace with no adapter: the ceiling.",
+        "",
+        f"Command: `{report.get('command', '')}`",
+        "",
+        "| offered req/s | adapters | req/s | output tok/s | TTFT P50 / P99 s | ITL P50 ms "
+        "| re-loads / evictions / room waits / preemptions per min |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["rows"]:
+        pm = r["per_minute"]
+        counters = " / ".join(
+            f"{pm[k]:.0f}"
+            for k in (
+                "adapter_reloads",
+                "device_evictions",
+                "adapter_room_wait_steps",
+                "preemptions",
+            )
+        )
+        adapters = "base model" if r["adapters"] is None else f"{r['adapters']:,}"
+        lines.append(
+            f"| {r['offered_rate']:g} | {adapters} | {r['requests_per_s']:.2f} | "
+            f"{r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+            f"{1e3 * r['itl_p50_s']:.1f} | {counters} |"
+        )
+    return "\n".join(lines) + "\n"
