@@ -30,6 +30,7 @@ its figures are not GPU figures and its goals are not judged.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ from loramux.benchmarks.kernels_gpu_timing import free_device_memory
 from loramux.benchmarks.machine import machine_info
 from loramux.benchmarks.measures import agreement, memory_high_water
 from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.step_trace import StepTracer, summarize_steps
 from loramux.benchmarks.workload import (
     WorkloadRequest,
     WorkloadSpec,
@@ -200,8 +202,19 @@ def serve_loramux(
             engine.generate([[7, 8, 9]] * len(names), exact_length_params(1), adapters=names)
         before = read_counters(engine)
         _reset_peak_memory(setup.device)
-        records = run_engine(engine, requests, prompts, names, tenants=tenants, token_ids=token_ids)
+        # Each step's time and batch: what the simulator's calibration compares step by step.
+        tracer = StepTracer(engine, time.perf_counter)
+        records = run_engine(
+            engine,
+            requests,
+            prompts,
+            names,
+            tenants=tenants,
+            token_ids=token_ids,
+            step=tracer.step,
+        )
         result = figures(records, setup.preset, spec)
+        result["steps"] = summarize_steps(tracer.records)
         result["peak_gpu_bytes"] = _peak_memory(setup.device)
         result["adapter_traffic"] = traffic_between(before, read_counters(engine))
     finally:

@@ -108,6 +108,34 @@ def _sections(results: Path) -> list[Section]:
             (python, "-m", BENCH, "slora-s2", "--smoke", *out),
             240.0,
         ),
+        Section(
+            "simulation",
+            "the runs above replayed on the simulated GPU, side by side with what they measured",
+            (
+                python,
+                "-m",
+                BENCH,
+                "simulate",
+                "calibrate",
+                "--profile",
+                "auto",
+                "--recorded",
+                str(results),
+                *out,
+            ),
+            (
+                python,
+                "-m",
+                BENCH,
+                "simulate",
+                "calibrate",
+                "--recorded",
+                str(results),
+                "--suffix=-smoke",
+                *out,
+            ),
+            90.0,
+        ),
     ]
 
 

@@ -14,6 +14,7 @@ arrival or the next adapter fetch to finish.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from loramux.benchmarks.bench_gpu_model import random_model_dir
 from loramux.benchmarks.bench_presets import H100_ENGINE
 from loramux.benchmarks.driver_engine import run_engine
 from loramux.benchmarks.measures import RequestRecord, summarize
+from loramux.benchmarks.step_trace import StepTracer, summarize_steps
 from loramux.benchmarks.workload import WorkloadRequest, prompt_token_ids
 from loramux.engine.config import EngineConfig
 from loramux.engine.simulation.adapters import SimulatedAdapterSource
@@ -46,7 +48,7 @@ class SimulatedRunClock:
         return self.clock.now() - self._t0
 
     def wait_until(self, when: float) -> None:
-        self.clock.advance_to(self._t0 + when)
+        self._advance_to(when)
 
     def stepped(self, began: float, outputs: int, next_arrival: float | None) -> None:
         if outputs or self.now() != began:
@@ -57,7 +59,14 @@ class SimulatedRunClock:
         events = [t for t in events if t is not None]
         if not events:
             raise EngineStuck("requests are left, nothing runs and no arrival or fetch is due")
-        self.clock.advance_to(min(events))
+        self._advance_to(min(events) - self._t0)
+
+    def _advance_to(self, when: float) -> None:
+        """To run time ``when``, and surely not short of it: ``t0 + when - t0`` can round
+        below ``when``, and an arrival at ``when`` would then never be due."""
+        self.clock.advance_to(self._t0 + when)
+        while self.now() < when:
+            self.clock.advance_to(math.nextafter(self.clock.now(), math.inf))
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class SimulatedRun:
     steps: int
     step_seconds: dict[str, float]  # simulated seconds by part of the step
     real_seconds: float  # what simulating took on this machine
+    step_summary: dict  # step_trace.summarize_steps of the run's steps
 
     def per_minute(self, counter: str) -> float:
         return 60 * self.residency[counter] / self.summary["duration_s"]
@@ -124,9 +134,9 @@ def serve(
             warm = [TraceRequest(0.0, f"preload-{n}", [7, 8, 9], 1, adapter=n) for n in names]
             run_trace(engine, warm)
         before, residency_before = read_counters(engine), _residency(engine)
-        records = run_engine(
-            engine, requests, prompts, names, clock=SimulatedRunClock(engine.clock)
-        )
+        clock = SimulatedRunClock(engine.clock)
+        tracer = StepTracer(engine, clock.now)
+        records = run_engine(engine, requests, prompts, names, clock=clock, step=tracer.step)
         residency = {k: v - residency_before[k] for k, v in _residency(engine).items()}
         totals = engine.executor.totals
         return SimulatedRun(
@@ -136,6 +146,7 @@ def serve(
             steps=totals.steps,
             step_seconds=dict(totals.by_part),
             real_seconds=time.perf_counter() - started,
+            step_summary=summarize_steps(tracer.records),
         )
     finally:
         engine.close()

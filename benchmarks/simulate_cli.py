@@ -11,13 +11,20 @@ them is simulated, and says so with the profile and its calibration beside it.
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.files import (
+    RESULTS_DIR,
+    add_output_options,
+    check_output_options,
+    write_report,
+)
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.simulate import DEFAULT_PROFILE
 from loramux.benchmarks.simulate_runs import calibration, slora_table
 from loramux.benchmarks.slora_workloads import SETTINGS, TABLE_ADAPTERS
-from loramux.engine.simulation.profile import DeviceProfile
+from loramux.engine.simulation.profile import PROFILES_DIR, DeviceProfile
 
 
 def _numbers(kind):
@@ -33,7 +40,22 @@ def _numbers(kind):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="loramux bench simulate", description=__doc__)
     parser.add_argument("what", choices=("calibrate", "slora"))
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="device profile (name or path)")
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help="device profile (a name, a path, or 'auto': this machine's GPU's, else the H100's)",
+    )
+    parser.add_argument(
+        "--recorded",
+        type=Path,
+        default=RESULTS_DIR,
+        help="calibrate: the folder of the recorded GPU runs (default: the results folder)",
+    )
+    parser.add_argument(
+        "--suffix",
+        default="",
+        help="calibrate: the recorded files' suffix ('-smoke': the CPU smoke's, a plumbing check)",
+    )
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="S2")
     parser.add_argument(
         "--adapters",
@@ -56,12 +78,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     command = " ".join(["loramux bench simulate", *argv])
-    profile = DeviceProfile.load(args.profile)
+    profile = DeviceProfile.load(resolve_profile(args.profile))
     tokenizer = prepare_model(args.cache_dir)  # SmolLM2's tokenizer ids decode Llama's
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "calibrate":
-        report = {"command": command, **calibration(profile, args.cache_dir, tokenizer)}
-        stem = args.out / f"simulation_calibration_{profile.name}"
+        report = {
+            "command": command,
+            **calibration(profile, args.cache_dir, tokenizer, args.recorded, args.suffix),
+        }
+        stem = args.out / f"simulation_calibration_{profile.name}{args.suffix}"
         write_report(stem, report, calibration_markdown(report))
         return 0
     rates = args.rates or [SETTINGS[args.setting].rate]
@@ -76,6 +101,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def resolve_profile(name: str) -> str:
+    """``auto``: the profile named after this machine's GPU (as ``kernels_gpu`` names its
+    files), if there is one; else the H100's."""
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+        if (PROFILES_DIR / f"{gpu}.json").is_file():
+            return gpu
+    return DEFAULT_PROFILE
+
+
 def _fmt(value: float) -> str:
     return f"{value:,.4g}"
 
@@ -85,9 +124,9 @@ def calibration_markdown(report: dict) -> str:
         f"# Simulation calibration: {report['profile']}",
         "",
         f"**Every simulated figure here is {report['label']}.** Measured figures are the "
-        "recorded H100 runs in this folder (`kernels_gpu_nvidia-h100-80gb-hbm3-quick.json`, "
-        "`bench_slora-s2.json`, `bench_punica-distinct.json`), replayed with their own "
-        "workloads and engine settings.",
+        "recorded GPU runs "
+        + ", ".join(f"`{Path(p).name}`" for p in report.get("recorded", {}).values())
+        + ", each replayed with its own workload, model shapes and engine settings.",
         "",
         f"Command: `{report.get('command', '')}`",
         "",
@@ -100,7 +139,47 @@ def calibration_markdown(report: dict) -> str:
             f"| {r['run']} | {r['figure']} | {r['unit']} | {_fmt(r['measured'])} | "
             f"{_fmt(r['simulated'])} | {error} |"
         )
+    for run, both in report.get("steps", {}).items():
+        lines += ["", *steps_markdown(run, both["measured"], both["simulated"])]
     return "\n".join(lines) + "\n"
+
+
+def steps_markdown(run: str, measured: dict | None, simulated: dict) -> list[str]:
+    """Median step time by batch size, measured beside simulated."""
+    lines = [
+        f"## {run}: step by step",
+        "",
+        "Median milliseconds of a whole `step()` by the sequences in its batch, decode-only "
+        "and mixed (with prompt tokens). "
+        + (
+            ""
+            if measured
+            else "The recorded run has no step record (runs before step "
+            "tracing); the measured column waits for the next GPU run."
+        ),
+        "",
+        "| sequences | batch | measured steps | measured ms | simulated steps | simulated ms |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    keyed = {}
+    for side, summary in (("measured", measured), ("simulated", simulated)):
+        for b in (summary or {}).get("bins", []):
+            key = (tuple(b["sequences"]), b["decode_only"])
+            keyed.setdefault(key, {})[side] = b
+    for (seqs, decode_only), sides in sorted(keyed.items()):
+        cells = []
+        for side in ("measured", "simulated"):
+            b = sides.get(side)
+            cells += ["—", "—"] if b is None else [str(b["steps"]), f"{b['median_ms']:.1f}"]
+        kind = "decode-only" if decode_only else "mixed"
+        lines.append(f"| {seqs[0]}-{seqs[1]} | {kind} | " + " | ".join(cells) + " |")
+    for side, summary in (("measured", measured), ("simulated", simulated)):
+        if summary:
+            lines.append(
+                f"\n{side}: {summary['steps']:,} steps, {summary['stalls']} of them at least "
+                f"0.5 s ({summary['stall_seconds']:.1f} s)."
+            )
+    return lines
 
 
 def slora_markdown(report: dict) -> str:

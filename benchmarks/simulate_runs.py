@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loramux.benchmarks.bench_gpu_model import LLAMA_7B
 from loramux.benchmarks.files import RESULTS_DIR
 from loramux.benchmarks.simulate import SimulatedRun, engine_config, model_dir, serve
 from loramux.benchmarks.slora_workloads import SETTINGS, adapter_rank, slora_requests
@@ -14,23 +13,49 @@ from loramux.benchmarks.workload import WorkloadSpec, adapter_ranks, generate
 from loramux.engine.simulation.calibration import decode_step_table
 from loramux.engine.simulation.profile import DeviceProfile
 
-# The recorded H100 runs a profile is calibrated against.
-RECORDED = {
-    "slora-s2": RESULTS_DIR / "bench_slora-s2.json",
-    "punica-distinct": RESULTS_DIR / "bench_punica-distinct.json",
-    "kernels": RESULTS_DIR / "kernels_gpu_nvidia-h100-80gb-hbm3-quick.json",
-}
+
+def recorded_runs(folder: Path, profile: DeviceProfile, suffix: str = "") -> dict[str, Path]:
+    """The recorded GPU runs in ``folder`` a profile is calibrated against: the presets'
+    and the kernels' quick run on that profile's GPU (those present). ``suffix``: "-smoke"
+    for the CPU smoke's files (a plumbing check of ``make gpu-check --smoke``)."""
+    runs = {
+        "slora-s2": folder / f"bench_slora-s2{suffix}.json",
+        "punica-distinct": folder / f"bench_punica-distinct{suffix}.json",
+        "kernels": folder / f"kernels_gpu_{profile.name}-quick.json",
+    }
+    return {name: path for name, path in runs.items() if path.is_file()}
+
+
+# The recorded run's own engine settings that the simulation takes (the rest are the GPU
+# presets' and the simulation's).
+ENGINE_SETTINGS = (
+    "kv_cache_bytes",
+    "adapter_host_bytes",
+    "adapter_load_workers",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "cuda_graph_max_batch",
+    "block_size",
+    "max_lora_rank",
+)
 PER_MINUTE = ("adapter_reloads", "device_evictions", "adapter_room_wait_steps", "preemptions")
 
 
-def replay(recorded: Path, profile: DeviceProfile, model: Path) -> tuple[dict, SimulatedRun]:
-    """A recorded ``loramux bench`` GPU run's workload served on the simulated GPU: the
-    recorded figures and the simulated run."""
+def replay(
+    recorded: Path, profile: DeviceProfile, cache_dir: Path, tokenizer_dir: Path
+) -> tuple[dict, SimulatedRun]:
+    """A recorded ``loramux bench`` GPU run's workload served on the simulated GPU, at the
+    recorded model's shapes: the recorded figures and the simulated run."""
     raw = json.loads(recorded.read_text())
+    hf = hf_config(raw["model"]["config"])
+    model = model_dir(
+        cache_dir, f"recorded-{hf['hidden_size']}x{hf['num_hidden_layers']}", hf, tokenizer_dir
+    )
     spec = WorkloadSpec.from_json(raw["workload"])
     eos = frozenset(raw["model"]["config"]["eos_token_ids"])
+    settings = {k: raw["engine_config"][k] for k in ENGINE_SETTINGS}
     run = serve(
-        engine_config(model),
+        engine_config(model, **settings),
         profile,
         generate(spec),
         adapter_ranks(spec),
@@ -42,15 +67,78 @@ def replay(recorded: Path, profile: DeviceProfile, model: Path) -> tuple[dict, S
     return raw, run
 
 
-def calibration(profile: DeviceProfile, cache_dir: Path, tokenizer_dir: Path) -> dict:
-    """Every recorded figure against its simulation, with the error."""
-    model = model_dir(cache_dir, "llama-7b", LLAMA_7B, tokenizer_dir)
-    rows = []
-    for r in decode_step_table(profile, RECORDED["kernels"]):
-        rows.append(_row("kernels_gpu decode step", r.what, "ms", r.measured_ms, r.simulated_ms))
-    raw, run = replay(RECORDED["slora-s2"], profile, model)
+def hf_config(recorded: dict) -> dict:
+    """config.json for a recorded run's model (its report holds the engine's ModelConfig)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": recorded["vocab_size"],
+        "hidden_size": recorded["hidden_size"],
+        "intermediate_size": recorded["intermediate_size"],
+        "num_hidden_layers": recorded["num_layers"],
+        "num_attention_heads": recorded["num_heads"],
+        "num_key_value_heads": recorded["num_kv_heads"],
+        "head_dim": recorded["head_dim"],
+        "max_position_embeddings": recorded["max_position_embeddings"],
+        "rms_norm_eps": recorded["rms_norm_eps"],
+        "rope_theta": recorded["rope_theta"],
+        "tie_word_embeddings": recorded["tie_word_embeddings"],
+        "bos_token_id": recorded["bos_token_id"],
+        "eos_token_id": recorded["eos_token_ids"][0],
+        "torch_dtype": "bfloat16",
+    }
+
+
+def calibration(
+    profile: DeviceProfile,
+    cache_dir: Path,
+    tokenizer_dir: Path,
+    recorded: Path = RESULTS_DIR,
+    suffix: str = "",
+) -> dict:
+    """Every recorded figure in ``recorded`` against its simulation, with the error; and
+    the slora-s2 run's steps, simulated beside measured (when the run recorded them)."""
+    model = (cache_dir, tokenizer_dir)
+    runs = recorded_runs(recorded, profile, suffix)
+    rows, steps = [], {}
+    if "kernels" in runs:
+        for r in decode_step_table(profile, runs["kernels"]):
+            rows.append(
+                _row("kernels_gpu decode step", r.what, "ms", r.measured_ms, r.simulated_ms)
+            )
+    if "slora-s2" in runs:
+        rows += _slora_rows(runs["slora-s2"], profile, model, steps)
+    if "punica-distinct" in runs:
+        raw, run = replay(runs["punica-distinct"], profile, *model)
+        rows += [
+            _row(
+                "punica-distinct",
+                "output tokens per second",
+                "tok/s",
+                raw["loramux"]["output_tokens_per_s"],
+                run.summary["output_tokens_per_s"],
+            ),
+            _row(
+                "punica-distinct",
+                "ITL P50",
+                "s",
+                raw["loramux"]["itl_s"]["p50"],
+                run.summary["itl_s"]["p50"],
+            ),
+        ]
+    return {
+        "profile": profile.name,
+        "label": profile.describe(),
+        "recorded": {name: str(path) for name, path in runs.items()},
+        "rows": rows,
+        "steps": steps,
+    }
+
+
+def _slora_rows(path: Path, profile: DeviceProfile, model: tuple, steps: dict) -> list[dict]:
+    raw, run = replay(path, profile, *model)
     measured, simulated = raw["loramux"], run.summary
-    rows += [
+    rows = [
         _row(
             "slora-s2",
             "requests per second",
@@ -82,24 +170,8 @@ def calibration(profile: DeviceProfile, cache_dir: Path, tokenizer_dir: Path) ->
             run.traffic["loads"],
         ),
     ]
-    raw, run = replay(RECORDED["punica-distinct"], profile, model)
-    rows += [
-        _row(
-            "punica-distinct",
-            "output tokens per second",
-            "tok/s",
-            raw["loramux"]["output_tokens_per_s"],
-            run.summary["output_tokens_per_s"],
-        ),
-        _row(
-            "punica-distinct",
-            "ITL P50",
-            "s",
-            raw["loramux"]["itl_s"]["p50"],
-            run.summary["itl_s"]["p50"],
-        ),
-    ]
-    return {"profile": profile.name, "label": profile.describe(), "rows": rows}
+    steps["slora-s2"] = {"measured": measured.get("steps"), "simulated": run.step_summary}
+    return rows
 
 
 def _row(run: str, figure: str, unit: str, measured: float, simulated: float) -> dict:

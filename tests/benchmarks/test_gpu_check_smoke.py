@@ -13,7 +13,7 @@ import torch
 
 from tests.benchmarks.commands import gpu_check
 
-SECTIONS = ["tests", "kernels", "punica-distinct", "slora-s2"]
+SECTIONS = ["tests", "kernels", "punica-distinct", "slora-s2", "simulation"]
 
 
 def test_the_smoke_runs_every_section_and_bundles_their_results(gpu_check_smoke):
@@ -37,6 +37,7 @@ def test_the_smoke_runs_every_section_and_bundles_their_results(gpu_check_smoke)
         "results/kernels_gpu_cpu-smoke.json",
         "results/bench_punica-distinct-smoke.json",
         "results/bench_slora-s2-smoke.json",
+        "results/simulation_calibration_nvidia-h100-80gb-hbm3-smoke.json",
     ):
         assert expected in names, sorted(names)
     log = (out / "gpu_check.log").read_text()

@@ -55,6 +55,18 @@ def test_the_run_clock_jumps_an_idle_engine_to_its_next_event():
         run.stepped(began=4.0, outputs=0, next_arrival=None)
 
 
+def test_an_arrival_waited_for_is_due_however_the_start_rounds():
+    # 13.436... + 0.000847... - 13.436... rounds below 0.000847...: the driver would wait
+    # for that arrival forever (it did, replaying punica-distinct's all-at-once arrivals).
+    start, arrival = 13.436424411240122, 0.0008474337369372327
+    assert (start + arrival) - start < arrival
+    run = SimulatedRunClock(SimulatedClock(start))
+    run.wait_until(arrival)
+    assert run.now() >= arrival
+    run.stepped(began=run.now(), outputs=0, next_arrival=2 * arrival)
+    assert run.now() >= 2 * arrival
+
+
 def test_a_simulated_bench_run_serves_every_request_at_its_length(tiny_model_dir):
     profile = DeviceProfile.load("nvidia-h100-80gb-hbm3")
     config = engine_config(
