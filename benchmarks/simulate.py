@@ -27,7 +27,8 @@ from loramux.benchmarks.measures import RequestRecord, summarize
 from loramux.benchmarks.step_trace import StepTracer, summarize_steps
 from loramux.benchmarks.workload import WorkloadRequest, prompt_token_ids
 from loramux.engine.config import EngineConfig
-from loramux.engine.simulation.adapters import SimulatedAdapterSource
+from loramux.engine.model.config import ModelConfig
+from loramux.engine.simulation.adapters import QKVO, SimulatedAdapterSource, adapter_bytes
 from loramux.engine.simulation.clock import SimulatedClock
 from loramux.engine.simulation.devices import simulated_engine
 from loramux.engine.simulation.driver import EngineStuck, TraceRequest, run_trace
@@ -114,9 +115,18 @@ def serve(
     avoid: frozenset[int] = frozenset(),
     base_model: bool = False,
     preload: bool = False,
+    host_resident: bool = False,
 ) -> SimulatedRun:
     """``requests`` on a fresh simulated engine, adapter ``k`` of rank ``ranks[k]`` on
-    q/k/v/o; with ``base_model`` every request goes to the base model (the ceiling)."""
+    q/k/v/o; with ``base_model`` every request goes to the base model (the ceiling).
+    ``preload``: every adapter on the device before the run (one token each);
+    ``host_resident``: every adapter in host RAM before the run (S-LoRA's setting: its
+    adapters are in main memory when its clock starts), the host tier sized to hold them."""
+    if host_resident:
+        nbytes = sum(
+            adapter_bytes(model_of(config), r, QKVO, config.torch_dtype.itemsize) for r in ranks
+        )
+        config = dataclasses.replace(config, adapter_host_bytes=max(nbytes, 1))
     started = time.perf_counter()
     if base_model:
         requests = [dataclasses.replace(r, adapter=None) for r in requests]
@@ -129,7 +139,10 @@ def serve(
         names = [f"a{k}" for k in range(len(ranks))]
         for name, rank in zip(names, ranks, strict=True):
             source = SimulatedAdapterSource(name, rank, engine.clock, profile)
-            engine.register_adapter(name, source)
+            request = engine.register_adapter(name, source)
+            if host_resident:
+                weights = source.weights(engine.model_config, name=name, dtype=config.torch_dtype)
+                engine.tiers.keep_in_host(request.adapter_id, weights)
         if preload:  # every adapter onto the device before the run starts: one token each
             warm = [TraceRequest(0.0, f"preload-{n}", [7, 8, 9], 1, adapter=n) for n in names]
             run_trace(engine, warm)
@@ -150,6 +163,10 @@ def serve(
         )
     finally:
         engine.close()
+
+
+def model_of(config: EngineConfig) -> ModelConfig:
+    return ModelConfig.from_pretrained(config.model)
 
 
 def _residency(engine) -> dict[str, int]:

@@ -4,7 +4,7 @@
     loramux bench simulate slora [--setting S2] [--adapters 5,100,1000,2000] [--rates 10,40]
 
 Writes ``simulation_calibration_<profile>.{json,md}`` or
-``simulation_slora-<setting>_<profile>.{json,md}`` into the results folder. Every figure in
+``simulation_slora-<setting>[-host]-<rates>rps_<profile>.{json,md}`` into the results folder. Every figure in
 them is simulated, and says so with the profile and its calibration beside it.
 """
 
@@ -69,6 +69,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="offered requests per second (default: the setting's, S-LoRA's)",
     )
     parser.add_argument("--duration", type=float, help="seconds of arrivals (default: S-LoRA's)")
+    parser.add_argument(
+        "--host-resident",
+        action="store_true",
+        help="slora: every adapter in host RAM when the run starts (S-LoRA's setting)",
+    )
     add_output_options(parser)
     args = parser.parse_args(argv)
     check_output_options(parser, args)
@@ -93,10 +98,19 @@ def main(argv: list[str]) -> int:
     report = {
         "command": command,
         **slora_table(
-            args.setting, profile, args.cache_dir, tokenizer, args.adapters, rates, args.duration
+            args.setting,
+            profile,
+            args.cache_dir,
+            tokenizer,
+            args.adapters,
+            rates,
+            args.duration,
+            args.host_resident,
         ),
     }
-    stem = args.out / f"simulation_slora-{args.setting}_{profile.name}"
+    where = "-host" if args.host_resident else ""
+    offered = "-".join(f"{r:g}" for r in rates)
+    stem = args.out / f"simulation_slora-{args.setting}{where}-{offered}rps_{profile.name}"
     write_report(stem, report, slora_markdown(report))
     return 0
 
@@ -189,7 +203,8 @@ def slora_markdown(report: dict) -> str:
         f"**Simulated: {report['label']}.** S-LoRA's own trace (seed 42, its arrival, length "
         "and popularity draws; `benchmarks/slora_workloads.py`); throughput is S-LoRA's "
         "(finished requests over the time to the last finish). The base-model rows serve the "
-        "same trace with no adapter: the ceiling.",
+        "same trace with no adapter: the ceiling. Adapters at the start: "
+        f"{report.get('adapters_start', 'in the store (fetched on demand)')}.",
         "",
         f"Command: `{report.get('command', '')}`",
         "",

@@ -194,9 +194,11 @@ def slora_table(
     adapter_counts: list[int],
     rates: list[float],
     duration_s: float | None,
+    host_resident: bool = False,
 ) -> dict:
     """S-LoRA's trace for the setting at each adapter count and offered rate, served with
-    adapters and by the base model alone (the ceiling)."""
+    adapters and by the base model alone (the ceiling); ``host_resident``: the adapters in
+    host RAM when the run starts (S-LoRA's setting), else fetched from the store on demand."""
     setting = SETTINGS[setting_name]
     model = model_dir(cache_dir, f"{setting_name.lower()}-model", setting.model, tokenizer_dir)
     rows = []
@@ -214,11 +216,13 @@ def slora_table(
                     ranks,
                     vocab_size=setting.model["vocab_size"],
                     base_model=base,
+                    host_resident=host_resident and not base,
                 )
                 rows.append(_table_row(rate, None if base else count, run))
                 print(json.dumps(rows[-1]), flush=True)
     return {
         "setting": setting_name,
+        "adapters_start": "in host RAM" if host_resident else "in the store (fetched on demand)",
         "profile": profile.name,
         "label": profile.describe(),
         "rows": rows,

@@ -67,6 +67,10 @@ class SimulatedAdapterSource(AdapterSource):
         if self.rank > max_rank:
             raise AdapterFetchError(f"{self.description}: rank above max_lora_rank {max_rank}")
         self.clock.sleep(self.fetch_seconds(model_config, dtype))
+        return self.weights(model_config, name=name, dtype=dtype)
+
+    def weights(self, model_config: ModelConfig, *, name: str, dtype: torch.dtype) -> LoRAWeights:
+        """The adapter's weights at once (no fetch): for one already in host RAM."""
         generator = torch.Generator().manual_seed(zlib.crc32(self.name.encode()))
         modules = {}
         for module in self.targets:

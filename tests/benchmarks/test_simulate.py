@@ -129,3 +129,17 @@ def test_reports_say_every_figure_is_simulated_and_on_which_profile():
     text = slora_markdown(table)
     assert "**Simulated: simulated on profile nvidia-h100-80gb-hbm3" in text
     assert "| base model |" in text
+
+
+def test_host_resident_adapters_are_fetched_by_no_request(tiny_model_dir):
+    # S-LoRA's setting: every adapter in host RAM when the clock starts.
+    profile = DeviceProfile.load("nvidia-h100-80gb-hbm3").scaled(store_bytes_per_s=0.01)
+    config = engine_config(
+        tiny_model_dir, kv_cache_bytes=2 << 20, max_num_seqs=8, max_num_batched_tokens=128
+    )
+    requests = [WorkloadRequest(i, 0.01 * i, i % 4, 6, 4, "default") for i in range(8)]
+    cold = serve(config, profile, requests, [8, 16, 8, 16], vocab_size=1000)
+    warm = serve(config, profile, requests, [8, 16, 8, 16], vocab_size=1000, host_resident=True)
+    assert cold.traffic["loads"] == 4 and cold.traffic["host_misses"] == 4
+    assert warm.traffic["loads"] == 0 and warm.traffic["host_misses"] == 0
+    assert warm.summary["ttft_s"]["p50"] < cold.summary["ttft_s"]["p50"]
