@@ -126,6 +126,7 @@ def _build_parts(
         dtype=config.torch_dtype,
         pin_memory=devices.device.type == "cuda",
         advice=plan.advice(),
+        clock=devices.clock,
     )
     prefill_budget, scheduler = _scheduler(config, kv, residency)
     executor = _executor(config, devices, loaded.model, arena, pool, backend, plan)

@@ -55,8 +55,9 @@ class StepObserver:
         self.grammars, self.speculator = grammars, speculator
         self._speculative = (speculative_method, num_speculative_tokens)
         self.clock = clock
-        self.latencies = LatencyRecorder()  # recent TTFT / ITL for stats()
-        self.tenant_share = TenantShare()  # tokens served per tenant, as steps serve them
+        self.latencies = LatencyRecorder(clock=clock.now)  # recent TTFT / ITL for stats()
+        # tokens served per tenant, as steps serve them (windows on the engine's clock)
+        self.tenant_share = TenantShare(clock=clock.now)
         self.tenant_priorities: dict[str | None, int] = {}  # as last set, for stats()
         self._speculation: dict[str, SpeculationStats] = {}  # adapter label -> totals
         self._prefix_stats = (0, 0)

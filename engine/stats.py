@@ -196,9 +196,11 @@ def tier_stats(tiers: AdapterTiers, bytes_per_row: int) -> tuple[TierStats, Tier
 class LatencyRecorder:
     """The engine's TTFT and inter-token windows, fed as tokens are produced."""
 
-    def __init__(self, window_s: float = DEFAULT_WINDOW_S):
-        self.ttft = LatencyWindow(window_s)
-        self.itl = LatencyWindow(window_s)
+    def __init__(
+        self, window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ):
+        self.ttft = LatencyWindow(window_s, clock=clock)
+        self.itl = LatencyWindow(window_s, clock=clock)
 
     @property
     def window_s(self) -> float:

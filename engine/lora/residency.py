@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from loramux.engine.clock import Clock, WallClock
 from loramux.engine.config_parts import LoRAConfig
 from loramux.engine.errors import AdapterInUse, EngineError, UnknownAdapter
 from loramux.engine.lora.adapter import LoRARequest, load_adapter
@@ -64,6 +65,7 @@ class AdapterResidency:
         dtype: torch.dtype,
         pin_memory: bool,  # host copies pinned, for asynchronous copies to a GPU
         advice: str,  # what to change when adapters thrash (the memory plan's)
+        clock: Clock | None = None,  # the engine's (its per-minute figures are in its time)
     ):
         self.pool, self.kv, self.metrics = pool, kv, metrics
         self._model_config, self._dtype, self._max_rank = model_config, dtype, lora.max_lora_rank
@@ -87,7 +89,7 @@ class AdapterResidency:
         self._adapter_ids = itertools.count(1)
         self._room: AdapterRoom | None = None
         # Evictions, re-loads and room waits watched; the thrash warning says what to do.
-        self.watch = ResidencyWatch(advice=advice, log=logger)
+        self.watch = ResidencyWatch(advice=advice, log=logger, clock=(clock or WallClock()).now)
 
     # --- the registry ------------------------------------------------------------------
     def add(self, name: str, path: str | Path) -> LoRARequest:

@@ -6,6 +6,7 @@ a real CPU engine given the same trace and the same clock."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -114,6 +115,11 @@ def test_a_simulated_run_serves_the_trace_whole_and_the_same_way_every_time(
         assert len(output.token_ids) == request.max_tokens
     # Adapters came and went: the trace exercises residency, not just the steps.
     assert engine.tiers.device_evictions > 0
+    # What the engine times by window (the thrash watch, tenant shares) is on its clock too.
+    simulated_now = engine.clock.now()
+    assert 0 < simulated_now < time.monotonic()
+    assert all(t <= simulated_now for t, _ in engine.residency.watch._history)
+    assert engine.observer.tenant_share._clock() == simulated_now
     timings = {
         rid: (o.metrics.first_token_time, o.metrics.finished_time) for rid, o in served.items()
     }
