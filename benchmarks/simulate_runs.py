@@ -98,7 +98,6 @@ def calibration(
 ) -> dict:
     """Every recorded figure in ``recorded`` against its simulation, with the error; and
     the slora-s2 run's steps, simulated beside measured (when the run recorded them)."""
-    model = (cache_dir, tokenizer_dir)
     runs = recorded_runs(recorded, profile, suffix)
     rows, steps = [], {}
     if "kernels" in runs:
@@ -107,9 +106,9 @@ def calibration(
                 _row("kernels_gpu decode step", r.what, "ms", r.measured_ms, r.simulated_ms)
             )
     if "slora-s2" in runs:
-        rows += _slora_rows(runs["slora-s2"], profile, model, steps)
+        rows += _slora_rows(runs["slora-s2"], profile, cache_dir, tokenizer_dir, steps)
     if "punica-distinct" in runs:
-        raw, run = replay(runs["punica-distinct"], profile, *model)
+        raw, run = replay(runs["punica-distinct"], profile, cache_dir, tokenizer_dir)
         rows += [
             _row(
                 "punica-distinct",
@@ -135,8 +134,10 @@ def calibration(
     }
 
 
-def _slora_rows(path: Path, profile: DeviceProfile, model: tuple, steps: dict) -> list[dict]:
-    raw, run = replay(path, profile, *model)
+def _slora_rows(
+    path: Path, profile: DeviceProfile, cache_dir: Path, tokenizer_dir: Path, steps: dict
+) -> list[dict]:
+    raw, run = replay(path, profile, cache_dir, tokenizer_dir)
     measured, simulated = raw["loramux"], run.summary
     rows = [
         _row(
@@ -243,4 +244,5 @@ def _table_row(rate: float, adapters: int | None, run: SimulatedRun) -> dict:
         "per_minute": {k: run.per_minute(k) for k in PER_MINUTE},
         "simulated_s": s["duration_s"],
         "real_s": run.real_seconds,
+        "step_seconds": run.step_seconds,  # where the simulated steps' time went
     }

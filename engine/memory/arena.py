@@ -61,6 +61,7 @@ __all__ = [
     "AdapterRows",
     "DeviceArena",
     "RowLayout",
+    "block_bytes",
     "quantized_block_elems",
     "row_bytes",
     "zeroed",
@@ -180,6 +181,12 @@ def quantized_block_elems(
 def row_bytes(layout: RowLayout, num_layers: int, dtype: torch.dtype) -> int:
     """Device bytes one rank-row takes across all layers (A in k, B in v)."""
     return 2 * num_layers * layout.row_width * dtype.itemsize
+
+
+def block_bytes(layout: RowLayout, num_layers: int, dtype: torch.dtype) -> int:
+    """Device bytes one KV block takes across all layers (keys and values; a quantized
+    block's scales are in its bytes)."""
+    return 2 * num_layers * layout.block_elems * dtype.itemsize
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -313,7 +320,7 @@ class DeviceArena:
     def bytes_per_block(self) -> int:
         """Device bytes one KV block takes across all layers (keys and values; a quantized
         block's scales are in its bytes)."""
-        return 2 * self.num_layers * self.layout.block_elems * self.dtype.itemsize
+        return block_bytes(self.layout, self.num_layers, self.dtype)
 
     # --- views -----------------------------------------------------------------
     def a_pool(self, layer: int, module: str) -> torch.Tensor:

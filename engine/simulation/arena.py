@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.memory.arena import RowLayout, row_bytes
+from loramux.engine.memory.arena import RowLayout, block_bytes, row_bytes
 from loramux.engine.model.config import ModelConfig
 
 
@@ -40,7 +40,7 @@ class GeometryArena:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.layout.block_elems * self.dtype.itemsize
+        return block_bytes(self.layout, self.num_layers, self.dtype)
 
     def a_pool(self, layer: int, module: str) -> torch.Tensor:
         raise RuntimeError("a simulated device holds no adapter weights")

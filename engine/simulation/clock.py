@@ -23,6 +23,10 @@ SETTLE_POLL_S = 0.0005  # real seconds between looks at the loader while it sett
 SETTLE_LIMIT_S = 60.0  # real seconds the loader may take to settle before it is a bug
 
 
+class EngineStuck(RuntimeError):
+    """Requests are left, nothing can run and no event is coming (a policy bug)."""
+
+
 class LoaderNeverSettled(RuntimeError):
     """The loader's threads did not come to rest (a simulation bug, or a real hang)."""
 
@@ -69,6 +73,15 @@ class SimulatedClock:
         with self._cond:
             self._settle()
             return self._wakes[0][0] if self._wakes else None
+
+    def next_event(self, next_arrival: float | None) -> float:
+        """When something can change for an engine that could run nothing: the next
+        arrival (``next_arrival``, on this clock) or the next fetch to finish; EngineStuck
+        when neither is coming."""
+        events = [t for t in (self.next_wake(), next_arrival) if t is not None]
+        if not events:
+            raise EngineStuck("requests are left, nothing can run and no arrival or fetch is due")
+        return min(events)
 
     # --- the loader's side ---------------------------------------------------------------
     def sleep(self, seconds: float) -> None:

@@ -22,10 +22,6 @@ class TraceRequest:
     tenant: str | None = None
 
 
-class EngineStuck(RuntimeError):
-    """Requests are left, nothing can run and no event is coming (a policy bug)."""
-
-
 def run_trace(engine: Engine, trace: Sequence[TraceRequest]) -> dict[str, RequestOutput]:
     """Serve ``trace`` (sorted by arrival) to its end; each request's final output, whose
     ``metrics`` carry its simulated arrival, first-token and finish times."""
@@ -52,14 +48,6 @@ def run_trace(engine: Engine, trace: Sequence[TraceRequest]) -> dict[str, Reques
             if output.finished:
                 finished[output.request_id] = output
         if clock.now() == before and not outputs:
-            events = [clock.next_wake()]
-            if index < len(pending):
-                events.append(start + pending[index].arrival)
-            events = [t for t in events if t is not None]
-            if not events:
-                raise EngineStuck(
-                    f"{len(trace) - len(finished)} requests unfinished, nothing can run and no "
-                    "arrival or adapter fetch is due"
-                )
-            clock.advance_to(min(events))
+            arrival = start + pending[index].arrival if index < len(pending) else None
+            clock.advance_to(clock.next_event(arrival))
     return finished

@@ -37,7 +37,6 @@ class SimulatedSteps:
     steps: int = 0
     seconds: float = 0.0
     by_part: dict[str, float] = field(default_factory=dict)
-    graph_steps: int = 0
 
 
 class SimulatedExecutor:
@@ -69,13 +68,13 @@ class SimulatedExecutor:
             raise NotImplementedError("speculative decoding is not simulated")
         if batch.prompt_rows.rows:
             raise NotImplementedError("prompt logprobs are not simulated")
-        shape = self.shape(batch)
-        time = self.step_time.step(shape)
+        # The copies since the last step (adapter rows, KV blocks) hold this one up.
+        h2d_bytes, device_bytes = self.arena.take_pending()
+        time = self.step_time.step(self.shape(batch, h2d_bytes, device_bytes))
         self.clock.advance(time.seconds)
         totals = self.totals
         totals.steps += 1
         totals.seconds += time.seconds
-        totals.graph_steps += shape.graph
         for part, seconds in time.parts.items():
             totals.by_part[part] = totals.by_part.get(part, 0.0) + seconds
         sampled = {
@@ -86,8 +85,8 @@ class SimulatedExecutor:
         }
         return StepResult(sampled)
 
-    def shape(self, batch: StepBatch) -> StepShape:
-        """What the step's time depends on, read off its batch."""
+    def shape(self, batch: StepBatch, h2d_bytes: int = 0, device_bytes: int = 0) -> StepShape:
+        """What the step's time depends on: its batch, and the copies it waits for."""
         forward = batch.forward
         decodes, chunks = [], []
         for rows, context in zip(forward.query_lens, forward.context_lens, strict=True):
@@ -95,15 +94,14 @@ class SimulatedExecutor:
                 decodes.append(context)
             else:
                 chunks.append((rows, context))
-        h2d, device = self.arena.take_pending()
         return StepShape(
             decode_contexts=decodes,
             prefill_chunks=chunks,
             head_rows=len(batch.head_index),
             adapters=_adapters(forward.lora),
             graph=forward.is_decode_only and len(decodes) <= self.graph_max_batch,
-            h2d_bytes=h2d,
-            device_copy_bytes=device,
+            h2d_bytes=h2d_bytes,
+            device_copy_bytes=device_bytes,
         )
 
 

@@ -27,6 +27,7 @@ new ``user``. A run whose requests loramux never finished is still a failure.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,6 +53,7 @@ OUTPUT_TOKENS = 16
 RUNS_TIMEOUT_S = 600.0
 STALL_S = 90.0  # no report this long after loramux billed all of a run's requests: stalled
 ATTEMPTS = 2  # per request format
+SERVED_POLL_S = 5.0  # how often a waiting run reads loramux's usage export
 EXIT_GRACE_S = 30.0  # how long a run may take to exit once its report is complete
 HEALTH_PROBE = '"GET /health HTTP/1.1" 200'  # uvicorn's access log line
 OFFLINE = {
@@ -130,6 +132,7 @@ class GuideLLMRun:
         Returns False when it stalled before any report: ``STALL_S`` after ``served``
         (loramux's count of this run's finished requests) reached ``REQUESTS``."""
         reported_at = all_served_at = None
+        served_checked = -math.inf  # the usage export is read every SERVED_POLL_S, not per look
         while self.process.poll() is None and time.monotonic() < deadline:
             now = time.monotonic()
             if reported_at is None and self.report_complete():
@@ -137,8 +140,14 @@ class GuideLLMRun:
             if reported_at is not None and now - reported_at > EXIT_GRACE_S:
                 self.hung_at_exit = True
                 break
-            if reported_at is None and all_served_at is None and served(self.user) >= REQUESTS:
-                all_served_at = now
+            if (
+                reported_at is None
+                and all_served_at is None
+                and now - served_checked >= SERVED_POLL_S
+            ):
+                served_checked = now
+                if served(self.user) >= REQUESTS:
+                    all_served_at = now
             if reported_at is None and all_served_at is not None and now - all_served_at > STALL_S:
                 break
             time.sleep(0.5)
