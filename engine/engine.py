@@ -202,7 +202,10 @@ class Engine:
             residency.take_loads(), "could not be loaded", ErrorKind.ADAPTER_LOAD_FAILED
         )
         never = residency.prepare(
-            scheduler.waiting_in_order(), scheduler.running, scheduler.step_count + 1
+            scheduler.admission_candidates(),
+            scheduler.running,
+            scheduler.step_count + 1,
+            scheduler.fair.weights,
         )
         outputs += self._fail_waiting(never, "cannot be served", ErrorKind.ADAPTER_TOO_LARGE)
         if self.speculator is not None:

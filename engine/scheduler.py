@@ -43,15 +43,22 @@ Policy, in order:
    adapter's turn comes within a bounded number of steps.
 5. **Cold adapters**: a waiting sequence whose adapter is not on the device
    (``adapters.is_ready`` says so; residency loads it in the background) is skipped
-   without holding up the sequences behind it. When such an adapter is in host RAM but
+   without holding up the sequences behind it. Residency stages adapters only for the
+   sequences the next step could admit (``admission_candidates``) and only into memory
+   not promised to the KV of running and earlier-staged requests (``lora/staging.py``).
+   A sequence whose adapter waits for promised memory (``adapters.waits_for_kv``) counts
+   as skipped by the cap: once it has waited ``adapter_wait_steps`` steps, the starvation
+   guard of policy 4 admits nothing else until it is, so running requests finish and give
+   it the memory, with no preemption. When such an adapter is in host RAM but
    finds no device room because KV blocks are in use where its rows must go, residency
    holds those blocks for it (``KVCacheManager.hold_from``) and says so
    (``adapters.room_wanted``); the scheduler moves the ones in use to free blocks below
    (a copy, not a recompute), and once the adapter has waited
    ``adapter_wait_steps`` steps, if blocks are still in its way for want of free blocks
-   below, running sequences of its priority or lower (lowest and latest first) are
+   below, the running sequences whose blocks are not promised against it (of lower
+   priorities, or of other tenants above their KV share; lowest and latest first) are
    preempted until they could all move, so a cold adapter gets its rows within a bounded
-   number of steps however long the running requests are.
+   number of steps however long another tenant's running requests are.
 6. **Per-tenant KV share**: within a priority class, a tenant is entitled to the share
    of KV blocks and sequence slots its weight gives it among the tenants with requests
    (``weight / sum of their weights``; a slot share rounded up). A waiting sequence of a
@@ -141,7 +148,9 @@ class AdapterRoom:
 
     adapter_id: int
     kv_limit: int  # the blocks at and above it must be released for the adapter's rows
-    priority: int  # of its first waiting request: holders of higher priority are spared
+    # Running requests that may be preempted for it (lower priorities, tenants above their
+    # share); the others' blocks are promised (lora/staging.py) and they are spared.
+    preemptible: frozenset[str]
     since_step: int  # the step it started waiting (the starvation bound counts from it)
 
 
@@ -217,6 +226,10 @@ class AdapterGate(Protocol):
         """The cold adapter whose device rows KV blocks stand in, if one waits (policy 5)."""
         ...
 
+    def waits_for_kv(self, adapter_id: int) -> bool:
+        """Whether the adapter waits for device memory promised to requests' KV (policy 5)."""
+        ...
+
 
 class _EveryAdapterReady:
     """The gate of a scheduler without adapter residency (tests of the policy alone)."""
@@ -226,6 +239,9 @@ class _EveryAdapterReady:
 
     def room_wanted(self) -> AdapterRoom | None:
         return None
+
+    def waits_for_kv(self, adapter_id: int) -> bool:
+        return False
 
 
 def _no_prompt_cap() -> int:
@@ -280,6 +296,28 @@ class Scheduler:
     def waiting_in_order(self) -> list[Sequence]:
         """The waiting sequences in the order they would be admitted."""
         return sorted(self.waiting, key=self._waiting_order)
+
+    def admission_candidates(self) -> list[Sequence]:
+        """The waiting sequences the next step could admit, in admission order: the starving
+        one alone (policy 4), else the first as many as there are free slots, and beyond
+        them those that may preempt for a slot: of a priority above a running sequence's
+        (policy 3), or their tenant's first (policy 6). Adapters are staged for these only."""
+        starving = self._starving_sequence()
+        if starving is not None:
+            return [starving]
+        free = self.limits.max_num_seqs - len(self.running)
+        lowest = min((s.priority for s in self.running), default=None)
+        tenants: set[str | None] = set()
+        candidates = []
+        for seq in self.waiting_in_order():
+            first_of_tenant = seq.tenant not in tenants
+            tenants.add(seq.tenant)
+            if free > 0:
+                free -= 1
+            elif not first_of_tenant and (lowest is None or seq.priority <= lowest):
+                continue
+            candidates.append(seq)
+        return candidates
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -411,6 +449,8 @@ class Scheduler:
             if seq.tenant in stopped_tenants:
                 continue
             if seq.adapter_id is not None and not self.adapters.is_ready(seq.adapter_id):
+                if seq.adapter_blocked_since is None and self.adapters.waits_for_kv(seq.adapter_id):
+                    seq.adapter_blocked_since = self.step_count  # the guard bounds its wait
                 continue
             if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, step.adapters):
                 if seq.adapter_blocked_since is None:
@@ -512,8 +552,9 @@ class Scheduler:
     def _make_adapter_room(self, preempted: list[Sequence]) -> list[tuple[int, int]]:
         """Clear a cold adapter's way (policy 5): move the blocks in use in its hold to free
         blocks below, before anything else takes them; once it has waited long enough,
-        preempt the least important running sequences of its priority or lower until the
-        rest can move too. Returns the moves for the runner to copy."""
+        preempt the least important of the running sequences residency allows
+        (``room.preemptible``) until the rest can move too. Returns the moves for the
+        runner to copy."""
         room = self.adapters.room_wanted()
         if room is None:
             return []
@@ -523,7 +564,7 @@ class Scheduler:
         if self.step_count - room.since_step < self.limits.adapter_wait_steps:
             return moves
         victims = sorted(
-            (s for s in self.running if s.priority <= room.priority),
+            (s for s in self.running if s.request_id in room.preemptible),
             key=lambda s: (s.priority, -s.metrics.arrival_time),
         )
         for seq in victims:

@@ -158,6 +158,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def max_num_tokens(self) -> int:
+        """The most tokens it can ever hold: its prompt and ``max_tokens`` more, within the
+        model's context (what admission that must never preempt would reserve for it)."""
+        return min(len(self.prompt_token_ids) + self.params.max_tokens, self._max_model_len)
+
+    @property
     def adapter_id(self) -> int | None:
         return None if self.lora is None else self.lora.adapter_id
 

@@ -201,19 +201,27 @@ class LoRAPool:
             )
         return resident
 
-    def try_load(self, adapter_id: int, weights: LoRAWeights) -> ResidentAdapter | None:
+    def try_load(
+        self, adapter_id: int, weights: LoRAWeights, *, kv_floor: int | None = None
+    ) -> ResidentAdapter | None:
         """Make the adapter resident, or return None (nothing changed) if it cannot fit now.
 
         Places it in a free run, or grows the region into free KV blocks; failing both,
         compacts and evicts idle adapters (LRU, larger first on ties) and retries.
+        ``kv_floor``: the region may not grow so far that KV's limit falls below it (the KV
+        blocks promised to requests); rows beyond come from idle adapters or not at all. The
+        region may always grow back to where it started the call, so evictions that shrink
+        it do not lose the rows they freed.
         """
         if adapter_id in self._resident:
             raise ValueError(f"adapter id {adapter_id} is already resident")
         num_rows = weights.rank
-        if not self._could_fit(num_rows):
+        if kv_floor is not None:
+            kv_floor = min(kv_floor, self._kv.limit)
+        if not self._could_fit(num_rows, kv_floor):
             return None  # not even evicting every idle adapter would do: evict nobody
         while True:
-            start = self._place(num_rows)
+            start = self._place(num_rows, kv_floor)
             if start is not None:
                 break
             # Compaction copies rows; worth it only when the free rows would add up.
@@ -341,30 +349,42 @@ class LoRAPool:
             runs.append((low, cursor))
         return runs
 
-    def _floor_row(self) -> int:
-        """The lowest row the region could reach now: KV's blocks in use and floor, the cap."""
-        kv_row = self._layout.first_row_for(self._kv.lowest_possible_limit())
-        return max(self._cap_row, kv_row)
+    def _floor_row(self, kv_floor: int | None = None) -> int:
+        """The lowest row the region could reach now: KV's blocks in use and floor, the cap,
+        and ``kv_floor`` (the lowest KV limit this load may leave)."""
+        lowest = self._kv.lowest_possible_limit()
+        if kv_floor is not None:
+            lowest = max(lowest, kv_floor)
+        return max(self._cap_row, self._layout.first_row_for(lowest))
 
     def _free_rows_from(self, low: int) -> int:
         return self._layout.total_rows - low - self.rows_used
 
-    def _could_fit(self, num_rows: int) -> bool:
+    def could_fit(self, num_rows: int, kv_floor: int | None = None) -> bool:
+        """Whether an adapter of ``num_rows`` would fit now with every idle adapter gone
+        (KV's limit kept at or above ``kv_floor``, when given)."""
+        if kv_floor is not None:
+            kv_floor = min(kv_floor, self._kv.limit)
+        return self._could_fit(num_rows, kv_floor)
+
+    def _could_fit(self, num_rows: int, kv_floor: int | None = None) -> bool:
         """Whether some free run would fit with every idle adapter gone."""
         pinned = sorted((self._resident[a] for a in self._pins), key=lambda r: r.row_start)
-        runs = self._free_runs(self._floor_row(), pinned)
+        runs = self._free_runs(self._floor_row(kv_floor), pinned)
         return any(end - start >= num_rows for start, end in runs)
 
-    def _place(self, num_rows: int) -> int | None:
+    def _place(self, num_rows: int, kv_floor: int | None = None) -> int | None:
         """First row for a new adapter: the top of the highest free run inside the region
-        that fits, else right below the region, grown by just enough (KV permitting)."""
+        that fits, else right below the region, grown by just enough (KV and ``kv_floor``
+        permitting)."""
         for start, end in self._free_runs(self._first_row, self._by_start()):
             if end - start >= num_rows:
                 return end - num_rows
         first = self._first_row - num_rows
         if first < self._cap_row:
             return None
-        if not self._kv.try_lower_limit(self._layout.kv_limit_for(first)):
+        limit = self._layout.kv_limit_for(first)
+        if (kv_floor is not None and limit < kv_floor) or not self._kv.try_lower_limit(limit):
             return None
         self._first_row = first
         return first

@@ -7,22 +7,27 @@ request for a cold adapter waits in the queue while a background thread loads it
 steps go on meanwhile.
 
 Before each step :meth:`AdapterResidency.take_loads` takes finished loads into RAM, and
-:meth:`AdapterResidency.prepare` makes the waiting requests' adapters device-resident where
-there is room, in queue order. When the first adapter that found no room is in RAM, the KV
-blocks where its rows must go are held for it (``KVCacheManager.hold_from``) and the
-scheduler is told through :meth:`room_wanted` (it moves the blocks in use below, and
-preempts for them once the adapter has waited ``adapter_wait_steps``; scheduler policy 5).
+:meth:`AdapterResidency.prepare` makes device-resident the adapters of the waiting requests
+the next step could admit (``Scheduler.admission_candidates``), in admission order, where
+there is room that is not promised to requests' KV (``staging.py``). When the first adapter
+that found no room is in RAM and its memory is promised, the scheduler is told through
+:meth:`waits_for_kv`: its request waits for running ones to finish, and the starvation guard
+(scheduler policy 4) stops other admissions once it has waited ``adapter_wait_steps``. When
+instead KV blocks in use stand where its rows must go, those blocks are held for it
+(``KVCacheManager.hold_from``) and the scheduler is told through :meth:`room_wanted` (it
+moves the blocks in use below, and preempts for them once the adapter has waited
+``adapter_wait_steps``; scheduler policy 5).
 When the next step's KV blocks are short, idle adapters give rows back to KV. After the
 step, exactly the running requests' adapters stay pinned.
 
-The scheduler sees only ``is_ready`` and ``room_wanted`` (its ``AdapterGate``).
+The scheduler sees only ``is_ready``, ``waits_for_kv`` and ``room_wanted`` (its ``AdapterGate``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -40,6 +45,7 @@ from loramux.engine.lora.source import (
     DiskCachedSource,
     LocalDirectorySource,
 )
+from loramux.engine.lora.staging import KVPromise
 from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.metrics import EngineMetrics
@@ -163,20 +169,36 @@ class AdapterResidency:
         return self.tiers.poll()
 
     def prepare(
-        self, waiting: list[Sequence], running: list[Sequence], next_step: int
+        self,
+        candidates: list[Sequence],
+        running: list[Sequence],
+        next_step: int,
+        weights: Mapping[str | None, float] | None = None,
     ) -> dict[int, str]:
-        """Make the adapters of ``waiting`` (in queue order) device-resident where there is
-        room, hold KV blocks for the first that found none, and let idle adapters give rows
-        back when the next step's blocks are short. Returns adapter id -> why, for adapters
-        that can never be on the device (their requests must fail, not wait forever).
-        ``next_step``: the scheduler's number for the coming step (a wait counts from it)."""
-        never = self.tiers.prepare(s.adapter_id for s in waiting if s.adapter_id is not None)
-        self._hold_room(waiting, next_step)
-        self._give_kv_room(waiting, running)
+        """Make the adapters of ``candidates`` (the waiting requests the next step could
+        admit, in admission order) device-resident where there is room not promised to
+        requests' KV (``staging.py``), hold KV blocks for the first that found blocks in use
+        in its way, and let idle adapters give rows back when the next step's blocks are
+        short. Returns adapter id -> why, for adapters that can never be on the device
+        (their requests must fail, not wait forever). ``next_step``: the scheduler's number
+        for the coming step (a wait counts from it); ``weights``: the tenants' fair-share
+        weights (1 for one not listed)."""
+        promise = KVPromise(self.kv, running, candidates, weights or {})
+        never = self.tiers.prepare(candidates, promise)
+        self._hold_room(candidates, running, promise, next_step)
+        self._give_kv_room(candidates, running)
         return never
 
-    def _hold_room(self, waiting: list[Sequence], next_step: int) -> None:
-        """Hold the KV blocks where the first adapter that found no device room must go."""
+    def _hold_room(
+        self,
+        waiting: list[Sequence],
+        running: list[Sequence],
+        promise: KVPromise,
+        next_step: int,
+    ) -> None:
+        """Hold the KV blocks where the first adapter that found no device room must go,
+        and name the running requests that may be preempted for it: those whose blocks are
+        not promised against its first request (``KVPromise.protects``)."""
         blocked = self.tiers.blocked_for_room
         limit = None if blocked is None else self.pool.kv_limit_needed(blocked[1])
         first = None
@@ -190,7 +212,10 @@ class AdapterResidency:
             if self._room is not None and self._room.adapter_id == blocked[0]:
                 since = self._room.since_step
             self.kv.hold_from(limit)
-            self._room = AdapterRoom(blocked[0], limit, first.priority, since)
+            preemptible = frozenset(
+                s.request_id for s in running if not promise.protects(s.priority, s.tenant, first)
+            )
+            self._room = AdapterRoom(blocked[0], limit, preemptible, since)
         self.metrics.kv_blocks_held.set(self.kv.num_held_blocks)
 
     def _give_kv_room(self, waiting: list[Sequence], running: list[Sequence]) -> None:
@@ -212,6 +237,9 @@ class AdapterResidency:
 
     def room_wanted(self) -> AdapterRoom | None:
         return self._room
+
+    def waits_for_kv(self, adapter_id: int) -> bool:
+        return self.tiers.short_of_kv == adapter_id
 
     # --- after scheduling ----------------------------------------------------------------
     def pin_running(self, running: Iterable[Sequence]) -> None:

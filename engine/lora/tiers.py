@@ -10,16 +10,19 @@ used from the engine thread only (the loader thread hands results back through a
 * ``poll()`` at the top of each step takes finished loads into the host cache and returns
   the adapters that failed (the engine fails the requests waiting for them; the adapter
   goes back to the store tier, so the next request retries);
-* ``prepare(waiting)`` before scheduling makes the adapters of waiting requests device-
-  resident, in queue order, as far as the device pool has room (evicting idle adapters
+* ``prepare(wanted, promise)`` before scheduling makes the adapters of the requests the
+  next step could admit device-resident, in admission order, as far as the device pool has
+  room that is not promised to requests' KV (``staging.py``; evicting idle adapters
   LRU-first); a request whose adapter is not on the device is simply not admitted yet, so
   a cold adapter never stalls the step;
 * ``pin_running(running)`` after scheduling: the adapters of running requests are pinned
   (never evicted or moved), every other one is evictable.
 
-``prepare`` also records the first adapter in queue order that is in host RAM but found no
-room on the device (``blocked_for_room``: its id and rows): the engine holds KV blocks for
-it so that it gets room within a bounded number of steps, however busy KV is.
+``prepare`` also records the first adapter in admission order that is in host RAM but found
+no room on the device: ``blocked_for_room`` (its id and rows) when KV blocks in use stand
+where its rows must go, and the engine holds those blocks for it so that it gets room within
+a bounded number of steps; ``short_of_kv`` when the memory it needs is promised to requests,
+and it waits for them to finish (the scheduler's starvation guard bounds the wait).
 
 What shows memory to be the limit is counted here (``Engine.stats().residency`` and
 ``/metrics``): device evictions, *re-loads* (an adapter back on the device after the device
@@ -39,7 +42,9 @@ from loramux.engine.lora.host_cache import HostAdapterCache, HostCacheFull
 from loramux.engine.lora.loader import AdapterLoader
 from loramux.engine.lora.pool import LoRAPool, PoolFull
 from loramux.engine.lora.source import AdapterSource
+from loramux.engine.lora.staging import KVPromise
 from loramux.engine.metrics import EngineMetrics
+from loramux.engine.sequence import Sequence
 
 
 class Tier(enum.StrEnum):
@@ -78,6 +83,9 @@ class AdapterTiers:
         # The first adapter of the last prepare() that was in RAM but found no device room:
         # (adapter id, rows it needs), or None.
         self.blocked_for_room: tuple[int, int] | None = None
+        # The first adapter of the last prepare() in RAM whose room is KV promised to
+        # requests (``staging.py``): it waits for requests to finish, holding nothing.
+        self.short_of_kv: int | None = None
         # Since the start (for Engine.stats(); the metrics may be shared between engines):
         self.device_evictions = 0
         self.reloads = 0  # device loads of adapters the device had before and evicted
@@ -193,18 +201,34 @@ class AdapterTiers:
         return failed
 
     # --- device residency ----------------------------------------------------------------
-    def prepare(self, adapter_ids_in_queue_order: Iterable[int]) -> dict[int, str]:
-        """Make the queued requests' adapters device-resident where room allows.
+    def prepare(
+        self, candidates: Iterable[Sequence], promise: KVPromise | None = None
+    ) -> dict[int, str]:
+        """Make the adapters of ``candidates`` (the requests the next step could admit, in
+        admission order) device-resident.
 
+        With a ``promise``, an adapter may take KV blocks only beyond those promised
+        (``staging.py``): to protected running requests and to the candidates before it
+        whose adapters are on the device; rows beyond come from idle adapters.
         An adapter made resident here stays pinned until ``pin_running`` (so a later one in
         the same pass cannot evict it). One missing from the host tier is (re)queued for
-        loading. Returns adapter id -> error for adapters that can never be on the device
-        (larger than the pool can ever hold): their requests must fail, not wait forever.
+        loading. The first adapter in RAM that finds no room stops the pass (later ones
+        wait too): ``blocked_for_room`` when blocks in use stand where its rows must go,
+        ``short_of_kv`` when the memory is promised. Returns adapter id -> error for
+        adapters that can never be on the device (larger than the pool can ever hold):
+        their requests must fail, not wait forever.
         """
         never: dict[int, str] = {}
         full = False
         self.blocked_for_room = None
-        for adapter_id in dict.fromkeys(adapter_ids_in_queue_order):
+        self.short_of_kv = None
+        staged: set[int] = set()
+        for seq in candidates:
+            adapter_id = seq.adapter_id
+            if adapter_id is None or adapter_id in staged:
+                if promise is not None:
+                    promise.promise(seq)
+                continue
             if adapter_id not in self._by_id:
                 continue
             if self.pool.is_resident(adapter_id):
@@ -222,14 +246,18 @@ class AdapterTiers:
                 except PoolFull as exc:
                     never[adapter_id] = str(exc)
                     continue
+                floor = None if promise is None else promise.kv_floor(seq)
                 self.host.pin(adapter_id)
                 try:
-                    resident = self.pool.try_load(adapter_id, weights)
+                    resident = self.pool.try_load(adapter_id, weights, kv_floor=floor)
                 finally:
                     self.host.unpin(adapter_id)
                 if resident is None:
-                    full = True  # no room without evicting pinned ones: later ones wait too
-                    self.blocked_for_room = (adapter_id, weights.rank)
+                    full = True  # later ones wait too
+                    if self._promised_away(weights.rank, floor):
+                        self.short_of_kv = adapter_id
+                    else:
+                        self.blocked_for_room = (adapter_id, weights.rank)
                     continue
                 if adapter_id in self._evicted:
                     self._evicted.discard(adapter_id)
@@ -237,12 +265,26 @@ class AdapterTiers:
                     self.metrics.adapter_reloads.inc()
             self.pool.pin(adapter_id)
             self._prepared.add(adapter_id)
-        if self.blocked_for_room is not None:
+            staged.add(adapter_id)
+            if promise is not None:
+                promise.promise(seq)
+        if self.blocked_for_room is not None or self.short_of_kv is not None:
             # Its requests (and those of any adapter after it) sit out this step.
             self.room_wait_steps += 1
             self.metrics.adapter_room_wait_steps.inc()
         self._update_gauges()
         return never
+
+    def _promised_away(self, rows: int, kv_floor: int | None) -> bool:
+        """Whether an adapter of ``rows`` found no room because the KV it would take is
+        promised (it would fit without ``kv_floor``, or the KV limit it needs is below it),
+        rather than because blocks in use stand in the way."""
+        if kv_floor is None:
+            return False
+        if self.pool.could_fit(rows):
+            return True
+        limit = self.pool.kv_limit_needed(rows)
+        return limit is not None and limit < kv_floor
 
     def _failed(self, adapter_id: int) -> bool:
         return self._by_id[adapter_id].failure is not None

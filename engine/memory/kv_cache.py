@@ -393,6 +393,11 @@ class KVCacheManager:
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks the request holds (0 for one holding none)."""
+        table = self._tables.get(request_id)
+        return 0 if table is None else len(table)
+
     # -- prefix registration ----------------------------------------------------------------
 
     def commit(

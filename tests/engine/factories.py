@@ -51,6 +51,19 @@ def build_engine(
     return engine
 
 
+def put_adapters_on_device(engine: Engine, names) -> None:
+    """Make ``names`` device-resident (idle) with a one-token request each.
+
+    Adapters are staged only into memory no request was promised (``lora/staging.py``),
+    so requests arriving with their adapters cold wait rather than crowd KV. The tests that
+    need preemption by recompute put them on the device first: KV is then left its floor,
+    and the requests admitted into it (optimistically, as always) outgrow it."""
+    from loramux.engine import SamplingParams
+
+    engine.generate(["warm"] * len(names), SamplingParams(max_tokens=1), adapters=list(names))
+    assert all(engine.adapter_residency()[name] == "device" for name in names)
+
+
 # A model whose adapter rows line up with nothing: Σ in_features over the seven LoRA targets
 # is 184, Σ out is 168, a KV block of one 8-wide head is 8 elements per token.
 ODD_ROWS_CONFIG = ModelConfig(

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loramux.engine import Engine, RequestOutput, SamplingParams
-from tests.engine.factories import PROMPTS, build_engine
+from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.hf_reference import first_step_logits, greedy_tokens
 
 TARGET_PROMPT = PROMPTS[0]
@@ -211,6 +211,8 @@ def test_seeded_request_is_batch_invariant(tiny_model_dir, adapters, overrides):
     }
     order = list(requests)
     schedule = {0: order[:4], 2: order[4:6], 3: order[6:7], 5: order[7:]}
+    if overrides:  # KV left its floor: preemption
+        put_adapters_on_device(engine, adapters)
     results = stream(engine, requests, add_at=lambda step: schedule.get(step, []))
     busy = results["target"][0]
     assert busy.token_ids == solo.token_ids

@@ -13,7 +13,7 @@ import torch
 
 from loramux.engine import Engine, SamplingParams
 from loramux.kernels.dispatch import KERNELS_ENV
-from tests.engine.factories import PROMPTS, build_engine
+from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.hf_reference import first_step_logits, greedy_tokens
 
 ADAPTER_SPECS = {
@@ -141,6 +141,7 @@ def test_preemption_matches_peft(tiny_model_dir, tiny_adapters):
         block_size=4,
     )
     requests = mixed_requests(8)
+    put_adapters_on_device(engine, tiny_adapters)  # KV left its floor: preemption
     outputs = run_staggered(engine, requests, 24)
     assert engine.num_preemptions > 0
     assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, outputs, 24)
@@ -218,6 +219,7 @@ def test_smollm2_preemption_and_prefix_hits_match_peft(smollm2_dir, smollm2_adap
         ("Answer briefly and precisely, in plain English words. " + p, a)
         for p, a in mixed_requests(6)
     ]
+    put_adapters_on_device(engine, smollm2_adapters)  # KV left its floor: preemption
     outputs = run_staggered(engine, requests, 12)
     assert engine.num_preemptions > 0
     assert engine.kv.prefix_cache_hits > 0

@@ -17,7 +17,7 @@ import pytest
 from loramux.engine import EngineConfig, SamplingParams
 from loramux.engine.model.quantized import QuantizedEmbedding, QuantizedLinear, weight_bytes
 from loramux.kernels.dispatch import KERNELS_ENV
-from tests.engine.factories import build_engine
+from tests.engine.factories import build_engine, put_adapters_on_device
 from tests.engine.test_exactness import (
     ADAPTER_SPECS,
     assert_matches_reference,
@@ -86,6 +86,7 @@ def test_prefix_hits_small_chunks_and_preemption_match_peft(
     )
     system = "You are a helpful assistant who answers briefly. "
     requests = [(system + p, a) for p, a in mixed_requests(8)]
+    put_adapters_on_device(engine, tiny_adapters)  # KV left its floor: preemption
     outputs = run_staggered(engine, requests, 20)
     assert engine.num_preemptions > 0
     assert engine.kv.prefix_cache_hits > 0

@@ -20,7 +20,7 @@ import torch
 from loramux.engine import SamplingParams
 from loramux.engine.engine import EngineError
 from loramux.engine.speculative.draft_model import DraftCache, DraftState
-from tests.engine.factories import PROMPTS, build_engine
+from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.speculative.test_speculative_engine import (
     assert_speculated,
     spec_counts,
@@ -96,6 +96,7 @@ def test_preemption_matches_peft_with_a_draft_model(
         **draft_settings(tiny_draft_dir, draft_kv_cache_bytes=draft_bytes),
     )
     requests = mixed_requests(8)
+    put_adapters_on_device(engine, tiny_adapters)  # KV left its floor: preemption
     outputs = run_staggered(engine, requests, 24)
     assert engine.num_preemptions > 0
     assert_speculated(engine)

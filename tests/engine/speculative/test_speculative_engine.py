@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from loramux.engine import SamplingParams
-from tests.engine.factories import PROMPTS, build_engine
+from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.test_exactness import (
     ADAPTER_SPECS,
     assert_matches_reference,
@@ -86,6 +86,7 @@ def test_preemption_matches_peft_with_speculation(tiny_model_dir, tiny_adapters)
         **NGRAM,
     )
     requests = mixed_requests(8)
+    put_adapters_on_device(engine, tiny_adapters)  # KV left its floor: preemption
     outputs = run_staggered(engine, requests, 24)
     assert engine.num_preemptions > 0
     assert_speculated(engine)

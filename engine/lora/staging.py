@@ -1,0 +1,79 @@
+"""How far putting adapters on the device may take memory from KV: the blocks promised.
+
+Adapter rows and KV blocks share one memory (``pool.py``). An adapter staged for a waiting
+request takes KV blocks; if it takes the blocks that running requests still need to finish,
+they are preempted and recomputed while their adapters stay pinned, and the next adapter
+takes more: the spiral that collapsed S-LoRA's S2 workload with 1,000 adapters (KV squeezed
+from 6,133 blocks to 261 by adapters staged for requests that could not run).
+
+So staging is bounded by a promise, S-LoRA's admission rule applied to adapters: a running
+request may still grow to its most tokens (prompt plus ``max_tokens``), and so may every
+request an adapter is staged for. An adapter may take only KV memory beyond the blocks
+promised (rows beyond come from idle adapters); the scheduler's admission itself stays
+optimistic. The promise protects only what a waiting request must not take by the
+scheduler's own rules: running requests of a higher priority, of its own tenant, and of
+tenants within their fair share of KV. Blocks of lower priorities and of other tenants above
+their share are the waiting request's to claim (scheduler policies 3, 5 and 6), so one
+tenant's flood cannot promise away another tenant's adapter room.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+from loramux.engine.memory.kv_cache import KVCacheManager
+from loramux.engine.sequence import Sequence
+
+
+class KVPromise:
+    """KV blocks promised to requests: what adapters being staged may not take."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        running: Iterable[Sequence],
+        candidates: Iterable[Sequence],
+        weights: Mapping[str | None, float],
+    ):
+        self.kv = kv
+        # (priority, tenant) -> blocks its running requests hold and may still take.
+        self._groups: dict[tuple[int, str | None], int] = defaultdict(int)
+        held: dict[str | None, int] = defaultdict(int)
+        for seq in running:
+            blocks = kv.num_blocks_of(seq.request_id)
+            self._groups[(seq.priority, seq.tenant)] += max(blocks, self.blocks_for(seq))
+            held[seq.tenant] += blocks
+        active = set(held) | {seq.tenant for seq in candidates}
+        total_weight = sum(weights.get(t, 1.0) for t in active) or 1.0
+        # Tenants holding more KV than their weight's share: what they hold is not promised.
+        self._over_share = {
+            t for t in held if held[t] > kv.limit * weights.get(t, 1.0) / total_weight
+        }
+        self.staged = 0  # blocks promised to the candidates passed so far
+
+    def blocks_for(self, seq: Sequence) -> int:
+        """Blocks ``seq`` needs at its longest."""
+        return -(-seq.max_num_tokens // self.kv.block_size)
+
+    def protects(self, priority: int, tenant: str | None, seq: Sequence) -> bool:
+        """Whether running requests of (``priority``, ``tenant``) keep their blocks against
+        waiting ``seq`` (else it may claim them: preempting, by policies 3, 5 and 6)."""
+        if priority != seq.priority:
+            return priority > seq.priority
+        return tenant == seq.tenant or tenant not in self._over_share
+
+    def kv_floor(self, seq: Sequence) -> int:
+        """The lowest KV limit at which the blocks promised against ``seq`` (and its own at
+        its longest) stay KV's: held blocks, protected running requests' blocks now and to
+        come, the candidates' before it."""
+        protected = sum(
+            blocks
+            for (priority, tenant), blocks in self._groups.items()
+            if self.protects(priority, tenant, seq)
+        )
+        return self.kv.num_held_blocks + protected + self.staged + self.blocks_for(seq)
+
+    def promise(self, seq: Sequence) -> None:
+        """``seq`` will be admitted (its adapter is on the device): its blocks are promised."""
+        self.staged += self.blocks_for(seq)
