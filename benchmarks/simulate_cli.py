@@ -2,10 +2,13 @@
 
     loramux bench simulate calibrate [--profile P]
     loramux bench simulate slora [--setting S2] [--adapters 5,100,1000,2000] [--rates 10,40]
+    loramux bench simulate churn [--setting S2] [--capacity 100] [--factors 0.5,1,2,4]
 
-Writes ``simulation_calibration_<profile>.{json,md}`` or
-``simulation_slora-<setting>[-host]-<rates>rps_<profile>.{json,md}`` into the results folder. Every figure in
-them is simulated, and says so with the profile and its calibration beside it.
+Writes ``simulation_calibration_<profile>.{json,md}``,
+``simulation_slora-<setting>[-host]-<rates>rps_<profile>.{json,md}`` or
+``simulation_churn-<setting>-<rate>rps_<profile>.{json,md,png}`` into the results folder.
+Every figure in them is simulated, and says so with the profile and its calibration beside
+it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ from loramux.benchmarks.files import (
 )
 from loramux.benchmarks.models import prepare_model
 from loramux.benchmarks.simulate import DEFAULT_PROFILE
+from loramux.benchmarks.simulate_churn import (
+    CHURN_DURATION_S,
+    CHURN_FACTORS,
+    DEFAULT_CAPACITY,
+    churn_markdown,
+    churn_plot,
+    churn_sweep,
+)
 from loramux.benchmarks.simulate_runs import calibration, slora_table
 from loramux.benchmarks.slora_workloads import SETTINGS, TABLE_ADAPTERS
 from loramux.engine.simulation.profile import PROFILES_DIR, DeviceProfile
@@ -39,7 +50,7 @@ def _numbers(kind):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="loramux bench simulate", description=__doc__)
-    parser.add_argument("what", choices=("calibrate", "slora"))
+    parser.add_argument("what", choices=("calibrate", "slora", "churn"))
     parser.add_argument(
         "--profile",
         default=DEFAULT_PROFILE,
@@ -74,6 +85,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="slora: every adapter in host RAM when the run starts (S-LoRA's setting)",
     )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=DEFAULT_CAPACITY,
+        help="churn: the adapters (of the setting's rank mix) the device's adapter room holds",
+    )
+    parser.add_argument(
+        "--factors",
+        type=_numbers(float),
+        default=list(CHURN_FACTORS),
+        help="churn: working sets as multiples of --capacity",
+    )
     add_output_options(parser)
     args = parser.parse_args(argv)
     check_output_options(parser, args)
@@ -95,6 +118,24 @@ def main(argv: list[str]) -> int:
         write_report(stem, report, calibration_markdown(report))
         return 0
     rates = args.rates or [SETTINGS[args.setting].rate]
+    if args.what == "churn":
+        report = {
+            "command": command,
+            **churn_sweep(
+                args.setting,
+                profile,
+                args.cache_dir,
+                tokenizer,
+                capacity=args.capacity,
+                factors=tuple(args.factors),
+                rate=rates[0],
+                duration_s=args.duration or CHURN_DURATION_S,
+            ),
+        }
+        stem = args.out / f"simulation_churn-{args.setting}-{rates[0]:g}rps_{profile.name}"
+        plot = churn_plot(report, stem.with_suffix(".png"))
+        write_report(stem, report, churn_markdown(report, plot))
+        return 0
     report = {
         "command": command,
         **slora_table(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from loramux.benchmarks.simulate import SimulatedRunClock, engine_config, serve
+from loramux.benchmarks.simulate_churn import churn_markdown, churn_plot, churn_sweep
 from loramux.benchmarks.simulate_cli import calibration_markdown, slora_markdown
 from loramux.benchmarks.slora_workloads import SETTINGS, adapter_rank, slora_requests
 from loramux.benchmarks.workload import WorkloadRequest
@@ -143,3 +144,22 @@ def test_host_resident_adapters_are_fetched_by_no_request(tiny_model_dir):
     assert cold.traffic["loads"] == 4 and cold.traffic["host_misses"] == 4
     assert warm.traffic["loads"] == 0 and warm.traffic["host_misses"] == 0
     assert warm.summary["ttft_s"]["p50"] < cold.summary["ttft_s"]["p50"]
+
+
+def test_the_churn_sweep_runs_each_working_set_capped_and_all_resident(tmp_path, tokenizer_dir):
+    profile = DeviceProfile.load("nvidia-h100-80gb-hbm3")
+    report = churn_sweep(
+        "S2", profile, tmp_path, tokenizer_dir, capacity=4, factors=(0.5, 2.0), duration_s=1.0
+    )
+    small, large = report["rows"]
+    assert (small["working_set"], large["working_set"]) == (2, 8)
+    # Past the capacity the capped run churns; the all-resident one never does.
+    assert large["capped"]["per_minute"]["device_evictions"] > 0
+    assert all(r["all_resident"]["per_minute"]["device_evictions"] == 0 for r in report["rows"])
+    assert small["capped"]["per_minute"]["device_evictions"] == 0
+    assert report["verdict"]["ttft_p50_ratio"] == large["ttft_p50_ratio"]
+    plot = churn_plot(report, tmp_path / "churn.png")
+    assert plot is not None and plot.stat().st_size > 0
+    text = churn_markdown(report, plot)
+    assert f"**Simulated: {profile.describe()}.**" in text
+    assert "| 2x | 8 |" in text and "churn.png" in text
