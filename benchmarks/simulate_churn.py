@@ -20,6 +20,7 @@ from pathlib import Path
 
 from loramux.benchmarks.files import pyplot, save_figure
 from loramux.benchmarks.simulate import SimulatedRun, engine_config, model_dir, model_of, serve
+from loramux.benchmarks.simulate_runs import PER_MINUTE, per_minute_cell
 from loramux.benchmarks.slora_workloads import SETTINGS, adapter_rank, slora_requests
 from loramux.engine.model.llama import LORA_TARGETS
 from loramux.engine.simulation.adapters import adapter_bytes
@@ -103,15 +104,7 @@ def _figures(run: SimulatedRun) -> dict:
         "ttft_p50_s": s["ttft_s"]["p50"],
         "ttft_p99_s": s["ttft_s"]["p99"],
         "itl_p50_s": s["itl_s"]["p50"],
-        "per_minute": {
-            k: run.per_minute(k)
-            for k in (
-                "adapter_reloads",
-                "device_evictions",
-                "adapter_room_wait_steps",
-                "preemptions",
-            )
-        },
+        "per_minute": {k: run.per_minute(k) for k in PER_MINUTE},
         "real_s": run.real_seconds,
     }
 
@@ -163,15 +156,7 @@ def churn_markdown(report: dict, plot: Path | None) -> str:
     ]
     for row in report["rows"]:
         c, r, pm = row["capped"], row["all_resident"], row["capped"]["per_minute"]
-        counters = " / ".join(
-            f"{pm[k]:.0f}"
-            for k in (
-                "adapter_reloads",
-                "device_evictions",
-                "adapter_room_wait_steps",
-                "preemptions",
-            )
-        )
+        counters = per_minute_cell(pm)
         lines.append(
             f"| {row['factor']:g}x | {row['working_set']:,} | {c['ttft_p50_s']:.3f} "
             f"({r['ttft_p50_s']:.3f}) | {row['ttft_p50_ratio']:.2f} | {c['ttft_p99_s']:.2f} "

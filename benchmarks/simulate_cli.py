@@ -33,7 +33,7 @@ from loramux.benchmarks.simulate_churn import (
     churn_plot,
     churn_sweep,
 )
-from loramux.benchmarks.simulate_runs import calibration, slora_table
+from loramux.benchmarks.simulate_runs import calibration, per_minute_cell, slora_table
 from loramux.benchmarks.slora_workloads import SETTINGS, TABLE_ADAPTERS
 from loramux.engine.simulation.profile import PROFILES_DIR, DeviceProfile
 
@@ -255,15 +255,7 @@ def slora_markdown(report: dict) -> str:
     ]
     for r in report["rows"]:
         pm = r["per_minute"]
-        counters = " / ".join(
-            f"{pm[k]:.0f}"
-            for k in (
-                "adapter_reloads",
-                "device_evictions",
-                "adapter_room_wait_steps",
-                "preemptions",
-            )
-        )
+        counters = per_minute_cell(pm)
         adapters = "base model" if r["adapters"] is None else f"{r['adapters']:,}"
         lines.append(
             f"| {r['offered_rate']:g} | {adapters} | {r['requests_per_s']:.2f} | "

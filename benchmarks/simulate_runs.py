@@ -41,6 +41,11 @@ ENGINE_SETTINGS = (
 PER_MINUTE = ("adapter_reloads", "device_evictions", "adapter_room_wait_steps", "preemptions")
 
 
+def per_minute_cell(per_minute: dict[str, float]) -> str:
+    """The four residency counters per minute, as the reports' tables show them."""
+    return " / ".join(f"{per_minute[k]:.0f}" for k in PER_MINUTE)
+
+
 def replay(
     recorded: Path, profile: DeviceProfile, cache_dir: Path, tokenizer_dir: Path
 ) -> tuple[dict, SimulatedRun]:
