@@ -75,6 +75,9 @@ class SimulatedRun:
     step_seconds: dict[str, float]  # the executed steps' simulated seconds by part
     real_seconds: float  # what simulating took on this machine
     step_summary: dict  # step_trace.summarize_steps of the run's steps
+    # The throughput relative to the base model's that the adapters' bytes allow on these
+    # steps (SimulatedSteps.adapter_floor_ratio): what the kernels could reach at best.
+    adapter_floor_ratio: float = 1.0
 
     def per_minute(self, counter: str) -> float:
         return 60 * self.residency[counter] / self.summary["duration_s"]
@@ -153,6 +156,7 @@ def serve(
             step_seconds=dict(totals.by_part),
             real_seconds=time.perf_counter() - started,
             step_summary=summarize_steps(tracer.records),
+            adapter_floor_ratio=totals.adapter_floor_ratio(),
         )
     finally:
         engine.close()

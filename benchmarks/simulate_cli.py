@@ -244,22 +244,31 @@ def slora_markdown(report: dict) -> str:
         f"**Simulated: {report['label']}.** S-LoRA's own trace (seed 42, its arrival, length "
         "and popularity draws; `benchmarks/slora_workloads.py`); throughput is S-LoRA's "
         "(finished requests over the time to the last finish). The base-model rows serve the "
-        "same trace with no adapter: the ceiling. Adapters at the start: "
+        "same trace with no adapter: the ceiling. *Of the base model's*: the row's throughput "
+        "over that ceiling's; *the adapters' bytes allow*: the same ratio with the steps "
+        "costing the base model's time plus their adapters' bytes at full memory bandwidth "
+        "(no launches, no copies): what perfect LoRA kernels would reach. Adapters at the start: "
         f"{report.get('adapters_start', 'in the store (fetched on demand)')}.",
         "",
         f"Command: `{report.get('command', '')}`",
         "",
-        "| offered req/s | adapters | req/s | output tok/s | TTFT P50 / P99 s | ITL P50 ms "
+        "| offered req/s | adapters | req/s | of the base model's | the adapters' bytes allow "
+        "| output tok/s | TTFT P50 / P99 s | ITL P50 ms "
         "| re-loads / evictions / room waits / preemptions per min |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    base = {r["offered_rate"]: r["requests_per_s"] for r in report["rows"] if r["adapters"] is None}
     for r in report["rows"]:
         pm = r["per_minute"]
         counters = per_minute_cell(pm)
         adapters = "base model" if r["adapters"] is None else f"{r['adapters']:,}"
+        ceiling = base.get(r["offered_rate"])
+        of_base = "—" if ceiling is None else f"{r['requests_per_s'] / ceiling:.0%}"
+        floor = r.get("adapter_floor_ratio")
+        allowed = "—" if floor is None else f"{floor:.0%}"
         lines.append(
-            f"| {r['offered_rate']:g} | {adapters} | {r['requests_per_s']:.2f} | "
-            f"{r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+            f"| {r['offered_rate']:g} | {adapters} | {r['requests_per_s']:.2f} | {of_base} | "
+            f"{allowed} | {r['output_tokens_per_s']:,.0f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
             f"{1e3 * r['itl_p50_s']:.1f} | {counters} |"
         )
     return "\n".join(lines) + "\n"

@@ -250,4 +250,5 @@ def _table_row(rate: float, adapters: int | None, run: SimulatedRun) -> dict:
         "simulated_s": s["duration_s"],
         "real_s": run.real_seconds,
         "step_seconds": run.step_seconds,  # where the simulated steps' time went
+        "adapter_floor_ratio": run.adapter_floor_ratio,
     }

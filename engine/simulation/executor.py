@@ -37,6 +37,16 @@ class SimulatedSteps:
     steps: int = 0
     seconds: float = 0.0
     by_part: dict[str, float] = field(default_factory=dict)
+    lora_bytes_s: float = 0.0  # the adapters' bytes at full bandwidth (StepTime's)
+
+    def adapter_floor_ratio(self) -> float:
+        """The throughput, relative to the base model's on the same steps, that the
+        adapters' bytes allow: the steps' time without their LoRA work and adapter copies,
+        over that plus the adapters' bytes at full bandwidth (1.0 without adapters)."""
+        base = (
+            self.seconds - self.by_part.get("lora", 0.0) - self.by_part.get("adapter_copies", 0.0)
+        )
+        return base / (base + self.lora_bytes_s) if base > 0 else 1.0
 
 
 class SimulatedExecutor:
@@ -75,6 +85,7 @@ class SimulatedExecutor:
         totals = self.totals
         totals.steps += 1
         totals.seconds += time.seconds
+        totals.lora_bytes_s += time.lora_bytes_s
         for part, seconds in time.parts.items():
             totals.by_part[part] = totals.by_part.get(part, 0.0) + seconds
         sampled = {

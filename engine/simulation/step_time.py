@@ -61,6 +61,9 @@ class StepTime:
     """A step's modelled seconds, by part."""
 
     parts: dict[str, float]
+    # The adapters' bytes alone at the full memory bandwidth: the least time any kernel could
+    # add for them (their floor; not a part of the step's time).
+    lora_bytes_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -104,6 +107,12 @@ class StepTimeModel:
             )
         groups = [self._lora_group(group, shape) for group in LORA_GROUPS.values()]
         lora = sum(groups)
+        lora_bytes = sum(
+            rank * sum(self._shapes[module]) * db
+            for _, ranks in shape.adapters
+            for module, rank in ranks.items()
+            if module in self._shapes
+        )
         head_params = m.vocab_size * m.hidden_size
         device = layers * (projections + attention + lora + p.layer_overhead_s)
         launches = 0.0
@@ -127,7 +136,7 @@ class StepTimeModel:
             "adapter_copies": shape.h2d_bytes / p.h2d_bytes_per_s,
             "device_copies": shape.device_copy_bytes / p.hbm_bytes_per_s,
         }
-        return StepTime(parts)
+        return StepTime(parts, lora_bytes_s=layers * lora_bytes / p.hbm_bytes_per_s)
 
     def _lora_group(self, modules: tuple[str, ...], shape: StepShape) -> float:
         """One layer's shrink and expand launches for the group's modules."""

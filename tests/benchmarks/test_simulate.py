@@ -88,6 +88,9 @@ def test_a_simulated_bench_run_serves_every_request_at_its_length(tiny_model_dir
     base = serve(config, profile, requests, [8, 16, 8], vocab_size=1000, base_model=True)
     assert base.traffic["loads"] == 0
     assert base.summary["ttft_s"]["p50"] < summary["ttft_s"]["p50"]
+    # What the adapters' bytes allow: below the base model's throughput, above nothing.
+    assert base.adapter_floor_ratio == 1.0
+    assert 0.5 < run.adapter_floor_ratio < 1.0
 
 
 def test_reports_say_every_figure_is_simulated_and_on_which_profile():

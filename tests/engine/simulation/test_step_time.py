@@ -55,6 +55,17 @@ def test_doubled_bandwidth_halves_a_memory_bound_step(h100):
     assert seconds(bare.scaled(matmul_flops_per_s=2.0), shape) == seconds(bare, shape)
 
 
+def test_the_adapters_floor_is_their_bytes_at_full_bandwidth(h100):
+    model = StepTimeModel(h100, llama_7b(), dtype_bytes=2)
+    # 64 rank-16 q/k/v/o adapters: each module's A and B, 16 x (4096 + 4096), 2 bytes, 32 layers.
+    step = model.step(decode(adapters=[(1, QKVO)] * 64))
+    nbytes = 64 * 4 * 16 * (4096 + 4096) * 2 * 32
+    assert step.lora_bytes_s == pytest.approx(nbytes / h100.hbm_bytes_per_s, rel=1e-12)
+    # Below the modelled LoRA time (launches, efficiency), and none without adapters.
+    assert 0 < step.lora_bytes_s < step.parts["lora"]
+    assert model.step(decode()).lora_bytes_s == 0
+
+
 def test_doubled_flops_halve_a_compute_bound_prefill(h100):
     bare = no_fixed_costs(h100)
     shape = StepShape([], [(2048, 2048), (2048, 2048)], head_rows=2)
