@@ -12,9 +12,10 @@ request an adapter is staged for. An adapter may take only KV memory beyond the 
 promised (rows beyond come from idle adapters); the scheduler's admission itself stays
 optimistic. The promise protects only what a waiting request must not take by the
 scheduler's own rules: running requests of a higher priority, of its own tenant, and of
-tenants within their fair share of KV. Blocks of lower priorities and of other tenants above
-their share are the waiting request's to claim (scheduler policies 3, 5 and 6), so one
-tenant's flood cannot promise away another tenant's adapter room.
+other tenants up to their fair share of KV (by weight, among the tenants with requests).
+Blocks of lower priorities, and another tenant's promise beyond its share, are the waiting
+request's to claim (scheduler policies 3, 5 and 6): one tenant's flood, or its requests'
+huge ``max_tokens``, cannot promise away another tenant's adapter room.
 """
 
 from __future__ import annotations
@@ -39,17 +40,16 @@ class KVPromise:
         self.kv = kv
         # (priority, tenant) -> blocks its running requests hold and may still take.
         self._groups: dict[tuple[int, str | None], int] = defaultdict(int)
-        held: dict[str | None, int] = defaultdict(int)
+        promised: dict[str | None, int] = defaultdict(int)
         for seq in running:
-            blocks = kv.num_blocks_of(seq.request_id)
-            self._groups[(seq.priority, seq.tenant)] += max(blocks, self.blocks_for(seq))
-            held[seq.tenant] += blocks
-        active = set(held) | {seq.tenant for seq in candidates}
+            blocks = max(kv.num_blocks_of(seq.request_id), self.blocks_for(seq))
+            self._groups[(seq.priority, seq.tenant)] += blocks
+            promised[seq.tenant] += blocks
+        active = set(promised) | {seq.tenant for seq in candidates}
         total_weight = sum(weights.get(t, 1.0) for t in active) or 1.0
-        # Tenants holding more KV than their weight's share: what they hold is not promised.
-        self._over_share = {
-            t for t in held if held[t] > kv.limit * weights.get(t, 1.0) / total_weight
-        }
+        # Each tenant's fair share of KV blocks: what its promise is protected up to.
+        self._share = {t: kv.limit * weights.get(t, 1.0) / total_weight for t in active}
+        self._over_share = {t for t in promised if promised[t] > self._share[t]}
         self.staged = 0  # blocks promised to the candidates passed so far
 
     def blocks_for(self, seq: Sequence) -> int:
@@ -57,8 +57,9 @@ class KVPromise:
         return -(-seq.max_num_tokens // self.kv.block_size)
 
     def protects(self, priority: int, tenant: str | None, seq: Sequence) -> bool:
-        """Whether running requests of (``priority``, ``tenant``) keep their blocks against
-        waiting ``seq`` (else it may claim them: preempting, by policies 3, 5 and 6)."""
+        """Whether running requests of (``priority``, ``tenant``) keep all their blocks
+        against waiting ``seq``; else it may claim them (preempting: policies 3, 5 and 6).
+        Another tenant's above its share keeps only its share (``kv_floor``)."""
         if priority != seq.priority:
             return priority > seq.priority
         return tenant == seq.tenant or tenant not in self._over_share
@@ -66,12 +67,14 @@ class KVPromise:
     def kv_floor(self, seq: Sequence) -> int:
         """The lowest KV limit at which the blocks promised against ``seq`` (and its own at
         its longest) stay KV's: held blocks, protected running requests' blocks now and to
-        come, the candidates' before it."""
-        protected = sum(
-            blocks
-            for (priority, tenant), blocks in self._groups.items()
-            if self.protects(priority, tenant, seq)
-        )
+        come (another tenant's up to its share), the candidates' before it."""
+        protected = 0
+        for (priority, tenant), blocks in self._groups.items():
+            if self.protects(priority, tenant, seq):
+                protected += blocks
+            elif priority == seq.priority:  # another tenant above its share: its share
+                protected += min(blocks, self._share[tenant])
+        protected = round(protected)
         return self.kv.num_held_blocks + protected + self.staged + self.blocks_for(seq)
 
     def promise(self, seq: Sequence) -> None:

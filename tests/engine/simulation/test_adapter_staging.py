@@ -143,3 +143,34 @@ def test_an_adapter_waiting_for_promised_memory_is_served_within_a_bound_without
 
 def engine_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def test_a_tenants_huge_max_tokens_cannot_promise_away_anothers_adapter_room(
+    tiny_model_dir, profile
+):
+    """Four requests that may each grow to 220 tokens hold 8 blocks now but are promised 56
+    of the 64, above their tenant's half. Another tenant's 8-row adapter is staged at once
+    (were the whole promise protected, it would wait for them to finish): a tenant's promise
+    is protected only up to its share."""
+    engine = many_adapter_engine(tiny_model_dir, profile, kv_cache_bytes=512 << 10)
+    assert engine.kv.num_blocks == 64
+    try:
+        long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+        for i in range(4):
+            engine.add_request(f"h{i}", [600 + i] * 20, long, tenant="hog")
+        engine.step()
+        engine.add_request(
+            "v", [700 + t for t in range(20)], engine_params(4), adapter="a1", tenant="v"
+        )
+        first = None
+        for step in range(1, 20):
+            for output in engine.step():
+                if output.request_id == "v" and output.token_ids and first is None:
+                    first = step
+            if first is not None:
+                break
+        assert first is not None and first <= 2, first
+        assert engine.stats().preemptions == 0
+        assert all(engine.kv.has(f"h{i}") for i in range(4))  # the hog runs on
+    finally:
+        engine.close()
