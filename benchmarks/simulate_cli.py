@@ -247,7 +247,9 @@ def slora_markdown(report: dict) -> str:
         "same trace with no adapter: the ceiling. *Of the base model's*: the row's throughput "
         "over that ceiling's; *the adapters' bytes allow*: the same ratio with the steps "
         "costing the base model's time plus their adapters' bytes at full memory bandwidth "
-        "(no launches, no copies): what perfect LoRA kernels would reach. Adapters at the start: "
+        "(no launches, no copies): what perfect LoRA kernels would reach. Both ratios mean "
+        "something only at a saturating rate: below it every run serves what arrives. "
+        "Adapters at the start: "
         f"{report.get('adapters_start', 'in the store (fetched on demand)')}.",
         "",
         f"Command: `{report.get('command', '')}`",

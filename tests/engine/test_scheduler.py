@@ -434,6 +434,28 @@ def test_high_priority_preempts_lower_when_slots_are_short():
     assert set(scheduled_tokens(sim.step())) == {"low-old", "high"}
 
 
+def test_admission_candidates_are_what_the_next_step_could_admit():
+    """Adapters are staged for these only: the free slots' worth in admission order, then
+    those that may preempt for a slot (a higher priority, a tenant's first), or the starving
+    one alone."""
+    sim = Sim(limits(max_num_seqs=3))
+    for name in ("run-a", "run-b"):
+        sim.add(name, prompt_len=4, max_tokens=20, tenant="a")
+    sim.step()
+    for i in range(3):
+        sim.add(f"a{i}", prompt_len=4, max_tokens=2, tenant="a")
+    sim.add("b0", prompt_len=4, max_tokens=2, tenant="b")
+    sim.add("b1", prompt_len=4, max_tokens=2, tenant="b")
+    sim.add("urgent", prompt_len=4, max_tokens=2, tenant="a", priority=1)
+    ids = [s.request_id for s in sim.sched.admission_candidates()]
+    # One free slot, the highest priority's; beyond the slots only a tenant's first: b0 (it
+    # may take a slot by its share; tenant a's first is "urgent"), never a0-a2 or b1.
+    assert ids == ["urgent", "b0"]
+    starving = sim.sched.waiting_in_order()[-1]
+    starving.adapter_blocked_since = sim.sched.step_count - sim.sched.limits.adapter_wait_steps
+    assert sim.sched.admission_candidates() == [starving]
+
+
 # --- VTC fair share -----------------------------------------------------------------------
 
 
