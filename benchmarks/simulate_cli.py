@@ -48,6 +48,23 @@ def _numbers(kind):
     return parse
 
 
+def _engine_setting(text: str) -> tuple[str, int | float]:
+    """``NAME=VALUE`` of an ``EngineConfig`` field with a number for its value."""
+    from dataclasses import fields
+
+    from loramux.engine.config import EngineConfig
+
+    name, _, value = text.partition("=")
+    known = {f.name for f in fields(EngineConfig)}
+    if name not in known:
+        raise argparse.ArgumentTypeError(f"{name!r} is not an engine setting (EngineConfig field)")
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a number") from None
+    return name, int(number) if number.is_integer() else number
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="loramux bench simulate", description=__doc__)
     parser.add_argument("what", choices=("calibrate", "slora", "churn"))
@@ -96,6 +113,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=_numbers(float),
         default=list(CHURN_FACTORS),
         help="churn: working sets as multiples of --capacity",
+    )
+    parser.add_argument(
+        "--set",
+        dest="engine",
+        action="append",
+        type=_engine_setting,
+        default=[],
+        metavar="NAME=VALUE",
+        help="slora: an engine setting over the GPU presets' (repeatable), e.g. max_num_seqs=256",
     )
     add_output_options(parser)
     args = parser.parse_args(argv)
@@ -147,9 +173,11 @@ def main(argv: list[str]) -> int:
             rates,
             args.duration,
             args.host_resident,
+            dict(args.engine),
         ),
     }
     where = "-host" if args.host_resident else ""
+    where += "".join(f"-{name}={value}" for name, value in args.engine)
     offered = "-".join(f"{r:g}" for r in rates)
     stem = args.out / f"simulation_slora-{args.setting}{where}-{offered}rps_{profile.name}"
     write_report(stem, report, slora_markdown(report))
@@ -250,7 +278,10 @@ def slora_markdown(report: dict) -> str:
         "(no launches, no copies): what perfect LoRA kernels would reach. Both ratios mean "
         "something only at a saturating rate: below it every run serves what arrives. "
         "Adapters at the start: "
-        f"{report.get('adapters_start', 'in the store (fetched on demand)')}.",
+        f"{report.get('adapters_start', 'in the store (fetched on demand)')}. Engine: the GPU "
+        "presets' settings"
+        + "".join(f", {k} {v:,}" for k, v in report.get("engine", {}).items())
+        + ".",
         "",
         f"Command: `{report.get('command', '')}`",
         "",

@@ -201,10 +201,13 @@ def slora_table(
     rates: list[float],
     duration_s: float | None,
     host_resident: bool = False,
+    engine: dict | None = None,
 ) -> dict:
     """S-LoRA's trace for the setting at each adapter count and offered rate, served with
     adapters and by the base model alone (the ceiling); ``host_resident``: the adapters in
-    host RAM when the run starts (S-LoRA's setting), else fetched from the store on demand."""
+    host RAM when the run starts (S-LoRA's setting), else fetched from the store on demand;
+    ``engine``: engine settings over the GPU presets'."""
+    engine = engine or {}
     setting = SETTINGS[setting_name]
     model = model_dir(cache_dir, f"{setting_name.lower()}-model", setting.model, tokenizer_dir)
     rows = []
@@ -216,7 +219,7 @@ def slora_table(
                 if base and count != adapter_counts[0]:
                     continue  # the base model's run does not depend on the adapters
                 run = serve(
-                    engine_config(model),
+                    engine_config(model, **engine),
                     profile,
                     requests,
                     ranks,
@@ -229,6 +232,7 @@ def slora_table(
     return {
         "setting": setting_name,
         "adapters_start": "in host RAM" if host_resident else "in the store (fetched on demand)",
+        "engine": engine,
         "profile": profile.name,
         "label": profile.describe(),
         "rows": rows,
