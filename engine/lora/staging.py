@@ -8,7 +8,10 @@ from 6,133 blocks to 261 by adapters staged for requests that could not run).
 
 So staging is bounded by a promise, S-LoRA's admission rule applied to adapters: a running
 request may still grow to its most tokens (prompt plus ``max_tokens``), and so may every
-request an adapter is staged for. An adapter may take only KV memory beyond the blocks
+request an adapter is staged for, up to ``PROMISE_HORIZON_TOKENS`` beyond what it has now.
+The horizon keeps a chat request without ``max_tokens`` (which may run to the end of the
+context, and rarely does) from being promised a whole context: past it, growth is met as
+the scheduler meets it, optimistically. An adapter may take only KV memory beyond the blocks
 promised (rows beyond come from idle adapters); the scheduler's admission itself stays
 optimistic. The promise protects only what a waiting request must not take by the
 scheduler's own rules: running requests of a higher priority, of its own tenant, and of
@@ -25,6 +28,11 @@ from collections.abc import Iterable, Mapping
 
 from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.sequence import Sequence
+
+
+# How far ahead a request's growth is promised: every output of S-LoRA's workloads (under
+# 512 tokens) is promised whole; a request that may run to a long context is promised this.
+PROMISE_HORIZON_TOKENS = 512
 
 
 class KVPromise:
@@ -53,8 +61,9 @@ class KVPromise:
         self.staged = 0  # blocks promised to the candidates passed so far
 
     def blocks_for(self, seq: Sequence) -> int:
-        """Blocks ``seq`` needs at its longest."""
-        return -(-seq.max_num_tokens // self.kv.block_size)
+        """Blocks ``seq`` needs at its longest, or ``PROMISE_HORIZON_TOKENS`` past now."""
+        tokens = min(seq.max_num_tokens, seq.num_tokens + PROMISE_HORIZON_TOKENS)
+        return -(-tokens // self.kv.block_size)
 
     def protects(self, priority: int, tenant: str | None, seq: Sequence) -> bool:
         """Whether running requests of (``priority``, ``tenant``) keep all their blocks

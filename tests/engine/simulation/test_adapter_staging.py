@@ -174,3 +174,17 @@ def test_a_tenants_huge_max_tokens_cannot_promise_away_anothers_adapter_room(
         assert all(engine.kv.has(f"h{i}") for i in range(4))  # the hog runs on
     finally:
         engine.close()
+
+
+def test_a_request_that_may_run_to_a_long_context_is_promised_a_horizon_not_all_of_it():
+    """Chat without ``max_tokens`` may run to the end of the context and rarely does: its
+    whole context promised would keep every adapter off the device while it runs."""
+    from loramux.engine.lora.staging import PROMISE_HORIZON_TOKENS, KVPromise
+    from loramux.engine.memory.kv_cache import KVCacheManager
+    from tests.engine.test_scheduler import make_seq
+
+    kv = KVCacheManager(4096, 16)
+    short, chat = make_seq("short", 20, 100), make_seq("chat", 20, 100_000)
+    promise = KVPromise(kv, [], [short, chat], {})
+    assert promise.blocks_for(short) == -(-120 // 16)  # its whole length: within the horizon
+    assert promise.blocks_for(chat) == -(-(20 + PROMISE_HORIZON_TOKENS) // 16)
