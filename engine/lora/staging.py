@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping
 from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.sequence import Sequence
 
-
 # How far ahead a request's growth is promised: every output of S-LoRA's workloads (under
 # 512 tokens) is promised whole; a request that may run to a long context is promised this.
 PROMISE_HORIZON_TOKENS = 512
