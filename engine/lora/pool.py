@@ -360,12 +360,9 @@ class LoRAPool:
     def _free_rows_from(self, low: int) -> int:
         return self._layout.total_rows - low - self.rows_used
 
-    def could_fit(self, num_rows: int, kv_floor: int | None = None) -> bool:
-        """Whether an adapter of ``num_rows`` would fit now with every idle adapter gone
-        (KV's limit kept at or above ``kv_floor``, when given)."""
-        if kv_floor is not None:
-            kv_floor = min(kv_floor, self._kv.limit)
-        return self._could_fit(num_rows, kv_floor)
+    def could_fit(self, num_rows: int) -> bool:
+        """Whether an adapter of ``num_rows`` would fit now with every idle adapter gone."""
+        return self._could_fit(num_rows)
 
     def _could_fit(self, num_rows: int, kv_floor: int | None = None) -> bool:
         """Whether some free run would fit with every idle adapter gone."""

@@ -173,7 +173,7 @@ class AdapterResidency:
         candidates: list[Sequence],
         running: list[Sequence],
         next_step: int,
-        weights: Mapping[str | None, float] | None = None,
+        weights: Mapping[str | None, float],
     ) -> dict[int, str]:
         """Make the adapters of ``candidates`` (the waiting requests the next step could
         admit, in admission order) device-resident where there is room not promised to
@@ -183,7 +183,7 @@ class AdapterResidency:
         (their requests must fail, not wait forever). ``next_step``: the scheduler's number
         for the coming step (a wait counts from it); ``weights``: the tenants' fair-share
         weights (1 for one not listed)."""
-        promise = KVPromise(self.kv, running, candidates, weights or {})
+        promise = KVPromise(self.kv, running, candidates, weights)
         never = self.tiers.prepare(candidates, promise)
         self._hold_room(candidates, running, promise, next_step)
         self._give_kv_room(candidates, running)

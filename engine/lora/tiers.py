@@ -201,13 +201,11 @@ class AdapterTiers:
         return failed
 
     # --- device residency ----------------------------------------------------------------
-    def prepare(
-        self, candidates: Iterable[Sequence], promise: KVPromise | None = None
-    ) -> dict[int, str]:
+    def prepare(self, candidates: Iterable[Sequence], promise: KVPromise) -> dict[int, str]:
         """Make the adapters of ``candidates`` (the requests the next step could admit, in
         admission order) device-resident.
 
-        With a ``promise``, an adapter may take KV blocks only beyond those promised
+        An adapter may take KV blocks only beyond those ``promise`` keeps
         (``staging.py``): to protected running requests and to the candidates before it
         whose adapters are on the device; rows beyond come from idle adapters.
         An adapter made resident here stays pinned until ``pin_running`` (so a later one in
@@ -226,8 +224,7 @@ class AdapterTiers:
         for seq in candidates:
             adapter_id = seq.adapter_id
             if adapter_id is None or adapter_id in staged:
-                if promise is not None:
-                    promise.promise(seq)
+                promise.promise(seq)
                 continue
             if adapter_id not in self._by_id:
                 continue
@@ -246,7 +243,7 @@ class AdapterTiers:
                 except PoolFull as exc:
                     never[adapter_id] = str(exc)
                     continue
-                floor = None if promise is None else promise.kv_floor(seq)
+                floor = promise.kv_floor(seq)
                 self.host.pin(adapter_id)
                 try:
                     resident = self.pool.try_load(adapter_id, weights, kv_floor=floor)
@@ -266,8 +263,7 @@ class AdapterTiers:
             self.pool.pin(adapter_id)
             self._prepared.add(adapter_id)
             staged.add(adapter_id)
-            if promise is not None:
-                promise.promise(seq)
+            promise.promise(seq)
         if self.blocked_for_room is not None or self.short_of_kv is not None:
             # Its requests (and those of any adapter after it) sit out this step.
             self.room_wait_steps += 1
@@ -275,12 +271,10 @@ class AdapterTiers:
         self._update_gauges()
         return never
 
-    def _promised_away(self, rows: int, kv_floor: int | None) -> bool:
+    def _promised_away(self, rows: int, kv_floor: int) -> bool:
         """Whether an adapter of ``rows`` found no room because the KV it would take is
         promised (it would fit without ``kv_floor``, or the KV limit it needs is below it),
         rather than because blocks in use stand in the way."""
-        if kv_floor is None:
-            return False
         if self.pool.could_fit(rows):
             return True
         limit = self.pool.kv_limit_needed(rows)

@@ -105,14 +105,10 @@ class StepTimeModel:
             attention += self._roofline(
                 context * self._kv_token_bytes, flops, 1.0, p.prefill_attention_efficiency
             )
-        groups = [self._lora_group(group, shape) for group in LORA_GROUPS.values()]
+        per_group = [self._lora_group(group, shape) for group in LORA_GROUPS.values()]
+        groups = [seconds for seconds, _ in per_group]
         lora = sum(groups)
-        lora_bytes = sum(
-            rank * sum(self._shapes[module]) * db
-            for _, ranks in shape.adapters
-            for module, rank in ranks.items()
-            if module in self._shapes
-        )
+        lora_bytes = sum(nbytes for _, nbytes in per_group)
         head_params = m.vocab_size * m.hidden_size
         device = layers * (projections + attention + lora + p.layer_overhead_s)
         launches = 0.0
@@ -138,8 +134,9 @@ class StepTimeModel:
         }
         return StepTime(parts, lora_bytes_s=layers * lora_bytes / p.hbm_bytes_per_s)
 
-    def _lora_group(self, modules: tuple[str, ...], shape: StepShape) -> float:
-        """One layer's shrink and expand launches for the group's modules."""
+    def _lora_group(self, modules: tuple[str, ...], shape: StepShape) -> tuple[float, int]:
+        """One layer's shrink and expand launches for the group's modules: their seconds
+        and the adapters' bytes they read."""
         nbytes = flops = 0
         for tokens, ranks in shape.adapters:
             for module in modules:
@@ -149,8 +146,9 @@ class StepTimeModel:
                     nbytes += rank * width * self.dtype_bytes
                     flops += 2 * tokens * rank * width
         if not nbytes:
-            return 0.0
+            return 0.0, 0
         p = self.profile
-        return 2 * p.lora_launch_graph_s + self._roofline(
+        seconds = 2 * p.lora_launch_graph_s + self._roofline(
             nbytes, flops, p.linear_memory_efficiency, p.matmul_efficiency
         )
+        return seconds, nbytes

@@ -14,11 +14,14 @@ from __future__ import annotations
 import pytest
 
 from loramux.engine.config import EngineConfig
+from loramux.engine.lora.staging import PROMISE_HORIZON_TOKENS, KVPromise
+from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.simulation.adapters import SimulatedAdapterSource
 from loramux.engine.simulation.devices import simulated_engine
 from loramux.engine.simulation.driver import TraceRequest, run_trace
 from loramux.engine.simulation.profile import DeviceProfile
+from tests.engine.test_scheduler import make_seq
 
 NUM_ADAPTERS = 40
 RANK = 8  # 8 of the tiny model's rows: 8 KV blocks (its float32 rows and blocks are equal)
@@ -179,10 +182,6 @@ def test_a_tenants_huge_max_tokens_cannot_promise_away_anothers_adapter_room(
 def test_a_request_that_may_run_to_a_long_context_is_promised_a_horizon_not_all_of_it():
     """Chat without ``max_tokens`` may run to the end of the context and rarely does: its
     whole context promised would keep every adapter off the device while it runs."""
-    from loramux.engine.lora.staging import PROMISE_HORIZON_TOKENS, KVPromise
-    from loramux.engine.memory.kv_cache import KVCacheManager
-    from tests.engine.test_scheduler import make_seq
-
     kv = KVCacheManager(4096, 16)
     short, chat = make_seq("short", 20, 100), make_seq("chat", 20, 100_000)
     promise = KVPromise(kv, [], [short, chat], {})
