@@ -142,6 +142,7 @@ def _build_parts(
         speculator,
         speculative_method=config.speculative_method,
         num_speculative_tokens=config.num_speculative_tokens,
+        num_layers=loaded.config.num_layers,
         clock=devices.clock,
     )
     requests = RequestFactory(

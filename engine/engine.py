@@ -221,6 +221,7 @@ class Engine:
             return outputs
         step = self.execution.run(plan)
         if step is not None:
+            self.observer.observe_lora_launches(step.decode_lora_launches)
             outputs += self._fail_in_step(step) + self._apply(plan, step)
             residency.pin_running(scheduler.running)  # finished requests release theirs
         self.observer.update_gauges()

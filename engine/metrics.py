@@ -58,6 +58,11 @@ class EngineMetrics:
         )
         self.running_requests = Gauge("loramux_running_requests", "Requests running.", registry=r)
         self.waiting_requests = Gauge("loramux_waiting_requests", "Requests waiting.", registry=r)
+        self.lora_launches_per_decode_step = Gauge(
+            "loramux_lora_launches_per_decode_step",
+            "LoRA op launches of the last decode step with adapters (kernel launches on a GPU).",
+            registry=r,
+        )
 
     def _add_memory(self, r: CollectorRegistry) -> None:
         """The KV cache, its prefix cache and the compute threads."""

@@ -48,6 +48,7 @@ class StepObserver:
         *,
         speculative_method: str,
         num_speculative_tokens: int,
+        num_layers: int,
         clock: Clock,
     ):
         self.metrics, self.scheduler, self.kv = metrics, scheduler, kv
@@ -55,6 +56,8 @@ class StepObserver:
         self.grammars, self.speculator = grammars, speculator
         self._speculative = (speculative_method, num_speculative_tokens)
         self.clock = clock
+        self.num_layers = num_layers
+        self.decode_lora_launches: int | None = None  # the last decode step's, with adapters
         self.latencies = LatencyRecorder(clock=clock.now)  # recent TTFT / ITL for stats()
         # tokens served per tenant, as steps serve them (windows on the engine's clock)
         self.tenant_share = TenantShare(clock=clock.now)
@@ -78,6 +81,12 @@ class StepObserver:
             if item.seq.metrics.first_scheduled_time is None:
                 item.seq.metrics.first_scheduled_time = now
                 self.metrics.queue_time.observe(now - item.seq.metrics.arrival_time)
+
+    def observe_lora_launches(self, launches: int | None) -> None:
+        """A step's LoRA launches, if it was a decode-only step with adapters."""
+        if launches is not None:
+            self.decode_lora_launches = launches
+            self.metrics.lora_launches_per_decode_step.set(launches)
 
     def observe_served(self, plan: SchedulerOutput, sampled: Sampled) -> None:
         """Each tenant's tokens, counted as served before the scheduler's update finishes
@@ -154,6 +163,7 @@ class StepObserver:
         device, host = tier_stats(residency.tiers, self.memory_plan.adapter_row_bytes)
         ttft, itl = self.latencies.snapshot()
         method, num_tokens = self._speculative
+        launches = self.decode_lora_launches
         return EngineStats(
             running_requests=len(scheduler.running),
             waiting_requests=len(scheduler.waiting),
@@ -179,4 +189,6 @@ class StepObserver:
             num_speculative_tokens=0 if self.speculator is None else num_tokens,
             speculation={k: dataclasses.replace(v) for k, v in self._speculation.items()},
             grammar_cache=self.grammars.cache_stats(),
+            lora_launches_per_decode_step=launches,
+            lora_launches_per_layer=None if launches is None else launches / self.num_layers,
         )

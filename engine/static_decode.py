@@ -108,6 +108,8 @@ class StaticDecode:
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # static steps run, per (bucket, with LoRA)
         self.steps_run: Counter[tuple[int, bool]] = Counter()
+        # LoRA launches of one forward, per (bucket, with LoRA): a replay makes its capture's
+        self._lora_launches: dict[tuple[int, bool], int] = {}
         if capture:
             self._capture_all()
 
@@ -132,6 +134,7 @@ class StaticDecode:
         if self._graphs:
             graph, out = self._graphs[(bucket, with_lora)]
             graph.replay()
+            self.backend.lora_launches.add(self._lora_launches[(bucket, with_lora)])
             return out[:batch]
         return self._forward(bucket, with_lora)[:batch]
 
@@ -204,7 +207,9 @@ class StaticDecode:
                 self._lora_scale[:, :bucket],
             )
             lora = self.backend.bind_lora(batch, self.pools)
-        return self.model(self._tokens[0, :bucket], attention, self.kv_caches, lora)
+        hidden = self.model(self._tokens[0, :bucket], attention, self.kv_caches, lora)
+        self._lora_launches[(bucket, with_lora)] = 0 if lora is None else lora.launches
+        return hidden
 
     def _capture_all(self) -> None:
         """One graph per (bucket, with LoRA or not), largest first, sharing one memory pool.

@@ -158,6 +158,11 @@ class EngineStats:
     # Compiled structured-output grammars kept in host RAM: bytes and entries against the
     # engine's and each tenant's budget, evictions (structured/grammar_cache.py).
     grammar_cache: GrammarCacheStats = field(default_factory=GrammarCacheStats)
+    # LoRA op launches (Triton kernel launches on a GPU, native op calls on the CPU) of the
+    # last decode-only step with adapters, and per decoder layer; None before one ran and
+    # on a simulated device.
+    lora_launches_per_decode_step: int | None = None
+    lora_launches_per_layer: float | None = None
 
     @property
     def tenant_ids(self) -> list[str]:

@@ -31,6 +31,9 @@ class ExecutedStep:
 
     run: IsolatedStep
     prompt_logprobs: PromptLogprobs = field(default_factory=dict)
+    # LoRA op launches of a decode-only step run whole with adapters (the figure the
+    # engine reports); None for any other step
+    decode_lora_launches: int | None = None
 
 
 class StepExecution:
@@ -54,9 +57,10 @@ class StepExecution:
         """The plan's results; None when a higher-priority arrival cut it short."""
         self.interrupt.begin(max(item.seq.priority for item in plan.scheduled))
         prompt_logprobs: PromptLogprobs = {}
+        launches: list[int] = []
         started = self.clock.now()
         try:
-            run = run_isolated(self._execute_interruptible(prompt_logprobs), plan)
+            run = run_isolated(self._execute_interruptible(prompt_logprobs, launches), plan)
         except StepInterrupted:
             self.metrics.steps_interrupted.inc()
             return None
@@ -69,15 +73,17 @@ class StepExecution:
             if self.speculator is not None:
                 self.speculator.observe_step(plan, seconds)
                 self.metrics.spec_proposal_cost.set(self.speculator.proposal_cost)
-        return ExecutedStep(run, prompt_logprobs)
+        decode_launches = launches[0] if launches and not run.reruns else None
+        return ExecutedStep(run, prompt_logprobs, decode_launches)
 
-    def _execute_interruptible(self, prompt_logprobs: PromptLogprobs):
+    def _execute_interruptible(self, prompt_logprobs: PromptLogprobs, launches: list[int]):
         """The executor's execute, interruptible by a higher-priority arrival on its first
         run only (a re-run that isolates a failure must finish: its parts sample).
 
         It returns the sampled tokens, as ``run_isolated`` takes them; the prompt logprobs
         of every run (or part) that got that far are collected into ``prompt_logprobs``
-        (a part run again overwrites its requests' with the same values).
+        (a part run again overwrites its requests' with the same values), and the LoRA
+        launches of a decode-only run with adapters into ``launches``.
         """
         runs = 0
 
@@ -93,6 +99,9 @@ class StepExecution:
                 prompt_logprobs.update(exc.prompt_logprobs)
                 raise
             prompt_logprobs.update(result.prompt_logprobs)
+            counted = result.lora_launches is not None and batch.forward.lora is not None
+            if counted and batch.forward.is_decode_only:
+                launches.append(result.lora_launches)
             return result.sampled
 
         return execute

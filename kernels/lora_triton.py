@@ -9,8 +9,11 @@ and scale c = scale[s, a], rows ρ = rows[a, :r]:
 
 Every product accumulates in fp32. Rows are gathered through ``rows`` (any rows, no
 padding of weights to a maximum rank); ranks may differ per adapter and per slice.
-All slices of a fused projection run in one launch: the pools are reached through a
-small device table of base pointers (``_slice_table``), one row per slice.
+All slices of a projection group run in one launch: the pools are reached through a
+small device table of base pointers (``_slice_table``), one row per slice, and each
+slice's output is its own pointer argument (a group's modules write separate tensors; the
+``out`` + offsets form passes column views of one). A decode-sized step fuses shrink and
+expand into one launch instead (``loramux.kernels.lora_triton_fused``).
 
 Two grids over the same maths:
 
@@ -40,8 +43,8 @@ tests run these kernels in, and keep a single code path that those tests cover:
   and lets the compiler drop the masks when ``in_features`` is a multiple of ``BLOCK_K``;
   expand's rank tiles past an adapter's rank are fully masked and load nothing.
 
-Each launch reads a small per-slice table (pool base addresses, strides, column offsets)
-on the device. The tables are cached by content: a model's pools are few and fixed (views
+Each launch reads a small per-slice table (pool base addresses, strides, widths) on the
+device; activations never enter it (their addresses change every step). The tables are cached by content: a model's pools are few and fixed (views
 of the KV arena), so launches reuse them instead of copying one to the device every time,
 and a CUDA-graph capture (which cannot copy from pageable host memory) finds them made by
 its warm-up run.
@@ -82,6 +85,22 @@ def _round_to(x, dtype: tl.constexpr):
     else:
         out = x.to(dtype)
     return out
+
+
+@triton.jit
+def _slice_out(slice_id, out0_ptr, out1_ptr, out2_ptr, stride_o0, stride_o1, stride_o2):
+    """Slice ``slice_id``'s output (base pointer, row stride): a group has at most three
+    slices, each written to its own tensor (or a column view of a shared one)."""
+    if slice_id == 0:
+        out_base = out0_ptr
+        stride_o = stride_o0
+    elif slice_id == 1:
+        out_base = out1_ptr
+        stride_o = stride_o1
+    else:
+        out_base = out2_ptr
+        stride_o = stride_o2
+    return out_base, stride_o
 
 
 @triton.jit
@@ -189,11 +208,13 @@ def _shrink_bgmv_kernel(
     tl.store(y_ptrs, _round_to(y, y_ptr.dtype.element_ty), mask=r_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_o0", "stride_o1", "stride_o2"])
 def _expand_sgmv_kernel(
     y_ptr,  # [num_slices, T, ≥ max_rank]
-    out_ptr,  # [T, out_features], updated in place
-    b_table_ptr,  # [num_slices, 4] int64: (B_s base, B_s row stride, off_s, n_s)
+    out0_ptr,  # slice s's output [T, n_s] (s = 0, 1, 2), updated in place
+    out1_ptr,
+    out2_ptr,
+    b_table_ptr,  # [num_slices, 3] int64: (B_s base, B_s row stride, n_s)
     seg_start_ptr,
     seg_len_ptr,
     seg_adapter_ptr,
@@ -202,7 +223,9 @@ def _expand_sgmv_kernel(
     scale_ptr,
     stride_ys,
     stride_yt,
-    stride_ot,
+    stride_o0,
+    stride_o1,
+    stride_o2,
     stride_rows,
     stride_rank,
     stride_scale,
@@ -220,12 +243,14 @@ def _expand_sgmv_kernel(
     adapter = tl.load(seg_adapter_ptr + seg)
     rank = tl.load(rank_ptr + slice_id * stride_rank + adapter)
     seg_len = tl.load(seg_len_ptr + seg)
-    width = tl.load(b_table_ptr + slice_id * 4 + 3)
+    width = tl.load(b_table_ptr + slice_id * 3 + 2)
     if m0 >= seg_len or rank == 0 or n0 >= width:  # nothing to add in this tile
         return
-    b_base = tl.load(b_table_ptr + slice_id * 4).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    b_stride = tl.load(b_table_ptr + slice_id * 4 + 1)
-    col0 = tl.load(b_table_ptr + slice_id * 4 + 2) + n0  # first out column of this tile
+    b_base = tl.load(b_table_ptr + slice_id * 3).to(tl.pointer_type(out0_ptr.dtype.element_ty))
+    b_stride = tl.load(b_table_ptr + slice_id * 3 + 1)
+    out_base, stride_ot = _slice_out(
+        slice_id, out0_ptr, out1_ptr, out2_ptr, stride_o0, stride_o1, stride_o2
+    )
     scale = tl.load(scale_ptr + slice_id * stride_scale + adapter)
     tokens = (tl.load(seg_start_ptr + seg) + m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     token_mask = m0 + tl.arange(0, BLOCK_M) < seg_len
@@ -243,25 +268,29 @@ def _expand_sgmv_kernel(
         b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [R, N]
         # acc[m, j] += Σ_i y[s, t_m, i] · B_s[ρ_i, n0 + j]
         acc = tl.dot(y.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + tokens[:, None] * stride_ot + col0 + offs_n[None, :]
+    out_ptrs = out_base + tokens[:, None] * stride_ot + n0 + offs_n[None, :]
     out_mask = token_mask[:, None] & n_mask[None, :]
     # One rounding of out + c·acc, both in fp32.
     result = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32) + scale * acc
-    tl.store(out_ptrs, _round_to(result, out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptrs, _round_to(result, out0_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_o0", "stride_o1", "stride_o2"])
 def _expand_bgmv_kernel(
     y_ptr,  # [num_slices, T, ≥ max_rank]
-    out_ptr,  # [T, out_features], updated in place
-    b_table_ptr,  # [num_slices, 4] int64: (B_s base, B_s row stride, off_s, n_s)
+    out0_ptr,  # slice s's output [T, n_s] (s = 0, 1, 2), updated in place
+    out1_ptr,
+    out2_ptr,
+    b_table_ptr,  # [num_slices, 3] int64: (B_s base, B_s row stride, n_s)
     token_adapter_ptr,
     rows_ptr,
     rank_ptr,
     scale_ptr,
     stride_ys,
     stride_yt,
-    stride_ot,
+    stride_o0,
+    stride_o1,
+    stride_o2,
     stride_rows,
     stride_rank,
     stride_scale,
@@ -277,12 +306,14 @@ def _expand_bgmv_kernel(
     if adapter < 0:
         return
     rank = tl.load(rank_ptr + slice_id * stride_rank + adapter)
-    width = tl.load(b_table_ptr + slice_id * 4 + 3)
+    width = tl.load(b_table_ptr + slice_id * 3 + 2)
     if rank == 0 or n0 >= width:
         return
-    b_base = tl.load(b_table_ptr + slice_id * 4).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    b_stride = tl.load(b_table_ptr + slice_id * 4 + 1)
-    col0 = tl.load(b_table_ptr + slice_id * 4 + 2) + n0
+    b_base = tl.load(b_table_ptr + slice_id * 3).to(tl.pointer_type(out0_ptr.dtype.element_ty))
+    b_stride = tl.load(b_table_ptr + slice_id * 3 + 1)
+    out_base, stride_ot = _slice_out(
+        slice_id, out0_ptr, out1_ptr, out2_ptr, stride_o0, stride_o1, stride_o2
+    )
     scale = tl.load(scale_ptr + slice_id * stride_scale + adapter)
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < width - n0
@@ -298,9 +329,9 @@ def _expand_bgmv_kernel(
         b_ptrs = b_base + rows.to(tl.int64)[:, None] * b_stride + n0 + offs_n[None, :]
         b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
         acc += y[:, None] * b  # acc[i, j] += y[s, t, i] · B_s[ρ_i, n0 + j]
-    out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + col0 + offs_n
+    out_ptrs = out_base + token.to(tl.int64) * stride_ot + n0 + offs_n
     result = tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32) + scale * tl.sum(acc, 0)
-    tl.store(out_ptrs, _round_to(result, out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptrs, _round_to(result, out0_ptr.dtype.element_ty), mask=n_mask)
 
 
 # --- launchers ---------------------------------------------------------------------------
@@ -397,7 +428,22 @@ def lora_expand_sgmv(
 
     ``block_m`` as for ``lora_shrink_sgmv``.
     """
-    b_table, rank, scale = _expand_setup(out, y, b_pools, slice_offsets, batch, first_slice)
+    outs = slice_views(out, b_pools, slice_offsets)
+    lora_expand_sgmv_outs(outs, y, b_pools, batch, first_slice=first_slice, block_m=block_m)
+
+
+def lora_expand_sgmv_outs(
+    outs: Sequence[torch.Tensor],
+    y: torch.Tensor,
+    b_pools: Sequence[torch.Tensor],
+    batch: LoRABatch,
+    *,
+    first_slice: int = 0,
+    block_m: int | None = None,
+) -> None:
+    """``lora_expand_sgmv`` into one output per slice (``outs[s]``: ``[T, n_s]``, unit
+    column stride), as a projection group's modules produce them: one launch."""
+    b_table, rank, scale, out_args = _expand_setup(outs, y, b_pools, batch, first_slice)
     if batch.num_segments == 0 or batch.max_rank == 0:
         return
     block_m = block_m or _block(batch.max_seg_len, 16, MAX_BLOCK_M)
@@ -408,9 +454,10 @@ def lora_expand_sgmv(
         triton.cdiv(batch.max_seg_len, block_m),
         len(b_pools) * num_n_tiles,
     )
+    pointers, strides = out_args
     _expand_sgmv_kernel[grid](
         y,
-        out,
+        *pointers,
         b_table,
         batch.seg_start,
         batch.seg_len,
@@ -420,13 +467,13 @@ def lora_expand_sgmv(
         scale,
         y.stride(0),
         y.stride(1),
-        out.stride(0),
+        *strides,
         batch.rows.stride(0),
         rank.stride(0),
         scale.stride(0),
         num_n_tiles,
         NUM_R_TILES=triton.cdiv(batch.max_rank, block_r),
-        DOT_PRECISION=_dot_precision(out.dtype),
+        DOT_PRECISION=_dot_precision(outs[0].dtype),
         BLOCK_M=block_m,
         BLOCK_R=block_r,
         BLOCK_N=SGMV_BLOCK_N,
@@ -443,14 +490,28 @@ def lora_expand_bgmv(
     first_slice: int = 0,
 ) -> None:
     """Expand per token (decode), adding into ``out`` in place; see the module doc."""
-    b_table, rank, scale = _expand_setup(out, y, b_pools, slice_offsets, batch, first_slice)
+    outs = slice_views(out, b_pools, slice_offsets)
+    lora_expand_bgmv_outs(outs, y, b_pools, batch, first_slice=first_slice)
+
+
+def lora_expand_bgmv_outs(
+    outs: Sequence[torch.Tensor],
+    y: torch.Tensor,
+    b_pools: Sequence[torch.Tensor],
+    batch: LoRABatch,
+    *,
+    first_slice: int = 0,
+) -> None:
+    """``lora_expand_bgmv`` into one output per slice, as ``lora_expand_sgmv_outs``."""
+    b_table, rank, scale, out_args = _expand_setup(outs, y, b_pools, batch, first_slice)
     if batch.num_segments == 0 or batch.max_rank == 0:
         return
     block_r = _block(batch.max_rank, 1, MAX_BLOCK_R)
     num_n_tiles = triton.cdiv(max(p.shape[1] for p in b_pools), BGMV_BLOCK_N)
+    pointers, strides = out_args
     _expand_bgmv_kernel[(batch.num_tokens, len(b_pools) * num_n_tiles)](
         y,
-        out,
+        *pointers,
         b_table,
         batch.token_adapter,
         batch.rows,
@@ -458,7 +519,7 @@ def lora_expand_bgmv(
         scale,
         y.stride(0),
         y.stride(1),
-        out.stride(0),
+        *strides,
         batch.rows.stride(0),
         rank.stride(0),
         scale.stride(0),
@@ -525,35 +586,59 @@ def _shrink_setup(
     return y, a_table, rank
 
 
-def _expand_setup(
-    out: torch.Tensor,
-    y: torch.Tensor,
-    b_pools: Sequence[torch.Tensor],
-    slice_offsets: Sequence[int],
-    batch: LoRABatch,
-    first_slice: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_rows_contiguous("out", out, out)
-    if out.shape[0] != batch.num_tokens:
-        raise ValueError(f"out has {out.shape[0]} tokens, the batch {batch.num_tokens}")
+# A projection group has at most this many slices (q, k, v): each has its own output
+# pointer argument, so tables cached by content never hold a step's activations.
+MAX_SLICES = 3
+
+
+def slice_views(
+    out: torch.Tensor, b_pools: Sequence[torch.Tensor], slice_offsets: Sequence[int]
+) -> list[torch.Tensor]:
+    """Slice s's columns ``out[:, off_s : off_s + n_s]``, checked to lie inside ``out``."""
     if len(slice_offsets) != len(b_pools):
         raise ValueError("one slice offset per B pool expected")
+    views = []
+    for s, (pool, offset) in enumerate(zip(b_pools, slice_offsets, strict=True)):
+        if not 0 <= offset <= out.shape[1] - pool.shape[1]:
+            raise ValueError(f"slice {s} (columns {offset}+{pool.shape[1]}) outside out")
+        views.append(out[:, offset : offset + pool.shape[1]])
+    return views
+
+
+def out_arguments(
+    outs: Sequence[torch.Tensor], b_pools: Sequence[torch.Tensor], num_tokens: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernels' three output pointers and row strides (unused slots repeat slice 0's),
+    after checking each ``outs[s]`` is ``[num_tokens, n_s]`` with unit column stride."""
+    if not 1 <= len(outs) <= MAX_SLICES or len(outs) != len(b_pools):
+        raise ValueError(f"one output per B pool expected, 1 to {MAX_SLICES} of them")
+    for s, (out, pool) in enumerate(zip(outs, b_pools, strict=True)):
+        _check_rows_contiguous(f"outs[{s}]", out, outs[0])
+        if tuple(out.shape) != (num_tokens, pool.shape[1]):
+            raise ValueError(
+                f"outs[{s}] must be {num_tokens} × {pool.shape[1]}, got {tuple(out.shape)}"
+            )
+    padded = [*outs, *[outs[0]] * (MAX_SLICES - len(outs))]
+    return padded, [out.stride(0) for out in padded]
+
+
+def _expand_setup(
+    outs: Sequence[torch.Tensor],
+    y: torch.Tensor,
+    b_pools: Sequence[torch.Tensor],
+    batch: LoRABatch,
+    first_slice: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[list[torch.Tensor], list[int]]]:
+    out_args = out_arguments(outs, b_pools, batch.num_tokens)
+    out = outs[0]
     expected = (len(b_pools), batch.num_tokens)
     if y.dim() != 3 or tuple(y.shape[:2]) != expected or y.shape[2] < batch.max_rank:
         raise ValueError(f"y must be {expected} × ≥{batch.max_rank}, got {tuple(y.shape)}")
     if y.stride(2) != 1 or y.dtype != out.dtype or y.device != out.device:
         raise ValueError("y must have unit rank stride and out's dtype and device")
-    for s, (pool, offset) in enumerate(zip(b_pools, slice_offsets, strict=True)):
+    for s, pool in enumerate(b_pools):
         _check_rows_contiguous(f"b_pools[{s}]", pool, out)
-        if not 0 <= offset <= out.shape[1] - pool.shape[1]:
-            raise ValueError(f"slice {s} (columns {offset}+{pool.shape[1]}) outside out")
     rank = _slice_rows(batch.rank, first_slice, len(b_pools))
     scale = _slice_rows(batch.scale, first_slice, len(b_pools))
-    b_table = _slice_table(
-        [
-            [p.data_ptr(), p.stride(0), o, p.shape[1]]
-            for p, o in zip(b_pools, slice_offsets, strict=True)
-        ],
-        out.device,
-    )
-    return b_table, rank, scale
+    b_table = _slice_table([[p.data_ptr(), p.stride(0), p.shape[1]] for p in b_pools], out.device)
+    return b_table, rank, scale, out_args

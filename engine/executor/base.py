@@ -41,6 +41,9 @@ class StepResult:
 
     sampled: Sampled
     prompt_logprobs: PromptLogprobs = field(default_factory=dict)
+    # LoRA op launches the step's forward made (``lora.backend.LaunchCount``); None where
+    # nothing is launched (a simulated device)
+    lora_launches: int | None = None
 
 
 class NonFiniteOutput(RuntimeError):

@@ -114,6 +114,7 @@ class LocalExecutor:
 
         Raises ``NonFiniteOutput`` when some requests' tokens came out non-finite.
         """
+        launched_before = self.backend.lora_launches.total
         if self.runs_static(batch):
             hidden = self.static_decode.run(decode_step(batch.forward))
         else:
@@ -166,7 +167,8 @@ class LocalExecutor:
                 {k: v for k, v in sampled.items() if k not in bad},
                 {k: v for k, v in prompt_logprobs.items() if k not in bad},
             )
-        return StepResult(sampled, prompt_logprobs)
+        launches = self.backend.lora_launches.total - launched_before
+        return StepResult(sampled, prompt_logprobs, lora_launches=launches)
 
     def _grammar_masks(self, sampling: SamplingRows) -> StepMasks | None:
         """The masks of the sampling rows with a grammar (rows in ``sampling``'s order)."""

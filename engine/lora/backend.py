@@ -55,11 +55,23 @@ class BoundAttention:
         return self.op(query, k_cache, v_cache, self.plan, scale)
 
 
+class LaunchCount:
+    """The LoRA op launches a backend's steps have made since it was built (each step adds
+    its own as it runs; a replayed CUDA graph adds what its capture launched)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, launches: int) -> None:
+        self.total += launches
+
+
 class KernelBackend(ABC):
     name: str
     # Whether decode-only steps can run over fixed buffers (CUDA graphs): the attention and
     # LoRA ops must read the step from device tensors, sizing no work on the host.
     static_decode: bool
+    lora_launches: LaunchCount
 
     @abstractmethod
     def plan_attention(

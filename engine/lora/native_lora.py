@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from loramux.engine.lora.backend import LaunchCount
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.lora_native import GroupCall, NativeLoRA
@@ -20,9 +21,13 @@ from loramux.kernels.lora_native import GroupCall, NativeLoRA
 class NativeStepLoRA:
     """A step's adapters for the native op (a ``StepLoRA``); group plans built on first use."""
 
-    def __init__(self, table: LoRATable, pools: LoRAWeightSource, op: NativeLoRA):
+    def __init__(
+        self, table: LoRATable, pools: LoRAWeightSource, op: NativeLoRA, count: LaunchCount
+    ):
         self.table = table
         self._pools, self._op = pools, op
+        self.launches = 0  # native op calls
+        self._count = count
         self._first_rows = table.first_rows()
         self._rank_width = max(table.max_rank, 1)
         # h = x @ A_s^T of every token, slice s's ranks at columns [s R, s R + r): one scratch
@@ -41,6 +46,8 @@ class NativeStepLoRA:
         a_pools = [pools.a_pool(layer, m) for m in modules]
         b_pools = [pools.b_pool(layer, m) for m in modules]
         self._op.apply(x, outs, a_pools, b_pools, call)
+        self.launches += 1
+        self._count.add(1)
 
     def _prepare(self, x, outs, layer: int, modules: tuple[str, ...]) -> GroupCall | None:
         table = self.table

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.lora.backend import BoundAttention, KernelBackend
+from loramux.engine.lora.backend import BoundAttention, KernelBackend, LaunchCount
 from loramux.engine.lora.native_lora import NativeStepLoRA
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.engine.model.quantized import QuantLinearOp
@@ -90,10 +90,17 @@ class TorchStepLoRA:
     """A step's adapters for the torch ops (a ``StepLoRA``); group plans built on first use."""
 
     def __init__(
-        self, table: LoRATable, pools: LoRAWeightSource, cache: StackCache, device: torch.device
+        self,
+        table: LoRATable,
+        pools: LoRAWeightSource,
+        cache: StackCache,
+        device: torch.device,
+        count: LaunchCount,
     ):
         self.table = table  # the pool's table of the step's adapters
         self._pools, self._cache, self._device = pools, cache, device
+        self.launches = 0  # calls of the stacked ops (each a few torch ops)
+        self._count = count
         self._first_rows = table.first_rows()
         self._groups: dict[tuple[str, ...], _GroupPlan] = {}
 
@@ -116,10 +123,15 @@ class TorchStepLoRA:
                 plan.scales,
             )
             self._cache.put(layer, plan.first_slice, plan.key, weights)
+        launches = 0
         if plan.tokens is not None:
             lora_stacked(x, outs, weights, plan.tokens)
+            launches += 1
         if plan.long:
             lora_segments(x, outs, weights, plan.long)
+            launches += 1
+        self.launches += launches
+        self._count.add(launches)
 
     def _plan(self, modules: tuple[str, ...]) -> _GroupPlan:
         table = self.table
@@ -177,6 +189,7 @@ class TorchBackend(KernelBackend):
         native_kv: NativeKVGather | None = None,
     ):
         self.device = torch.device(device)
+        self.lora_launches = LaunchCount()
         self.native = native
         self.stacks = StackCache()
         self.native_quant = native_quant
@@ -203,5 +216,5 @@ class TorchBackend(KernelBackend):
 
     def lora_step(self, table: LoRATable, pools: LoRAWeightSource):
         if self.native is not None:
-            return NativeStepLoRA(table, pools, self.native)
-        return TorchStepLoRA(table, pools, self.stacks, self.device)
+            return NativeStepLoRA(table, pools, self.native, self.lora_launches)
+        return TorchStepLoRA(table, pools, self.stacks, self.device, self.lora_launches)

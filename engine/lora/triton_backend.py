@@ -1,52 +1,83 @@
 """The Triton backend: SGMV/BGMV LoRA and paged-attention kernels (CUDA; Triton's
 interpreter in tests).
 
-A step's adapters become one ``LoRABatch`` shared by every layer and module; a projection
-group's LoRA is one shrink launch over all its slices (x read once) and one expand per
-slice, BGMV when every segment is one token (decode) and SGMV otherwise. The static
+A step's adapters become one ``LoRABatch`` shared by every layer and module. A projection
+group's LoRA (q/k/v, o, gate/up, down) is one launch over all its slices for a
+decode-sized step (``lora_triton_fused``: per token when every segment is one token, per
+segment tile otherwise), and a shrink plus an expand over all its slices for a larger one
+(``lora_triton``'s SGMV); the tiles of each come from ``lora_tiles.json``. The static
 decode path (``loramux.engine.static_decode``) binds its fixed buffers through
 :meth:`TritonBackend.bind_lora` and :meth:`TritonBackend.bind_attention`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from loramux.engine.lora.backend import BoundAttention, KernelBackend
+from loramux.engine.lora.backend import BoundAttention, KernelBackend, LaunchCount
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.engine.model.quantized import QuantLinearOp
-from loramux.kernels import attention_triton, lora_triton
+from loramux.kernels import attention_triton, lora_triton, lora_triton_fused
 from loramux.kernels.lora_batch import LoRABatch, LoRATable
+from loramux.kernels.lora_tiles import PhaseTiles, tiles_for
 from loramux.kernels.paged_attention import TritonAttentionPlan, plan_attention_triton
 
+# The two-launch path's launches per projection group: the intermediate's zeroing, the
+# shrink and the expand.
+TWO_LAUNCH_LAUNCHES = 3
 
-@dataclass(frozen=True)
+
 class TritonStepLoRA:
-    """A step's ``LoRABatch`` bound to the pools (a ``StepLoRA``)."""
+    """A step's ``LoRABatch`` bound to the pools (a ``StepLoRA``), and the form its
+    projection groups take (``PhaseTiles``): one fused launch per group for decode-sized
+    steps, a shrink and an expand for larger ones. ``launches`` counts the kernel launches
+    it has made (the engine reports them per decode step)."""
 
-    batch: LoRABatch
-    pools: LoRAWeightSource
+    def __init__(
+        self, batch: LoRABatch, pools: LoRAWeightSource, tiles: PhaseTiles, count: LaunchCount
+    ):
+        self.batch, self.pools, self.tiles = batch, pools, tiles
+        self.launches = 0
+        self._count = count  # the backend's running total
+        if batch.is_decode:
+            self.form = "fused-bgmv"
+        elif batch.num_tokens <= tiles.fused_max_tokens:
+            self.form = "fused-sgmv"
+        else:
+            self.form = "sgmv"
 
     def add(self, x, outs, layer: int, modules: tuple[str, ...]) -> None:
         first = LORA_TARGETS.index(modules[0])
-        decode = self.batch.is_decode
-        shrink = lora_triton.lora_shrink_bgmv if decode else lora_triton.lora_shrink_sgmv
-        expand = lora_triton.lora_expand_bgmv if decode else lora_triton.lora_expand_sgmv
-        a_pools = [self.pools.a_pool(layer, m) for m in modules]
-        y = shrink(x, a_pools, self.batch, first_slice=first)  # [S, T, max_rank]
-        for s, (out, module) in enumerate(zip(outs, modules, strict=True)):
-            b_pool = self.pools.b_pool(layer, module)
-            expand(out, y[s : s + 1], [b_pool], [0], self.batch, first_slice=first + s)
+        pools = self.pools
+        a_pools = [pools.a_pool(layer, m) for m in modules]
+        b_pools = [pools.b_pool(layer, m) for m in modules]
+        batch, tiles = self.batch, self.tiles
+        if self.form == "fused-bgmv":
+            fused = lora_triton_fused.lora_fused_bgmv
+            launches = fused(x, outs, a_pools, b_pools, batch, tiles.decode, first_slice=first)
+        elif self.form == "fused-sgmv":
+            fused = lora_triton_fused.lora_fused_sgmv
+            launches = fused(x, outs, a_pools, b_pools, batch, tiles.segments, first_slice=first)
+        else:
+            block_m = tiles.prefill_block_m
+            y = lora_triton.lora_shrink_sgmv(x, a_pools, batch, first_slice=first, block_m=block_m)
+            lora_triton.lora_expand_sgmv_outs(
+                outs, y, b_pools, batch, first_slice=first, block_m=block_m
+            )
+            launches = TWO_LAUNCH_LAUNCHES
+        self.launches += launches
+        self._count.add(launches)
 
 
 class TritonBackend(KernelBackend):
     name = "triton"
     static_decode = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tiles: PhaseTiles | None = None):
         self.device = torch.device(device)
+        # The committed table's tiles for this GPU (lora_tiles.json), unless given.
+        self.tiles = tiles or tiles_for(_device_name(self.device))
+        self.lora_launches = LaunchCount()
 
     def plan_attention(self, block_tables, context_lens, query_lens, block_size, device):
         plan = plan_attention_triton(block_tables, context_lens, query_lens, block_size, device)
@@ -66,7 +97,12 @@ class TritonBackend(KernelBackend):
         return self.bind_lora(table.to_batch(self.device), pools)
 
     def bind_lora(self, batch: LoRABatch, pools: LoRAWeightSource) -> TritonStepLoRA:
-        return TritonStepLoRA(batch, pools)
+        return TritonStepLoRA(batch, pools, self.tiles, self.lora_launches)
+
+
+def _device_name(device: torch.device) -> str | None:
+    """The GPU's name (the tile table's key); None off CUDA (the interpreter)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def _paged_attention(query, k_cache, v_cache, plan, scale):

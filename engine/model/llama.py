@@ -53,7 +53,11 @@ class StepAttention(Protocol):
 
 
 class StepLoRA(Protocol):
-    """A step's adapters, bound to the pools holding their weights."""
+    """A step's adapters, bound to the pools holding their weights. ``launches`` counts the
+    LoRA ops it has started (Triton kernel launches, native op calls, stacked torch op
+    calls), so a step's cost in launches can be read after its forward."""
+
+    launches: int
 
     def add(
         self,

@@ -420,6 +420,14 @@ class EngineSnapshotOut(BaseModel):
     grammar_cache: GrammarCacheOut = Field(
         description="Compiled structured-output grammars kept in host RAM, against their budgets."
     )
+    lora_launches_per_decode_step: int | None = Field(
+        default=None,
+        description="LoRA op launches of the last decode step with adapters (Triton kernel "
+        "launches on a GPU, native op calls on the CPU); null before one ran.",
+    )
+    lora_launches_per_layer: float | None = Field(
+        default=None, description="The same per decoder layer (one per projection group: 4)."
+    )
     engines: list[EngineRowOut] = Field(
         description="Each engine on its own; the fields above merge them (counts summed, "
         "latency percentiles the worst engine's)."
@@ -467,6 +475,8 @@ class EngineSnapshotOut(BaseModel):
             residency=ResidencyOut.from_stats(stats.residency),
             speculation=SpeculationOut.from_stats(stats, labels),
             grammar_cache=GrammarCacheOut.from_stats(stats.grammar_cache),
+            lora_launches_per_decode_step=stats.lora_launches_per_decode_step,
+            lora_launches_per_layer=stats.lora_launches_per_layer,
             engines=[EngineRowOut.from_report(report) for report in engines],
         )
 

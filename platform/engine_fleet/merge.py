@@ -156,4 +156,12 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         num_speculative_tokens=max(p.num_speculative_tokens for p in parts),
         speculation=_merge_speculation([p.speculation for p in parts]),
         grammar_cache=_merge_grammar_cache([p.grammar_cache for p in parts]),
+        lora_launches_per_decode_step=_most([p.lora_launches_per_decode_step for p in parts]),
+        lora_launches_per_layer=_most([p.lora_launches_per_layer for p in parts]),
     )
+
+
+def _most(values):
+    """The largest of the engines' figures (the costliest engine's), None if none has one."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None

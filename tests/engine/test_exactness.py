@@ -84,6 +84,9 @@ def test_mixed_batch_matches_peft(tiny_model_dir, tiny_adapters, monkeypatch, ke
     assert_matches_reference(
         engine, tiny_model_dir, tiny_adapters, requests, [o.token_ids for o in outs], 24
     )
+    # The native op is one call per projection group and layer; the stacked ops one batched
+    # call per group for a decode step (a prefill chunk's long segments take another).
+    assert engine.stats().lora_launches_per_layer == 4.0
 
 
 def test_staggered_arrivals_match_peft(tiny_model_dir, tiny_adapters):

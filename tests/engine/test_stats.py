@@ -218,6 +218,8 @@ def _full_stats() -> EngineStats:
         num_speculative_tokens=4,
         speculation={"": SpeculationStats(12, 9, 4, 10, 19), "a": SpeculationStats(8, 2, 3, 6, 8)},
         grammar_cache=GrammarCacheStats(*range(1, 13)),
+        lora_launches_per_decode_step=120,
+        lora_launches_per_layer=4.0,
     )
 
 

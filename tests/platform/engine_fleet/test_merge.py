@@ -160,3 +160,13 @@ def test_grammar_caches_add_up_and_the_largest_tenant_is_one_engines():
         evicted_bytes=100,
         not_kept=1,
     )
+
+
+def test_lora_launches_are_the_costliest_engines():
+    """An engine that has not run a decode step with adapters yet (None) does not hide
+    another's figure; none has one: None."""
+    a = replace(_engine(), lora_launches_per_decode_step=120, lora_launches_per_layer=4.0)
+    b = replace(_engine(), lora_launches_per_decode_step=448, lora_launches_per_layer=14.0)
+    merged = merge_stats([a, b, _engine()])
+    assert (merged.lora_launches_per_decode_step, merged.lora_launches_per_layer) == (448, 14.0)
+    assert merge_stats([_engine(), _engine()]).lora_launches_per_layer is None
