@@ -55,6 +55,7 @@ GPU_TESTS = (
     "tests/engine/speculative/test_verify.py",  # the rejection rule's distribution on CUDA
     "tests/kernels/test_quant_triton.py",  # the quantized matmul compiled, graphs captured
     "tests/kernels/test_kv_quant.py",  # attention over int8 / fp8 caches, compiled
+    "tests/kernels/test_lora_triton_fused.py",  # fused LoRA at real shapes, graphs replayed
 )
 DEFAULT_BUDGET_S = 540.0  # one call on a lent machine (10 minutes), with a minute spare
 LOG_TAIL_CHARS = 4000

@@ -166,6 +166,86 @@ def test_split_shape_fills_the_grid_and_respects_the_rank_budget():
     assert _split_shape(torch.empty(4, 37), [torch.empty(1, 29)], tiles, 16, 4)[:2] == (64, 32)
 
 
+# --- GPU only -------------------------------------------------------------------------------
+
+
+def _real_problem(tokens: int, adapters: int, rank: int, seed: int):
+    """Llama-7B's q/k/v (in 4096; 4096, 1024, 1024 out: 8 KV heads) in bf16 on the GPU:
+    ``tokens`` decode tokens over ``adapters`` distinct adapters, grouped as the scheduler
+    groups them, each adapter's rows scattered in a pool of 4096."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = (4096, 1024, 1024)
+    pool_rows = torch.randperm(4096, generator=gen)
+    rows = [pool_rows[a * rank : (a + 1) * rank].tolist() for a in range(adapters)]
+    spans = [(t, t + 1, t * adapters // tokens) for t in range(tokens)]
+    batch = LoRABatch.build(
+        spans, rows, [[rank] * adapters] * 3, [[0.5] * adapters] * 3, tokens, "cuda"
+    )
+    x = torch.randn(tokens, 4096, generator=gen).to("cuda", torch.bfloat16)
+    a_pools = [(torch.randn(4096, 4096, generator=gen) / 64).to("cuda", torch.bfloat16)] * 3
+    b_pools = [(torch.randn(4096, n, generator=gen) / 4).to("cuda", torch.bfloat16) for n in widths]
+    outs = [torch.randn(tokens, n, generator=gen).to("cuda", torch.bfloat16) for n in widths]
+    return batch, x, a_pools, b_pools, outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "adapters"), [(1, 1), (64, 1), (64, 64), (256, 16)])
+@pytest.mark.parametrize("form", list(FUSED))
+def test_real_shapes_on_gpu(form, tokens, adapters):
+    """Compiled, with the committed tiles for this GPU, against float64 shrink-then-expand:
+    at most twice the error of the same-dtype torch references (a bf16 intermediate's
+    rounding may flip either way after a 4096-long sum, so no tighter bound holds). One
+    adapter's tokens form one segment (the segment form's tiles of 16), distinct ones a
+    segment each."""
+    from loramux.kernels.lora_tiles import tiles_for
+
+    batch, x, a_pools, b_pools, outs = _real_problem(tokens, adapters, 16, seed=tokens + adapters)
+    offsets = [0, 4096, 5120]
+    out = torch.cat(outs, dim=1)
+    exact, same = out.double(), out.clone()
+    y = lora_shrink_slices_reference(x.double(), _wide(a_pools), batch)
+    lora_expand_slices_reference(exact, y, _wide(b_pools), offsets, batch)
+    y = lora_shrink_slices_reference(x, a_pools, batch)
+    lora_expand_slices_reference(same, y, b_pools, offsets, batch)
+    tiles = tiles_for(torch.cuda.get_device_name())
+
+    FUSED[form](
+        x, outs, a_pools, b_pools, batch, tiles.decode if form == "bgmv" else tiles.segments
+    )
+
+    _assert_accurate(torch.cat(outs, dim=1), same, exact, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    """A fused launch captured over fixed buffers and replayed on new adapter tables gives
+    what the eager launch gives (the engine's static decode path)."""
+    from loramux.kernels.lora_tiles import tiles_for
+
+    batch, x, a_pools, b_pools, outs = _real_problem(64, 64, 16, seed=3)
+    static = LoRABatch.per_token(
+        batch.token_adapter.clone(), batch.rows.clone(), batch.rank.clone(), batch.scale.clone()
+    )
+    tiles = tiles_for(torch.cuda.get_device_name()).decode
+    start = [o.clone() for o in outs]
+    lora_fused_bgmv(x, outs, a_pools, b_pools, static, tiles)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_fused_bgmv(x, outs, a_pools, b_pools, static, tiles)
+    for seed in (4, 5):
+        fresh, *_ = _real_problem(64, 64, 16, seed=seed)
+        static.token_adapter.copy_(fresh.token_adapter.flip(0))
+        static.rows.copy_(fresh.rows)
+        for out, first in zip(outs, start, strict=True):
+            out.copy_(first)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = [o.clone() for o in start]
+        lora_fused_bgmv(x, eager, a_pools, b_pools, static, tiles)
+        assert all(torch.equal(a, b) for a, b in zip(outs, eager, strict=True))
+
+
 def _compile_for_hopper() -> None:
     """Compile both fused kernels for sm_90, without a GPU (run in a subprocess)."""
     from loramux.kernels import lora_triton_fused
