@@ -6,10 +6,15 @@ that fails or runs long costs only itself:
 
 1. ``tests``: the GPU-marked tests (Triton compiled for real, the adapter copy stream,
    evictions and reloads, CUDA graphs replayed, each against transformers + PEFT);
-2. ``kernels``: ``kernels_gpu --quick``, the kernels at Llama-7B shapes and their verdicts;
-3. ``punica-distinct`` and 4. ``slora-s2`` (300 of its 2,000 requests, to fit): the GPU
+2. ``lora-tiles``: the fused LoRA kernels' tiles tuned for this GPU (``kernels_gpu_tune``),
+   written into this checkout's table (the results hold the entry to commit);
+3. ``kernels``: ``kernels_gpu --quick``, the kernels at Llama-7B shapes and their verdicts;
+4. ``punica-distinct`` and 5. ``slora-s2`` (300 of its 2,000 requests, to fit): the GPU
    presets of ``loramux bench`` with ``--no-baseline`` (the PEFT baseline takes longer
-   than a lent machine's call).
+   than a lent machine's call); 6. ``simulation``: those runs replayed on the simulator.
+
+The sections' caps add up to more than one call's budget: on a lent machine, run
+``--sections tests,lora-tiles,kernels`` in one call and the rest in another.
 
 It writes ``gpu_check.{json,md}`` (each section's status, seconds and exit code, the
 device and versions), ``gpu_check.log`` (every section's output) and the sections' results
@@ -44,6 +49,7 @@ REPO_ROOT = CHECKOUT or Path.cwd()
 CACHE_DIR = default_cache_dir()
 BENCH = "loramux.benchmarks.bench"
 KERNELS = "loramux.benchmarks.kernels_gpu"
+TUNE = "loramux.benchmarks.kernels_gpu_tune"
 # The presets' weightless Llama-7B folder: config.json and SmolLM2's tokenizer files.
 MODEL_FOLDER = CACHE_DIR / "random-models" / "llama-7b-random"
 GPU_TESTS = (
@@ -86,6 +92,13 @@ def _sections(results: Path) -> list[Section]:
             (python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *GPU_TESTS),
             (python, "-m", "pytest", "-m", "gpu", "-q", "--collect-only", *GPU_TESTS),
             240.0,
+        ),
+        Section(
+            "lora-tiles",
+            "the fused LoRA kernels' tiles tuned for this GPU, written into its lora_tiles.json",
+            (python, "-m", TUNE, "--write-table", *out),
+            (python, "-m", TUNE, "--smoke", *out),
+            150.0,
         ),
         Section(
             "kernels",

@@ -1,15 +1,18 @@
-"""GPU benchmark of loramux's Triton kernels at Llama-7B shapes, and of one decode step.
+"""GPU benchmark of loramux's Triton kernels at Llama-7B shapes, and of whole steps.
 
 At Llama-7B shapes (hidden 4096, 32 query heads and 8 or 32 KV heads of dim 128,
 intermediate 11008, bf16) it times
 
 * LoRA shrink and expand (``kernels_gpu_lora``): SGMV on prefill batches, BGMV/SGMV on
   decode batches of 1 to 256 tokens, ranks 8 to 64 and mixed, 1 to batch distinct
-  adapters, for the fused q/k/v and gate/up projections; torch gather + bmm baseline;
+  adapters, for the q/k/v and gate/up projection groups; torch gather + bmm baseline;
+  and the fused shrink+expand on the batches the engine fuses, against the two launches;
 * paged decode and prefill attention (``kernels_gpu_attention``) against the torch
   reference (SDPA over gathered pages); decode also as a fraction of copy bandwidth;
 * one full decode step of the engine's model (``kernels_gpu_step``) with rank-16 LoRA on
-  all seven modules against the same step without LoRA;
+  all seven modules against the same step without LoRA, eager and replayed from a CUDA
+  graph, with the LoRA launches it makes per layer; and one prefill step of 2,048 tokens
+  (``kernels_gpu_prefill_step``) likewise;
 * weight-only quantized linear layers (``kernels_gpu_quant``): the Triton kernel on int8
   per-channel and int4 (groups of 32 and 128) weights of the q/o, gate/up and down
   projections, 1 to 2048 tokens, against the dense bf16 ``F.linear``; decode rows also as
@@ -17,9 +20,11 @@ intermediate 11008, bf16) it times
 
 each with its floor from bytes moved over the measured copy bandwidth and FLOPs over the
 measured matmul rate (``kernels_gpu_timing``), and checks every kernel's output against
-a float32 reference once per shape. Two targets get a verdict: the decode step with 64
-distinct rank-16 adapters at batch 64 costs ≤ 15% more than the base step; paged decode
-attention at batch 64 × 2048 context reaches ≥ 70% of the copy bandwidth.
+a float32 reference once per shape. Four targets get a verdict: at batch 64 with rank-16
+adapters on all seven modules, the decode step with 64 distinct adapters ≤ 1.25× the base
+step and with one adapter ≤ 1.10× (CUDA graphs), each ≤ 1.5× eagerly; the prefill of 2,048
+tokens with 4 adapters ≤ 1.15× the base prefill; paged decode attention at batch 64 ×
+2048 context ≥ 70% of the copy bandwidth.
 
     python -m loramux.benchmarks.kernels_gpu          # full grid on the GPU (a few minutes)
     python -m loramux.benchmarks.kernels_gpu --quick  # a reduced grid
@@ -58,9 +63,16 @@ from loramux.benchmarks.files import add_output_options, check_output_options
 # where they run, after main() has chosen compiler or interpreter.
 from loramux.benchmarks.kernels_gpu_attention import AttentionCase, run_attention_case
 from loramux.benchmarks.kernels_gpu_lora import PROJECTIONS, LoRACase, run_lora_case
+from loramux.benchmarks.kernels_gpu_prefill_step import PrefillStepCase, run_prefill_step_case
 from loramux.benchmarks.kernels_gpu_quant import QuantCase, projection_shapes, run_quant_case
 from loramux.benchmarks.kernels_gpu_report import target_verdicts, text_table, write_results
-from loramux.benchmarks.kernels_gpu_step import STEP_TOLERANCE, StepCase, fit_layers, run_step_case
+from loramux.benchmarks.kernels_gpu_step import (
+    STEP_TOLERANCE,
+    StepCase,
+    decode_targets,
+    fit_layers,
+    run_step_case,
+)
 from loramux.benchmarks.kernels_gpu_timing import (
     BenchContext,
     Timer,
@@ -71,10 +83,12 @@ from loramux.benchmarks.machine import machine_info
 from loramux.engine.model.config import ModelConfig
 from loramux.kernels.dispatch import KERNELS_ENV
 from loramux.kernels.interpreter import use_cpu_interpreter
+from loramux.kernels.lora_tiles import tiles_for
 
 SECTIONS = (  # run order
     "decode_attention",
     "decode_step",
+    "prefill_step",
     "prefill_attention",
     "lora",
     "quant_linear",
@@ -119,8 +133,11 @@ class Grid:
     step_batch: int = 64
     step_context: int = 512
     step_rank: int = 16
-    step_adapter_counts: tuple[int, ...] = (1, 16, 64)
-    step_target_adapters: int = 64
+    # (sequences, new tokens each): 2,048 tokens, one adapter per sequence at most
+    prefill_step_shape: tuple[int, int] = (4, 512)
+    prefill_step_adapter_counts: tuple[int, ...] = (1, 4)
+    prefill_step_kv_heads: tuple[int, ...] = (32,)
+    step_adapter_counts: tuple[int, ...] = (1, 16, 64)  # 1 and step_batch: the targets'
     # (projection, N, K): Llama-7B's q/o, gate/up and down weights
     quant_shapes: tuple[tuple[str, int, int], ...] = projection_shapes(
         LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
@@ -177,7 +194,9 @@ SMOKE = Grid(
     step_context=20,
     step_rank=8,
     step_adapter_counts=(1, 4),
-    step_target_adapters=4,
+    prefill_step_shape=(2, 8),
+    prefill_step_adapter_counts=(1, 2),
+    prefill_step_kv_heads=(2,),
     # one shape (K a multiple of the 128-input group): the interpreter is slow
     quant_shapes=projection_shapes(128, 256)[:1],
     quant_tokens=(1, 5),
@@ -185,13 +204,18 @@ SMOKE = Grid(
 
 
 def run_lora(grid: Grid, ctx: BenchContext) -> list[dict]:
-    """Every (projection, op, batch, ranks) with 1, batch / 4 and batch distinct adapters."""
+    """Every (projection, op, batch, ranks) with 1, batch / 4 and batch distinct adapters;
+    the fused op on the batches the engine fuses."""
     config = grid.model(num_layers=1, kv_heads=grid.lora_kv_heads)
     shapes = [(b, 1) for b in grid.lora_decode_batches] + list(grid.lora_prefill_shapes)
+    gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+    fused_max_tokens = tiles_for(gpu).fused_max_tokens  # the steps the engine fuses
     rows = []
     for projection, op, (num_seqs, tokens), ranks in itertools.product(
-        PROJECTIONS, ("shrink", "expand"), shapes, grid.lora_ranks
+        PROJECTIONS, ("shrink", "expand", "fused"), shapes, grid.lora_ranks
     ):
+        if op == "fused" and num_seqs * tokens > fused_max_tokens:
+            continue
         for adapters in sorted({1, max(1, num_seqs // 4), num_seqs}):
             if len(ranks) == 1 or adapters > 1:  # one adapter has one rank: not "mixed"
                 case = LoRACase(projection, op, num_seqs, tokens, adapters, ranks)
@@ -249,7 +273,7 @@ def run_decode_step(grid: Grid, ctx: BenchContext, layers: int | None) -> list[d
             context=grid.step_context,
             rank=grid.step_rank,
             adapter_counts=grid.step_adapter_counts,
-            target_adapters=grid.step_target_adapters,
+            targets=decode_targets(grid.step_batch),
             block_size=grid.block_size,
         )
         fitted, requested = fit_layers(case), case.config.num_layers
@@ -262,6 +286,28 @@ def run_decode_step(grid: Grid, ctx: BenchContext, layers: int | None) -> list[d
     return rows
 
 
+def run_prefill_step(grid: Grid, ctx: BenchContext, layers: int | None) -> list[dict]:
+    rows = []
+    seqs, tokens = grid.prefill_step_shape
+    for kv_heads in grid.prefill_step_kv_heads:
+        case = PrefillStepCase(
+            config=grid.model(num_layers=layers or grid.step_layers, kv_heads=kv_heads),
+            seqs=seqs,
+            tokens=tokens,
+            rank=grid.step_rank,
+            adapter_counts=grid.prefill_step_adapter_counts,
+            block_size=grid.block_size,
+        )
+        fitted, requested = fit_layers(case), case.config.num_layers
+        if fitted < requested:
+            print(f"prefill step: {requested} layers do not fit the free memory; {fitted} do")
+            config = grid.model(num_layers=max(1, fitted), kv_heads=kv_heads)
+            case = dataclasses.replace(case, config=config)
+        rows += run_prefill_step_case(case, ctx)
+        free_device_memory()
+    return rows
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
@@ -270,7 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--layers",
         type=int,
-        help="decode-step layers (default: 32, or fewer when they do not fit; 2 in --smoke)",
+        help="decode and prefill step layers (default: 32, or fewer when they do not fit; "
+        "2 in --smoke)",
     )
     parser.add_argument("--iters", type=int, help="timed runs per measurement (median)")
     parser.add_argument("--warmup", type=int, help="untimed runs before them")
@@ -304,14 +351,21 @@ def results_slug(device: torch.device, grid: Grid, sections: list[str]) -> str:
 
 
 def _target_shapes(grid: Grid) -> dict[str, str]:
-    """The shape each target's section judges, for its verdict line."""
+    """The shape each target judges, for its verdict line (keys: ``TARGETS``' keys)."""
     batch, context = grid.attn_target
     # The smoke grid's stand-in shapes get verdicts too (the plumbing is the same), marked.
     note = "; smoke run, not a measurement" if grid.name == "smoke" else ""
+    step = (
+        f"rank {grid.step_rank} on all seven modules, batch {grid.step_batch}, "
+        f"context {grid.step_context}{note}"
+    )
+    seqs, tokens = grid.prefill_step_shape
     return {
-        "decode_step": f"rank {grid.step_rank} on all seven modules, {grid.step_target_adapters} "
-        f"distinct adapters, batch {grid.step_batch}, context {grid.step_context}{note}",
-        "decode_attention": f"batch {batch} × {context} context{note}",
+        "decode_step_distinct_adapters": f"{grid.step_batch} distinct adapters, {step}",
+        "decode_step_one_adapter": f"one adapter, {step}",
+        "prefill_step_adapters": f"{seqs} sequences × {tokens} tokens, one adapter each, "
+        f"rank {grid.step_rank} on all seven modules{note}",
+        "decode_attention_bandwidth": f"batch {batch} × {context} context{note}",
     }
 
 
@@ -338,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "decode_attention": partial(run_attention, decode=True),
         "decode_step": partial(run_decode_step, layers=args.layers),
+        "prefill_step": partial(run_prefill_step, layers=args.layers),
         "prefill_attention": partial(run_attention, decode=False),
         "lora": run_lora,
         "quant_linear": run_quant_linear,

@@ -95,7 +95,7 @@ def run_attention_case(case: AttentionCase, ctx: BenchContext) -> dict:
     heads["kv_cache_dtype"] = case.kv_cache_dtype
     if case.decode:
         fields = {"batch": case.num_seqs, "context": case.prefix + 1, **heads}
-        fields["target"] = case.target
+        fields["target"] = "decode_attention_bandwidth" if case.target else None
     else:
         shape = {"num_seqs": case.num_seqs, "new_tokens": case.new_tokens, "prefix": case.prefix}
         fields = {**shape, **heads}

@@ -1,4 +1,4 @@
-"""LoRA shrink and expand: the Triton SGMV/BGMV launchers against torch's gather + bmm.
+"""LoRA shrink, expand and both fused: the Triton launchers against their baselines.
 
 A case is one fused projection of the model (``qkv``: the q/k/v slices of the hidden
 state; ``gate_up``: the gate and up slices), one op, and one batch: ``num_seqs``
@@ -18,8 +18,14 @@ R the largest rank:
     expand  bytes = e (S Σ_t r_t  +  N Σ_a r_a  +  2 T N)  y read, each distinct adapter's
             flops = 2 N Σ_t r_t                             B rows read once, out read+written
 
-The baseline is ``lora_{shrink,expand}_slices_gather_bmm`` (gather every token's adapter
-rows, one bmm per slice). Both are checked once per case against the float32 reference
+    fused   bytes = e (T K  +  (S K + N) Σ_a r_a  +  2 T N)  no intermediate in memory
+            flops = 2 (K S + N) Σ_t r_t
+
+The baseline of shrink and expand is ``lora_{shrink,expand}_slices_gather_bmm`` (gather
+every token's adapter rows, one bmm per slice); that of ``fused`` (decode-sized batches,
+the engine's form for them: per token when every segment is one token, per segment tile
+otherwise) is the two-launch Triton path it replaces, a shrink then an expand into the
+slices' own outputs. Each is checked once per case against the float32 reference
 (``lora_*_slices_reference`` on upcast inputs).
 """
 
@@ -48,7 +54,7 @@ LORA_SCALE = 0.5  # c of every adapter: any finite value costs the same
 @dataclass(frozen=True)
 class LoRACase:
     projection: str  # a key of PROJECTIONS
-    op: str  # "shrink" or "expand"
+    op: str  # "shrink", "expand" or "fused"
     num_seqs: int
     tokens_per_seq: int  # 1: a decode batch
     num_adapters: int
@@ -107,6 +113,9 @@ def lora_traffic(case: LoRACase, problem: _Problem, element_size: int) -> tuple[
     if case.op == "shrink":
         num_bytes = t * k + s * k * rank_rows + s * t * problem.batch.max_rank
         return num_bytes * element_size, 2 * k * s * problem.tokens_per_rank
+    if case.op == "fused":
+        num_bytes = t * k + (s * k + n) * rank_rows + 2 * t * n
+        return num_bytes * element_size, 2 * (k * s + n) * problem.tokens_per_rank
     num_bytes = s * problem.tokens_per_rank + n * rank_rows + 2 * t * n
     return num_bytes * element_size, 2 * n * problem.tokens_per_rank
 
@@ -130,9 +139,13 @@ def _measure(case: LoRACase, config: ModelConfig, ctx: BenchContext) -> dict:
 
     problem = _problem(case, config, ctx.device)
     kernel_name = "bgmv" if problem.batch.is_decode else "sgmv"
-    kernel = getattr(lora_triton, f"lora_{case.op}_{kernel_name}")
-    inputs = _shrink if case.op == "shrink" else _expand
-    triton_fn, baseline_fn, expected = inputs(problem, kernel, ctx)
+    if case.op == "fused":
+        triton_fn, baseline_fn, expected = _fused(problem, kernel_name, ctx)
+        kernel_name = f"fused-{kernel_name}"
+    else:
+        kernel = getattr(lora_triton, f"lora_{case.op}_{kernel_name}")
+        inputs = _shrink if case.op == "shrink" else _expand
+        triton_fn, baseline_fn, expected = inputs(problem, kernel, ctx)
     num_bytes, flops = lora_traffic(case, problem, ctx.dtype.itemsize)
     return {
         "kernel": kernel_name,
@@ -177,3 +190,43 @@ def _expand(problem: _Problem, kernel: Callable, ctx: BenchContext) -> tuple:
 def _add_into(expand: Callable, out: torch.Tensor, *args) -> torch.Tensor:
     expand(out, *args)
     return out
+
+
+def _fused(problem: _Problem, form: str, ctx: BenchContext) -> tuple:
+    """The fused launch (the form and tiles the engine's backend takes for the batch) and
+    the two-launch Triton path (its baseline), each adding into its own copy of a random
+    output, and the float32 reference."""
+    from loramux.kernels import lora_triton, lora_triton_fused
+    from loramux.kernels.lora_tiles import tiles_for
+
+    batch, k, widths = problem.batch, problem.in_features, problem.widths
+    tiles = tiles_for(torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
+    a_pools = [_random((problem.num_rows, k), ctx, k**-0.5) for _ in widths]
+    b_pools = [_random((problem.num_rows, n), ctx, max(1, batch.max_rank) ** -0.5) for n in widths]
+    x = _random((batch.num_tokens, k), ctx)
+    out0 = _random((batch.num_tokens, sum(widths)), ctx)
+    expected = out0.to(torch.float32, copy=True)
+    offsets = [sum(widths[:s]) for s in range(len(widths))]
+    y = lora_shrink_slices_reference(x.float(), [p.float() for p in a_pools], batch)
+    lora_expand_slices_reference(expected, y, [p.float() for p in b_pools], offsets, batch)
+    if form == "bgmv":
+        launch = partial(lora_triton_fused.lora_fused_bgmv, tiles=tiles.decode)
+    else:
+        launch = partial(lora_triton_fused.lora_fused_sgmv, tiles=tiles.segments)
+    shrink = getattr(lora_triton, f"lora_shrink_{form}")
+    expand = getattr(lora_triton, f"lora_expand_{form}_outs")
+    # Each adds into its own copy of out through the slices' column views (the kernels take
+    # one output per slice); timed runs keep adding: the cost does not depend on the values.
+    fused_out, two_launch_out = out0.clone(), out0.clone()
+    fused_views = lora_triton.slice_views(fused_out, b_pools, offsets)
+    two_launch_views = lora_triton.slice_views(two_launch_out, b_pools, offsets)
+
+    def fused() -> torch.Tensor:
+        launch(x, fused_views, a_pools, b_pools, batch)
+        return fused_out
+
+    def two_launches() -> torch.Tensor:
+        expand(two_launch_views, shrink(x, a_pools, batch), b_pools, batch)
+        return two_launch_out
+
+    return fused, two_launches, expected

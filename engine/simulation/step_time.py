@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.simulation.profile import DeviceProfile
 
-# The engine's LoRA launches: each group is one shrink and one expand per layer.
+# The LoRA launches of the recorded H100 runs the profile was fitted to: each group one
+# shrink and one expand per layer. The engine now makes one fused launch per group for
+# decode-sized steps (lora_triton_fused); until a GPU measures those, the simulator keeps
+# modelling the kernels it was calibrated on.
 LORA_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),

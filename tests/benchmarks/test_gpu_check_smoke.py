@@ -13,7 +13,7 @@ import torch
 
 from tests.benchmarks.commands import gpu_check
 
-SECTIONS = ["tests", "kernels", "punica-distinct", "slora-s2", "simulation"]
+SECTIONS = ["tests", "lora-tiles", "kernels", "punica-distinct", "slora-s2", "simulation"]
 
 
 def test_the_smoke_runs_every_section_and_bundles_their_results(gpu_check_smoke):
@@ -35,6 +35,7 @@ def test_the_smoke_runs_every_section_and_bundles_their_results(gpu_check_smoke)
         names = set(bundle.getnames())
     for expected in (
         "results/kernels_gpu_cpu-smoke.json",
+        "results/lora_tiles_cpu-interpreter-smoke.json",
         "results/bench_punica-distinct-smoke.json",
         "results/bench_slora-s2-smoke.json",
         "results/simulation_calibration_nvidia-h100-80gb-hbm3-smoke.json",
@@ -42,6 +43,8 @@ def test_the_smoke_runs_every_section_and_bundles_their_results(gpu_check_smoke)
         assert expected in names, sorted(names)
     log = (out / "gpu_check.log").read_text()
     assert "test_cuda_graphs_replay_peft_tokens" in log  # the GPU tests were collected
+    assert "test_lora_triton_fused.py::test_real_shapes_on_gpu" in log
+    assert '"fused_max_tokens"' in log  # the tuning chose tiles (never written in a smoke)
     markdown = (out / "gpu_check.md").read_text()
     assert markdown.count("| passed |") == len(SECTIONS)
 

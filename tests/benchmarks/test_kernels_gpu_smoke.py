@@ -21,10 +21,19 @@ from pathlib import Path
 import pytest
 
 MODULE = "loramux.benchmarks.kernels_gpu"
-SECTIONS = ("decode_attention", "decode_step", "prefill_attention", "lora", "quant_linear")
+SECTIONS = (
+    "decode_attention",
+    "decode_step",
+    "prefill_step",
+    "prefill_attention",
+    "lora",
+    "quant_linear",
+)
 KERNEL_SECTIONS = ("decode_attention", "prefill_attention", "lora", "quant_linear")
 VERDICTS = (
-    "Verdict, decode step LoRA overhead ≤ 15%",
+    "Verdict, decode step ≤ 1.25× base with CUDA graphs, ≤ 1.5× eager (4 distinct adapters",
+    "Verdict, decode step ≤ 1.10× base with CUDA graphs, ≤ 1.5× eager (one adapter",
+    "Verdict, prefill step ≤ 1.15× base",
     "Verdict, paged decode attention ≥ 70% of copy bandwidth",
 )
 
@@ -71,11 +80,13 @@ def test_every_section_has_rows_that_match_their_reference(smoke_run):
             assert row["baseline_ms"] > 0 and row["baseline_rel_err"] is not None, row
 
 
-def test_lora_rows_cover_both_kernels_and_both_ops(smoke_run):
+def test_lora_rows_cover_both_kernels_and_every_op(smoke_run):
     _, _, out = smoke_run
     rows = json.loads(_only(out, ".json").read_text())["sections"]["lora"]
     assert {(r["kernel"], r["op"]) for r in rows} == {
-        (kernel, op) for kernel in ("sgmv", "bgmv") for op in ("shrink", "expand")
+        *((kernel, op) for kernel in ("sgmv", "bgmv") for op in ("shrink", "expand")),
+        ("fused-sgmv", "fused"),
+        ("fused-bgmv", "fused"),
     }
     assert {r["projection"] for r in rows} == {"qkv", "gate_up"}
     assert any(r["rank"].startswith("mixed") for r in rows)
@@ -102,9 +113,15 @@ def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
     rows = json.loads(_only(out, ".json").read_text())["sections"]["decode_step"]
     assert [r["variant"] for r in rows].count("base") == 1
     lora = [r for r in rows if r["variant"] == "lora"]
-    assert {r["kernel"] for r in lora} == {"sgmv", "bgmv"}  # shared and distinct adapters
+    # shared and distinct adapters, each projection group's LoRA in one launch
+    assert {r["kernel"] for r in lora} == {"fused-sgmv", "fused-bgmv"}
     assert all(r["base_ms"] > 0 and "overhead_pct" in r for r in lora)
-    assert sum(bool(r["target"]) for r in lora) == 1
+    assert {r["target"] for r in lora} == {
+        "decode_step_distinct_adapters",
+        "decode_step_one_adapter",
+    }
+    for row in lora:
+        assert row["launches_per_layer"] == row["graph_launches_per_layer"] == 4, row
     # The adapters change the output: the check compares two real LoRA computations.
     assert all(r["lora_effect"] > 1e-2 for r in lora)
     # The engine's static decode path ran each variant over its buffers (no capture on the
@@ -115,11 +132,22 @@ def test_decode_step_compares_lora_steps_with_the_base_step(smoke_run):
     assert all("graph_overhead_pct" in r for r in lora)
 
 
-def test_markdown_states_both_target_verdicts(smoke_run):
+def test_prefill_step_compares_lora_steps_with_the_base_step(smoke_run):
+    _, _, out = smoke_run
+    rows = json.loads(_only(out, ".json").read_text())["sections"]["prefill_step"]
+    assert [(r["variant"], r["adapters"]) for r in rows] == [("base", 0), ("lora", 1), ("lora", 2)]
+    lora = rows[1:]
+    assert [r["target"] for r in lora] == [None, "prefill_step_adapters"]
+    for row in lora:
+        assert row["base_ms"] > 0 and row["floor_ms"] > row["base_floor_ms"] > 0, row
+        assert row["lora_effect"] > 1e-2 and row["launches_per_layer"] == 4, row
+
+
+def test_markdown_states_every_target_verdict(smoke_run):
     _, _, out = smoke_run
     markdown = _only(out, ".md").read_text()
     for verdict in VERDICTS:
-        assert re.search(re.escape(verdict) + r" \(.*\): (PASS|FAIL)", markdown), verdict
+        assert re.search(re.escape(verdict) + r"[^\n]*\): (PASS|FAIL)", markdown), verdict
 
 
 def test_a_mismatch_makes_the_exit_code_nonzero(tmp_path):
