@@ -38,7 +38,7 @@ class FusedTiles:
     block_n: int
     target_programs: int
     num_warps: int
-    rank_budget: int = 16384
+    rank_budget: int = 8192
     block_m: int = 16  # tokens per tile in the segment form (tl.dot needs ≥ 16)
 
     def __post_init__(self) -> None:

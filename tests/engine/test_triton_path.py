@@ -179,7 +179,8 @@ def test_a_decode_step_makes_one_lora_launch_per_projection_group(
 ):
     """Counted at the kernels themselves, not by the backend: every step of these small
     requests with adapters launches exactly one LoRA kernel per projection group and
-    layer (4 a layer, where a shrink and an expand per module made 14), what the backend
+    layer (4 a layer, where a shrink per group, an expand per module and the intermediate's
+    zero-fill per group made 15), what the backend
     counts is the same, and the engine's stats report it. ``static``: the fixed-buffer
     path the CUDA graphs capture (run eagerly on the CPU)."""
     monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
