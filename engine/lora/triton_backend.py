@@ -39,34 +39,37 @@ class TritonStepLoRA:
         self.batch, self.pools, self.tiles = batch, pools, tiles
         self.launches = 0
         self._count = count  # the backend's running total
+        # The form every group of the step takes, and its label (for reports).
         if batch.is_decode:
-            self.form = "fused-bgmv"
+            self.form, self._run_group = "fused-bgmv", self._fused_per_token
         elif batch.num_tokens <= tiles.fused_max_tokens:
-            self.form = "fused-sgmv"
+            self.form, self._run_group = "fused-sgmv", self._fused_per_segment
         else:
-            self.form = "sgmv"
+            self.form, self._run_group = "sgmv", self._shrink_then_expand
 
     def add(self, x, outs, layer: int, modules: tuple[str, ...]) -> None:
-        first = LORA_TARGETS.index(modules[0])
         pools = self.pools
         a_pools = [pools.a_pool(layer, m) for m in modules]
         b_pools = [pools.b_pool(layer, m) for m in modules]
-        batch, tiles = self.batch, self.tiles
-        if self.form == "fused-bgmv":
-            fused = lora_triton_fused.lora_fused_bgmv
-            launches = fused(x, outs, a_pools, b_pools, batch, tiles.decode, first_slice=first)
-        elif self.form == "fused-sgmv":
-            fused = lora_triton_fused.lora_fused_sgmv
-            launches = fused(x, outs, a_pools, b_pools, batch, tiles.segments, first_slice=first)
-        else:
-            block_m = tiles.prefill_block_m
-            y = lora_triton.lora_shrink_sgmv(x, a_pools, batch, first_slice=first, block_m=block_m)
-            lora_triton.lora_expand_sgmv_outs(
-                outs, y, b_pools, batch, first_slice=first, block_m=block_m
-            )
-            launches = TWO_LAUNCH_LAUNCHES
+        launches = self._run_group(x, outs, a_pools, b_pools, LORA_TARGETS.index(modules[0]))
         self.launches += launches
         self._count.add(launches)
+
+    def _fused_per_token(self, x, outs, a_pools, b_pools, first: int) -> int:
+        fused = lora_triton_fused.lora_fused_bgmv
+        return fused(x, outs, a_pools, b_pools, self.batch, self.tiles.decode, first_slice=first)
+
+    def _fused_per_segment(self, x, outs, a_pools, b_pools, first: int) -> int:
+        fused = lora_triton_fused.lora_fused_sgmv
+        return fused(x, outs, a_pools, b_pools, self.batch, self.tiles.segments, first_slice=first)
+
+    def _shrink_then_expand(self, x, outs, a_pools, b_pools, first: int) -> int:
+        batch, block_m = self.batch, self.tiles.prefill_block_m
+        y = lora_triton.lora_shrink_sgmv(x, a_pools, batch, first_slice=first, block_m=block_m)
+        lora_triton.lora_expand_sgmv_outs(
+            outs, y, b_pools, batch, first_slice=first, block_m=block_m
+        )
+        return TWO_LAUNCH_LAUNCHES
 
 
 class TritonBackend(KernelBackend):
