@@ -181,11 +181,20 @@ def _check_supported(raw: dict) -> None:
     if not isinstance(use_dora, bool):
         raise AdapterError(f"{CONFIG_FILE}: use_dora must be true or false, got {_show(use_dora)}")
     if use_dora:
-        raise AdapterError("DoRA adapters are not supported")
+        raise AdapterError(
+            "DoRA adapters (use_dora: true) are not supported yet; merge the magnitude into "
+            "the weights or train without use_dora"
+        )
     if raw.get("modules_to_save"):
-        raise AdapterError("modules_to_save adapters are not supported")
+        raise AdapterError(
+            f"modules_to_save ({_show(raw['modules_to_save'])}) is not supported yet: only "
+            "LoRA's A and B matrices are served; train without modules_to_save"
+        )
     if raw.get("bias", "none") != "none":
-        raise AdapterError(f"adapters with bias={_show(raw['bias'])} are not supported")
+        raise AdapterError(
+            f"adapters with bias={_show(raw['bias'])} are not supported yet; train with "
+            'bias: "none"'
+        )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The base model's architecture, read from an HF ``config.json``.
 
-Only Llama-family decoders (Llama, Mistral-style, Qwen2 with q/k/v bias, SmolLM2):
+Llama-family decoders: Llama (SmolLM2, Llama 3.x with its rope scaling), Mistral-style,
+Qwen2 (q/k/v bias) and Qwen3 (an RMSNorm over each head's queries and keys before RoPE):
 the fields the decoder needs, checked once here so the model code can trust them.
 """
 
@@ -10,7 +11,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# Families whose attention normalizes each head's queries and keys (RMSNorm over
+# head_dim, one weight shared by the heads) before RoPE.
+QK_NORM_MODEL_TYPES = {"qwen3"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2); q/k/v/o bias (Llama)
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
     model_type: str = "llama"
@@ -78,6 +83,11 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; loramux serves Llama-family "
                 f"decoders ({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
+        if raw.get("use_sliding_window"):
+            raise ValueError(
+                f"{model_type} with use_sliding_window is not served yet (sliding-window "
+                "attention); set use_sliding_window to false if the model was trained without it"
+            )
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         # transformers 5 moved rope settings into `rope_parameters`; older files keep
@@ -112,6 +122,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             model_type=model_type,

@@ -133,13 +133,21 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
+        if config.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by the heads
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
         self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, cos, sin, attention: StepAttention, kv_cache, lora):
         tokens = x.shape[0]
         q, k, v = _project(x, (self.q_proj, self.k_proj, self.v_proj), self.layer, QKV, lora)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attention.new_token_slots)

@@ -282,7 +282,12 @@ DAMAGED_ADAPTERS = {
     "unknown-module": (_rename_to_unknown_module, r"foo_proj\.lora_A.*'foo_proj'"),
     "nan": (_poison(float("nan")), r"layers\.\d+\.v_proj holds NaN"),
     "inf": (_poison(float("inf")), r"layers\.\d+\.v_proj holds NaN or infinite"),
-    "dora": (_edit_config(use_dora=True), "DoRA"),
+    "dora": (_edit_config(use_dora=True), "DoRA adapters .use_dora: true. are not supported"),
+    "modules-to-save": (
+        _edit_config(modules_to_save=["lm_head"]),
+        r"modules_to_save \(\['lm_head'\]\) is not supported yet",
+    ),
+    "bias": (_edit_config(bias="all"), "bias='all' are not supported yet; train with bias"),
     "rank-disagrees-with-config": (_edit_config(r=6), "rank 4, adapter_config says r=6"),
     "not-lora": (_edit_config(peft_type="PREFIX_TUNING"), "PREFIX_TUNING"),
 }
