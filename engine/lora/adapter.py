@@ -28,6 +28,7 @@ from loramux.engine.lora.adapter_config import (
     read_adapter_config,
 )
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.fused_modules import split_rows
 from loramux.engine.model.llama import LORA_TARGETS
 
 __all__ = [
@@ -120,17 +121,27 @@ def _read_lora_tensors(
                 parsed = parse_lora_tensor_name(key)
                 if parsed is None:
                     raise AdapterError(f"tensor {key!r} is not a LoRA weight of a known module")
-                if parsed.module not in LORA_TARGETS:
+                fused = model_config.fused_modules
+                if parsed.module not in LORA_TARGETS and parsed.module not in fused:
+                    known = ", ".join([*fused, *LORA_TARGETS] if fused else LORA_TARGETS)
                     raise AdapterError(
                         f"tensor {key!r} targets {parsed.module!r}, which the base model has no "
-                        f"LoRA slot for (known: {', '.join(LORA_TARGETS)})"
+                        f"LoRA slot for (known: {known})"
                     )
                 if parsed.layer >= model_config.num_layers:
                     raise AdapterError(
                         f"tensor {key!r} names layer {parsed.layer}, the base model has "
                         f"{model_config.num_layers} layers"
                     )
-                raw[(parsed.module, parsed.layer, parsed.which)] = (parsed, handle.get_tensor(key))
+                tensor = handle.get_tensor(key)
+                for module, part in _parts(model_config, key, parsed, tensor):
+                    slot = (module, parsed.layer, parsed.which)
+                    if slot in raw:
+                        raise AdapterError(
+                            f"{key} and {raw[slot][0].peft_module_name} both target "
+                            f"layers.{parsed.layer}.{module}"
+                        )
+                    raw[slot] = (parsed, part)
     except AdapterError:
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt files
@@ -138,6 +149,21 @@ def _read_lora_tensors(
     if not raw:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
     return raw
+
+
+def _parts(
+    config: ModelConfig, key: str, parsed: LoRATensorName, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """(module, tensor) of a LoRA weight: itself, or for a fused module (Phi-3's
+    ``qkv_proj``) one per part, A shared and B split by rows (``fused_modules``)."""
+    if parsed.module not in config.fused_modules:
+        return [(parsed.module, tensor)]
+    if parsed.which == "A":
+        return [(part, tensor) for part in config.fused_modules[parsed.module]]
+    try:
+        return split_rows(config, parsed.module, tensor)
+    except ValueError as exc:
+        raise AdapterError(f"{key}: {exc}") from exc
 
 
 def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int]) -> int:

@@ -1,8 +1,12 @@
 """The base model's architecture, read from an HF ``config.json``.
 
 Llama-family decoders: Llama (SmolLM2, Llama 3.x with its rope scaling), Mistral-style,
-Qwen2 (q/k/v bias) and Qwen3 (an RMSNorm over each head's queries and keys before RoPE):
-the fields the decoder needs, checked once here so the model code can trust them.
+Qwen2 (q/k/v bias), Qwen3 (an RMSNorm over each head's queries and keys before RoPE) and
+Phi-3/Phi-4 (q/k/v and gate/up fused in the checkpoint, split as they load): the fields
+the decoder needs, checked once here so the model code can trust them.
+
+A model whose attention looks back a window of keys (``sliding_window``) is served up to
+that window (``max_context``): within it, full attention computes the same thing.
 """
 
 from __future__ import annotations
@@ -11,10 +15,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
 # Families whose attention normalizes each head's queries and keys (RMSNorm over
 # head_dim, one weight shared by the heads) before RoPE.
 QK_NORM_MODEL_TYPES = {"qwen3"}
+# Families whose checkpoints (and PEFT adapters) hold some projections fused: the fused
+# module's output rows are its parts' outputs, in order.
+FUSED_MODULES = {
+    "phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+}
+# Families that apply ``sliding_window`` only under ``use_sliding_window``.
+OPT_IN_WINDOW_MODEL_TYPES = {"qwen2", "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2); q/k/v/o bias (Llama)
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    attention_window: int | None = None  # keys a query sees (sliding window), None: all
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
     model_type: str = "llama"
@@ -57,6 +69,18 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def max_context(self) -> int:
+        """The longest context served: the model's positions, or its attention window
+        where that is shorter (past it, a sliding window would drop keys)."""
+        window = self.attention_window or self.max_position_embeddings
+        return min(self.max_position_embeddings, window)
+
+    @property
+    def fused_modules(self) -> dict[str, tuple[str, ...]]:
+        """Fused checkpoint module -> the projections it holds, in row order."""
+        return FUSED_MODULES.get(self.model_type, {})
+
+    @property
     def o_proj_bias(self) -> bool:
         # Llama's `attention_bias` puts a bias on o_proj too; Qwen2's o_proj never has one.
         return self.attention_bias and self.model_type != "qwen2"
@@ -73,6 +97,9 @@ class ModelConfig:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+        parts = self.fused_modules.get(module)
+        if parts is not None:  # its parts' outputs side by side
+            return (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
         return shapes[module]
 
     @classmethod
@@ -83,17 +110,21 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; loramux serves Llama-family "
                 f"decoders ({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        if raw.get("use_sliding_window"):
-            raise ValueError(
-                f"{model_type} with use_sliding_window is not served yet (sliding-window "
-                "attention); set use_sliding_window to false if the model was trained without it"
-            )
+        window = raw.get("sliding_window")
+        if model_type in OPT_IN_WINDOW_MODEL_TYPES and not raw.get("use_sliding_window"):
+            window = None
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         # transformers 5 moved rope settings into `rope_parameters`; older files keep
         # `rope_theta` and `rope_scaling` at the top level.
         rope = dict(raw.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor {partial} is not served yet (RoPE over part of each "
+                "head, as in Phi-4-mini); only 1.0"
+            )
         scaling = rope or raw.get("rope_scaling") or None
         if scaling is not None:
             scaling = dict(scaling)
@@ -123,6 +154,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            attention_window=int(window) if window else None,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             model_type=model_type,

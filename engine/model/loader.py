@@ -22,6 +22,7 @@ from torch import nn
 
 from loramux.engine.config import LOAD_FORMATS, QUANTIZATIONS, EngineConfig
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.fused_modules import split_checkpoint_tensor
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.quantized import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -99,7 +100,7 @@ def load_model(
         state, packed_weights = _gguf_state(Path(gguf_file), config, expected, dtype, device)
     else:
         state, packed_weights = _safetensors_state(
-            model_dir, expected, dtype, device, quantization, group_size, shard
+            model_dir, config, expected, dtype, device, quantization, group_size, shard
         )
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -170,31 +171,33 @@ def _check_load(load_format, quantization, gguf_file, quant_op, shard) -> None:
         )
 
 
-def _safetensors_state(model_dir, expected, dtype, device, quantization, group_size, shard):
+def _safetensors_state(model_dir, config, expected, dtype, device, quantization, group_size, shard):
     """(float tensors, packed weights) of a safetensors checkpoint, packing (or keeping
     ``shard``'s part of each tensor) as they come."""
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, QuantizedWeight] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith(_IGNORED_SUFFIXES):
+            for stored in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if stored.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name not in expected:
-                    raise ValueError(f"unexpected tensor {name!r} in {path.name}")
-                tensor = handle.get_tensor(name)
-                if tuple(tensor.shape) != expected[name]:
-                    raise ValueError(
-                        f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {expected[name]}"
-                    )
-                if shard is not None:
-                    tensor = shard.shard_weight(name, tensor)
-                weight = quantize_tensor(name, tensor, quantization, group_size)
-                if weight is not None:
-                    packed[name] = weight.to(device)
-                else:
-                    state[name] = tensor.to(device=device, dtype=dtype)
+                # A fused projection (Phi-3's qkv_proj) becomes its parts, as it is read.
+                tensor = handle.get_tensor(stored)
+                for name, part in split_checkpoint_tensor(config, stored, tensor):
+                    if name not in expected:
+                        raise ValueError(f"unexpected tensor {stored!r} in {path.name}")
+                    if tuple(part.shape) != expected[name]:
+                        raise ValueError(
+                            f"tensor {name!r} has shape {tuple(part.shape)}, "
+                            f"the config implies {expected[name]}"
+                        )
+                    if shard is not None:
+                        part = shard.shard_weight(name, part)
+                    weight = quantize_tensor(name, part.contiguous(), quantization, group_size)
+                    if weight is not None:
+                        packed[name] = weight.to(device)
+                    else:
+                        state[name] = part.to(device=device, dtype=dtype)
     return state, packed
 
 

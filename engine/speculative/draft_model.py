@@ -68,9 +68,9 @@ def check_draft_model(draft: LlamaForCausalLM, target: LlamaForCausalLM, max_mod
             f"the draft model's vocabulary has {draft.vocab_size} tokens and the target's "
             f"{target.vocab_size}: a draft model must share the target's tokenizer"
         )
-    if d.max_position_embeddings < max_model_len:
+    if d.max_context < max_model_len:
         raise DraftModelError(
-            f"the draft model handles {d.max_position_embeddings} positions, fewer than the "
+            f"the draft model handles {d.max_context} positions, fewer than the "
             f"engine's max_model_len {max_model_len}: lower max_model_len or pick another draft"
         )
 

@@ -25,6 +25,13 @@ from tests.engine.test_exactness import (
 from tests.fixtures.models import build_tiny_model
 
 NORM_NOISE = 0.2
+# Phi-3's PEFT targets: q/k/v and gate/up are single fused modules. The names match
+# ADAPTER_SPECS' (mixed_requests cycles through them).
+PHI3_ADAPTER_SPECS = {
+    "r4-qv": {"rank": 4, "targets": ("qkv_proj",), "seed": 1},
+    "r8-attn": {"rank": 8, "targets": ("qkv_proj", "o_proj"), "seed": 2},
+    "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_up_proj", "down_proj"), "seed": 3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +76,73 @@ def test_qwen3_staggered_prefix_hits_and_preemption_match_peft(qwen3_dir, qwen3_
     assert_matches_reference(engine, qwen3_dir, qwen3_adapters, requests, outputs, 16)
 
 
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("tiny-phi3")
+    return build_tiny_model(out, tokenizer_dir, family="phi3", norm_noise=NORM_NOISE)
+
+
+@pytest.fixture(scope="module")
+def phi3_adapters(phi3_dir, make_adapter):
+    return {name: make_adapter(phi3_dir, **spec) for name, spec in PHI3_ADAPTER_SPECS.items()}
+
+
+def test_phi3_fused_adapters_load_as_their_parts(phi3_dir, phi3_adapters):
+    """qkv_proj's A is every part's, its B split by rows; the engine's modules are the
+    seven it always has."""
+    from loramux.engine.lora.adapter import load_adapter
+
+    config = ModelConfig.from_pretrained(phi3_dir)
+    assert config.module_shape("qkv_proj") == (64, config.q_size + 2 * config.kv_size)
+    weights = load_adapter(phi3_adapters["r8-attn"], config)
+    assert set(weights.modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    q, k, v = (weights.modules[m] for m in ("q_proj", "k_proj", "v_proj"))
+    assert q.a[0] is k.a[0] is v.a[0]
+    assert [p.b[1].shape[0] for p in (q, k, v)] == [config.q_size, config.kv_size, config.kv_size]
+
+
+def test_phi3_first_step_logits_match_peft(phi3_dir, phi3_adapters):
+    engine = build_engine(phi3_dir, phi3_adapters)
+    assert_first_step_logits_match(engine, phi3_dir, phi3_adapters)
+
+
+def test_phi3_staggered_prefix_hits_and_preemption_match_peft(phi3_dir, phi3_adapters):
+    # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes a token: 32 blocks of
+    # 4 tokens beside the adapters' 28 rank-rows (8 KiB each), contexts of at most 96.
+    engine = build_engine(
+        phi3_dir,
+        phi3_adapters,
+        kv_cache_bytes=32 * 4 * 512 + 28 * 8192,
+        max_model_len=96,
+        block_size=4,
+    )
+    put_adapters_on_device(engine, phi3_adapters)  # KV left its floor: preemption
+    system = "Answer in one short sentence. "
+    requests = [(system + p, a) for p, a in mixed_requests(8)]
+    outputs = run_staggered(engine, requests, 16)
+    assert engine.num_preemptions > 0
+    assert engine.kv.prefix_cache_hits > 0
+    assert_matches_reference(engine, phi3_dir, phi3_adapters, requests, outputs, 16)
+
+
+def test_a_sliding_window_caps_the_context_served(phi3_dir, qwen3_dir):
+    """Within its window a sliding-window model attends to every key: the engine serves
+    contexts up to the window. Qwen's window applies only under use_sliding_window."""
+    assert ModelConfig.from_pretrained(phi3_dir).max_context == 512
+    windowed = ModelConfig.from_hf_dict(_config(phi3_dir, sliding_window=128))
+    assert (windowed.attention_window, windowed.max_context) == (128, 128)
+    qwen = _config(qwen3_dir, sliding_window=64)
+    assert ModelConfig.from_hf_dict(qwen).max_context == 512
+    assert ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True}).max_context == 64
+
+
+def test_partial_rotary_embeddings_are_refused(phi3_dir):
+    raw = _config(phi3_dir)
+    raw["rope_parameters"] = {**raw["rope_parameters"], "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75 is not served yet"):
+        ModelConfig.from_hf_dict(raw)
+
+
 def _config(model_dir, **changes) -> dict:
     return {**json.loads((model_dir / "config.json").read_text()), **changes}
 
@@ -76,8 +150,3 @@ def _config(model_dir, **changes) -> dict:
 def test_an_unsupported_family_names_the_supported_ones(qwen3_dir):
     with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*llama.*qwen3"):
         ModelConfig.from_hf_dict(_config(qwen3_dir, model_type="gpt2"))
-
-
-def test_sliding_window_attention_is_refused_with_what_to_do(qwen3_dir):
-    with pytest.raises(ValueError, match="use_sliding_window is not served yet"):
-        ModelConfig.from_hf_dict(_config(qwen3_dir, use_sliding_window=True))
