@@ -132,10 +132,23 @@ class ModelConfig:
             scaling["rope_type"] = kind
             if kind == "default":
                 scaling = None
-            elif kind not in {"linear", "llama3"}:
+            elif kind == "dynamic":
                 raise ValueError(
-                    f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
+                    "rope scaling 'dynamic' is not served: its frequencies change with the "
+                    "longest sequence seen, so a request's tokens would depend on its batch; "
+                    "use 'yarn' or 'linear' (supported: default, linear, llama3, yarn)"
                 )
+            elif kind not in {"linear", "llama3", "yarn"}:
+                raise ValueError(
+                    f"unsupported rope scaling type {kind!r} (supported: default, linear, "
+                    "llama3, yarn)"
+                )
+            if kind == "yarn":  # the pretraining context and factor, as transformers reads them
+                positions = raw.get("max_position_embeddings", 4096)
+                old = scaling.get("original_max_position_embeddings")
+                old = old or raw.get("original_max_position_embeddings") or positions
+                scaling["original_max_position_embeddings"] = old
+                scaling["factor"] = scaling.get("factor") or positions / old
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(

@@ -22,7 +22,7 @@ from loramux.engine.lora.torch_backend import TorchBackend
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
-from loramux.engine.model.rope import inverse_frequencies
+from loramux.engine.model.rope import inverse_frequencies, rope_parameters
 from tests.fixtures.models import TINY_CONFIG, build_tiny_model
 
 CPU = torch.device("cpu")
@@ -38,11 +38,21 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+# The original context of 64 is shorter than the prompt, and the attention factor
+# (0.1 ln 4 + 1) scales cos and sin.
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_MSCALE_ROPE = {**YARN_ROPE, "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16}
 
 LLAMA_VARIANTS = {
     "tied": {"tie_word_embeddings": True},
     "llama3-rope": {"rope_parameters": LLAMA3_ROPE},
     "linear-rope": {"rope_parameters": LINEAR_ROPE},
+    "yarn-rope": {"rope_parameters": YARN_ROPE},
 }
 
 
@@ -155,7 +165,8 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", ["tiny", "tied", "llama3-rope", "linear-rope", "qwen2", "llama-attention-bias"]
+    "variant",
+    ["tiny", "tied", "llama3-rope", "linear-rope", "yarn-rope", "qwen2", "llama-attention-bias"],
 )
 def test_last_token_logits_match_transformers(model_dirs, variant):
     model_dir = model_dirs[variant]
@@ -167,7 +178,7 @@ def test_last_token_logits_match_transformers(model_dirs, variant):
     assert_logits_close(ours, hf_last_logits(model_dir, ids))
 
 
-@pytest.mark.parametrize("variant", ["tiny", "llama3-rope"])
+@pytest.mark.parametrize("variant", ["tiny", "llama3-rope", "yarn-rope"])
 def test_chunked_prefill_and_decode_match_one_pass(model_dirs, variant):
     """Prefill chunks and single-token decodes, each reading the earlier tokens' KV from the
     paged cache, end with the same logits as transformers' one pass."""
@@ -205,6 +216,8 @@ def test_variants_load_as_configured(model_dirs):
     [
         pytest.param(LLAMA3_ROPE, id="llama3"),
         pytest.param(LINEAR_ROPE, id="linear"),
+        pytest.param(YARN_ROPE, id="yarn"),
+        pytest.param(YARN_MSCALE_ROPE, id="yarn-mscale"),
         pytest.param({"rope_type": "default", "rope_theta": 100000.0}, id="default"),
     ],
 )
@@ -223,9 +236,11 @@ def test_inverse_frequencies_match_transformers(rope, head_dim):
         expected = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     else:
         expected, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, CPU)
-        assert attention_factor == 1.0  # nothing we'd have to apply to cos/sin
 
-    ours = inverse_frequencies(ModelConfig.from_hf_dict(hf_config.to_dict()))
+    ours, our_factor = rope_parameters(ModelConfig.from_hf_dict(hf_config.to_dict()))
+    if rope["rope_type"] != "default":
+        assert our_factor == pytest.approx(attention_factor, rel=1e-12)
+        assert (our_factor != 1.0) == (rope["rope_type"] == "yarn")
 
     assert ours.shape == (head_dim // 2,)
     torch.testing.assert_close(ours.double(), expected.double(), rtol=1e-6, atol=0)

@@ -150,3 +150,10 @@ def _config(model_dir, **changes) -> dict:
 def test_an_unsupported_family_names_the_supported_ones(qwen3_dir):
     with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*llama.*qwen3"):
         ModelConfig.from_hf_dict(_config(qwen3_dir, model_type="gpt2"))
+
+
+def test_dynamic_rope_scaling_is_refused_with_why(qwen3_dir):
+    raw = _config(qwen3_dir)
+    raw["rope_parameters"] = {**raw["rope_parameters"], "rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(ValueError, match=r"'dynamic' is not served.*use 'yarn' or 'linear'"):
+        ModelConfig.from_hf_dict(raw)
