@@ -2,8 +2,11 @@
 
 Llama-family decoders: Llama (SmolLM2, Llama 3.x with its rope scaling), Mistral-style,
 Qwen2 (q/k/v bias), Qwen3 (an RMSNorm over each head's queries and keys before RoPE) and
-Phi-3/Phi-4 (q/k/v and gate/up fused in the checkpoint, split as they load): the fields
-the decoder needs, checked once here so the model code can trust them.
+Phi-3/Phi-4 (q/k/v and gate/up fused in the checkpoint, split as they load) and Gemma 3's
+text decoder (embeddings scaled by √hidden, RMSNorms of (1 + w) computed in float32, norms
+after attention and around the MLP too, GeGLU, q/k norms, ``query_pre_attn_scalar``, and
+local layers with their own RoPE base between global ones): the fields the decoder needs,
+checked once here so the model code can trust them.
 
 A model whose attention looks back a window of keys (``sliding_window``) is served up to
 that window (``max_context``): within it, full attention computes the same thing.
@@ -11,14 +14,17 @@ that window (``max_context``): within it, full attention computes the same thing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"}
+GEMMA_MODEL_TYPES = {"gemma3_text"}
+ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 # Families whose attention normalizes each head's queries and keys (RMSNorm over
 # head_dim, one weight shared by the heads) before RoPE.
-QK_NORM_MODEL_TYPES = {"qwen3"}
+QK_NORM_MODEL_TYPES = {"qwen3", "gemma3_text"}
 # Families whose checkpoints (and PEFT adapters) hold some projections fused: the fused
 # module's output rows are its parts' outputs, in order.
 FUSED_MODULES = {
@@ -46,6 +52,15 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     attention_window: int | None = None  # keys a query sees (sliding window), None: all
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    gemma_norms: bool = False  # RMSNorm of (1 + w) in float32, and norms after attention/MLP
+    embed_scale: float | None = None  # embeddings times this (Gemma: √hidden)
+    attention_scale: float | None = None  # scores' scale (Gemma: query_pre_attn_scalar^-½)
+    # Per layer, "full_attention" or "sliding_attention" (empty: all full); sliding layers
+    # take their own RoPE base and scaling (Gemma 3's local layers).
+    layer_types: tuple[str, ...] = ()
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
     model_type: str = "llama"
@@ -74,6 +89,15 @@ class ModelConfig:
         where that is shorter (past it, a sliding window would drop keys)."""
         window = self.attention_window or self.max_position_embeddings
         return min(self.max_position_embeddings, window)
+
+    def for_layer_kind(self, kind: str) -> ModelConfig:
+        """This config as a layer of ``kind`` sees it: a sliding layer's own RoPE base and
+        scaling where the family gives it one."""
+        if kind != "sliding_attention" or self.sliding_rope_theta is None:
+            return self
+        return dataclasses.replace(
+            self, rope_theta=self.sliding_rope_theta, rope_scaling=self.sliding_rope_scaling
+        )
 
     @property
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
@@ -118,6 +142,8 @@ class ModelConfig:
         # transformers 5 moved rope settings into `rope_parameters`; older files keep
         # `rope_theta` and `rope_scaling` at the top level.
         rope = dict(raw.get("rope_parameters") or {})
+        if "full_attention" in rope:  # per layer type (Gemma 3): the global layers' here
+            rope = dict(rope["full_attention"] or {})
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
@@ -151,6 +177,13 @@ class ModelConfig:
                 scaling["factor"] = scaling.get("factor") or positions / old
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        gemma = model_type in GEMMA_MODEL_TYPES
+        family = _gemma_fields(raw, hidden) if gemma else {}
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden activation {act!r} is not served (supported: {', '.join(sorted(ACTIVATIONS))})"
+            )
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
@@ -168,6 +201,8 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type in QK_NORM_MODEL_TYPES,
             attention_window=int(window) if window else None,
+            hidden_act=act,
+            **family,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             model_type=model_type,
@@ -189,3 +224,43 @@ class ModelConfig:
                 ids |= set(base if isinstance(base, list) else ([] if base is None else [base]))
                 raw = {**raw, "eos_token_id": sorted(ids)}
         return cls.from_hf_dict(raw)
+
+
+def _gemma_fields(raw: dict, hidden: int) -> dict:
+    """Gemma 3's departures from Llama, from its config (transformers 5's per-layer-type
+    ``rope_parameters``, or the older ``rope_local_base_freq``)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(name):
+            raise ValueError(f"{name} is not served (Gemma 2's logit soft-capping)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not served (decoders only)")
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if not types:
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError("layer_types must name one of full_attention/sliding_attention per layer")
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:
+        local = dict(local)
+        theta = float(local.pop("rope_theta", 10000.0))
+    else:
+        local, theta = {}, float(raw.get("rope_local_base_freq", 10000.0))
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"the local layers' rope scaling {local['rope_type']!r} is not served")
+    scalar = (
+        raw.get("query_pre_attn_scalar")
+        or raw.get("head_dim")
+        or hidden // raw["num_attention_heads"]
+    )
+    return {
+        "gemma_norms": True,
+        "embed_scale": hidden**0.5,
+        "attention_scale": float(scalar) ** -0.5,
+        "layer_types": tuple(types),
+        "sliding_rope_theta": theta,
+    }

@@ -105,6 +105,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: the weight is an offset from 1, and the product is taken in float32 before
+    the cast (Llama casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+    return norm(size, config.rms_norm_eps)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def _project(
     x: torch.Tensor,
     linears: tuple[nn.Module, ...],
@@ -127,15 +145,15 @@ class LlamaAttention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
         h, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(h, config.q_size, bias=bias)
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
-        if config.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by the heads
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        if config.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over head_dim, shared by the heads
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
         self.qk_norm = config.qk_norm
         self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
@@ -164,11 +182,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act = ACTIVATIONS[config.hidden_act]
         self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, lora):
         gate, up = _project(x, (self.gate_proj, self.up_proj), self.layer, GATE_UP, lora)
-        out = _project(F.silu(gate) * up, (self.down_proj,), self.layer, DOWN, lora)[0]
+        out = _project(self.act(gate) * up, (self.down_proj,), self.layer, DOWN, lora)[0]
         return _summed(out, self.ranks)
 
 
@@ -177,12 +196,26 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
         self.mlp = LlamaMLP(config, layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h = config.hidden_size
+        self.input_layernorm = make_norm(config, h)
+        # Llama's norm before the MLP; Gemma's after attention, with two around the MLP.
+        self.post_attention_layernorm = make_norm(config, h)
+        self.gemma_norms = config.gemma_norms
+        if config.gemma_norms:
+            self.pre_feedforward_layernorm = make_norm(config, h)
+            self.post_feedforward_layernorm = make_norm(config, h)
+        types = config.layer_types
+        self.rope_kind = types[layer] if types else "full_attention"  # its RoPE tables
 
     def forward(self, x, cos, sin, attention, kv_cache, lora):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, kv_cache, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, attention, kv_cache, lora)
+        if not self.gemma_norms:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x), lora)
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(x), lora)
+        )
 
 
 # Fewer rows than this (but more than one) go through the LM head padded (compute_logits).
@@ -200,11 +233,11 @@ class LlamaForCausalLM(nn.Module):
         self.model.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_layers)
         )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary: RotaryEmbedding | None = None
+        self.rotary: dict[str, RotaryEmbedding] | None = None  # per layer kind (rope_kind)
         # One rank's shard (join): the ranks, its first token id and the whole vocabulary.
         self.ranks: Collectives | None = None
         self.vocab_start = 0
@@ -219,12 +252,18 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         if self.ranks is None:
-            return self.model.embed_tokens(input_ids)
-        # Vocabulary-parallel: this rank's rows for its ids, zeros for the others', summed.
-        local = input_ids - self.vocab_start
-        mine = (local >= 0) & (local < self.config.vocab_size)
-        rows = self.model.embed_tokens(torch.where(mine, local, 0))
-        return self.ranks.all_reduce_(torch.where(mine[:, None], rows, 0.0))
+            rows = self.model.embed_tokens(input_ids)
+        else:
+            # Vocabulary-parallel: this rank's rows for its ids, zeros for the others', summed.
+            local = input_ids - self.vocab_start
+            mine = (local >= 0) & (local < self.config.vocab_size)
+            rows = self.model.embed_tokens(torch.where(mine, local, 0))
+            rows = self.ranks.all_reduce_(torch.where(mine[:, None], rows, 0.0))
+        scale = self.config.embed_scale
+        if scale is None:
+            return rows
+        # Gemma: the scale rounded to the embeddings' dtype first, as transformers does.
+        return rows * torch.tensor(scale, dtype=torch.float32).to(rows.dtype)
 
     def forward(
         self,
@@ -235,13 +274,16 @@ class LlamaForCausalLM(nn.Module):
         interrupt: Callable[[], None] | None = None,  # raises to abandon the step
     ) -> torch.Tensor:  # hidden states [T, hidden]
         if self.rotary is None:
-            self.rotary = RotaryEmbedding(self.config, input_ids.device)
+            kinds = {layer.rope_kind for layer in self.model.layers}
+            self.rotary = {
+                k: RotaryEmbedding(self.config.for_layer_kind(k), input_ids.device) for k in kinds
+            }
         x = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(attention.positions, x.dtype)
+        tables = {k: r.cos_sin(attention.positions, x.dtype) for k, r in self.rotary.items()}
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             if interrupt is not None:
                 interrupt()  # between layers: see engine/step_interrupt.py
-            x = layer(x, cos, sin, attention, kv_cache, lora)
+            x = layer(x, *tables[layer.rope_kind], attention, kv_cache, lora)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab]

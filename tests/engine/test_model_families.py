@@ -143,6 +143,51 @@ def test_partial_rotary_embeddings_are_refused(phi3_dir):
         ModelConfig.from_hf_dict(raw)
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("tiny-gemma3")
+    return build_tiny_model(out, tokenizer_dir, family="gemma3", norm_noise=NORM_NOISE)
+
+
+@pytest.fixture(scope="module")
+def gemma3_adapters(gemma3_dir, make_adapter):
+    return {name: make_adapter(gemma3_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+
+
+def test_gemma3_config_reads_what_sets_it_apart(gemma3_dir):
+    config = ModelConfig.from_pretrained(gemma3_dir)
+    assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (config.rope_theta, config.sliding_rope_theta) == (1_000_000.0, 10_000.0)
+    assert config.attention_scale == pytest.approx(24**-0.5)
+    assert config.embed_scale == pytest.approx(64**0.5)
+    assert config.gemma_norms and config.qk_norm and config.tie_word_embeddings
+    assert (config.hidden_act, config.max_context) == ("gelu_pytorch_tanh", 128)
+
+
+def test_gemma3_first_step_logits_match_peft(gemma3_dir, gemma3_adapters):
+    engine = build_engine(gemma3_dir, gemma3_adapters)
+    assert_first_step_logits_match(engine, gemma3_dir, gemma3_adapters)
+
+
+def test_gemma3_staggered_prefix_hits_and_preemption_match_peft(gemma3_dir, gemma3_adapters):
+    # 3 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 768 bytes a token: 32 blocks of
+    # 4 tokens beside the adapters' 28 rank-rows (12 KiB each), contexts of at most 96.
+    engine = build_engine(
+        gemma3_dir,
+        gemma3_adapters,
+        kv_cache_bytes=32 * 4 * 768 + 28 * 12288,
+        max_model_len=96,
+        block_size=4,
+    )
+    put_adapters_on_device(engine, gemma3_adapters)  # KV left its floor: preemption
+    system = "Answer in one short sentence. "
+    requests = [(system + p, a) for p, a in mixed_requests(8)]
+    outputs = run_staggered(engine, requests, 16)
+    assert engine.num_preemptions > 0
+    assert engine.kv.prefix_cache_hits > 0
+    assert_matches_reference(engine, gemma3_dir, gemma3_adapters, requests, outputs, 16)
+
+
 def _config(model_dir, **changes) -> dict:
     return {**json.loads((model_dir / "config.json").read_text()), **changes}
 
