@@ -50,9 +50,10 @@ QUANTIZED_TYPES = (
 SUPPORTED_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
 GROUP_SIZE = 32  # inputs per scale in every supported quantized type
 
-# general.architecture -> whether llama.cpp permuted the q/k rows. Qwen2 uses NeoX-style
-# RoPE in llama.cpp, the layout HF already has, so its converter leaves the rows alone.
-ROWS_PERMUTED_BY_ARCHITECTURE = {"llama": True, "qwen2": False}
+# general.architecture -> whether llama.cpp permuted the q/k rows. Qwen2 and Qwen3 use
+# NeoX-style RoPE in llama.cpp, the layout HF already has, so its converter leaves the rows
+# alone.
+ROWS_PERMUTED_BY_ARCHITECTURE = {"llama": True, "qwen2": False, "qwen3": False}
 
 # Tensors a GGUF may carry that the engine recomputes from the config (Llama 3's RoPE
 # frequency factors).
@@ -73,6 +74,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
@@ -149,6 +152,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{prefix}.{block}.{module}.bias"] = (out_features,)
         shapes[f"{prefix}.input_layernorm.weight"] = (h,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (h,)
+        if config.qk_norm:
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.head_dim,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)

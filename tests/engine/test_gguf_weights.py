@@ -53,16 +53,17 @@ def as_float(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     return dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
 
 
-def gguf_py_values(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+def gguf_py_values(path: Path, config: ModelConfig, *, permuted=True) -> dict[str, np.ndarray]:
     """Every tensor of ``path`` as gguf-py de-quantizes it, q/k rows put back in HF order
-    by inverting the converter's permutation (not by the reader under test)."""
+    by inverting the converter's permutation (not by the reader under test) when the
+    architecture has one (``permuted``)."""
     reader = gguf.GGUFReader(path)
     by_gguf_name = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
     values = {}
     for name in expected_shapes(config):
         value = by_gguf_name[gguf_tensor_name(name)]
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
-        if heads is not None:
+        if heads is not None and permuted:
             order = llama_cpp_permute(np.arange(value.shape[0]), heads)  # gguf[r] = hf[order[r]]
             unpermuted = np.empty_like(value)
             unpermuted[order] = value
@@ -224,6 +225,26 @@ def test_qwen2_rows_are_not_permuted_and_biases_load(tmp_path):
         assert torch.equal(weights[name], tensor), name
 
 
+def test_qwen3_head_norms_load_and_rows_are_not_permuted(tmp_path):
+    config = small_config(model_type="qwen3", qk_norm=True)
+    originals = random_weights(config)
+    assert originals["model.layers.1.self_attn.k_norm.weight"].shape == (16,)
+    path = write_gguf(
+        tmp_path / "qwen3.gguf",
+        originals,
+        config,
+        {name: T.Q8_0 for name in originals if name.endswith("proj.weight")},
+    )
+
+    weights = read_gguf_weights(path, config)
+
+    assert set(weights) == set(originals)
+    reference = gguf_py_values(path, config, permuted=False)
+    for name, tensor in originals.items():
+        assert torch.equal(as_float(weights[name]), torch.from_numpy(reference[name])), name
+        assert (as_float(weights[name]) - tensor).abs().max() < NEAR, name
+
+
 def test_llama_q_k_biases_are_unpermuted_too(tmp_path):
     config = small_config(attention_bias=True)
     originals = random_weights(config)
@@ -312,7 +333,7 @@ def test_other_architecture_is_refused(tmp_path):
     config = small_config()
     path = write_gguf(tmp_path / "gpt2.gguf", random_weights(config), config, architecture="gpt2")
 
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3"):
         read_gguf_weights(path, config)
 
 
