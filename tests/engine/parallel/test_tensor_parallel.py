@@ -73,13 +73,22 @@ def replicated_kv_model_dir(tmp_path_factory, tokenizer_dir):
     return _with_random_biases(model_dir)
 
 
-@pytest.fixture(params=["split-kv", "replicated-kv"])
-def model_and_adapters(request, tiny_model_dir, make_adapter):
-    model_dir = (
-        tiny_model_dir
-        if request.param == "split-kv"
-        else request.getfixturevalue("replicated_kv_model_dir")
+@pytest.fixture(scope="module")
+def gemma3_model_dir(tmp_path_factory, tokenizer_dir):
+    """Another family over two ranks: q/k norms and Gemma's norms are every rank's, the
+    scaled embedding is vocabulary-parallel and tied to the head."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-gemma3-tp"), tokenizer_dir, family="gemma3", norm_noise=0.2
     )
+
+
+@pytest.fixture(params=["split-kv", "replicated-kv", "gemma3"])
+def model_and_adapters(request, tiny_model_dir, make_adapter):
+    model_dir = {
+        "split-kv": lambda: tiny_model_dir,
+        "replicated-kv": lambda: request.getfixturevalue("replicated_kv_model_dir"),
+        "gemma3": lambda: request.getfixturevalue("gemma3_model_dir"),
+    }[request.param]()
     adapters = {name: make_adapter(model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
     return model_dir, adapters
 
