@@ -5,9 +5,14 @@ Quantized matrices stay quantized: each becomes a :class:`QuantizedWeight` (see
 serving a 4-bit GGUF never makes a float copy of its projections. Float tensors (norms,
 and any matrix stored as F32, F16 or BF16) become float32 tensors.
 
-How each GGML block type maps onto the packed forms (``G = 32`` for all):
+How each GGML block type maps onto the packed forms (``G = 32`` but for Q6_K):
 
 * ``Q8_0``: ``d`` (fp16) and 32 int8 ``q``; ``W = d * q`` is our ``int8``.
+* ``Q5_0``: ``d``, 32 high bits, then 16 bytes of low nibbles: ``W = d * (q - 16)`` with
+  ``q`` 5-bit is our ``int8`` holding ``q - 16`` (in -16..15).
+* ``Q6_K``: super-blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, sixteen
+  int8 scales ``sc_j`` and ``d``; ``W = (d sc_j) (q - 32)`` per 16 inputs is our ``int8``
+  in groups of 16 (``d sc_j`` is 19 bits: exact in float32).
 * ``Q4_0``: ``d`` and 16 bytes of nibbles; ``W = d * (q - 8)`` is our ``int4`` with
   ``scales = d``, ``mins = -8 d``.
 * ``Q4_1``: ``d``, ``m`` and 16 bytes; ``W = d * q + m``.
@@ -43,12 +48,15 @@ GGUFWeight = torch.Tensor | QuantizedWeight
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 QUANTIZED_TYPES = (
     GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
 )
 SUPPORTED_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
-GROUP_SIZE = 32  # inputs per scale in every supported quantized type
+GROUP_SIZE = 32  # inputs per scale in every supported quantized type but Q6_K
+Q6_K_GROUP_SIZE = 16
 
 # general.architecture -> whether llama.cpp permuted the q/k rows. Qwen2 and Qwen3 use
 # NeoX-style RoPE in llama.cpp, the layout HF already has, so its converter leaves the rows
@@ -225,6 +233,10 @@ def from_gguf_bytes(
     blocks = raw.reshape(rows, cols // block_size, type_size)  # [N, blocks per row, bytes]
     if tensor_type == GGMLQuantizationType.Q8_0:
         return _from_q8_0(blocks, rows)
+    if tensor_type == GGMLQuantizationType.Q5_0:
+        return _from_q5_0(blocks, rows)
+    if tensor_type == GGMLQuantizationType.Q6_K:
+        return _from_q6_k(blocks, rows)
     if tensor_type == GGMLQuantizationType.Q4_0:
         return _from_q4_0(blocks, rows)
     if tensor_type == GGMLQuantizationType.Q4_1:
@@ -299,6 +311,38 @@ def _from_q8_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:
     scales = _fp16(blocks[..., 0:2])  # [N, K/32]
     q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
     return QuantizedWeight("int8", _tensor(q, rows), _tensor(scales, rows), None, GROUP_SIZE)
+
+
+def _from_q5_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:
+    # block: d fp16 | qh: 32 high bits (bit j: input j) | 16 bytes, byte j = low nibbles
+    # of inputs j and j + 16
+    scales = _fp16(blocks[..., 0:2])
+    high_bits = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, K/32, 1]
+    high = (high_bits >> np.arange(32, dtype=np.uint32)) & 1  # [N, K/32, 32]
+    qs = blocks[..., 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # inputs 0..15, then 16..31
+    q = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 16
+    return QuantizedWeight(
+        "int8", _tensor(q.astype(np.int8), rows), _tensor(scales, rows), None, GROUP_SIZE
+    )
+
+
+def _from_q6_k(blocks: np.ndarray, rows: int) -> QuantizedWeight:
+    # super-block of 256: ql 128 bytes | qh 64 bytes | 16 int8 scales | d fp16. Each half
+    # of 128 inputs takes 64 ql bytes and 32 qh bytes: input 32 c + l (c = 0..3, l < 32)
+    # has ql[l + 32 (c % 2)]'s low (c < 2) or high nibble and qh[l]'s bits 2c, 2c + 1.
+    ql = blocks[..., 0:128].reshape(rows, -1, 2, 2, 32)  # [N, S, half, c % 2, l]
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)  # [N, S, half, 1, l]
+    sub_scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)  # [N, S, 16]
+    d = _fp16(blocks[..., 208:210])  # [N, S]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)  # [N, S, half, c, l]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    high = (qh >> shifts) & 3  # [N, S, half, c, l]
+    q = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+    scales = d[..., None] * sub_scales.astype(np.float32)  # [N, S, 16]
+    return QuantizedWeight(
+        "int8", _tensor(q.astype(np.int8), rows), _tensor(scales, rows), None, Q6_K_GROUP_SIZE
+    )
 
 
 def _from_q4_0(blocks: np.ndarray, rows: int) -> QuantizedWeight:

@@ -20,7 +20,8 @@ from loramux.engine.model.gguf_weights import expected_shapes, from_gguf_bytes, 
 from loramux.kernels.quant_linear import QuantizedWeight, dequantize
 from tests.fixtures.gguf_files import gguf_tensor_name, llama_cpp_permute, write_gguf
 
-QUANTIZED = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K)
+QUANTIZED = (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
+INT8_TYPES = {T.Q8_0: 32, T.Q5_0: 32, T.Q6_K: 16}  # those read as int8, with their groups
 # Quantization error bound for the tests' weights (N(0, 0.08²)): half a 4-bit step of a
 # group's range is about 0.012; a row in the wrong place is off by about 0.1 or more.
 NEAR = 0.03
@@ -85,11 +86,15 @@ def random_raw(tensor_type: T, rows: int, cols: int, rng: np.random.Generator) -
         )
     block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
     raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    fp16_fields = {T.Q8_0: 1, T.Q4_0: 1, T.Q4_1: 2, T.Q4_K: 2}[tensor_type]
-    halves = np.ascontiguousarray(raw[..., : 2 * fp16_fields]).view(np.uint16)
+    # where each block's fp16 fields lie: (first byte, count)
+    first, count = {T.Q8_0: (0, 1), T.Q5_0: (0, 1), T.Q4_0: (0, 1), T.Q4_1: (0, 2)}.get(
+        tensor_type, (208, 1) if tensor_type == T.Q6_K else (0, 2)
+    )
+    fields = slice(first, first + 2 * count)
+    halves = np.ascontiguousarray(raw[..., fields]).view(np.uint16)
     all_ones_exponent = (halves & 0x7C00) == 0x7C00  # inf or NaN
     halves[all_ones_exponent] &= ~np.uint16(0x4000)
-    raw[..., : 2 * fp16_fields] = halves.view(np.uint8)
+    raw[..., fields] = halves.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -102,8 +107,8 @@ def test_each_type_converts_to_gguf_py_values(tensor_type):
     reference = torch.from_numpy(gguf.quants.dequantize(raw, tensor_type))
     if tensor_type in QUANTIZED:
         assert isinstance(converted, QuantizedWeight)
-        assert converted.kind == ("int8" if tensor_type == T.Q8_0 else "int4")
-        assert converted.group_size == 32
+        assert converted.kind == ("int8" if tensor_type in INT8_TYPES else "int4")
+        assert converted.group_size == INT8_TYPES.get(tensor_type, 32)
         assert converted.scales.dtype == torch.float32
     else:
         assert converted.dtype == torch.float32
@@ -272,10 +277,10 @@ def test_tied_embeddings_have_no_lm_head_and_ignore_an_output_tensor(tmp_path):
 
 def test_unsupported_type_names_tensor_type_and_supported_ones(tmp_path):
     config = small_config()
-    types = {"model.layers.1.mlp.up_proj.weight": T.Q5_0}
-    path = write_gguf(tmp_path / "q5.gguf", random_weights(config), config, types)
+    types = {"model.layers.1.mlp.up_proj.weight": T.Q5_1}
+    path = write_gguf(tmp_path / "q5_1.gguf", random_weights(config), config, types)
 
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q5_0") as error:
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q5_1") as error:
         read_gguf_weights(path, config)
     assert "Q4_K" in str(error.value) and "Q8_0" in str(error.value)
 

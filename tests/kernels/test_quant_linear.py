@@ -23,8 +23,8 @@ from loramux.kernels.quant_linear import (
 )
 from loramux.kernels.quant_native import NativeQuantLinear, load_native_quant_linear
 
-# (kind, group size; None: per channel)
-KINDS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
+# (kind, group size; None: per channel); int8 in 16s is how a GGUF's Q6_K is held
+KINDS = [("int8", None), ("int8", 16), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
 # (out, in): odd output counts; inputs a multiple of 128 so every group size applies
 SHAPES = [(1, 128), (37, 256), (130, 384)]
 # around the native op's switch from its dot products to de-quantized tiles

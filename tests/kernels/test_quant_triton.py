@@ -38,7 +38,7 @@ DTYPES = [
     pytest.param(torch.float16, 2.0**-11, id="float16"),
 ]
 SHAPES = [(1, 48, 64), (3, 96, 128), (17, 48, 256), (17, 96, 64), (1, 96, 256)]  # (T, N, K)
-KINDS = ["int8-channel", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
+KINDS = ["int8-channel", "int8-g16", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
 CASES = [
     pytest.param(t, n, k, kind, id=f"T{t}-N{n}-K{k}-{kind}")
     for t, n, k in SHAPES
