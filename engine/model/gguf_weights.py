@@ -61,7 +61,10 @@ Q6_K_GROUP_SIZE = 16
 # general.architecture -> whether llama.cpp permuted the q/k rows. Qwen2 and Qwen3 use
 # NeoX-style RoPE in llama.cpp, the layout HF already has, so its converter leaves the rows
 # alone.
-ROWS_PERMUTED_BY_ARCHITECTURE = {"llama": True, "qwen2": False, "qwen3": False}
+ROWS_PERMUTED_BY_ARCHITECTURE = {"llama": True, "qwen2": False, "qwen3": False, "gemma3": False}
+# Architectures whose norm weights llama.cpp's converter stored as 1 + w (Gemma's norms
+# multiply by 1 + w): w is the file's value less 1, in float32, as transformers reads it.
+NORMS_STORED_PLUS_ONE = {"gemma3"}
 
 # Tensors a GGUF may carry that the engine recomputes from the config (Llama 3's RoPE
 # frequency factors).
@@ -85,6 +88,15 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
     "attn_k_norm": "self_attn.k_norm",
 }
+# Where an architecture names a layer's tensors otherwise: Gemma's ffn_norm is the norm
+# before the MLP, and it has a norm after attention and one after the MLP.
+_ARCHITECTURE_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -103,12 +115,13 @@ def read_gguf_weights(path: str | Path, config: ModelConfig) -> dict[str, GGUFWe
         raise FileNotFoundError(f"GGUF model file not found: {path}")
     gguf = _open(path)
     permuted = _check_metadata(gguf.metadata, config, path)
+    architecture = gguf.metadata["general.architecture"]
     expected = expected_shapes(config)
     weights: dict[str, GGUFWeight] = {}
     for tensor in gguf.tensors:
         if tensor.name in IGNORED_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, architecture)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the engine ties lm_head to the embedding, as the config says
         if name is None or name not in expected:
@@ -123,6 +136,8 @@ def read_gguf_weights(path: str | Path, config: ModelConfig) -> dict[str, GGUFWe
                 f"the config implies {expected[name]}"
             )
         weight = from_gguf_bytes(tensor.data, tensor.tensor_type, shape, name=tensor.name)
+        if architecture in NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - 1.0
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _select_rows(weight, rope_unpermute_index(shape[0], config.num_heads))
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -163,17 +178,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.gemma_norms:
+            shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (h,)
+            shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a llama.cpp tensor name (None when it has none)."""
     if match := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, kind = match.groups()
-        module = _LAYER_NAMES.get(part)
+        names = {**_LAYER_NAMES, **_ARCHITECTURE_LAYER_NAMES.get(architecture, {})}
+        module = names.get(part)
         return None if module is None else f"model.layers.{layer}.{module}.{kind}"
     if match := _GLOBAL_TENSOR.fullmatch(gguf_name):
         part, kind = match.groups()

@@ -250,6 +250,27 @@ def test_qwen3_head_norms_load_and_rows_are_not_permuted(tmp_path):
         assert (as_float(weights[name]) - tensor).abs().max() < NEAR, name
 
 
+def test_gemma3_names_its_norms_its_way_and_stores_them_plus_one(tmp_path):
+    """llama.cpp's Gemma: ffn_norm is the norm before the MLP, post_attention_norm and
+    post_ffw_norm the ones after; every norm stored as 1 + w (read back as (1 + w) - 1 in
+    float32, as transformers reads it)."""
+    config = small_config(
+        model_type="gemma3_text", qk_norm=True, gemma_norms=True, tie_word_embeddings=True
+    )
+    originals = random_weights(config)
+    assert "model.layers.0.pre_feedforward_layernorm.weight" in originals
+    path = write_gguf(tmp_path / "gemma3.gguf", originals, config)
+
+    weights = read_gguf_weights(path, config)
+
+    assert set(weights) == set(originals)
+    for name, tensor in originals.items():
+        expected = (tensor + 1.0) - 1.0 if name.endswith("norm.weight") else tensor
+        assert torch.equal(weights[name], expected), name
+    norm = "model.layers.1.post_feedforward_layernorm.weight"
+    assert (weights[norm] - originals[norm]).abs().max() < 1e-7
+
+
 def test_llama_q_k_biases_are_unpermuted_too(tmp_path):
     config = small_config(attention_bias=True)
     originals = random_weights(config)
@@ -338,7 +359,7 @@ def test_other_architecture_is_refused(tmp_path):
     config = small_config()
     path = write_gguf(tmp_path / "gpt2.gguf", random_weights(config), config, architecture="gpt2")
 
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3, gemma3"):
         read_gguf_weights(path, config)
 
 
