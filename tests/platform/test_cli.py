@@ -175,11 +175,12 @@ def _wait_healthy(server: _Server) -> None:
 
 
 @contextlib.contextmanager
-def _serving(data_dir: Path, log_file: Path) -> Iterator[_Server]:
-    """Run ``loramux serve`` on the embedded default (no LORAMUX_MODEL); stop it after."""
+def _serving(data_dir: Path, log_file: Path, **settings: str) -> Iterator[_Server]:
+    """Run ``loramux serve`` on the embedded default (no LORAMUX_MODEL) or ``settings``
+    (environment variables); stop it after."""
     port = _free_port()
     command = [*_loramux_command(), "serve", "--port", str(port), "--data-dir", str(data_dir)]
-    env = _clean_env(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = _clean_env(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **settings)
     with log_file.open("wb") as log:
         process = subprocess.Popen(
             command,
@@ -389,3 +390,39 @@ def test_quantization_setting_reaches_the_engine_for_a_float_checkpoint(tmp_path
     assert config.gguf_file is None
     auto = Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir))
     assert engine_config(auto, resolve_base_model(auto, log=lambda _: None)).quantization == "none"
+
+
+def test_serve_another_family_s_gguf_on_the_default_settings(tmp_path, gemma3_gguf):
+    """``LORAMUX_MODEL=<Gemma 3 270M's GGUF>``, nothing else set: the server serves it from
+    its own tensors, and a tenant's greedy completions over HTTP (the ``openai`` client)
+    are the in-process engine's tokens for the same prompts."""
+    from openai import OpenAI
+
+    from loramux.engine import Engine, EngineConfig, SamplingParams
+
+    gguf_file, metadata_dir = gemma3_gguf
+    data_dir = tmp_path / "data"
+    seed_embedded_model(data_dir, metadata_dir)  # what a first start writes (25 s of tokenizer)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    with _serving(data_dir, tmp_path / "serve.log", LORAMUX_MODEL=str(gguf_file)) as server:
+        admin = {"Authorization": f"Bearer {(data_dir / 'admin_token').read_text().strip()}"}
+        tenant = httpx.post(f"{server.base_url}/admin/tenants", json={"name": "t"}, headers=admin)
+        key = httpx.post(
+            f"{server.base_url}/admin/tenants/{tenant.json()['id']}/api-keys",
+            json={},
+            headers=admin,
+        ).json()["key"]
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key=key)
+        (model,) = [card.id for card in client.models.list().data]
+        texts = [
+            client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+            for p in prompts
+        ]
+        assert "base weights" in server.output() and "int8/g16" in server.output()
+    assert model == gguf_file.stem
+    engine = Engine(EngineConfig(model=str(metadata_dir), gguf_file=str(gguf_file), device="cpu"))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = [engine.tokenizer.decode(o.token_ids) for o in engine.generate(prompts, params)]
+    assert texts == expected
