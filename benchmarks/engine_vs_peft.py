@@ -19,7 +19,7 @@ it is reported, not asserted). ``--before REV`` also measures revision REV's eng
 the after / before ratio; ``--profile`` writes a cProfile of one more engine run;
 ``--quick``: 8 requests, 4 adapters, 16 tokens.
 
-Writes ``<out>/engine_vs_peft_cpu[_quick].{json,md}``; the recorded results are
+Writes ``<out>/engine_vs_peft_cpu[_quick][_<model folder>].{json,md}``; the recorded results are
 ``loramux bench engine-vs-peft --repeats 2 --before 932c3a3`` and ``--profile``.
 """
 
@@ -31,6 +31,7 @@ import cProfile
 import dataclasses
 import io
 import pstats
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,7 +313,10 @@ def run(args, checkouts: tuple = (), workdir: Path | None = None) -> int:
     print(f"{args.spec}; prompts of {min(lengths)} to {max(lengths)} tokens", flush=True)
     engine_runs, peft_runs = measure(args, work, checkouts, workdir)
     report = build_report(args, work, machine, engine_runs, peft_runs, checkouts)
-    stem = args.out / ("engine_vs_peft_cpu_quick" if args.quick else "engine_vs_peft_cpu")
+    name = "engine_vs_peft_cpu" + ("_quick" if args.quick else "")
+    if args.model is not None:  # another model's results beside the preset's, not over them
+        name += "_" + re.sub(r"[^a-z0-9]+", "-", args.model.name.lower()).strip("-")
+    stem = args.out / name
     if args.profile:
         profile = stem.with_name(stem.name + "_engine_profile.txt")
         profile_engine(work, profile)
