@@ -7,6 +7,7 @@ that the report keeps every key of the recorded results, so old and new results 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -24,8 +25,10 @@ def run(tmp_path_factory, tiny_model_dir) -> tuple[dict, str, Path]:
     command += ["--before", "HEAD", "--profile", "--model", str(tiny_model_dir)]
     done = loramux(*command, "--cache-dir", str(out / "cache"), "--out", str(out))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads((out / "engine_vs_peft_cpu_quick.json").read_text())
-    return report, (out / "engine_vs_peft_cpu_quick.md").read_text(), out
+    # Another model's results are named after its folder, beside the preset's.
+    stem = "engine_vs_peft_cpu_quick_" + re.sub(r"[^a-z0-9]+", "-", tiny_model_dir.name.lower())
+    report = json.loads((out / f"{stem}.json").read_text())
+    return report, (out / f"{stem}.md").read_text(), out
 
 
 def test_the_report_keeps_every_key_of_the_recorded_results(run):
