@@ -276,14 +276,19 @@ def run_decode_step(grid: Grid, ctx: BenchContext, layers: int | None) -> list[d
             targets=decode_targets(grid.step_batch),
             block_size=grid.block_size,
         )
-        fitted, requested = fit_layers(case), case.config.num_layers
-        if fitted < requested:
-            print(f"decode step: {requested} layers do not fit the free memory; {fitted} do")
-            config = grid.model(num_layers=max(1, fitted), kv_heads=kv_heads)
-            case = dataclasses.replace(case, config=config)
-        rows += run_step_case(case, ctx)
+        rows += run_step_case(_fitted(case, grid, kv_heads, "decode step"), ctx)
         free_device_memory()  # this model before the next one
     return rows
+
+
+def _fitted(case, grid: Grid, kv_heads: int, what: str):
+    """``case`` with as many of its layers as fit the free memory (``fit_layers``)."""
+    fitted, requested = fit_layers(case), case.config.num_layers
+    if fitted >= requested:
+        return case
+    print(f"{what}: {requested} layers do not fit the free memory; {fitted} do")
+    config = grid.model(num_layers=max(1, fitted), kv_heads=kv_heads)
+    return dataclasses.replace(case, config=config)
 
 
 def run_prefill_step(grid: Grid, ctx: BenchContext, layers: int | None) -> list[dict]:
@@ -298,12 +303,7 @@ def run_prefill_step(grid: Grid, ctx: BenchContext, layers: int | None) -> list[
             adapter_counts=grid.prefill_step_adapter_counts,
             block_size=grid.block_size,
         )
-        fitted, requested = fit_layers(case), case.config.num_layers
-        if fitted < requested:
-            print(f"prefill step: {requested} layers do not fit the free memory; {fitted} do")
-            config = grid.model(num_layers=max(1, fitted), kv_heads=kv_heads)
-            case = dataclasses.replace(case, config=config)
-        rows += run_prefill_step_case(case, ctx)
+        rows += run_prefill_step_case(_fitted(case, grid, kv_heads, "prefill step"), ctx)
         free_device_memory()
     return rows
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import traceback
 
 import torch
 
@@ -36,12 +35,11 @@ from loramux.benchmarks.kernels_gpu_step import (
     layer_params,
     lora_row_width,
     random_adapter,
+    run_variants,
 )
 from loramux.benchmarks.kernels_gpu_timing import (
     BenchContext,
-    free_device_memory,
     relative_error,
-    run_case,
 )
 from loramux.engine.lora.backend import select_backend
 from loramux.engine.lora.pool import LoRAPool
@@ -163,17 +161,4 @@ def run_prefill_step_case(case: PrefillStepCase, ctx: BenchContext) -> list[dict
         "seqs": case.seqs,
         "tokens": case.seqs * case.tokens,
     }
-    try:
-        setup = _setup(case, ctx)
-    except Exception as exc:  # recorded in the row; the exit code reports it
-        traceback.print_exc()
-        free_device_memory()
-        return [{**common, "variant": "setup", "matches": False, "error": repr(exc)}]
-    with torch.inference_mode():
-        base_fields = {**common, "variant": "base", "adapters": 0, "rank": 0}
-        base = run_case(base_fields, lambda: _measure(case, setup, 0, {}, ctx))
-        rows = [{k: v for k, v in base.items() if k != "output"}]
-        for adapters in case.adapter_counts if "step_ms" in base else ():
-            fields = {**common, "variant": "lora", "adapters": adapters, "rank": case.rank}
-            rows.append(run_case(fields, lambda n=adapters: _measure(case, setup, n, base, ctx)))
-    return rows
+    return run_variants(case, ctx, common, _setup, _measure)

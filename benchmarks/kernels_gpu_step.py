@@ -342,17 +342,24 @@ def run_step_case(case: StepCase, ctx: BenchContext) -> list[dict]:
         "batch": case.batch,
         "context": case.context,
     }
+    return run_variants(case, ctx, common, _setup, _measure)
+
+
+def run_variants(case, ctx: BenchContext, common: dict, setup, measure) -> list[dict]:
+    """A step case's rows: the base step (``measure(case, built, 0, {}, ctx)``), then each
+    of ``case.adapter_counts`` against it; a set-up that fails is one row with its error.
+    ``setup(case, ctx)`` builds what ``measure`` reads."""
     try:
-        setup = _setup(case, ctx)
+        built = setup(case, ctx)
     except Exception as exc:  # recorded in the row; the exit code reports it
         traceback.print_exc()
         free_device_memory()
         return [{**common, "variant": "setup", "matches": False, "error": repr(exc)}]
     with torch.inference_mode():
         base_fields = {**common, "variant": "base", "adapters": 0, "rank": 0}
-        base = run_case(base_fields, lambda: _measure(case, setup, 0, {}, ctx))
+        base = run_case(base_fields, lambda: measure(case, built, 0, {}, ctx))
         rows = [{k: v for k, v in base.items() if k != "output"}]
         for adapters in case.adapter_counts if "step_ms" in base else ():  # no base: no overhead
             fields = {**common, "variant": "lora", "adapters": adapters, "rank": case.rank}
-            rows.append(run_case(fields, lambda n=adapters: _measure(case, setup, n, base, ctx)))
+            rows.append(run_case(fields, lambda n=adapters: measure(case, built, n, base, ctx)))
     return rows

@@ -34,6 +34,29 @@ PHI3_ADAPTER_SPECS = {
 }
 
 
+def assert_staggered_prefix_hits_and_preemption_match_peft(
+    model_dir, adapters, *, token_bytes: int, row_bytes: int
+) -> None:
+    """One engine: 8 mixed requests arriving staggered, with a shared system prompt (prefix
+    hits), in 32 KV blocks of 4 tokens beside the adapters' 28 rank-rows (``token_bytes``
+    of KV a token, ``row_bytes`` a rank-row), contexts of at most 96: each request's tokens
+    are transformers + PEFT's."""
+    engine = build_engine(
+        model_dir,
+        adapters,
+        kv_cache_bytes=32 * 4 * token_bytes + 28 * row_bytes,
+        max_model_len=96,
+        block_size=4,
+    )
+    put_adapters_on_device(engine, adapters)  # KV left its floor: preemption
+    system = "Answer in one short sentence. "
+    requests = [(system + p, a) for p, a in mixed_requests(8)]
+    outputs = run_staggered(engine, requests, 16)
+    assert engine.num_preemptions > 0
+    assert engine.kv.prefix_cache_hits > 0
+    assert_matches_reference(engine, model_dir, adapters, requests, outputs, 16)
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, tokenizer_dir):
     out = tmp_path_factory.mktemp("tiny-qwen3")
@@ -58,22 +81,10 @@ def test_qwen3_first_step_logits_match_peft(qwen3_dir, qwen3_adapters):
 
 
 def test_qwen3_staggered_prefix_hits_and_preemption_match_peft(qwen3_dir, qwen3_adapters):
-    # 2 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 1 KiB a token: 32 blocks of 4
-    # tokens beside the adapters' 28 rank-rows (9.5 KiB each), contexts of at most 96.
-    engine = build_engine(
-        qwen3_dir,
-        qwen3_adapters,
-        kv_cache_bytes=32 * 4 * 1024 + 28 * 9728,
-        max_model_len=96,
-        block_size=4,
+    # 2 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 1 KiB a token, rank-rows of 9.5 KiB
+    assert_staggered_prefix_hits_and_preemption_match_peft(
+        qwen3_dir, qwen3_adapters, token_bytes=1024, row_bytes=9728
     )
-    put_adapters_on_device(engine, qwen3_adapters)  # KV left its floor: preemption
-    system = "Answer in one short sentence. "
-    requests = [(system + p, a) for p, a in mixed_requests(8)]
-    outputs = run_staggered(engine, requests, 16)
-    assert engine.num_preemptions > 0
-    assert engine.kv.prefix_cache_hits > 0
-    assert_matches_reference(engine, qwen3_dir, qwen3_adapters, requests, outputs, 16)
 
 
 @pytest.fixture(scope="module")
@@ -107,22 +118,10 @@ def test_phi3_first_step_logits_match_peft(phi3_dir, phi3_adapters):
 
 
 def test_phi3_staggered_prefix_hits_and_preemption_match_peft(phi3_dir, phi3_adapters):
-    # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes a token: 32 blocks of
-    # 4 tokens beside the adapters' 28 rank-rows (8 KiB each), contexts of at most 96.
-    engine = build_engine(
-        phi3_dir,
-        phi3_adapters,
-        kv_cache_bytes=32 * 4 * 512 + 28 * 8192,
-        max_model_len=96,
-        block_size=4,
+    # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes a token, rank-rows of 8 KiB
+    assert_staggered_prefix_hits_and_preemption_match_peft(
+        phi3_dir, phi3_adapters, token_bytes=512, row_bytes=8192
     )
-    put_adapters_on_device(engine, phi3_adapters)  # KV left its floor: preemption
-    system = "Answer in one short sentence. "
-    requests = [(system + p, a) for p, a in mixed_requests(8)]
-    outputs = run_staggered(engine, requests, 16)
-    assert engine.num_preemptions > 0
-    assert engine.kv.prefix_cache_hits > 0
-    assert_matches_reference(engine, phi3_dir, phi3_adapters, requests, outputs, 16)
 
 
 def test_a_sliding_window_caps_the_context_served(phi3_dir, qwen3_dir):
@@ -170,22 +169,10 @@ def test_gemma3_first_step_logits_match_peft(gemma3_dir, gemma3_adapters):
 
 
 def test_gemma3_staggered_prefix_hits_and_preemption_match_peft(gemma3_dir, gemma3_adapters):
-    # 3 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 768 bytes a token: 32 blocks of
-    # 4 tokens beside the adapters' 28 rank-rows (12 KiB each), contexts of at most 96.
-    engine = build_engine(
-        gemma3_dir,
-        gemma3_adapters,
-        kv_cache_bytes=32 * 4 * 768 + 28 * 12288,
-        max_model_len=96,
-        block_size=4,
+    # 3 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 768 bytes a token, rank-rows of 12 KiB
+    assert_staggered_prefix_hits_and_preemption_match_peft(
+        gemma3_dir, gemma3_adapters, token_bytes=768, row_bytes=12288
     )
-    put_adapters_on_device(engine, gemma3_adapters)  # KV left its floor: preemption
-    system = "Answer in one short sentence. "
-    requests = [(system + p, a) for p, a in mixed_requests(8)]
-    outputs = run_staggered(engine, requests, 16)
-    assert engine.num_preemptions > 0
-    assert engine.kv.prefix_cache_hits > 0
-    assert_matches_reference(engine, gemma3_dir, gemma3_adapters, requests, outputs, 16)
 
 
 def _config(model_dir, **changes) -> dict:
