@@ -22,6 +22,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.errors import EngineError
 from loramux.engine.executor import Devices, Executor, LocalExecutor
 from loramux.engine.lora.backend import KernelBackend, select_backend
+from loramux.engine.lora.dora import DoRAFold
 from loramux.engine.lora.pool import LoRAPool
 from loramux.engine.lora.residency import AdapterResidency
 from loramux.engine.memory.arena import DeviceArena
@@ -227,6 +228,7 @@ def _memory(config: EngineConfig, devices: Devices, model, backend, draft):
         devices.device,
         scratch_blocks=plan.scratch_blocks,
         kv_cache_dtype=config.kv_cache_dtype,
+        fold=DoRAFold(model),
     )
     kv = KVCacheManager(
         plan.kv_blocks,

@@ -174,7 +174,9 @@ class LoRATable:
     ``spans`` are ``(start, end, adapter index or None)`` covering ``0 .. num_tokens``;
     ``adapter_rows[a]`` adapter a's pool rows; ``ranks[s][a]`` / ``scales[s][a]`` its rank
     and scaling in slice s. The engine's static decode path copies it into buffers of its
-    own instead of building a ``LoRABatch``.
+    own instead of building a ``LoRABatch``. ``dora_rows[a]``: the pool row holding DoRA
+    adapter a's per-output scales, -1 for the others (None: no DoRA adapter in the step;
+    the LoRA ops never read it, the engine's DoRA term does).
     """
 
     spans: list[tuple[int, int, int | None]]
@@ -182,6 +184,7 @@ class LoRATable:
     ranks: list[list[int]]
     scales: list[list[float]]
     num_tokens: int
+    dora_rows: list[int] | None = None
 
     @property
     def max_rank(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from loramux.engine.lora.backend import KernelBackend
+from loramux.engine.lora.dora import StepDoRA
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.static_decode import DecodeStep
 from loramux.engine.step_batch import ForwardInputs
@@ -43,7 +44,10 @@ def forward_step(
     attention = backend.plan_attention(
         inputs.block_tables, inputs.context_lens, inputs.query_lens, block_size, device
     )
-    lora = None if inputs.lora is None else backend.lora_step(inputs.lora, pools)
+    lora = None
+    if inputs.lora is not None:
+        lora = backend.lora_step(inputs.lora, pools)
+        lora.dora = StepDoRA.for_step(inputs.lora, pools, device)
     input_tensor = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
     return model(input_tensor, attention, kv_caches, lora, interrupt)
 

@@ -106,6 +106,8 @@ class LocalExecutor:
             self.static_decode is not None
             and batch.forward.is_decode_only
             and len(batch.forward.query_lens) <= self.static_decode.max_batch
+            # DoRA's term is added by torch ops sized on the host: such steps run eager
+            and (batch.forward.lora is None or batch.forward.lora.dora_rows is None)
         )
 
     @torch.inference_mode()

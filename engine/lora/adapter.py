@@ -50,10 +50,11 @@ __all__ = [
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (optionally .default.)
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (optionally .default.),
+# and DoRA's ...q_proj.lora_magnitude_vector (older PEFT: ...lora_magnitude_vector.default.weight)
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
-    r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
+    r"lora_(?:([AB])(?:\.[\w-]+)?\.weight|magnitude_vector(?:\.[\w-]+)?(?:\.weight)?)$"
 )
 
 
@@ -61,7 +62,7 @@ _KEY = re.compile(
 class LoRATensorName:
     layer: int
     module: str  # e.g. "q_proj" (not checked against LORA_TARGETS here)
-    which: str  # "A" or "B"
+    which: str  # "A", "B", or "M" (DoRA's magnitude vector)
     block: str = "self_attn"  # "self_attn" or "mlp", as the tensor name says
 
     @property
@@ -71,11 +72,13 @@ class LoRATensorName:
 
 
 def parse_lora_tensor_name(name: str) -> LoRATensorName | None:
-    """Where a PEFT tensor name points, or None if it is not a LoRA A/B weight."""
+    """Where a PEFT tensor name points, or None if it is not a LoRA A/B weight or a DoRA
+    magnitude."""
     match = _KEY.match(name)
     if match is None:
         return None
-    return LoRATensorName(layer=int(match[1]), block=match[2], module=match[3], which=match[4])
+    which = match[4] or "M"
+    return LoRATensorName(layer=int(match[1]), block=match[2], module=match[3], which=which)
 
 
 # --- weights -------------------------------------------------------------------------------
@@ -98,6 +101,10 @@ class ModuleWeights:
     scale: float
     a: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [r, in]
     b: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [out, r]
+    # DoRA (``engine/lora/dora.py``): layer -> [out], PEFT's lora_magnitude_vector as read;
+    # once folded for a device, the per-output excess of its scale (g - 1) instead
+    magnitude: dict[int, torch.Tensor] = field(default_factory=dict)
+    dora_excess: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +115,21 @@ class LoRAWeights:
     @property
     def rank(self) -> int:
         return max(m.rank for m in self.modules.values())
+
+    @property
+    def dora(self) -> bool:
+        """Whether this is a DoRA adapter (its modules have magnitude vectors)."""
+        return any(m.magnitude for m in self.modules.values())
+
+    @property
+    def num_rows(self) -> int:
+        """Device rank-rows it takes: its rank, and one more holding DoRA's scales."""
+        return self.rank + self.dora
+
+    @property
+    def dora_row(self) -> int | None:
+        """Which of its rows holds DoRA's per-output scales (None: not a DoRA adapter)."""
+        return self.rank if self.dora else None
 
 
 def _read_lora_tensors(
@@ -160,6 +182,7 @@ def _parts(
         return [(parsed.module, tensor)]
     if parsed.which == "A":
         return [(part, tensor) for part in config.fused_modules[parsed.module]]
+    # B's rows and a magnitude's entries are output features: split alike
     try:
         return split_rows(config, parsed.module, tensor)
     except ValueError as exc:
@@ -180,6 +203,39 @@ def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, 
             f"[{out_features}, {rank}]"
         )
     return rank
+
+
+def _magnitude(
+    raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int, dtype
+) -> torch.Tensor | None:
+    """DoRA's magnitude vector of a module's layer ([out], finite in ``dtype``), None
+    without ``use_dora``; an error when the config and the tensors disagree."""
+    entry = raw.get((module, layer, "M"))
+    if not config.use_dora:
+        if entry is not None:
+            raise AdapterError(
+                f"{key}.lora_magnitude_vector is a DoRA tensor, but {CONFIG_FILE} does not "
+                "say use_dora: true; save the adapter with the config PEFT wrote for it"
+            )
+        return None
+    if entry is None:
+        raise AdapterError(
+            f"{key} has no lora_magnitude_vector, which a DoRA adapter (use_dora: true) "
+            "needs for every module it targets"
+        )
+    magnitude = entry[1]
+    if magnitude.ndim != 1 or magnitude.shape[0] != out_features:
+        raise AdapterError(
+            f"{key}.lora_magnitude_vector has shape {tuple(magnitude.shape)}; the base model "
+            f"needs [{out_features}]"
+        )
+    peak = float(magnitude.abs().max())
+    if not _fits(peak, dtype):
+        raise AdapterError(
+            f"{key}.lora_magnitude_vector holds NaN, infinite or values beyond "
+            f"{str(dtype).removeprefix('torch.')}'s range"
+        )
+    return magnitude
 
 
 def _fits(value: float, dtype: torch.dtype) -> bool:
@@ -244,13 +300,14 @@ def load_adapter(
 
     modules: dict[str, ModuleWeights] = {}
     for (module, layer, which), (tensor_name, a) in sorted(raw.items()):
-        if which == "B":
+        if which != "A":
             continue
         key = f"layers.{layer}.{module}"
         if (module, layer, "B") not in raw:
             raise AdapterError(f"{key} has lora_A but no lora_B")
         b = raw[(module, layer, "B")][1]
         rank = _check_shapes(key, a, b, model_config.module_shape(module))
+        magnitude = _magnitude(raw, config, key, module, layer, b.shape[0], dtype)
         peft_name = tensor_name.peft_module_name
         expected_rank = config.rank_for(peft_name)
         if expected_rank is not None and rank != expected_rank:
@@ -268,8 +325,11 @@ def load_adapter(
             )
         weights.a[layer] = a.to(device=device, dtype=dtype)
         weights.b[layer] = b.to(device=device, dtype=dtype)
-    orphans = [k for k in raw if k[2] == "B" and (k[0], k[1], "A") not in raw]
+        if magnitude is not None:
+            weights.magnitude[layer] = magnitude.to(device=device, dtype=dtype)
+    orphans = [k for k in raw if k[2] in "BM" and (k[0], k[1], "A") not in raw]
     if orphans:
-        module, layer, _ = orphans[0]
-        raise AdapterError(f"layers.{layer}.{module} has lora_B but no lora_A")
+        module, layer, which = orphans[0]
+        tensor = "lora_B" if which == "B" else "lora_magnitude_vector"
+        raise AdapterError(f"layers.{layer}.{module} has {tensor} but no lora_A")
     return LoRAWeights(name=name or adapter_dir.name, modules=modules)

@@ -177,14 +177,6 @@ def _check_supported(raw: dict) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(f"peft_type {_show(peft_type)} is not supported (only LORA)")
-    use_dora = raw.get("use_dora", False)
-    if not isinstance(use_dora, bool):
-        raise AdapterError(f"{CONFIG_FILE}: use_dora must be true or false, got {_show(use_dora)}")
-    if use_dora:
-        raise AdapterError(
-            "DoRA adapters (use_dora: true) are not supported yet; merge the magnitude into "
-            "the weights or train without use_dora"
-        )
     if raw.get("modules_to_save"):
         raise AdapterError(
             f"modules_to_save ({_show(raw['modules_to_save'])}) is not supported yet: only "
@@ -204,6 +196,7 @@ class AdapterConfig:
     r: int | None = None  # None: each module's rank is its tensors' rank
     lora_alpha: float = DEFAULT_LORA_ALPHA
     use_rslora: bool = False
+    use_dora: bool = False  # each module also has a magnitude vector (``engine/lora/dora.py``)
     target_modules: tuple[str, ...] | str | None = None  # a str is a regex or "all-linear"
     rank_pattern: ModulePattern = ModulePattern()
     alpha_pattern: ModulePattern = ModulePattern()
@@ -216,6 +209,10 @@ class AdapterConfig:
         if not isinstance(self.use_rslora, bool):
             raise AdapterError(
                 f"{CONFIG_FILE}: use_rslora must be true or false, got {_show(self.use_rslora)}"
+            )
+        if not isinstance(self.use_dora, bool):
+            raise AdapterError(
+                f"{CONFIG_FILE}: use_dora must be true or false, got {_show(self.use_dora)}"
             )
         targets = self.target_modules
         if not (
@@ -242,6 +239,7 @@ class AdapterConfig:
             r=raw.get("r"),
             lora_alpha=raw.get("lora_alpha", DEFAULT_LORA_ALPHA),
             use_rslora=raw.get("use_rslora", False),
+            use_dora=raw.get("use_dora", False),
             target_modules=tuple(targets) if isinstance(targets, list) else targets,
             rank_pattern=ModulePattern.parse(raw.get("rank_pattern"), "rank_pattern", _check_rank),
             alpha_pattern=ModulePattern.parse(

@@ -3,7 +3,7 @@
 Rules:
 
 - Entries are :class:`LoRAWeights` on the CPU (pinned by the loader when the engine
-  runs on CUDA); their size is the bytes of all A/B tensors (:func:`weights_nbytes`).
+  runs on CUDA); their size is the bytes of all their tensors (:func:`weights_nbytes`).
 - ``put`` inserts as most recently used and evicts least recently used entries until
   the total fits ``max_bytes``; ``get`` marks an entry most recently used.
 - A pinned entry (refcounted ``pin`` / ``unpin``; the engine pins while it copies to
@@ -23,11 +23,11 @@ from loramux.engine.lora.adapter import LoRAWeights
 
 
 def weights_nbytes(weights: LoRAWeights) -> int:
-    """Bytes of all of an adapter's A and B tensors."""
+    """Bytes of all of an adapter's tensors: A, B and DoRA's magnitudes."""
     return sum(
         tensor.nbytes
         for module in weights.modules.values()
-        for tensors in (module.a, module.b)
+        for tensors in (module.a, module.b, module.magnitude)
         for tensor in tensors.values()
     )
 

@@ -186,6 +186,7 @@ def _pinned(weights: LoRAWeights) -> LoRAWeights:
             scale=m.scale,
             a={layer: t.pin_memory() for layer, t in m.a.items()},
             b={layer: t.pin_memory() for layer, t in m.b.items()},
+            magnitude={layer: t.pin_memory() for layer, t in m.magnitude.items()},
         )
         for module, m in weights.modules.items()
     }

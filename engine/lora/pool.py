@@ -62,10 +62,16 @@ class ResidentAdapter:
     num_rows: int
     rows: torch.Tensor  # [num_rows] int64, row_start .. row_start + num_rows - 1
     modules: dict[str, tuple[int, float]]  # module -> (rank, scale)
+    dora_offset: int | None = None  # which of its rows holds DoRA's scales (engine/lora/dora.py)
 
     @property
     def row_end(self) -> int:
         return self.row_start + self.num_rows
+
+    @property
+    def dora_row(self) -> int:
+        """The pool row of its DoRA scales; -1 for an adapter without DoRA."""
+        return -1 if self.dora_offset is None else self.row_start + self.dora_offset
 
 
 class LoRAPool:
@@ -190,7 +196,7 @@ class LoRAPool:
         """``try_load``, or :class:`PoolFull` when the adapter does not fit now."""
         resident = self.try_load(adapter_id, weights)
         if resident is None:
-            rows = weights.rank
+            rows = weights.num_rows
             pinned = sum(self._resident[a].num_rows for a in self._pins)
             raise PoolFull(
                 f"adapter {adapter_id} needs {rows} rows ({rows * self._arena.bytes_per_row} "
@@ -215,7 +221,7 @@ class LoRAPool:
         """
         if adapter_id in self._resident:
             raise ValueError(f"adapter id {adapter_id} is already resident")
-        num_rows = weights.rank
+        num_rows = weights.num_rows
         if kv_floor is not None:
             kv_floor = min(kv_floor, self._kv.limit)
         if not self._could_fit(num_rows, kv_floor):
@@ -238,6 +244,7 @@ class LoRAPool:
             num_rows=num_rows,
             rows=torch.arange(start, start + num_rows, device=self._device),
             modules={m: (mw.rank, mw.scale) for m, mw in weights.modules.items()},
+            dora_offset=weights.dora_row,
         )
         self._resident[adapter_id] = resident
         self._last_use[adapter_id] = self._step
@@ -323,6 +330,11 @@ class LoRAPool:
             ranks=[[rank for rank, _ in per_adapter] for per_adapter in modules],
             scales=[[scale for _, scale in per_adapter] for per_adapter in modules],
             num_tokens=spans[-1][1] if spans else 0,
+            dora_rows=(
+                [r.dora_row for r in residents]
+                if any(r.dora_offset is not None for r in residents)
+                else None
+            ),
         )
 
     # --- internals -------------------------------------------------------------

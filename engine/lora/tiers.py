@@ -117,11 +117,12 @@ class AdapterTiers:
         self._update_gauges()
         return entry.request
 
-    def check_fits_device(self, name: str, rank: int) -> None:
-        """``PoolFull`` if an adapter of ``rank`` could never be device-resident."""
-        if rank > self.pool.capacity:
+    def check_fits_device(self, name: str, rows: int) -> None:
+        """``PoolFull`` if an adapter of ``rows`` rank-rows could never be device-resident."""
+        if rows > self.pool.capacity:
             raise PoolFull(
-                f"adapter {name!r} needs {rank} rows of device memory (its rank) but at most "
+                f"adapter {name!r} needs {rows} rows of device memory (its rank, and one "
+                f"more for DoRA's scales if it has them) but at most "
                 f"{self.pool.capacity} adapter rows fit beside the KV cache's floor; raise "
                 "kv_cache_bytes (or adapter_device_bytes), or lower max_model_len"
             )
@@ -239,7 +240,7 @@ class AdapterTiers:
                         self._load(adapter_id)  # evicted from RAM while it waited
                     continue
                 try:
-                    self.check_fits_device(self._by_id[adapter_id].request.name, weights.rank)
+                    self.check_fits_device(self._by_id[adapter_id].request.name, weights.num_rows)
                 except PoolFull as exc:
                     never[adapter_id] = str(exc)
                     continue
@@ -251,10 +252,10 @@ class AdapterTiers:
                     self.host.unpin(adapter_id)
                 if resident is None:
                     full = True  # later ones wait too
-                    if self._promised_away(weights.rank, floor):
+                    if self._promised_away(weights.num_rows, floor):
                         self.short_of_kv = adapter_id
                     else:
-                        self.blocked_for_room = (adapter_id, weights.rank)
+                        self.blocked_for_room = (adapter_id, weights.num_rows)
                     continue
                 if adapter_id in self._evicted:
                     self._evicted.discard(adapter_id)

@@ -89,6 +89,8 @@ class _GroupPlan:
 class TorchStepLoRA:
     """A step's adapters for the torch ops (a ``StepLoRA``); group plans built on first use."""
 
+    dora = None  # the step's DoRA term, set by forward_step (engine/lora/dora.py)
+
     def __init__(
         self,
         table: LoRATable,

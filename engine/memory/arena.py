@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -249,10 +250,14 @@ class DeviceArena:
         *,
         scratch_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        fold: Callable[[LoRAWeights], LoRAWeights] | None = None,
     ):
         if scratch_blocks < 0:
             raise ValueError(f"scratch_blocks must be >= 0, got {scratch_blocks}")
         self.kv_cache_dtype = kv_cache_dtype
+        # How an adapter's weights become its rows on this device (``lora/dora.py``'s fold
+        # of DoRA adapters, from this device's base weights); None: as they are.
+        self.fold = fold
         self.kv_storage = storage_dtype(kv_cache_dtype)  # None: KV in ``dtype``
         self.layout = RowLayout.for_arena(
             model_config, num_blocks, block_size, dtype, kv_cache_dtype
@@ -338,9 +343,12 @@ class DeviceArena:
             b[start:end] = 0
 
     def write_adapter(self, start: int, weights: LoRAWeights) -> None:
-        """Zero rows ``[start, start + weights.rank)`` (modules and layers the adapter skips
-        stay zero), then write each module's A and B^T of each layer into them."""
-        self.zero_rows(start, start + weights.rank)
+        """Zero rows ``[start, start + weights.num_rows)`` (modules and layers the adapter
+        skips stay zero), then write each module's A and B^T of each layer into them, and a
+        DoRA adapter's scales into its last row (folded by ``fold``, ``lora/dora.py``)."""
+        if self.fold is not None:
+            weights = self.fold(weights)
+        self.zero_rows(start, start + weights.num_rows)
         for module, mw in weights.modules.items():
             rows = slice(start, start + mw.rank)
             for layer, a in mw.a.items():
@@ -348,6 +356,12 @@ class DeviceArena:
                 # B is copied as it is (contiguous, pinned) and transposed on the device.
                 b = mw.b[layer].to(self.device, self.dtype, non_blocking=True)
                 self.b_pool(layer, module)[rows] = b.T
+            if mw.magnitude and not mw.dora_excess:
+                raise ValueError(
+                    f"DoRA adapter {weights.name!r} must be folded before it is written"
+                )
+            for layer, excess in mw.dora_excess.items():
+                self.b_pool(layer, module)[start + weights.dora_row].copy_(excess)
 
     def move_rows(self, src: int, dst: int, count: int) -> None:
         """Copy rows ``[src, src + count)`` to ``[dst, dst + count)``; the ranges may overlap."""

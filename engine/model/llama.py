@@ -52,12 +52,27 @@ class StepAttention(Protocol):
     ) -> torch.Tensor: ...  # [T, heads, head_dim]
 
 
+class DoRATerm(Protocol):
+    """A step's DoRA adapters (``engine/lora/dora.py``): what their scales add to each
+    projection's base output, before the LoRA deltas."""
+
+    def add(
+        self,
+        outs: list[torch.Tensor],  # per module of the group [T, out_m], updated in place
+        biases: list[torch.Tensor | None],  # per module, its bias (part of outs)
+        layer: int,
+        modules: tuple[str, ...],
+    ) -> None: ...
+
+
 class StepLoRA(Protocol):
     """A step's adapters, bound to the pools holding their weights. ``launches`` counts the
     LoRA ops it has started (Triton kernel launches, native op calls, stacked torch op
-    calls), so a step's cost in launches can be read after its forward."""
+    calls), so a step's cost in launches can be read after its forward. ``dora``: the
+    step's DoRA term, None without DoRA adapters."""
 
     launches: int
+    dora: DoRATerm | None
 
     def add(
         self,
@@ -135,6 +150,8 @@ def _project(
     no hooks are registered, and a step makes hundreds of these calls."""
     outs = [linear.forward(x) for linear in linears]
     if lora is not None:
+        if lora.dora is not None:
+            lora.dora.add(outs, [linear.bias for linear in linears], layer, modules)
         lora.add(x, outs, layer, modules)
     return outs
 
@@ -249,6 +266,11 @@ class LlamaForCausalLM(nn.Module):
         self.ranks, self.vocab_start, self.vocab_size = ranks, vocab_start, vocab_size
         for layer in self.model.layers:
             layer.self_attn.ranks = layer.mlp.ranks = ranks
+
+    def projection(self, layer: int, module: str) -> nn.Module:
+        """Layer ``layer``'s projection ``module`` (a name in LORA_TARGETS)."""
+        block = self.model.layers[layer]
+        return getattr(block.self_attn if module in QKV + O_PROJ else block.mlp, module)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         if self.ranks is None:

@@ -194,7 +194,8 @@ class ShardPlan:
         return a if inp is None or self.world_size == 1 else a.index_select(1, inp)
 
     def shard_lora_b(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a LoRA B (``[out, r]``): its output slice when column-parallel."""
+        """This rank's part of a LoRA B (``[out, r]``), or of anything else indexed by the
+        output features first: its output slice when column-parallel."""
         out = self.out_features(module)
         return b if out is None or self.world_size == 1 else b.index_select(0, out)
 
@@ -208,6 +209,10 @@ class ShardPlan:
                 scale=mw.scale,
                 a={layer: self.shard_lora_a(module, a) for layer, a in mw.a.items()},
                 b={layer: self.shard_lora_b(module, b) for layer, b in mw.b.items()},
+                # DoRA's magnitude is per output feature, as B's rows are
+                magnitude={
+                    layer: self.shard_lora_b(module, m) for layer, m in mw.magnitude.items()
+                },
             )
             for module, mw in weights.modules.items()
         }

@@ -20,6 +20,7 @@ import torch
 from loramux.engine.config import EngineConfig
 from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
 from loramux.engine.lora.backend import select_backend
+from loramux.engine.lora.dora import DoRAFold
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.loader import load_engine_model
@@ -72,6 +73,7 @@ class RankWorker:
             self.device,
             scratch_blocks=scratch_blocks,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            fold=DoRAFold(self.model),
         )
 
     def build_static_decode(

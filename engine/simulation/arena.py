@@ -24,6 +24,7 @@ class GeometryArena:
         *,
         scratch_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        fold=None,  # a device's DoRA fold: nothing to fold without weights
     ):
         self.layout = RowLayout.for_arena(
             model_config, num_blocks, block_size, dtype, kv_cache_dtype
@@ -48,11 +49,13 @@ class GeometryArena:
     b_pool = a_pool
 
     def write_adapter(self, start: int, weights: LoRAWeights) -> None:
-        self.zero_rows(start, start + weights.rank)
+        self.zero_rows(start, start + weights.num_rows)
         lay, itemsize = self.layout, self.dtype.itemsize
         for module, mw in weights.modules.items():
             width = lay.in_features[module] + lay.out_features[module]
             self.pending_h2d_bytes += mw.rank * width * len(mw.a) * itemsize
+            # DoRA: the magnitudes go over, the scales are computed on the device
+            self.pending_h2d_bytes += lay.out_features[module] * len(mw.magnitude) * itemsize
 
     def zero_rows(self, start: int, end: int) -> None:
         self.pending_device_bytes += (end - start) * self.bytes_per_row

@@ -3,8 +3,8 @@
 Cheap checks come first and nothing is unpickled, ever: a pickle file in the folder is
 refused unopened. The safetensors header (an 8-byte little-endian length, then JSON) is
 parsed here, bounded, before any tensor is read; every tensor must be a float LoRA A/B
-weight of a module the base model has, in one of its layers, with the base model's
-shapes and a rank within the limit. ``adapter_config.json`` goes through the engine's own
+weight (or a DoRA magnitude vector) of a module the base model has, in one of its layers,
+with the base model's shapes and a rank within the limit. ``adapter_config.json`` goes through the engine's own
 strict parse (``AdapterConfig``), so the two can never disagree about what it says. Only
 then is the engine's loader run over the folder: it reads the values (refusing NaN and
 infinities) and makes the full semantic check, so an adapter accepted here is one the
@@ -172,17 +172,19 @@ def _check_tensors(
 ) -> tuple[int, list[str], str]:
     """(max rank, sorted target modules, dtype name) of well-formed LoRA tensors."""
     ranks: dict[tuple[str, int, str], int] = {}
+    known = _known_modules(model_config)
     for entry in entries:
         parsed = parse_lora_tensor_name(entry.name)
         if parsed is None:
             raise UploadRejected(
-                f"{WEIGHTS_FILE}: tensor {entry.name!r} is not a LoRA A/B weight of a known module"
+                f"{WEIGHTS_FILE}: tensor {entry.name!r} is not a LoRA A/B weight or DoRA "
+                "magnitude of a known module"
             )
         layer, module, which = parsed.layer, parsed.module, parsed.which
-        if module not in LORA_TARGETS:
+        if module not in known:
             raise UploadRejected(
                 f"{WEIGHTS_FILE}: tensor {entry.name!r} targets unknown module {module!r} "
-                f"(known: {', '.join(LORA_TARGETS)})"
+                f"(known: {', '.join(known)})"
             )
         if layer >= model_config.num_layers:
             raise UploadRejected(
@@ -191,6 +193,13 @@ def _check_tensors(
             )
         in_features, out_features = model_config.module_shape(module)
         shape = list(entry.shape)
+        if which == "M":  # DoRA's magnitude: one per output feature (the loader pairs it)
+            if shape != [out_features]:
+                raise UploadRejected(
+                    f"{WEIGHTS_FILE}: tensor {entry.name!r} has shape {shape}; the base "
+                    f"model's {module} needs [{out_features}]"
+                )
+            continue
         if which == "A":
             rank, fits = (shape[0] if shape else 0), len(shape) == 2 and shape[1] == in_features
             needed = f"[r, {in_features}]"
@@ -232,12 +241,20 @@ def _check_tensors(
     return max(ranks.values()), modules, FLOAT_DTYPES[dtypes[0]][0]
 
 
+def _known_modules(model_config: ModelConfig) -> list[str]:
+    """The module names an adapter may target: the seven, and the fused ones a family's
+    checkpoint holds (Phi-3's ``qkv_proj``)."""
+    return [*model_config.fused_modules, *LORA_TARGETS]
+
+
 def _model_name(reference: str) -> str:
     """The last path component of a model id or path, lower-cased."""
     return reference.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def _check_config(config: AdapterConfig, *, base_model_id: str | None, max_rank: int) -> None:
+def _check_config(
+    config: AdapterConfig, model_config: ModelConfig, *, base_model_id: str | None, max_rank: int
+) -> None:
     """What the platform adds to the engine's parse: the base model and the rank limit."""
     trained_on = config.base_model_name_or_path
     if trained_on and base_model_id and _model_name(trained_on) != _model_name(base_model_id):
@@ -247,12 +264,13 @@ def _check_config(config: AdapterConfig, *, base_model_id: str | None, max_rank:
         )
     targets = config.target_modules  # the parse let through only a str or a list of str
     if isinstance(targets, tuple):  # a string is a regex or "all-linear": tensors decide
+        known = _known_modules(model_config)
         for target in targets:
             short = target.rsplit(".", 1)[-1]
-            if short not in LORA_TARGETS:
+            if short not in known:
                 raise UploadRejected(
                     f"{CONFIG_FILE}: target module {target!r} is not known (known: "
-                    f"{', '.join(LORA_TARGETS)})"
+                    f"{', '.join(known)})"
                 )
     for where, rank in (("r", config.r), *config.rank_pattern.values()):
         if rank is not None and rank > max_rank:
@@ -303,7 +321,7 @@ def validate_adapter_dir(
         config = read_adapter_config(adapter_dir)
     except AdapterError as exc:
         raise UploadRejected(str(exc)) from exc
-    _check_config(config, base_model_id=base_model_id, max_rank=max_rank)
+    _check_config(config, model_config, base_model_id=base_model_id, max_rank=max_rank)
     entries = read_safetensors_header(weights_path)
     rank, modules, dtype = _check_tensors(entries, model_config, max_rank)
     try:

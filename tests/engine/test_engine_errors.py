@@ -282,7 +282,10 @@ DAMAGED_ADAPTERS = {
     "unknown-module": (_rename_to_unknown_module, r"foo_proj\.lora_A.*'foo_proj'"),
     "nan": (_poison(float("nan")), r"layers\.\d+\.v_proj holds NaN"),
     "inf": (_poison(float("inf")), r"layers\.\d+\.v_proj holds NaN or infinite"),
-    "dora": (_edit_config(use_dora=True), "DoRA adapters .use_dora: true. are not supported"),
+    "dora-without-magnitudes": (
+        _edit_config(use_dora=True),
+        r"has no lora_magnitude_vector, which a DoRA adapter \(use_dora: true\) needs",
+    ),
     "modules-to-save": (
         _edit_config(modules_to_save=["lm_head"]),
         r"modules_to_save \(\['lm_head'\]\) is not supported yet",

@@ -22,6 +22,8 @@ ADAPTER_SPECS = {
     "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_proj", "up_proj", "down_proj"), "seed": 3},
 }
 ADAPTER_CYCLE = [None, "r4-qv", "r8-attn", "r16-mlp"]
+# The same with r8-attn a DoRA adapter: 29 device rank-rows in all (DoRA's scales take one).
+DORA_ADAPTER_SPECS = {**ADAPTER_SPECS, "r8-attn": {**ADAPTER_SPECS["r8-attn"], "use_dora": True}}
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 
 Each family's tiny model is built with transformers itself (random weights, norms
 perturbed so a skipped or misplaced norm shows), with PEFT adapters of mixed ranks and
-targets. One engine serves a mixed-adapter batch arriving staggered, with a shared system
-prompt (prefix hits) in a KV budget small enough to preempt, and every request's tokens
-must be what transformers + PEFT give for it alone.
+targets, one of them DoRA. One engine serves a mixed-adapter batch arriving staggered,
+with a shared system prompt (prefix hits) in a KV budget small enough to preempt, and
+every request's tokens must be what transformers + PEFT give for it alone.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from loramux.engine.model.config import ModelConfig
 from tests.engine.factories import build_engine, put_adapters_on_device
 from tests.engine.test_exactness import (
-    ADAPTER_SPECS,
+    DORA_ADAPTER_SPECS,
     assert_first_step_logits_match,
     assert_matches_reference,
     mixed_requests,
@@ -29,7 +29,7 @@ NORM_NOISE = 0.2
 # ADAPTER_SPECS' (mixed_requests cycles through them).
 PHI3_ADAPTER_SPECS = {
     "r4-qv": {"rank": 4, "targets": ("qkv_proj",), "seed": 1},
-    "r8-attn": {"rank": 8, "targets": ("qkv_proj", "o_proj"), "seed": 2},
+    "r8-attn": {"rank": 8, "targets": ("qkv_proj", "o_proj"), "seed": 2, "use_dora": True},
     "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_up_proj", "down_proj"), "seed": 3},
 }
 
@@ -38,13 +38,13 @@ def assert_staggered_prefix_hits_and_preemption_match_peft(
     model_dir, adapters, *, token_bytes: int, row_bytes: int
 ) -> None:
     """One engine: 8 mixed requests arriving staggered, with a shared system prompt (prefix
-    hits), in 32 KV blocks of 4 tokens beside the adapters' 28 rank-rows (``token_bytes``
+    hits), in 32 KV blocks of 4 tokens beside the adapters' 29 rank-rows (``token_bytes``
     of KV a token, ``row_bytes`` a rank-row), contexts of at most 96: each request's tokens
     are transformers + PEFT's."""
     engine = build_engine(
         model_dir,
         adapters,
-        kv_cache_bytes=32 * 4 * token_bytes + 28 * row_bytes,
+        kv_cache_bytes=32 * 4 * token_bytes + 29 * row_bytes,
         max_model_len=96,
         block_size=4,
     )
@@ -65,7 +65,7 @@ def qwen3_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def qwen3_adapters(qwen3_dir, make_adapter):
-    return {name: make_adapter(qwen3_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    return {name: make_adapter(qwen3_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()}
 
 
 def test_qwen3_config_reads_its_head_norms_and_head_dim(qwen3_dir):
@@ -150,7 +150,7 @@ def gemma3_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def gemma3_adapters(gemma3_dir, make_adapter):
-    return {name: make_adapter(gemma3_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    return {name: make_adapter(gemma3_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()}
 
 
 def test_gemma3_config_reads_what_sets_it_apart(gemma3_dir):
@@ -189,3 +189,17 @@ def test_dynamic_rope_scaling_is_refused_with_why(qwen3_dir):
     raw["rope_parameters"] = {**raw["rope_parameters"], "rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match=r"'dynamic' is not served.*use 'yarn' or 'linear'"):
         ModelConfig.from_hf_dict(raw)
+
+
+def test_phi3_fused_and_dora_adapters_are_accepted_at_upload(phi3_dir, phi3_adapters):
+    """The platform's checks know a family's fused targets as the engine does."""
+    from loramux.platform.ingest import validate_adapter_dir
+
+    info = validate_adapter_dir(
+        phi3_adapters["r8-attn"],
+        ModelConfig.from_pretrained(phi3_dir),
+        base_model_id=None,
+        max_rank=64,
+        max_bytes=10 << 20,
+    )
+    assert (info.rank, info.target_modules) == (8, ["o_proj", "qkv_proj"])

@@ -15,6 +15,7 @@ from loramux.kernels import dispatch
 from tests.engine.factories import build_engine
 from tests.engine.hf_reference import greedy_tokens
 from tests.engine.test_exactness import (
+    DORA_ADAPTER_SPECS,
     mixed_requests,
     tiny_adapters,  # noqa: F401 (fixture)
 )
@@ -105,3 +106,21 @@ def test_no_static_path_without_triton_or_when_disabled(tiny_model_dir, monkeypa
         build_engine(tiny_model_dir, dtype="float64")  # forced Triton: a dtype it lacks
     monkeypatch.setenv(dispatch.KERNELS_ENV, "auto")
     assert build_engine(tiny_model_dir, dtype="float64").executor.static_decode is None
+
+
+def test_steps_with_a_dora_adapter_decode_eagerly(triton_everywhere, tiny_model_dir, make_adapter):
+    """DoRA's term is sized on the host: a decode step with a DoRA adapter leaves the
+    static path (its tokens are PEFT's); one with LoRA adapters alone takes it."""
+    adapters = {
+        name: make_adapter(tiny_model_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()
+    }
+    engine = build_engine(tiny_model_dir, adapters, cuda_graph_max_batch=2)
+    prompt = "The capital of France is"
+    prompt_ids = engine.tokenizer(prompt)["input_ids"]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (dora,) = engine.generate([prompt], params, adapters=["r8-attn"])
+    assert dora.token_ids == greedy_tokens(tiny_model_dir, adapters["r8-attn"], prompt_ids, 3)
+    assert engine.executor.static_decode.steps_run == {}
+    (lora,) = engine.generate([prompt], params, adapters=["r4-qv"])
+    assert lora.token_ids == greedy_tokens(tiny_model_dir, adapters["r4-qv"], prompt_ids, 3)
+    assert engine.executor.static_decode.steps_run == {(1, True): 2}

@@ -20,6 +20,7 @@ from loramux.engine import SamplingParams
 from loramux.kernels import attention_triton, dispatch, lora_triton, lora_triton_fused
 from tests.engine.factories import build_engine
 from tests.engine.test_exactness import (
+    DORA_ADAPTER_SPECS,
     assert_matches_reference,
     mixed_requests,
     run_staggered,
@@ -103,6 +104,20 @@ def test_staggered_chunks_and_prefix_hits_match_peft(
     assert engine.kv.prefix_cache_hits > 0
     assert first == second
     assert_matches_reference(engine, tiny_model_dir, tiny_adapters, requests, second, 4)
+    _assert_every_launcher_ran(triton_kernels)
+
+
+def test_dora_adapters_match_peft_over_the_triton_kernels(
+    triton_kernels, tiny_model_dir, make_adapter
+):
+    """DoRA's term beside every LoRA form (its folded B goes through the kernels as any B)."""
+    adapters = {
+        name: make_adapter(tiny_model_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()
+    }
+    engine = _engine(tiny_model_dir, adapters, max_num_batched_tokens=12, max_prefill_chunk=5)
+    requests = mixed_requests(4)
+    outputs = run_staggered(engine, requests, 4)
+    assert_matches_reference(engine, tiny_model_dir, adapters, requests, outputs, 4)
     _assert_every_launcher_ran(triton_kernels)
 
 

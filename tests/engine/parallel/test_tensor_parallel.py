@@ -32,6 +32,7 @@ from tests.engine.speculative.test_speculative_engine import NGRAM as SPECULATIV
 from tests.engine.speculative.test_speculative_engine import assert_speculated
 from tests.engine.test_exactness import (
     ADAPTER_SPECS,
+    DORA_ADAPTER_SPECS,
     assert_matches_reference,
     mixed_requests,
     run_staggered,
@@ -89,20 +90,21 @@ def model_and_adapters(request, tiny_model_dir, make_adapter):
         "replicated-kv": lambda: request.getfixturevalue("replicated_kv_model_dir"),
         "gemma3": lambda: request.getfixturevalue("gemma3_model_dir"),
     }[request.param]()
-    adapters = {name: make_adapter(model_dir, **spec) for name, spec in ADAPTER_SPECS.items()}
+    specs = DORA_ADAPTER_SPECS  # a DoRA adapter's row-parallel norms are summed over ranks
+    adapters = {name: make_adapter(model_dir, **spec) for name, spec in specs.items()}
     return model_dir, adapters
 
 
 def _small_budget(model_dir, world: int) -> int:
     """The smallest budget per device (in the sizes of one rank's share: half the KV heads,
-    or as many when they are replicated) that holds the three adapters' 28 rank-rows and
+    or as many when they are replicated) that holds the three adapters' 29 rank-rows and
     KV's floor (one request of ``MAX_MODEL_LEN``) beside them: the 8 requests, which need
     more, are preempted on one process and on two."""
     shard = ShardPlan(ModelConfig.from_pretrained(model_dir), world, 0).local_config()
     floor = MAX_MODEL_LEN // BLOCK_SIZE
     for num_blocks in itertools.count(floor):
         layout = RowLayout.for_model(shard, num_blocks, BLOCK_SIZE)
-        if layout.total_rows >= 28 and layout.kv_limit_for(layout.total_rows - 28) >= floor:
+        if layout.total_rows >= 29 and layout.kv_limit_for(layout.total_rows - 29) >= floor:
             arena = DeviceArena(shard, 1, BLOCK_SIZE, torch.float32, "cpu")
             return num_blocks * arena.bytes_per_block
 
