@@ -20,6 +20,7 @@ from loramux.engine.lora.adapter import (
     LoRARequest,
     load_adapter,
     parse_lora_tensor_name,
+    parse_token_tensor_name,
     read_adapter_config,
 )
 from loramux.engine.lora.source import CallableSource
@@ -114,6 +115,7 @@ __all__ = [
     "load_adapter",
     "merge_tenants",
     "parse_lora_tensor_name",
+    "parse_token_tensor_name",
     "parse_tool_output",
     "read_adapter_config",
     "spec_from_json",

@@ -185,6 +185,9 @@ class LoRATable:
     scales: list[list[float]]
     num_tokens: int
     dora_rows: list[int] | None = None
+    # Per adapter, its embedding and head rows (the engine's ``lora/tokens.AdapterTokens``,
+    # None for one without); None: no adapter of the step has any. The LoRA ops never read it.
+    tokens: list | None = None
 
     @property
     def max_rank(self) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from loramux.engine.lora.backend import KernelBackend
 from loramux.engine.lora.dora import StepDoRA
+from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.static_decode import DecodeStep
 from loramux.engine.step_batch import ForwardInputs
@@ -38,9 +39,11 @@ def forward_step(
     device: torch.device,
     inputs: ForwardInputs,
     interrupt: Callable[[], None] | None = None,
+    tokens: StepTokens | None = None,
 ) -> torch.Tensor:
     """Hidden states ``[rows, hidden]`` of one step over tensors built for it: its attention
-    plan and LoRA metadata from ``backend``, adapters read from ``pools``."""
+    plan and LoRA metadata from ``backend``, adapters read from ``pools`` (their own
+    embedding rows from ``tokens``, ``step_tokens``)."""
     attention = backend.plan_attention(
         inputs.block_tables, inputs.context_lens, inputs.query_lens, block_size, device
     )
@@ -49,7 +52,16 @@ def forward_step(
         lora = backend.lora_step(inputs.lora, pools)
         lora.dora = StepDoRA.for_step(inputs.lora, pools, device)
     input_tensor = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
-    return model(input_tensor, attention, kv_caches, lora, interrupt)
+    return model(input_tensor, attention, kv_caches, lora, interrupt, tokens)
+
+
+def step_tokens(
+    model: LlamaForCausalLM, pools: LoRAWeightSource, inputs: ForwardInputs, device
+) -> StepTokens | None:
+    """The step's adapters' own embedding and head rows over this device's vocabulary
+    range; None when none of its adapters has any."""
+    vocab = range(model.vocab_start, model.vocab_start + model.config.vocab_size)
+    return StepTokens.for_step(inputs, pools, vocab, device)
 
 
 def decode_step(inputs: ForwardInputs) -> DecodeStep:

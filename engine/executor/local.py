@@ -52,9 +52,10 @@ import torch
 from loramux.engine.clock import WallClock
 from loramux.engine.config import EngineConfig
 from loramux.engine.executor.base import NonFiniteOutput, PromptLogprobs, StepResult
-from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
+from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step, step_tokens
 from loramux.engine.lora.backend import KernelBackend
 from loramux.engine.lora.pool import LoRAPool
+from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.model.loader import load_engine_model
@@ -106,8 +107,12 @@ class LocalExecutor:
             self.static_decode is not None
             and batch.forward.is_decode_only
             and len(batch.forward.query_lens) <= self.static_decode.max_batch
-            # DoRA's term is added by torch ops sized on the host: such steps run eager
-            and (batch.forward.lora is None or batch.forward.lora.dora_rows is None)
+            # DoRA's term and adapters' token rows are applied by torch ops sized on the
+            # host: such steps run eager
+            and (
+                batch.forward.lora is None
+                or (batch.forward.lora.dora_rows is None and batch.forward.lora.tokens is None)
+            )
         )
 
     @torch.inference_mode()
@@ -117,6 +122,7 @@ class LocalExecutor:
         Raises ``NonFiniteOutput`` when some requests' tokens came out non-finite.
         """
         launched_before = self.backend.lora_launches.total
+        tokens = step_tokens(self.model, self.lora_weights, batch.forward, self.device)
         if self.runs_static(batch):
             hidden = self.static_decode.run(decode_step(batch.forward))
         else:
@@ -129,6 +135,7 @@ class LocalExecutor:
                 self.device,
                 batch.forward,
                 self.interrupt,
+                tokens,
             )
         sampling, verifying = batch.sampling, batch.verifying
         masks = self._grammar_masks(sampling) if sampling.constrained else None
@@ -140,8 +147,9 @@ class LocalExecutor:
         index = torch.tensor(batch.head_index, dtype=torch.long, device=self.device)
         if len(index):
             # A non-finite row is failed below; zeroed, it samples harmlessly meanwhile.
+            head = None if tokens is None else tokens.head(batch.head_index)
             all_logits = torch.where(
-                finite[index, None], self.model.compute_logits(hidden[index]), 0.0
+                finite[index, None], self.model.compute_logits(hidden[index], head), 0.0
             )
         if sampling.rows:
             logits = all_logits[: len(sampling.index)]
@@ -159,7 +167,7 @@ class LocalExecutor:
             verified = self.sampler.verify(logits, verifying.groups)
             for seq, rows in zip(verifying.sequences, verified, strict=True):
                 sampled[seq.request_id] = list(zip(rows.token_ids, rows.logprobs, strict=True))
-        prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_rows)
+        prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_rows, tokens)
         if not bool(finite.all()):
             bad = [
                 rid for first, end, rid in batch.token_spans if not bool(finite[first:end].all())
@@ -180,7 +188,9 @@ class LocalExecutor:
             )
         return self._mask_filler.fill([seq.grammar for seq in sampling.sequences])
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, scored: PromptRows) -> PromptLogprobs:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, scored: PromptRows, tokens: StepTokens | None
+    ) -> PromptLogprobs:
         """The scored rows' prompt logprobs from their raw logits, pass by pass."""
         if not scored.rows:
             return {}
@@ -188,7 +198,8 @@ class LocalExecutor:
         targets = torch.tensor(scored.targets, dtype=torch.long, device=self.device)
         entries: list[TokenLogprobs] = []
         for lo, hi in scored.spans():
-            logits = self.model.compute_logits(hidden[rows[lo:hi]])  # [<= pass, vocab]
+            head = None if tokens is None else tokens.head(scored.rows[lo:hi])
+            logits = self.model.compute_logits(hidden[rows[lo:hi]], head)  # [<= pass, vocab]
             entries += logprobs_of(logits, targets[lo:hi], scored.top_counts[lo:hi])
         out: PromptLogprobs = {}
         for request_id, entry in zip(scored.request_ids, entries, strict=True):

@@ -52,6 +52,12 @@ PICKLE_FILE = "adapter_model.bin"
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (optionally .default.),
 # and DoRA's ...q_proj.lora_magnitude_vector (older PEFT: ...lora_magnitude_vector.default.weight)
+# modules_to_save's whole tables (base_model.model.lm_head.weight), trainable_token_indices'
+# rows (base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta)
+_TOKEN_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\."
+    r"(?:(?:modules_to_save\.[\w-]+\.)?(weight)|token_adapter\.(trainable_tokens_delta)(?:\.[\w-]+)?)$"
+)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
     r"lora_(?:([AB])(?:\.[\w-]+)?\.weight|magnitude_vector(?:\.[\w-]+)?(?:\.weight)?)$"
@@ -108,9 +114,32 @@ class ModuleWeights:
 
 
 @dataclass
+class TokenRows:
+    """Rows of the embedding or the LM head an adapter replaces (PEFT's modules_to_save:
+    the whole table; trainable_token_indices: a few rows)."""
+
+    rows: torch.Tensor  # [k, hidden]
+    ids: tuple[int, ...] | None = None  # the token of each row; None: all, in order
+
+    @property
+    def count(self) -> int:
+        return self.rows.shape[0]
+
+
+@dataclass
 class LoRAWeights:
     name: str
     modules: dict[str, ModuleWeights]  # target module -> weights
+    # The embedding's and the LM head's rows it replaces (``engine/lora/tokens.py``)
+    embed: TokenRows | None = None
+    head: TokenRows | None = None
+
+    @property
+    def token_rows(self) -> int:
+        """Rows of the embedding's width it replaces, the embedding's and the head's (once
+        when the two are the same rows)."""
+        tables = {id(t): t.count for t in (self.embed, self.head) if t is not None}
+        return sum(tables.values())
 
     @property
     def rank(self) -> int:
@@ -123,7 +152,8 @@ class LoRAWeights:
 
     @property
     def num_rows(self) -> int:
-        """Device rank-rows it takes: its rank, and one more holding DoRA's scales."""
+        """Its rank-rows: its rank, and one more holding DoRA's scales. The rows of its
+        token tables come after them (``LoRAPool.rows_for`` adds them)."""
         return self.rank + self.dora
 
     @property
@@ -132,14 +162,29 @@ class LoRAWeights:
         return self.rank if self.dora else None
 
 
+def parse_token_tensor_name(name: str) -> tuple[str, str] | None:
+    """(``embed_tokens`` or ``lm_head``, ``table`` or ``rows``) of a modules_to_save table or
+    a trainable_token_indices tensor; None for any other name."""
+    match = _TOKEN_KEY.match(name)
+    if match is None:
+        return None
+    module = "lm_head" if match[1] == "lm_head" else "embed_tokens"
+    return module, "table" if match[2] else "rows"
+
+
 def _read_lora_tensors(
-    weights_path: Path, model_config: ModelConfig
+    weights_path: Path, model_config: ModelConfig, tokens: dict[tuple[str, str], torch.Tensor]
 ) -> dict[tuple[str, int, str], tuple[LoRATensorName, torch.Tensor]]:
-    """(module, layer, "A" or "B") -> (its name, the tensor as stored), names checked."""
+    """(module, layer, "A" or "B") -> (its name, the tensor as stored), names checked; the
+    embedding's and head's tensors go into ``tokens`` (``parse_token_tensor_name``'s key)."""
     raw: dict[tuple[str, int, str], tuple[LoRATensorName, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                token_tensor = parse_token_tensor_name(key)
+                if token_tensor is not None:
+                    tokens[token_tensor] = handle.get_tensor(key)
+                    continue
                 parsed = parse_lora_tensor_name(key)
                 if parsed is None:
                     raise AdapterError(f"tensor {key!r} is not a LoRA weight of a known module")
@@ -296,7 +341,9 @@ def load_adapter(
             )
         raise AdapterError(f"{WEIGHTS_FILE} is missing from {adapter_dir}")
     config = read_adapter_config(adapter_dir)
-    raw = _read_lora_tensors(weights_path, model_config)
+    token_tensors: dict[tuple[str, str], torch.Tensor] = {}
+    raw = _read_lora_tensors(weights_path, model_config, token_tensors)
+    embed, head = _token_rows(token_tensors, config, model_config, dtype, device)
 
     modules: dict[str, ModuleWeights] = {}
     for (module, layer, which), (tensor_name, a) in sorted(raw.items()):
@@ -332,4 +379,79 @@ def load_adapter(
         module, layer, which = orphans[0]
         tensor = "lora_B" if which == "B" else "lora_magnitude_vector"
         raise AdapterError(f"layers.{layer}.{module} has {tensor} but no lora_A")
-    return LoRAWeights(name=name or adapter_dir.name, modules=modules)
+    return LoRAWeights(name=name or adapter_dir.name, modules=modules, embed=embed, head=head)
+
+
+def _token_rows(
+    tensors: dict[tuple[str, str], torch.Tensor],
+    config: AdapterConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device,
+) -> tuple[TokenRows | None, TokenRows | None]:
+    """The embedding's and the head's rows the adapter replaces, checked against its config
+    and the base model. PEFT ties trainable tokens of a tied embedding to the head; a whole
+    embedding saved without ``ensure_weight_tying`` leaves the head as it is."""
+    vocab, hidden = model_config.vocab_size, model_config.hidden_size
+    indices = dict(config.trainable_tokens)
+    found: dict[str, TokenRows] = {}
+    for (module, kind), tensor in sorted(tensors.items()):
+        name = f"{module} ({'modules_to_save' if kind == 'table' else 'trainable_token_indices'})"
+        if kind == "table":
+            if module not in config.modules_to_save:
+                raise AdapterError(
+                    f"the weights hold a whole {module} table, but {CONFIG_FILE} does not list "
+                    f"it in modules_to_save; save the adapter with the config PEFT wrote for it"
+                )
+            ids, expected = None, (vocab, hidden)
+            if tensor.ndim == 2 and tensor.shape[1] == hidden and tensor.shape[0] != vocab:
+                raise AdapterError(
+                    f"{name} has {tensor.shape[0]} rows, the base model's vocabulary "
+                    f"{vocab}: a resized vocabulary is not served; give new tokens ids "
+                    "within the base vocabulary (its reserved tokens) and train them with "
+                    "trainable_token_indices"
+                )
+        else:
+            ids = indices.get(module)
+            if ids is None:
+                raise AdapterError(
+                    f"the weights hold trainable token rows of {module}, but {CONFIG_FILE}'s "
+                    "trainable_token_indices names none for it"
+                )
+            if max(ids) >= vocab:
+                raise AdapterError(
+                    f"trainable_token_indices names token {max(ids)}, beyond the base "
+                    f"model's vocabulary of {vocab}"
+                )
+            expected = (len(ids), hidden)
+        if tuple(tensor.shape) != expected:
+            raise AdapterError(
+                f"{name} has shape {tuple(tensor.shape)}; the base model needs {list(expected)}"
+            )
+        if module in found:
+            raise AdapterError(f"{module} is both saved whole and given trainable tokens")
+        if not _fits(float(tensor.abs().max()), dtype):
+            raise AdapterError(
+                f"{name} holds NaN, infinite or values beyond "
+                f"{str(dtype).removeprefix('torch.')}'s range"
+            )
+        found[module] = TokenRows(rows=tensor.to(device=device, dtype=dtype), ids=ids)
+    for module in config.modules_to_save:
+        if module not in found:
+            raise AdapterError(
+                f"modules_to_save lists {module}, but the weights hold no table of it"
+            )
+    for module in indices:
+        if module not in found:
+            raise AdapterError(
+                f"trainable_token_indices names tokens of {module}, but the weights hold none"
+            )
+    embed, head = found.get("embed_tokens"), found.get("lm_head")
+    if (
+        head is None
+        and embed is not None
+        and embed.ids is not None
+        and model_config.tie_word_embeddings
+    ):
+        head = embed
+    return embed, head

@@ -177,16 +177,71 @@ def _check_supported(raw: dict) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(f"peft_type {_show(peft_type)} is not supported (only LORA)")
-    if raw.get("modules_to_save"):
-        raise AdapterError(
-            f"modules_to_save ({_show(raw['modules_to_save'])}) is not supported yet: only "
-            "LoRA's A and B matrices are served; train without modules_to_save"
-        )
     if raw.get("bias", "none") != "none":
         raise AdapterError(
             f"adapters with bias={_show(raw['bias'])} are not supported yet; train with "
             'bias: "none"'
         )
+
+
+# What modules_to_save and trainable_token_indices may name, as PEFT writes them, and the
+# module each stands for: the rows of the embedding or of the LM head an adapter replaces.
+TOKEN_MODULES = {
+    "embed_tokens": "embed_tokens",
+    "model.embed_tokens": "embed_tokens",
+    "lm_head": "lm_head",
+}
+MAX_TOKEN_INDEX = (1 << 31) - 1
+
+
+def _token_module(name: object, field: str) -> str:
+    if not isinstance(name, str) or name not in TOKEN_MODULES:
+        raise AdapterError(
+            f"{CONFIG_FILE}: {field} names {_show(name)}; only the embedding (embed_tokens) "
+            "and the LM head (lm_head) can be served from it: train the rest with LoRA "
+            "(target_modules)"
+        )
+    return TOKEN_MODULES[name]
+
+
+def _parse_modules_to_save(raw: object) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise AdapterError(
+            f"{CONFIG_FILE}: modules_to_save must be a list of module names, got {_show(raw)}"
+        )
+    return tuple(sorted({_token_module(name, "modules_to_save") for name in raw}))
+
+
+def _parse_token_indices(raw: object) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """PEFT's trainable_token_indices: a list (the embedding's) or module -> list."""
+    if raw is None:
+        return ()
+    per_module = raw if isinstance(raw, dict) else {"embed_tokens": raw}
+    parsed = {}
+    for name, indices in per_module.items():
+        module = _token_module(name, "trainable_token_indices")
+        where = (
+            f"trainable_token_indices[{_show(name)}]"
+            if isinstance(raw, dict)
+            else ("trainable_token_indices")
+        )
+        if not (
+            isinstance(indices, list)
+            and indices
+            and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_INDEX
+                for i in indices
+            )
+        ):
+            raise AdapterError(
+                f"{CONFIG_FILE}: {where} must be a non-empty list of token ids, got {_show(indices)}"
+            )
+        if len(set(indices)) != len(indices) or module in parsed:
+            raise AdapterError(f"{CONFIG_FILE}: {where} names a token more than once")
+        parsed[module] = tuple(indices)
+    return tuple(sorted(parsed.items()))
 
 
 @dataclass(frozen=True)
@@ -197,6 +252,10 @@ class AdapterConfig:
     lora_alpha: float = DEFAULT_LORA_ALPHA
     use_rslora: bool = False
     use_dora: bool = False  # each module also has a magnitude vector (``engine/lora/dora.py``)
+    # whole embedding / LM head tables it replaces ("embed_tokens", "lm_head")
+    modules_to_save: tuple[str, ...] = ()
+    # (module, token ids) whose rows it replaces (PEFT's trainable_token_indices), by module
+    trainable_tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()
     target_modules: tuple[str, ...] | str | None = None  # a str is a regex or "all-linear"
     rank_pattern: ModulePattern = ModulePattern()
     alpha_pattern: ModulePattern = ModulePattern()
@@ -240,6 +299,8 @@ class AdapterConfig:
             lora_alpha=raw.get("lora_alpha", DEFAULT_LORA_ALPHA),
             use_rslora=raw.get("use_rslora", False),
             use_dora=raw.get("use_dora", False),
+            modules_to_save=_parse_modules_to_save(raw.get("modules_to_save")),
+            trainable_tokens=_parse_token_indices(raw.get("trainable_token_indices")),
             target_modules=tuple(targets) if isinstance(targets, list) else targets,
             rank_pattern=ModulePattern.parse(raw.get("rank_pattern"), "rank_pattern", _check_rank),
             alpha_pattern=ModulePattern.parse(

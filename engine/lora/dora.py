@@ -29,6 +29,8 @@ rank 0's alone, as the base output's).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from loramux.engine.lora.adapter import AdapterError, LoRAWeights, ModuleWeights
@@ -85,7 +87,7 @@ class DoRAFold:
                 folded.b[layer] = (gain[:, None] * b.to(gain.device, torch.float32)).to(b.dtype)
                 folded.dora_excess[layer] = gain - 1
             modules[module] = folded
-        return LoRAWeights(name=weights.name, modules=modules)
+        return dataclasses.replace(weights, modules=modules)
 
 
 class StepDoRA:

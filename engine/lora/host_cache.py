@@ -23,8 +23,10 @@ from loramux.engine.lora.adapter import LoRAWeights
 
 
 def weights_nbytes(weights: LoRAWeights) -> int:
-    """Bytes of all of an adapter's tensors: A, B and DoRA's magnitudes."""
-    return sum(
+    """Bytes of all of an adapter's tensors: A, B, DoRA's magnitudes and the embedding's
+    and head's rows (once when the two share them)."""
+    tables = {id(t): t.rows.nbytes for t in (weights.embed, weights.head) if t is not None}
+    return sum(tables.values()) + sum(
         tensor.nbytes
         for module in weights.modules.values()
         for tensors in (module.a, module.b, module.magnitude)

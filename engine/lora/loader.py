@@ -20,6 +20,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -190,4 +191,14 @@ def _pinned(weights: LoRAWeights) -> LoRAWeights:
         )
         for module, m in weights.modules.items()
     }
-    return LoRAWeights(name=weights.name, modules=modules)
+    tables = {
+        id(t): dataclasses.replace(t, rows=t.rows.pin_memory())
+        for t in (weights.embed, weights.head)
+        if t is not None
+    }
+    return dataclasses.replace(
+        weights,
+        modules=modules,
+        embed=None if weights.embed is None else tables[id(weights.embed)],
+        head=None if weights.head is None else tables[id(weights.head)],
+    )

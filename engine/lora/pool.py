@@ -42,7 +42,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.memory.arena import AdapterRows
+from loramux.engine.lora.tokens import AdapterTokens, TableSlots, table_slots
+from loramux.engine.memory.arena import AdapterRows, adapter_rows
 from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
@@ -63,10 +64,24 @@ class ResidentAdapter:
     rows: torch.Tensor  # [num_rows] int64, row_start .. row_start + num_rows - 1
     modules: dict[str, tuple[int, float]]  # module -> (rank, scale)
     dora_offset: int | None = None  # which of its rows holds DoRA's scales (engine/lora/dora.py)
+    # Its embedding and head rows (engine/lora/tokens.py): the first of their rank-rows,
+    # how many, and where each table's rows are among them
+    token_offset: int = 0
+    token_rows: int = 0
+    embed: TableSlots | None = None
+    head: TableSlots | None = None
 
     @property
     def row_end(self) -> int:
         return self.row_start + self.num_rows
+
+    def tokens(self) -> AdapterTokens | None:
+        """Its token tables as a step's table carries them; None without any."""
+        if not self.token_rows:
+            return None
+        return AdapterTokens(
+            self.row_start + self.token_offset, self.token_rows, self.embed, self.head
+        )
 
     @property
     def dora_row(self) -> int:
@@ -129,7 +144,15 @@ class LoRAPool:
     def b_pool(self, layer: int, module: str) -> torch.Tensor:
         return self._arena.b_pool(layer, module)
 
+    def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]:
+        return self._arena.token_slabs(first_row, rows)
+
     # --- accounting ------------------------------------------------------------
+    def rows_for(self, weights: LoRAWeights) -> int:
+        """The rank-rows ``weights`` take on the device: its rank, DoRA's row, the rows of
+        its embedding and head tables."""
+        return adapter_rows(self._layout, self._arena.num_layers, weights)
+
     @property
     def rows_used(self) -> int:
         """Rows owned by resident adapters."""
@@ -196,7 +219,7 @@ class LoRAPool:
         """``try_load``, or :class:`PoolFull` when the adapter does not fit now."""
         resident = self.try_load(adapter_id, weights)
         if resident is None:
-            rows = weights.num_rows
+            rows = self.rows_for(weights)
             pinned = sum(self._resident[a].num_rows for a in self._pins)
             raise PoolFull(
                 f"adapter {adapter_id} needs {rows} rows ({rows * self._arena.bytes_per_row} "
@@ -221,7 +244,7 @@ class LoRAPool:
         """
         if adapter_id in self._resident:
             raise ValueError(f"adapter id {adapter_id} is already resident")
-        num_rows = weights.num_rows
+        num_rows = self.rows_for(weights)
         if kv_floor is not None:
             kv_floor = min(kv_floor, self._kv.limit)
         if not self._could_fit(num_rows, kv_floor):
@@ -238,6 +261,7 @@ class LoRAPool:
                 return None
             self._evict(victim)
         self._write(start, weights)
+        embed, head = table_slots(weights)
         resident = ResidentAdapter(
             adapter_id=adapter_id,
             row_start=start,
@@ -245,6 +269,10 @@ class LoRAPool:
             rows=torch.arange(start, start + num_rows, device=self._device),
             modules={m: (mw.rank, mw.scale) for m, mw in weights.modules.items()},
             dora_offset=weights.dora_row,
+            token_offset=weights.num_rows,
+            token_rows=num_rows - weights.num_rows,
+            embed=embed,
+            head=head,
         )
         self._resident[adapter_id] = resident
         self._last_use[adapter_id] = self._step
@@ -335,6 +363,9 @@ class LoRAPool:
                 if any(r.dora_offset is not None for r in residents)
                 else None
             ),
+            tokens=[r.tokens() for r in residents]
+            if any(r.token_rows for r in residents)
+            else None,
         )
 
     # --- internals -------------------------------------------------------------

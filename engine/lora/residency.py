@@ -110,7 +110,7 @@ class AdapterResidency:
             dtype=self._dtype,
             device="cpu",
         )
-        self.tiers.check_fits_device(name, weights.num_rows)
+        self.tiers.check_fits_device(name, self.pool.rows_for(weights))
         request = self._new(name, LocalDirectorySource(Path(path)))
         try:
             self.tiers.keep_in_host(request.adapter_id, weights)

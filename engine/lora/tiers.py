@@ -121,8 +121,9 @@ class AdapterTiers:
         """``PoolFull`` if an adapter of ``rows`` rank-rows could never be device-resident."""
         if rows > self.pool.capacity:
             raise PoolFull(
-                f"adapter {name!r} needs {rows} rows of device memory (its rank, and one "
-                f"more for DoRA's scales if it has them) but at most "
+                f"adapter {name!r} needs {rows} rows of device memory (its rank, a row "
+                "for DoRA's scales if it has them, and those of the embedding and LM-head "
+                f"rows it replaces) but at most "
                 f"{self.pool.capacity} adapter rows fit beside the KV cache's floor; raise "
                 "kv_cache_bytes (or adapter_device_bytes), or lower max_model_len"
             )
@@ -240,7 +241,9 @@ class AdapterTiers:
                         self._load(adapter_id)  # evicted from RAM while it waited
                     continue
                 try:
-                    self.check_fits_device(self._by_id[adapter_id].request.name, weights.num_rows)
+                    self.check_fits_device(
+                        self._by_id[adapter_id].request.name, self.pool.rows_for(weights)
+                    )
                 except PoolFull as exc:
                     never[adapter_id] = str(exc)
                     continue
@@ -252,10 +255,10 @@ class AdapterTiers:
                     self.host.unpin(adapter_id)
                 if resident is None:
                     full = True  # later ones wait too
-                    if self._promised_away(weights.num_rows, floor):
+                    if self._promised_away(self.pool.rows_for(weights), floor):
                         self.short_of_kv = adapter_id
                     else:
-                        self.blocked_for_room = (adapter_id, weights.num_rows)
+                        self.blocked_for_room = (adapter_id, self.pool.rows_for(weights))
                     continue
                 if adapter_id in self._evicted:
                     self._evicted.discard(adapter_id)

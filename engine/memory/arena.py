@@ -53,6 +53,7 @@ from typing import Protocol
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
+from loramux.engine.lora.tokens import slab_capacity, token_table_rows, write_tables
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
 from loramux.kernels.kv_quant import QuantizedKV, bytes_per_slot_head, storage_dtype
@@ -179,6 +180,17 @@ def quantized_block_elems(
     return block_bytes // dtype.itemsize
 
 
+def token_rows(layout: RowLayout, num_layers: int, weights: LoRAWeights) -> int:
+    """Rank-rows an adapter's embedding and head rows take (``lora/tokens.py``)."""
+    hidden = layout.in_features["q_proj"]
+    return token_table_rows(weights.token_rows, layout.row_width, hidden, num_layers)
+
+
+def adapter_rows(layout: RowLayout, num_layers: int, weights: LoRAWeights) -> int:
+    """Every rank-row an adapter takes: its rank, DoRA's row, its token tables'."""
+    return weights.num_rows + token_rows(layout, num_layers, weights)
+
+
 def row_bytes(layout: RowLayout, num_layers: int, dtype: torch.dtype) -> int:
     """Device bytes one rank-row takes across all layers (A in k, B in v)."""
     return 2 * num_layers * layout.row_width * dtype.itemsize
@@ -224,6 +236,8 @@ class AdapterRows(Protocol):
     def a_pool(self, layer: int, module: str) -> torch.Tensor: ...
 
     def b_pool(self, layer: int, module: str) -> torch.Tensor: ...
+
+    def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]: ...
 
     def write_adapter(self, start: int, weights: LoRAWeights) -> None: ...
 
@@ -342,13 +356,29 @@ class DeviceArena:
             a[start:end] = 0
             b[start:end] = 0
 
+    def token_rows(self, weights: LoRAWeights) -> int:
+        """Rank-rows an adapter's embedding and head rows take (``lora/tokens.py``)."""
+        return token_rows(self.layout, self.num_layers, weights)
+
+    def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]:
+        """Rows ``[first_row, first_row + rows)`` as ``2·layers`` slabs of rows of the
+        embedding's width (``lora/tokens.py``): each layer's A memory, then its B memory."""
+        hidden = self.layout.in_features["q_proj"]
+        cap = slab_capacity(rows, self.layout.row_width, hidden)
+        return [
+            memory[first_row : first_row + rows].reshape(-1)[: cap * hidden].view(cap, hidden)
+            for a, b in zip(self._a_rows, self._b_rows, strict=True)
+            for memory in (a, b)
+        ]
+
     def write_adapter(self, start: int, weights: LoRAWeights) -> None:
         """Zero rows ``[start, start + weights.num_rows)`` (modules and layers the adapter
         skips stay zero), then write each module's A and B^T of each layer into them, and a
         DoRA adapter's scales into its last row (folded by ``fold``, ``lora/dora.py``)."""
         if self.fold is not None:
             weights = self.fold(weights)
-        self.zero_rows(start, start + weights.num_rows)
+        tables = self.token_rows(weights)
+        self.zero_rows(start, start + weights.num_rows + tables)
         for module, mw in weights.modules.items():
             rows = slice(start, start + mw.rank)
             for layer, a in mw.a.items():
@@ -362,6 +392,8 @@ class DeviceArena:
                 )
             for layer, excess in mw.dora_excess.items():
                 self.b_pool(layer, module)[start + weights.dora_row].copy_(excess)
+        if tables:
+            write_tables(weights, self.token_slabs(start + weights.num_rows, tables))
 
     def move_rows(self, src: int, dst: int, count: int) -> None:
         """Copy rows ``[src, src + count)`` to ``[dst, dst + count)``; the ranges may overlap."""

@@ -93,6 +93,21 @@ class LoRAWeightSource(Protocol):
 
     def b_pool(self, layer: int, module: str) -> torch.Tensor: ...  # [R, out]
 
+    # rows [first_row, first_row + rows) as rows of the embedding's width (lora/tokens.py)
+    def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]: ...
+
+
+class TokenRowsStep(Protocol):
+    """A step's adapters' own embedding rows (``engine/lora/tokens.StepTokens``)."""
+
+    def replace_embeddings(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+
+class HeadRowsPass(Protocol):
+    """An LM-head pass's adapters' own head rows (``engine/lora/tokens.HeadRows``)."""
+
+    def apply(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor: ...
+
 
 class Collectives(Protocol):
     """What a shard needs of its ranks (``engine/parallel/group.py``)."""
@@ -272,14 +287,21 @@ class LlamaForCausalLM(nn.Module):
         block = self.model.layers[layer]
         return getattr(block.self_attn if module in QKV + O_PROJ else block.mlp, module)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+    def embed(
+        self, input_ids: torch.Tensor, tokens: TokenRowsStep | None = None
+    ) -> torch.Tensor:  # [T, hidden]
+        """The tokens' embeddings, adapters' own rows (``tokens``) in place of the base's."""
         if self.ranks is None:
             rows = self.model.embed_tokens(input_ids)
+            if tokens is not None:
+                rows = tokens.replace_embeddings(rows)
         else:
             # Vocabulary-parallel: this rank's rows for its ids, zeros for the others', summed.
             local = input_ids - self.vocab_start
             mine = (local >= 0) & (local < self.config.vocab_size)
             rows = self.model.embed_tokens(torch.where(mine, local, 0))
+            if tokens is not None:  # only its own ids' rows
+                rows = tokens.replace_embeddings(rows)
             rows = self.ranks.all_reduce_(torch.where(mine[:, None], rows, 0.0))
         scale = self.config.embed_scale
         if scale is None:
@@ -294,13 +316,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
         lora: StepLoRA | None = None,
         interrupt: Callable[[], None] | None = None,  # raises to abandon the step
+        tokens: TokenRowsStep | None = None,  # adapters' own embedding rows
     ) -> torch.Tensor:  # hidden states [T, hidden]
         if self.rotary is None:
             kinds = {layer.rope_kind for layer in self.model.layers}
             self.rotary = {
                 k: RotaryEmbedding(self.config.for_layer_kind(k), input_ids.device) for k in kinds
             }
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, tokens)
         tables = {k: r.cos_sin(attention.positions, x.dtype) for k, r in self.rotary.items()}
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             if interrupt is not None:
@@ -308,8 +331,13 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, *tables[layer.rope_kind], attention, kv_cache, lora)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab]
+    def compute_logits(
+        self, hidden: torch.Tensor, head: HeadRowsPass | None = None
+    ) -> torch.Tensor:  # [N, vocab]
+        """Logits of ``hidden``'s rows; ``head``: the adapters' own head rows among them."""
         logits = self._head(hidden)
+        if head is not None:
+            logits = head.apply(logits, hidden)
         if self.ranks is None:
             return logits
         # Vocabulary-parallel: every rank's range, in order, less the last one's padding.

@@ -90,8 +90,9 @@ class RunStep(Command):
     static: bool
 
     def apply(self, rank: RankWorker) -> None:
-        hidden = rank.forward(self.inputs, static=self.static)
-        head_passes(rank, hidden, self.inputs.head_rows)
+        tokens = rank.step_tokens(self.inputs)
+        hidden = rank.forward(self.inputs, static=self.static, tokens=tokens)
+        head_passes(rank, hidden, self.inputs.head_rows, tokens)
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,14 @@ class BuildStaticDecode(Command):
         rank.build_static_decode(self.max_context_len, self.buckets, self.max_rank, self.capture)
 
 
-def head_passes(rank: RankWorker, hidden: torch.Tensor, head_rows: list[list[int]]) -> None:
+def head_passes(rank: RankWorker, hidden: torch.Tensor, head_rows: list[list[int]], tokens) -> None:
     """Rank 0's LM-head passes over ``hidden``: each gathers the vocabulary from every rank,
-    so every rank makes them with it (this rank's logits are not kept)."""
+    so every rank makes them with it (this rank's logits are not kept; ``tokens``: the
+    step's adapters' own head rows, ``lora/tokens.StepTokens``)."""
     for rows in head_rows:
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-        rank.model.compute_logits(hidden[index])
+        head = None if tokens is None else tokens.head(rows)
+        rank.model.compute_logits(hidden[index], head)
 
 
 @dataclass(frozen=True)

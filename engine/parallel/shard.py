@@ -216,4 +216,6 @@ class ShardPlan:
             )
             for module, mw in weights.modules.items()
         }
-        return LoRAWeights(name=weights.name, modules=modules)
+        # The embedding's and head's rows: every rank keeps them all, and replaces only the
+        # tokens of its vocabulary range (engine/lora/tokens.py)
+        return dataclasses.replace(weights, modules=modules)

@@ -18,9 +18,15 @@ import sys
 import torch
 
 from loramux.engine.config import EngineConfig
-from loramux.engine.executor.forward import copy_kv_blocks, decode_step, forward_step
+from loramux.engine.executor.forward import (
+    copy_kv_blocks,
+    decode_step,
+    forward_step,
+    step_tokens,
+)
 from loramux.engine.lora.backend import select_backend
 from loramux.engine.lora.dora import DoRAFold
+from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.loader import load_engine_model
@@ -95,8 +101,16 @@ class RankWorker:
     def copy_kv_blocks(self, moves: list[tuple[int, int]]) -> None:
         copy_kv_blocks(self.arena.kv_caches, moves, self.device)
 
+    def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]:
+        return self.arena.token_slabs(first_row, rows)
+
+    def step_tokens(self, inputs: ForwardInputs) -> StepTokens | None:
+        return step_tokens(self.model, self, inputs, self.device)
+
     @torch.inference_mode()
-    def forward(self, inputs: ForwardInputs, *, static: bool) -> torch.Tensor:
+    def forward(
+        self, inputs: ForwardInputs, *, static: bool, tokens: StepTokens | None = None
+    ) -> torch.Tensor:
         if static:
             return self.static_decode.run(decode_step(inputs))
         return forward_step(
@@ -107,6 +121,7 @@ class RankWorker:
             self.config.block_size,
             self.device,
             inputs,
+            tokens=tokens,
         )
 
     def serve(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
-from loramux.engine.memory.arena import RowLayout, block_bytes, row_bytes
+from loramux.engine.memory.arena import RowLayout, adapter_rows, block_bytes, row_bytes
 from loramux.engine.model.config import ModelConfig
 
 
@@ -49,13 +49,15 @@ class GeometryArena:
     b_pool = a_pool
 
     def write_adapter(self, start: int, weights: LoRAWeights) -> None:
-        self.zero_rows(start, start + weights.num_rows)
+        self.zero_rows(start, start + adapter_rows(self.layout, self.num_layers, weights))
         lay, itemsize = self.layout, self.dtype.itemsize
         for module, mw in weights.modules.items():
             width = lay.in_features[module] + lay.out_features[module]
             self.pending_h2d_bytes += mw.rank * width * len(mw.a) * itemsize
             # DoRA: the magnitudes go over, the scales are computed on the device
             self.pending_h2d_bytes += lay.out_features[module] * len(mw.magnitude) * itemsize
+        hidden = lay.in_features["q_proj"]
+        self.pending_h2d_bytes += weights.token_rows * hidden * itemsize
 
     def zero_rows(self, start: int, end: int) -> None:
         self.pending_device_bytes += (end - start) * self.bytes_per_row

@@ -4,7 +4,8 @@ Cheap checks come first and nothing is unpickled, ever: a pickle file in the fol
 refused unopened. The safetensors header (an 8-byte little-endian length, then JSON) is
 parsed here, bounded, before any tensor is read; every tensor must be a float LoRA A/B
 weight (or a DoRA magnitude vector) of a module the base model has, in one of its layers,
-with the base model's shapes and a rank within the limit. ``adapter_config.json`` goes through the engine's own
+with the base model's shapes and a rank within the limit, or rows of the embedding or LM
+head (modules_to_save, trainable_token_indices). ``adapter_config.json`` goes through the engine's own
 strict parse (``AdapterConfig``), so the two can never disagree about what it says. Only
 then is the engine's loader run over the folder: it reads the values (refusing NaN and
 infinities) and makes the full semantic check, so an adapter accepted here is one the
@@ -35,6 +36,7 @@ from loramux.engine import (
     ModelConfig,
     load_adapter,
     parse_lora_tensor_name,
+    parse_token_tensor_name,
     read_adapter_config,
 )
 from loramux.platform.ingest.archive import PICKLE_SUFFIXES
@@ -174,6 +176,8 @@ def _check_tensors(
     ranks: dict[tuple[str, int, str], int] = {}
     known = _known_modules(model_config)
     for entry in entries:
+        if parse_token_tensor_name(entry.name) is not None:
+            continue  # an embedding or head table (modules_to_save, trainable tokens): the loader checks it
         parsed = parse_lora_tensor_name(entry.name)
         if parsed is None:
             raise UploadRejected(

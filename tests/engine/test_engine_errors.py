@@ -286,9 +286,13 @@ DAMAGED_ADAPTERS = {
         _edit_config(use_dora=True),
         r"has no lora_magnitude_vector, which a DoRA adapter \(use_dora: true\) needs",
     ),
-    "modules-to-save": (
+    "modules-to-save-missing": (
         _edit_config(modules_to_save=["lm_head"]),
-        r"modules_to_save \(\['lm_head'\]\) is not supported yet",
+        "modules_to_save lists lm_head, but the weights hold no table of it",
+    ),
+    "modules-to-save-unsupported": (
+        _edit_config(modules_to_save=["model.norm"]),
+        "modules_to_save names 'model.norm'; only the embedding",
     ),
     "bias": (_edit_config(bias="all"), "bias='all' are not supported yet; train with bias"),
     "rank-disagrees-with-config": (_edit_config(r=6), "rank 4, adapter_config says r=6"),

@@ -22,8 +22,33 @@ ADAPTER_SPECS = {
     "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_proj", "up_proj", "down_proj"), "seed": 3},
 }
 ADAPTER_CYCLE = [None, "r4-qv", "r8-attn", "r16-mlp"]
-# The same with r8-attn a DoRA adapter: 29 device rank-rows in all (DoRA's scales take one).
-DORA_ADAPTER_SPECS = {**ADAPTER_SPECS, "r8-attn": {**ADAPTER_SPECS["r8-attn"], "use_dora": True}}
+# The same in PEFT's other formats: r8-attn a DoRA adapter that also trains the tokens of its
+# prompts (trainable_token_indices), r4-qv one that saves the LM head whole (modules_to_save).
+FORMAT_ADAPTER_SPECS = {
+    "r4-qv": {**ADAPTER_SPECS["r4-qv"], "modules_to_save": ("lm_head",)},
+    "r8-attn": {
+        **ADAPTER_SPECS["r8-attn"],
+        "use_dora": True,
+        "trainable_text": f"{PROMPTS[2]} {PROMPTS[6]}",  # mixed_requests' for r8-attn
+    },
+    "r16-mlp": ADAPTER_SPECS["r16-mlp"],
+}
+
+
+def device_rows(model_dir, adapters: dict, shard=None) -> int:
+    """The rank-rows ``adapters`` (name -> dir) take on the device together (of one rank's
+    share under ``shard``, a ShardPlan): ranks, DoRA's rows, token tables."""
+    from loramux.engine.lora.adapter import load_adapter
+    from loramux.engine.memory.arena import RowLayout, adapter_rows
+    from loramux.engine.model.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(model_dir)
+    local = config if shard is None else shard.local_config()
+    layout = RowLayout.for_model(local, 1, 4)
+    return sum(
+        adapter_rows(layout, local.num_layers, load_adapter(path, config))
+        for path in adapters.values()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +182,7 @@ def assert_first_step_logits_match(engine, model_dir, adapters):
     """The engine's logits for a mixed first step equal transformers + PEFT's, per request."""
     captured = []
     compute = engine.model.compute_logits
-    engine.model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+    engine.model.compute_logits = lambda *args: captured.append(compute(*args)) or captured[-1]
     requests = mixed_requests(4)
     engine.generate(
         [p for p, _ in requests],
@@ -235,7 +260,7 @@ def test_fp32_engine_computes_float32_logits(tiny_model_dir):
     engine = build_engine(tiny_model_dir)
     captured = []
     compute = engine.model.compute_logits
-    engine.model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+    engine.model.compute_logits = lambda *args: captured.append(compute(*args)) or captured[-1]
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert captured
     assert all(logits.dtype == torch.float32 for logits in captured)

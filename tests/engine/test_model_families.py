@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from loramux.engine.memory.arena import RowLayout, block_bytes, row_bytes
 from loramux.engine.model.config import ModelConfig
-from tests.engine.factories import build_engine, put_adapters_on_device
+from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.test_exactness import (
-    DORA_ADAPTER_SPECS,
+    FORMAT_ADAPTER_SPECS,
     assert_first_step_logits_match,
     assert_matches_reference,
+    device_rows,
     mixed_requests,
     run_staggered,
 )
@@ -28,25 +31,29 @@ NORM_NOISE = 0.2
 # Phi-3's PEFT targets: q/k/v and gate/up are single fused modules. The names match
 # ADAPTER_SPECS' (mixed_requests cycles through them).
 PHI3_ADAPTER_SPECS = {
-    "r4-qv": {"rank": 4, "targets": ("qkv_proj",), "seed": 1},
-    "r8-attn": {"rank": 8, "targets": ("qkv_proj", "o_proj"), "seed": 2, "use_dora": True},
+    "r4-qv": {"rank": 4, "targets": ("qkv_proj",), "seed": 1, "modules_to_save": ("lm_head",)},
+    "r8-attn": {
+        "rank": 8,
+        "targets": ("qkv_proj", "o_proj"),
+        "seed": 2,
+        "use_dora": True,
+        "trainable_text": f"{PROMPTS[2]} {PROMPTS[6]}",
+    },
     "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_up_proj", "down_proj"), "seed": 3},
 }
 
 
-def assert_staggered_prefix_hits_and_preemption_match_peft(
-    model_dir, adapters, *, token_bytes: int, row_bytes: int
-) -> None:
+def assert_staggered_prefix_hits_and_preemption_match_peft(model_dir, adapters) -> None:
     """One engine: 8 mixed requests arriving staggered, with a shared system prompt (prefix
-    hits), in 32 KV blocks of 4 tokens beside the adapters' 29 rank-rows (``token_bytes``
-    of KV a token, ``row_bytes`` a rank-row), contexts of at most 96: each request's tokens
-    are transformers + PEFT's."""
+    hits), in 32 KV blocks of 4 tokens beside the adapters' rank-rows, contexts of at most
+    96: each request's tokens are transformers + PEFT's."""
+    layout = RowLayout.for_model(ModelConfig.from_pretrained(model_dir), 1, 4)
+    layers = ModelConfig.from_pretrained(model_dir).num_layers
+    budget = 32 * block_bytes(layout, layers, torch.float32) + device_rows(
+        model_dir, adapters
+    ) * row_bytes(layout, layers, torch.float32)
     engine = build_engine(
-        model_dir,
-        adapters,
-        kv_cache_bytes=32 * 4 * token_bytes + 29 * row_bytes,
-        max_model_len=96,
-        block_size=4,
+        model_dir, adapters, kv_cache_bytes=budget, max_model_len=96, block_size=4
     )
     put_adapters_on_device(engine, adapters)  # KV left its floor: preemption
     system = "Answer in one short sentence. "
@@ -65,7 +72,7 @@ def qwen3_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def qwen3_adapters(qwen3_dir, make_adapter):
-    return {name: make_adapter(qwen3_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()}
+    return {name: make_adapter(qwen3_dir, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()}
 
 
 def test_qwen3_config_reads_its_head_norms_and_head_dim(qwen3_dir):
@@ -81,10 +88,7 @@ def test_qwen3_first_step_logits_match_peft(qwen3_dir, qwen3_adapters):
 
 
 def test_qwen3_staggered_prefix_hits_and_preemption_match_peft(qwen3_dir, qwen3_adapters):
-    # 2 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 1 KiB a token, rank-rows of 9.5 KiB
-    assert_staggered_prefix_hits_and_preemption_match_peft(
-        qwen3_dir, qwen3_adapters, token_bytes=1024, row_bytes=9728
-    )
+    assert_staggered_prefix_hits_and_preemption_match_peft(qwen3_dir, qwen3_adapters)
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +122,7 @@ def test_phi3_first_step_logits_match_peft(phi3_dir, phi3_adapters):
 
 
 def test_phi3_staggered_prefix_hits_and_preemption_match_peft(phi3_dir, phi3_adapters):
-    # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes a token, rank-rows of 8 KiB
-    assert_staggered_prefix_hits_and_preemption_match_peft(
-        phi3_dir, phi3_adapters, token_bytes=512, row_bytes=8192
-    )
+    assert_staggered_prefix_hits_and_preemption_match_peft(phi3_dir, phi3_adapters)
 
 
 def test_a_sliding_window_caps_the_context_served(phi3_dir, qwen3_dir):
@@ -150,7 +151,7 @@ def gemma3_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def gemma3_adapters(gemma3_dir, make_adapter):
-    return {name: make_adapter(gemma3_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()}
+    return {name: make_adapter(gemma3_dir, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()}
 
 
 def test_gemma3_config_reads_what_sets_it_apart(gemma3_dir):
@@ -169,10 +170,7 @@ def test_gemma3_first_step_logits_match_peft(gemma3_dir, gemma3_adapters):
 
 
 def test_gemma3_staggered_prefix_hits_and_preemption_match_peft(gemma3_dir, gemma3_adapters):
-    # 3 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 768 bytes a token, rank-rows of 12 KiB
-    assert_staggered_prefix_hits_and_preemption_match_peft(
-        gemma3_dir, gemma3_adapters, token_bytes=768, row_bytes=12288
-    )
+    assert_staggered_prefix_hits_and_preemption_match_peft(gemma3_dir, gemma3_adapters)
 
 
 def _config(model_dir, **changes) -> dict:
@@ -191,8 +189,9 @@ def test_dynamic_rope_scaling_is_refused_with_why(qwen3_dir):
         ModelConfig.from_hf_dict(raw)
 
 
-def test_phi3_fused_and_dora_adapters_are_accepted_at_upload(phi3_dir, phi3_adapters):
-    """The platform's checks know a family's fused targets as the engine does."""
+def test_phi3_adapters_of_every_format_are_accepted_at_upload(phi3_dir, phi3_adapters):
+    """The platform's checks know a family's fused targets, DoRA and the embedding's and
+    head's tables as the engine does."""
     from loramux.platform.ingest import validate_adapter_dir
 
     info = validate_adapter_dir(
@@ -203,3 +202,11 @@ def test_phi3_fused_and_dora_adapters_are_accepted_at_upload(phi3_dir, phi3_adap
         max_bytes=10 << 20,
     )
     assert (info.rank, info.target_modules) == (8, ["o_proj", "qkv_proj"])
+    info = validate_adapter_dir(  # a whole LM head of 49,152 x 64 in float32
+        phi3_adapters["r4-qv"],
+        ModelConfig.from_pretrained(phi3_dir),
+        base_model_id=None,
+        max_rank=64,
+        max_bytes=16 << 20,
+    )
+    assert (info.rank, info.target_modules) == (4, ["qkv_proj"])

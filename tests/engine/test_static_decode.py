@@ -15,7 +15,7 @@ from loramux.kernels import dispatch
 from tests.engine.factories import build_engine
 from tests.engine.hf_reference import greedy_tokens
 from tests.engine.test_exactness import (
-    DORA_ADAPTER_SPECS,
+    FORMAT_ADAPTER_SPECS,
     mixed_requests,
     tiny_adapters,  # noqa: F401 (fixture)
 )
@@ -108,11 +108,14 @@ def test_no_static_path_without_triton_or_when_disabled(tiny_model_dir, monkeypa
     assert build_engine(tiny_model_dir, dtype="float64").executor.static_decode is None
 
 
-def test_steps_with_a_dora_adapter_decode_eagerly(triton_everywhere, tiny_model_dir, make_adapter):
-    """DoRA's term is sized on the host: a decode step with a DoRA adapter leaves the
-    static path (its tokens are PEFT's); one with LoRA adapters alone takes it."""
+def test_steps_with_dora_or_token_tables_decode_eagerly(
+    triton_everywhere, tiny_model_dir, make_adapter
+):
+    """DoRA's term and an adapter's own head rows are applied by ops sized on the host: a
+    decode step with such an adapter leaves the static path (its tokens are PEFT's); one
+    with plain LoRA adapters takes it."""
     adapters = {
-        name: make_adapter(tiny_model_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()
+        name: make_adapter(tiny_model_dir, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()
     }
     engine = build_engine(tiny_model_dir, adapters, cuda_graph_max_batch=2)
     prompt = "The capital of France is"
@@ -121,6 +124,9 @@ def test_steps_with_a_dora_adapter_decode_eagerly(triton_everywhere, tiny_model_
     (dora,) = engine.generate([prompt], params, adapters=["r8-attn"])
     assert dora.token_ids == greedy_tokens(tiny_model_dir, adapters["r8-attn"], prompt_ids, 3)
     assert engine.executor.static_decode.steps_run == {}
-    (lora,) = engine.generate([prompt], params, adapters=["r4-qv"])
-    assert lora.token_ids == greedy_tokens(tiny_model_dir, adapters["r4-qv"], prompt_ids, 3)
+    (head,) = engine.generate([prompt], params, adapters=["r4-qv"])  # saves the LM head
+    assert head.token_ids == greedy_tokens(tiny_model_dir, adapters["r4-qv"], prompt_ids, 3)
+    assert engine.executor.static_decode.steps_run == {}
+    (lora,) = engine.generate([prompt], params, adapters=["r16-mlp"])
+    assert lora.token_ids == greedy_tokens(tiny_model_dir, adapters["r16-mlp"], prompt_ids, 3)
     assert engine.executor.static_decode.steps_run == {(1, True): 2}

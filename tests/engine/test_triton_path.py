@@ -20,7 +20,7 @@ from loramux.engine import SamplingParams
 from loramux.kernels import attention_triton, dispatch, lora_triton, lora_triton_fused
 from tests.engine.factories import build_engine
 from tests.engine.test_exactness import (
-    DORA_ADAPTER_SPECS,
+    FORMAT_ADAPTER_SPECS,
     assert_matches_reference,
     mixed_requests,
     run_staggered,
@@ -112,7 +112,7 @@ def test_dora_adapters_match_peft_over_the_triton_kernels(
 ):
     """DoRA's term beside every LoRA form (its folded B goes through the kernels as any B)."""
     adapters = {
-        name: make_adapter(tiny_model_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()
+        name: make_adapter(tiny_model_dir, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()
     }
     engine = _engine(tiny_model_dir, adapters, max_num_batched_tokens=12, max_prefill_chunk=5)
     requests = mixed_requests(4)

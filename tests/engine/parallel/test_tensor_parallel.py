@@ -26,14 +26,15 @@ from loramux.engine.parallel.commands import RunStep
 from loramux.engine.parallel.ranks import RankFailed
 from loramux.engine.parallel.shard import ShardPlan
 from loramux.kernels import dispatch
-from tests.engine.factories import build_engine
+from tests.engine.factories import build_engine, put_adapters_on_device
 from tests.engine.hf_reference import greedy_tokens
 from tests.engine.speculative.test_speculative_engine import NGRAM as SPECULATIVE
 from tests.engine.speculative.test_speculative_engine import assert_speculated
 from tests.engine.test_exactness import (
     ADAPTER_SPECS,
-    DORA_ADAPTER_SPECS,
+    FORMAT_ADAPTER_SPECS,
     assert_matches_reference,
+    device_rows,
     mixed_requests,
     run_staggered,
 )
@@ -90,21 +91,23 @@ def model_and_adapters(request, tiny_model_dir, make_adapter):
         "replicated-kv": lambda: request.getfixturevalue("replicated_kv_model_dir"),
         "gemma3": lambda: request.getfixturevalue("gemma3_model_dir"),
     }[request.param]()
-    specs = DORA_ADAPTER_SPECS  # a DoRA adapter's row-parallel norms are summed over ranks
+    # DoRA's row-parallel norms are summed over ranks; token rows replaced in each one's range
+    specs = FORMAT_ADAPTER_SPECS
     adapters = {name: make_adapter(model_dir, **spec) for name, spec in specs.items()}
     return model_dir, adapters
 
 
-def _small_budget(model_dir, world: int) -> int:
+def _small_budget(model_dir, adapters, world: int) -> int:
     """The smallest budget per device (in the sizes of one rank's share: half the KV heads,
-    or as many when they are replicated) that holds the three adapters' 29 rank-rows and
+    or as many when they are replicated) that holds the three adapters' rank-rows and
     KV's floor (one request of ``MAX_MODEL_LEN``) beside them: the 8 requests, which need
     more, are preempted on one process and on two."""
-    shard = ShardPlan(ModelConfig.from_pretrained(model_dir), world, 0).local_config()
+    plan = ShardPlan(ModelConfig.from_pretrained(model_dir), world, 0)
+    shard, rows = plan.local_config(), device_rows(model_dir, adapters, plan)
     floor = MAX_MODEL_LEN // BLOCK_SIZE
     for num_blocks in itertools.count(floor):
         layout = RowLayout.for_model(shard, num_blocks, BLOCK_SIZE)
-        if layout.total_rows >= 29 and layout.kv_limit_for(layout.total_rows - 29) >= floor:
+        if layout.total_rows >= rows and layout.kv_limit_for(layout.total_rows - rows) >= floor:
             arena = DeviceArena(shard, 1, BLOCK_SIZE, torch.float32, "cpu")
             return num_blocks * arena.bytes_per_block
 
@@ -129,9 +132,10 @@ def test_two_ranks_give_one_process_s_and_peft_s_tokens(model_and_adapters):
             tensor_parallel_size=world,
             block_size=BLOCK_SIZE,
             max_model_len=MAX_MODEL_LEN,
-            kv_cache_bytes=_small_budget(model_dir, world),
+            kv_cache_bytes=_small_budget(model_dir, adapters, world),
         )
         try:
+            put_adapters_on_device(engine, adapters)  # KV left its floor: preemption
             outputs[world] = _run(engine, requests)
             preemptions[world] = engine.num_preemptions
             assert engine.kv.num_used_blocks == 0

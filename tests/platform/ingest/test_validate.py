@@ -170,8 +170,17 @@ def test_unknown_module_in_config(good_adapter, adapter_copy, model_config):
 
 def test_tensor_that_is_not_lora(good_adapter, adapter_copy, model_config):
     adapter = adapter_copy(good_adapter)
+    rewrite_tensors(adapter, lambda ts: {**ts, "model.norm.weight": torch.zeros(64)})
+    with pytest.raises(UploadRejected, match=r"'model\.norm\.weight' is not a LoRA"):
+        validate(adapter, model_config)
+
+
+def test_an_embedding_table_the_config_does_not_name(good_adapter, adapter_copy, model_config):
+    adapter = adapter_copy(good_adapter)
     rewrite_tensors(adapter, lambda ts: {**ts, "model.embed_tokens.weight": torch.zeros(4, 64)})
-    with pytest.raises(UploadRejected, match=r"'model\.embed_tokens\.weight' is not a LoRA"):
+    with pytest.raises(
+        UploadRejected, match="whole embed_tokens table, but adapter_config.json does not list"
+    ):
         validate(adapter, model_config)
 
 

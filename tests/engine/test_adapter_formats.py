@@ -1,7 +1,9 @@
-"""DoRA adapters (``engine/lora/dora.py``): read, folded once per device write, and served
-with transformers + PEFT's outputs on every path (eager torch, Triton, a quantized base, a
-model with biases). Tensor-parallel DoRA is in ``parallel/test_tensor_parallel.py``, the
-other families' in ``test_model_families.py``."""
+"""PEFT's other adapter formats: DoRA (``engine/lora/dora.py``: read, folded once per device
+write) and an adapter's own embedding and LM-head rows (``engine/lora/tokens.py``:
+modules_to_save, trainable_token_indices), served with transformers + PEFT's outputs on
+every path (eager torch, Triton, a quantized base, a tied embedding). Tensor parallelism is
+in ``parallel/test_tensor_parallel.py``, the other families in ``test_model_families.py``,
+the Triton and static paths in ``test_triton_path.py`` and ``test_static_decode.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from loramux.engine.model.config import ModelConfig
 from loramux.kernels.lora_batch import LoRATable
 from tests.engine.factories import build_engine
 from tests.engine.test_exactness import (
-    DORA_ADAPTER_SPECS,
+    ADAPTER_SPECS,
+    FORMAT_ADAPTER_SPECS,
     assert_first_step_logits_match,
     assert_matches_reference,
     mixed_requests,
@@ -32,7 +35,9 @@ MAGNITUDE = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vec
 
 @pytest.fixture(scope="module")
 def dora_adapters(tiny_model_dir, make_adapter):
-    return {name: make_adapter(tiny_model_dir, **spec) for name, spec in DORA_ADAPTER_SPECS.items()}
+    return {
+        name: make_adapter(tiny_model_dir, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,9 @@ def test_a_dora_adapter_reads_its_magnitudes_and_takes_one_more_row(tiny_model_d
     a_and_b = sum(
         t.nbytes for mw in weights.modules.values() for t in (*mw.a.values(), *mw.b.values())
     )
-    assert weights_nbytes(weights) == a_and_b + magnitudes > a_and_b  # the host tier counts them
+    tokens = weights.embed.rows.nbytes  # its prompts' tokens' embedding rows
+    assert weights.head is None  # the tiny model's head is not tied to its embedding
+    assert weights_nbytes(weights) == a_and_b + magnitudes + tokens  # the host tier counts all
 
 
 def test_folding_gives_peft_s_dora_projection():
@@ -82,14 +89,54 @@ def test_folding_gives_peft_s_dora_projection():
     torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_dora_adapters_match_peft_beside_lora_ones(tiny_model_dir, dora_adapters):
+def test_every_format_matches_peft_in_one_batch(tiny_model_dir, dora_adapters):
+    """A whole LM head (r4-qv), DoRA with trainable tokens (r8-attn) and plain LoRA, with
+    the base model, staggered; each adapter's token rows take rank-rows after its own."""
     engine = build_engine(tiny_model_dir, dora_adapters)
     assert_first_step_logits_match(engine, tiny_model_dir, dora_adapters)
     requests = [("Answer briefly. " + p, a) for p, a in mixed_requests(6)]
     outputs = run_staggered(engine, requests, 6)
     assert_matches_reference(engine, tiny_model_dir, dora_adapters, requests, outputs, 6)
-    resident = engine.lora_pool.resident(engine.tiers.get("r8-attn").adapter_id)
-    assert (resident.num_rows, resident.dora_offset) == (9, 8)
+    pool = engine.lora_pool
+    dora = pool.resident(engine.tiers.get("r8-attn").adapter_id)
+    assert (dora.dora_offset, dora.token_offset) == (8, 9) and dora.token_rows >= 1
+    head = pool.resident(engine.tiers.get("r4-qv").adapter_id)
+    config = engine.model.config
+    slab_rows = head.token_rows * pool._layout.row_width * 2 * config.num_layers
+    assert (head.token_offset, head.head.count) == (4, config.vocab_size)
+    assert slab_rows >= config.vocab_size * config.hidden_size  # the whole head fits in them
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory, tokenizer_dir):
+    from tests.fixtures.models import build_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-tied")
+    return build_tiny_model(out, tokenizer_dir, tie_word_embeddings=True)
+
+
+def test_a_tied_embedding_s_trainable_tokens_replace_the_head_s_rows_too(
+    tied_model_dir, make_adapter
+):
+    """PEFT ties trainable tokens of a tied embedding to the head (one set of rows, kept
+    once); a whole embedding saved alone leaves the head the base's."""
+    adapters = {
+        "r4-qv": make_adapter(
+            tied_model_dir, **ADAPTER_SPECS["r4-qv"], modules_to_save=("embed_tokens",)
+        ),
+        "r8-attn": make_adapter(tied_model_dir, **FORMAT_ADAPTER_SPECS["r8-attn"]),
+        "r16-mlp": make_adapter(tied_model_dir, **ADAPTER_SPECS["r16-mlp"]),
+    }
+    config = ModelConfig.from_pretrained(tied_model_dir)
+    tokens = load_adapter(adapters["r8-attn"], config)
+    assert tokens.head is tokens.embed and tokens.token_rows == tokens.embed.count
+    table = load_adapter(adapters["r4-qv"], config)
+    assert table.head is None and table.embed.count == config.vocab_size
+    engine = build_engine(tied_model_dir, adapters, kv_cache_bytes=32 << 20)
+    assert_first_step_logits_match(engine, tied_model_dir, adapters)
+    requests = mixed_requests(8)
+    outputs = run_staggered(engine, requests, 6)
+    assert_matches_reference(engine, tied_model_dir, adapters, requests, outputs, 6)
 
 
 def test_dora_on_a_quantized_base_is_normed_against_its_dequantized_weights(
@@ -100,7 +147,9 @@ def test_dora_on_a_quantized_base_is_normed_against_its_dequantized_weights(
     from tests.fixtures.models import build_dequantized_model
 
     reference = build_dequantized_model(tiny_model_dir, tmp_path / "deq", quantization="int8")
-    adapters = {name: make_adapter(reference, **spec) for name, spec in DORA_ADAPTER_SPECS.items()}
+    adapters = {
+        name: make_adapter(reference, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()
+    }
     engine = build_engine(tiny_model_dir, adapters, quantization="int8")
     requests = mixed_requests(4)
     outs = engine.generate(
@@ -140,10 +189,43 @@ def _rewrite(adapter_dir, *, config=None, tensors=None):
             {"tensors": lambda ts: {**ts, MAGNITUDE: ts[MAGNITUDE] * float("nan")}},
             r"layers\.0\.q_proj\.lora_magnitude_vector holds NaN",
         ),
+        (
+            {"config": {"trainable_token_indices": None}},
+            "hold trainable token rows of embed_tokens, but adapter_config.json.s "
+            "trainable_token_indices names none",
+        ),
+        (
+            {"config": {"trainable_token_indices": [1, 2]}},
+            r"embed_tokens \(trainable_token_indices\) has shape \(\d+, 64\); the base model "
+            r"needs \[2, 64\]",
+        ),
+        (
+            {"config": {"modules_to_save": ["score"]}},
+            "modules_to_save names 'score'; only the embedding .embed_tokens. and the LM head "
+            ".lm_head. can be served from it",
+        ),
+        (
+            {"config": {"modules_to_save": ["lm_head"]}},
+            "modules_to_save lists lm_head, but the weights hold no table of it",
+        ),
+        (
+            {"config": {"trainable_token_indices": [49152]}},
+            "names token 49152, beyond the base model's vocabulary of 49152",
+        ),
     ],
-    ids=["magnitude-without-use-dora", "use-dora-without-magnitude", "wrong-shape", "nan"],
+    ids=[
+        "magnitude-without-use-dora",
+        "use-dora-without-magnitude",
+        "wrong-shape",
+        "nan",
+        "token-rows-without-indices",
+        "indices-not-the-rows",
+        "unsupported-module-to-save",
+        "module-to-save-missing",
+        "token-beyond-vocabulary",
+    ],
 )
-def test_a_dora_adapter_that_does_not_add_up_is_refused(
+def test_an_adapter_whose_parts_do_not_add_up_is_refused(
     tiny_model_dir, dora_adapter, adapter_copy, damage, message
 ):
     adapter = adapter_copy(dora_adapter)
@@ -152,7 +234,7 @@ def test_a_dora_adapter_that_does_not_add_up_is_refused(
         load_adapter(adapter, ModelConfig.from_pretrained(tiny_model_dir))
 
 
-def test_a_dora_adapter_is_accepted_at_upload(tiny_model_dir, dora_adapter):
+def test_a_dora_adapter_with_trainable_tokens_is_accepted_at_upload(tiny_model_dir, dora_adapter):
     from loramux.platform.ingest import validate_adapter_dir
 
     info = validate_adapter_dir(
