@@ -179,7 +179,7 @@ def test_an_embedding_table_the_config_does_not_name(good_adapter, adapter_copy,
     adapter = adapter_copy(good_adapter)
     rewrite_tensors(adapter, lambda ts: {**ts, "model.embed_tokens.weight": torch.zeros(4, 64)})
     with pytest.raises(
-        UploadRejected, match="whole embed_tokens table, but adapter_config.json does not list"
+        UploadRejected, match=r"whole embed_tokens table, but adapter_config\.json does not list"
     ):
         validate(adapter, model_config)
 
