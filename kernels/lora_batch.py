@@ -185,6 +185,7 @@ class LoRATable:
     scales: list[list[float]]
     num_tokens: int
     dora_rows: list[int] | None = None
+    bias_rows: list[int] | None = None  # the same for adapters with a LoRA bias (lora_bias)
     # Per adapter, its embedding and head rows (the engine's ``lora/tokens.AdapterTokens``,
     # None for one without); None: no adapter of the step has any. The LoRA ops never read it.
     tokens: list | None = None
@@ -192,6 +193,12 @@ class LoRATable:
     @property
     def max_rank(self) -> int:
         return max((r for slice_ranks in self.ranks for r in slice_ranks), default=0)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the LoRA ops are all the step's adapters need (no DoRA, LoRA bias or
+        token rows)."""
+        return self.dora_rows is None and self.bias_rows is None and self.tokens is None
 
     def first_rows(self) -> list[int]:
         """Each adapter's first pool row, for ops that read an adapter's rows as one slice:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from loramux.engine.lora.backend import KernelBackend
-from loramux.engine.lora.dora import StepDoRA
+from loramux.engine.lora.output_terms import StepOutputTerms
 from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.static_decode import DecodeStep
@@ -50,7 +50,7 @@ def forward_step(
     lora = None
     if inputs.lora is not None:
         lora = backend.lora_step(inputs.lora, pools)
-        lora.dora = StepDoRA.for_step(inputs.lora, pools, device)
+        lora.terms = StepOutputTerms.for_step(inputs.lora, pools, device)
     input_tensor = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
     return model(input_tensor, attention, kv_caches, lora, interrupt, tokens)
 

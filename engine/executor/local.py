@@ -107,12 +107,9 @@ class LocalExecutor:
             self.static_decode is not None
             and batch.forward.is_decode_only
             and len(batch.forward.query_lens) <= self.static_decode.max_batch
-            # DoRA's term and adapters' token rows are applied by torch ops sized on the
-            # host: such steps run eager
-            and (
-                batch.forward.lora is None
-                or (batch.forward.lora.dora_rows is None and batch.forward.lora.tokens is None)
-            )
+            # DoRA's and LoRA biases' terms and adapters' token rows are applied by torch
+            # ops sized on the host: such steps run eager
+            and (batch.forward.lora is None or batch.forward.lora.plain)
         )
 
     @torch.inference_mode()

@@ -58,9 +58,11 @@ _TOKEN_KEY = re.compile(
     r"^(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\."
     r"(?:(?:modules_to_save\.[\w-]+\.)?(weight)|token_adapter\.(trainable_tokens_delta)(?:\.[\w-]+)?)$"
 )
+# and lora_bias's ...q_proj.lora_B.bias
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
-    r"lora_(?:([AB])(?:\.[\w-]+)?\.weight|magnitude_vector(?:\.[\w-]+)?(?:\.weight)?)$"
+    r"lora_(?:([AB])(?:\.[\w-]+)?\.weight|(B)(?:\.[\w-]+)?\.bias"
+    r"|magnitude_vector(?:\.[\w-]+)?(?:\.weight)?)$"
 )
 
 
@@ -68,7 +70,7 @@ _KEY = re.compile(
 class LoRATensorName:
     layer: int
     module: str  # e.g. "q_proj" (not checked against LORA_TARGETS here)
-    which: str  # "A", "B", or "M" (DoRA's magnitude vector)
+    which: str  # "A", "B", "bias" (lora_B's, lora_bias) or "M" (DoRA's magnitude vector)
     block: str = "self_attn"  # "self_attn" or "mlp", as the tensor name says
 
     @property
@@ -78,12 +80,12 @@ class LoRATensorName:
 
 
 def parse_lora_tensor_name(name: str) -> LoRATensorName | None:
-    """Where a PEFT tensor name points, or None if it is not a LoRA A/B weight or a DoRA
-    magnitude."""
+    """Where a PEFT tensor name points, or None if it is not a LoRA A/B weight, a LoRA B
+    bias or a DoRA magnitude."""
     match = _KEY.match(name)
     if match is None:
         return None
-    which = match[4] or "M"
+    which = match[4] or ("bias" if match[5] else "M")
     return LoRATensorName(layer=int(match[1]), block=match[2], module=match[3], which=which)
 
 
@@ -111,6 +113,8 @@ class ModuleWeights:
     # once folded for a device, the per-output excess of its scale (g - 1) instead
     magnitude: dict[int, torch.Tensor] = field(default_factory=dict)
     dora_excess: dict[int, torch.Tensor] = field(default_factory=dict)
+    # lora_bias: layer -> [out], lora_B's bias as read (the device adds scale · it)
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -151,15 +155,26 @@ class LoRAWeights:
         return any(m.magnitude for m in self.modules.values())
 
     @property
+    def lora_bias(self) -> bool:
+        """Whether its B matrices have biases (PEFT's ``lora_bias``)."""
+        return any(m.bias for m in self.modules.values())
+
+    @property
     def num_rows(self) -> int:
-        """Its rank-rows: its rank, and one more holding DoRA's scales. The rows of its
-        token tables come after them (``LoRAPool.rows_for`` adds them)."""
-        return self.rank + self.dora
+        """Its rank-rows: its rank, one more holding DoRA's scales, one more holding its
+        LoRA biases. The rows of its token tables come after them (``LoRAPool.rows_for``
+        adds them)."""
+        return self.rank + self.dora + self.lora_bias
 
     @property
     def dora_row(self) -> int | None:
         """Which of its rows holds DoRA's per-output scales (None: not a DoRA adapter)."""
         return self.rank if self.dora else None
+
+    @property
+    def bias_row(self) -> int | None:
+        """Which of its rows holds its scaled LoRA biases (None: it has none)."""
+        return self.rank + self.dora if self.lora_bias else None
 
 
 def parse_token_tensor_name(name: str) -> tuple[str, str] | None:
@@ -283,6 +298,33 @@ def _magnitude(
     return magnitude
 
 
+def _lora_bias(
+    raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int
+) -> torch.Tensor | None:
+    """lora_B's bias of a module's layer ([out]), None without ``lora_bias``; an error when
+    the config and the tensors disagree (its values are checked with B's)."""
+    entry = raw.get((module, layer, "bias"))
+    if not config.lora_bias:
+        if entry is not None:
+            raise AdapterError(
+                f"{key}.lora_B.bias is a LoRA bias, but {CONFIG_FILE} does not say "
+                "lora_bias: true; save the adapter with the config PEFT wrote for it"
+            )
+        return None
+    if entry is None:
+        raise AdapterError(
+            f"{key} has no lora_B.bias, which an adapter with lora_bias: true needs for every "
+            "module it targets"
+        )
+    bias = entry[1]
+    if bias.ndim != 1 or bias.shape[0] != out_features:
+        raise AdapterError(
+            f"{key}.lora_B.bias has shape {tuple(bias.shape)}; the base model needs "
+            f"[{out_features}]"
+        )
+    return bias
+
+
 def _fits(value: float, dtype: torch.dtype) -> bool:
     """Whether ``value`` stays finite when rounded to ``dtype``."""
     return math.isfinite(value) and bool(
@@ -355,6 +397,7 @@ def load_adapter(
         b = raw[(module, layer, "B")][1]
         rank = _check_shapes(key, a, b, model_config.module_shape(module))
         magnitude = _magnitude(raw, config, key, module, layer, b.shape[0], dtype)
+        bias = _lora_bias(raw, config, key, module, layer, b.shape[0])
         peft_name = tensor_name.peft_module_name
         expected_rank = config.rank_for(peft_name)
         if expected_rank is not None and rank != expected_rank:
@@ -363,6 +406,8 @@ def load_adapter(
             raise AdapterError(f"{key} has rank {rank}, above this engine's maximum of {max_rank}")
         scale = config.scale_for(peft_name, rank)
         _check_values(key, a, b, scale, dtype)
+        if bias is not None:
+            _check_values(f"{key}.lora_B.bias", a, bias[:, None], scale, dtype)
         weights = modules.get(module)
         if weights is None:
             weights = modules[module] = ModuleWeights(rank=rank, scale=scale)
@@ -374,10 +419,12 @@ def load_adapter(
         weights.b[layer] = b.to(device=device, dtype=dtype)
         if magnitude is not None:
             weights.magnitude[layer] = magnitude.to(device=device, dtype=dtype)
-    orphans = [k for k in raw if k[2] in "BM" and (k[0], k[1], "A") not in raw]
+        if bias is not None:
+            weights.bias[layer] = bias.to(device=device, dtype=dtype)
+    orphans = [k for k in raw if k[2] != "A" and (k[0], k[1], "A") not in raw]
     if orphans:
         module, layer, which = orphans[0]
-        tensor = "lora_B" if which == "B" else "lora_magnitude_vector"
+        tensor = {"B": "lora_B", "bias": "lora_B.bias"}.get(which, "lora_magnitude_vector")
         raise AdapterError(f"layers.{layer}.{module} has {tensor} but no lora_A")
     return LoRAWeights(name=name or adapter_dir.name, modules=modules, embed=embed, head=head)
 

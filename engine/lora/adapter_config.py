@@ -179,8 +179,9 @@ def _check_supported(raw: dict) -> None:
         raise AdapterError(f"peft_type {_show(peft_type)} is not supported (only LORA)")
     if raw.get("bias", "none") != "none":
         raise AdapterError(
-            f"adapters with bias={_show(raw['bias'])} are not supported yet; train with "
-            'bias: "none"'
+            f"adapters with bias={_show(raw['bias'])} retrain the base model's own biases, "
+            'which are not served per adapter; train with bias: "none" (lora_bias: true gives '
+            "LoRA a bias of its own, which is served)"
         )
 
 
@@ -252,6 +253,7 @@ class AdapterConfig:
     lora_alpha: float = DEFAULT_LORA_ALPHA
     use_rslora: bool = False
     use_dora: bool = False  # each module also has a magnitude vector (``engine/lora/dora.py``)
+    lora_bias: bool = False  # each module's B has a bias (``engine/lora/output_terms.py``)
     # whole embedding / LM head tables it replaces ("embed_tokens", "lm_head")
     modules_to_save: tuple[str, ...] = ()
     # (module, token ids) whose rows it replaces (PEFT's trainable_token_indices), by module
@@ -269,9 +271,15 @@ class AdapterConfig:
             raise AdapterError(
                 f"{CONFIG_FILE}: use_rslora must be true or false, got {_show(self.use_rslora)}"
             )
-        if not isinstance(self.use_dora, bool):
+        for flag in ("use_dora", "lora_bias"):
+            if not isinstance(getattr(self, flag), bool):
+                raise AdapterError(
+                    f"{CONFIG_FILE}: {flag} must be true or false, got {_show(getattr(self, flag))}"
+                )
+        if self.use_dora and self.lora_bias:
             raise AdapterError(
-                f"{CONFIG_FILE}: use_dora must be true or false, got {_show(self.use_dora)}"
+                f"{CONFIG_FILE}: use_dora and lora_bias are both true, which PEFT does not "
+                "train together; train with one of them"
             )
         targets = self.target_modules
         if not (
@@ -299,6 +307,7 @@ class AdapterConfig:
             lora_alpha=raw.get("lora_alpha", DEFAULT_LORA_ALPHA),
             use_rslora=raw.get("use_rslora", False),
             use_dora=raw.get("use_dora", False),
+            lora_bias=raw.get("lora_bias", False),
             modules_to_save=_parse_modules_to_save(raw.get("modules_to_save")),
             trainable_tokens=_parse_token_indices(raw.get("trainable_token_indices")),
             target_modules=tuple(targets) if isinstance(targets, list) else targets,

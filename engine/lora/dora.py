@@ -12,7 +12,7 @@ folded in two places:
 
 * ``B' = diag(g) B``: the LoRA kernels, unchanged, add ``g ⊙ s·B A x``;
 * ``e = g − 1`` goes into one extra rank-row of the adapter (B's side; A's stays zero), and
-  each projection adds ``e ⊙ W x`` for the tokens of DoRA adapters (:class:`StepDoRA`)
+  each projection adds ``e ⊙ W x`` for the tokens of DoRA adapters (``output_terms.py``)
   before the LoRA deltas; ``W x`` is the projection's output less its bias.
 
 Modules and layers the adapter leaves alone keep ``e = 0`` (rows are zeroed before a write),
@@ -33,11 +33,10 @@ import dataclasses
 
 import torch
 
-from loramux.engine.lora.adapter import AdapterError, LoRAWeights, ModuleWeights
-from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
+from loramux.engine.lora.adapter import AdapterError, LoRAWeights
+from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.quantized import QuantizedLinear
 from loramux.engine.parallel.shard import ROW_PARALLEL
-from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.quant_linear import dequantize
 
 
@@ -75,7 +74,7 @@ class DoRAFold:
             squares.update(zip(shared, summed.split(sizes), strict=True))
         modules = {}
         for module, mw in weights.modules.items():
-            folded = ModuleWeights(rank=mw.rank, scale=mw.scale, a=mw.a, magnitude=mw.magnitude)
+            folded = dataclasses.replace(mw, b={}, dora_excess={})
             for layer, b in mw.b.items():
                 norm = squares[(module, layer)].sqrt()
                 if not bool((norm > 0).all()):
@@ -88,38 +87,3 @@ class DoRAFold:
                 folded.dora_excess[layer] = gain - 1
             modules[module] = folded
         return dataclasses.replace(weights, modules=modules)
-
-
-class StepDoRA:
-    """A step's DoRA adapters (a ``DoRATerm``): for their tokens, each projection's output
-    gains ``e ⊙ (y − b)``, ``e`` read from the adapter's DoRA row of the module's B pool."""
-
-    def __init__(self, tokens: torch.Tensor, rows: torch.Tensor, pools: LoRAWeightSource):
-        self.tokens, self.rows, self.pools = tokens, rows, pools  # [n] each, int64
-
-    @classmethod
-    def for_step(
-        cls, table: LoRATable, pools: LoRAWeightSource, device: torch.device
-    ) -> StepDoRA | None:
-        """The term for ``table``'s DoRA adapters; None when the step has none."""
-        if table.dora_rows is None:
-            return None
-        tokens: list[int] = []
-        rows: list[int] = []
-        for start, end, adapter in table.spans:
-            row = -1 if adapter is None else table.dora_rows[adapter]
-            if row >= 0:
-                tokens.extend(range(start, end))
-                rows.extend([row] * (end - start))
-        if not tokens:
-            return None
-        index = torch.tensor([tokens, rows], dtype=torch.long).to(device)
-        return cls(index[0], index[1], pools)
-
-    def add(self, outs, biases, layer: int, modules: tuple[str, ...]) -> None:
-        for out, bias, module in zip(outs, biases, modules, strict=True):
-            base = out.index_select(0, self.tokens)
-            if bias is not None:
-                base = base - bias
-            excess = self.pools.b_pool(layer, module).index_select(0, self.rows)
-            out.index_add_(0, self.tokens, excess * base)

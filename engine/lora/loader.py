@@ -188,6 +188,7 @@ def _pinned(weights: LoRAWeights) -> LoRAWeights:
             a={layer: t.pin_memory() for layer, t in m.a.items()},
             b={layer: t.pin_memory() for layer, t in m.b.items()},
             magnitude={layer: t.pin_memory() for layer, t in m.magnitude.items()},
+            bias={layer: t.pin_memory() for layer, t in m.bias.items()},
         )
         for module, m in weights.modules.items()
     }

@@ -21,7 +21,7 @@ from loramux.kernels.lora_native import GroupCall, NativeLoRA
 class NativeStepLoRA:
     """A step's adapters for the native op (a ``StepLoRA``); group plans built on first use."""
 
-    dora = None  # the step's DoRA term, set by forward_step (engine/lora/dora.py)
+    terms = None  # the step's DoRA and LoRA-bias terms, set by forward_step (output_terms.py)
 
     def __init__(
         self, table: LoRATable, pools: LoRAWeightSource, op: NativeLoRA, count: LaunchCount

@@ -64,6 +64,7 @@ class ResidentAdapter:
     rows: torch.Tensor  # [num_rows] int64, row_start .. row_start + num_rows - 1
     modules: dict[str, tuple[int, float]]  # module -> (rank, scale)
     dora_offset: int | None = None  # which of its rows holds DoRA's scales (engine/lora/dora.py)
+    bias_offset: int | None = None  # which holds its LoRA biases (engine/lora/output_terms.py)
     # Its embedding and head rows (engine/lora/tokens.py): the first of their rank-rows,
     # how many, and where each table's rows are among them
     token_offset: int = 0
@@ -82,6 +83,11 @@ class ResidentAdapter:
         return AdapterTokens(
             self.row_start + self.token_offset, self.token_rows, self.embed, self.head
         )
+
+    @property
+    def bias_row(self) -> int:
+        """The pool row of its scaled LoRA biases; -1 for an adapter without them."""
+        return -1 if self.bias_offset is None else self.row_start + self.bias_offset
 
     @property
     def dora_row(self) -> int:
@@ -269,6 +275,7 @@ class LoRAPool:
             rows=torch.arange(start, start + num_rows, device=self._device),
             modules={m: (mw.rank, mw.scale) for m, mw in weights.modules.items()},
             dora_offset=weights.dora_row,
+            bias_offset=weights.bias_row,
             token_offset=weights.num_rows,
             token_rows=num_rows - weights.num_rows,
             embed=embed,
@@ -361,6 +368,11 @@ class LoRAPool:
             dora_rows=(
                 [r.dora_row for r in residents]
                 if any(r.dora_offset is not None for r in residents)
+                else None
+            ),
+            bias_rows=(
+                [r.bias_row for r in residents]
+                if any(r.bias_offset is not None for r in residents)
                 else None
             ),
             tokens=[r.tokens() for r in residents]

@@ -89,7 +89,7 @@ class _GroupPlan:
 class TorchStepLoRA:
     """A step's adapters for the torch ops (a ``StepLoRA``); group plans built on first use."""
 
-    dora = None  # the step's DoRA term, set by forward_step (engine/lora/dora.py)
+    terms = None  # the step's DoRA and LoRA-bias terms, set by forward_step (output_terms.py)
 
     def __init__(
         self,

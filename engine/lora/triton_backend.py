@@ -33,7 +33,7 @@ class TritonStepLoRA:
     steps, a shrink and an expand for larger ones. ``launches`` counts the kernel launches
     it has made (the engine reports them per decode step)."""
 
-    dora = None  # the step's DoRA term, set by forward_step (engine/lora/dora.py)
+    terms = None  # the step's DoRA and LoRA-bias terms, set by forward_step (output_terms.py)
 
     def __init__(
         self, batch: LoRABatch, pools: LoRAWeightSource, tiles: PhaseTiles, count: LaunchCount

@@ -392,6 +392,8 @@ class DeviceArena:
                 )
             for layer, excess in mw.dora_excess.items():
                 self.b_pool(layer, module)[start + weights.dora_row].copy_(excess)
+            for layer, bias in mw.bias.items():  # lora_bias: s·b_B (output_terms.py)
+                self.b_pool(layer, module)[start + weights.bias_row].copy_(mw.scale * bias.float())
         if tables:
             write_tables(weights, self.token_slabs(start + weights.num_rows, tables))
 

@@ -52,9 +52,9 @@ class StepAttention(Protocol):
     ) -> torch.Tensor: ...  # [T, heads, head_dim]
 
 
-class DoRATerm(Protocol):
-    """A step's DoRA adapters (``engine/lora/dora.py``): what their scales add to each
-    projection's base output, before the LoRA deltas."""
+class OutputTerms(Protocol):
+    """What a step's DoRA adapters and adapters with a LoRA bias add to each projection's
+    output beyond LoRA's deltas (``engine/lora/output_terms.py``), before them."""
 
     def add(
         self,
@@ -68,11 +68,11 @@ class DoRATerm(Protocol):
 class StepLoRA(Protocol):
     """A step's adapters, bound to the pools holding their weights. ``launches`` counts the
     LoRA ops it has started (Triton kernel launches, native op calls, stacked torch op
-    calls), so a step's cost in launches can be read after its forward. ``dora``: the
-    step's DoRA term, None without DoRA adapters."""
+    calls), so a step's cost in launches can be read after its forward. ``terms``: the
+    step's DoRA and LoRA-bias terms, None without such adapters."""
 
     launches: int
-    dora: DoRATerm | None
+    terms: OutputTerms | None
 
     def add(
         self,
@@ -165,8 +165,8 @@ def _project(
     no hooks are registered, and a step makes hundreds of these calls."""
     outs = [linear.forward(x) for linear in linears]
     if lora is not None:
-        if lora.dora is not None:
-            lora.dora.add(outs, [linear.bias for linear in linears], layer, modules)
+        if lora.terms is not None:
+            lora.terms.add(outs, [linear.bias for linear in linears], layer, modules)
         lora.add(x, outs, layer, modules)
     return outs
 

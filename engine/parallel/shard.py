@@ -199,6 +199,13 @@ class ShardPlan:
         out = self.out_features(module)
         return b if out is None or self.world_size == 1 else b.index_select(0, out)
 
+    def shard_lora_bias(self, module: str, bias: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a LoRA B's bias: its output slice when column-parallel; a
+        row-parallel one is added once, by rank 0 (as the base bias is)."""
+        if module in ROW_PARALLEL and self.world_size > 1:
+            return bias if self.rank == 0 else torch.zeros_like(bias)
+        return self.shard_lora_b(module, bias)
+
     def shard_adapter(self, weights: LoRAWeights) -> LoRAWeights:
         """This rank's part of every module of an adapter (A and B as PEFT stores them)."""
         if self.world_size == 1:
@@ -213,6 +220,7 @@ class ShardPlan:
                 magnitude={
                     layer: self.shard_lora_b(module, m) for layer, m in mw.magnitude.items()
                 },
+                bias={layer: self.shard_lora_bias(module, b) for layer, b in mw.bias.items()},
             )
             for module, mw in weights.modules.items()
         }

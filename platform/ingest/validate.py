@@ -197,7 +197,7 @@ def _check_tensors(
             )
         in_features, out_features = model_config.module_shape(module)
         shape = list(entry.shape)
-        if which == "M":  # DoRA's magnitude: one per output feature (the loader pairs it)
+        if which in ("M", "bias"):  # DoRA's magnitude, a LoRA bias: per output (loader pairs)
             if shape != [out_features]:
                 raise UploadRejected(
                     f"{WEIGHTS_FILE}: tensor {entry.name!r} has shape {shape}; the base "

@@ -53,6 +53,15 @@ HOSTILE_CONFIGS: dict[str, tuple[WriteConfig, str]] = {
     "rslora-string": (changed(use_rslora="false"), "use_rslora must be true or false, got 'false'"),
     "rslora-null": (changed(use_rslora=None), "use_rslora must be true or false, got None"),
     "dora-string": (changed(use_dora="false"), "use_dora must be true or false, got 'false'"),
+    "lora-bias-string": (changed(lora_bias=1), "lora_bias must be true or false, got 1"),
+    "modules-to-save-string": (
+        changed(modules_to_save="lm_head"),
+        "modules_to_save must be a list of module names, got 'lm_head'",
+    ),
+    "token-indices-negative": (
+        changed(trainable_token_indices=[-1]),
+        r"trainable_token_indices must be a non-empty list of token ids, got \[-1\]",
+    ),
     "targets-object": (
         changed(target_modules={}),
         "target_modules must be a list of module names or a string, got {}",

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from loramux.engine import SamplingParams
 from loramux.engine.lora.adapter import AdapterError, ModuleWeights, load_adapter
-from loramux.engine.lora.dora import DoRAFold, StepDoRA
+from loramux.engine.lora.dora import DoRAFold
 from loramux.engine.lora.host_cache import weights_nbytes
+from loramux.engine.lora.output_terms import StepOutputTerms
 from loramux.engine.model.config import ModelConfig
 from loramux.kernels.lora_batch import LoRATable
 from tests.engine.factories import build_engine
@@ -82,7 +83,7 @@ def test_folding_gives_peft_s_dora_projection():
     pool = torch.zeros(2, out_f, dtype=torch.float64)
     pool[1] = folded.dora_excess[0]
     table = LoRATable([(0, 4, 0)], [[0]], [[rank]], [[scale]], 4, dora_rows=[1])
-    term = StepDoRA.for_step(table, _Pools(pool), torch.device("cpu"))
+    term = StepOutputTerms.for_step(table, _Pools(pool), torch.device("cpu"))
     out = linear(x)
     term.add([out], [linear.bias], 0, ("q_proj",))
     out = out + scale * (x @ a.T @ folded.b[0].T)
@@ -273,3 +274,48 @@ def _weights(module_weights):
     from loramux.engine.lora.adapter import LoRAWeights
 
     return LoRAWeights(name="dora", modules={"q_proj": module_weights})
+
+
+BIAS = "base_model.model.model.layers.0.mlp.down_proj.lora_B.bias"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            {"config": {"lora_bias": False}},
+            r"layers\.0\.down_proj\.lora_B\.bias is a LoRA bias, but adapter_config\.json does "
+            "not say lora_bias: true",
+        ),
+        (
+            {"tensors": lambda ts: {k: v for k, v in ts.items() if k != BIAS}},
+            r"layers\.0\.down_proj has no lora_B\.bias, which an adapter with lora_bias: true",
+        ),
+        (
+            {"tensors": lambda ts: {**ts, BIAS: ts[BIAS][:3]}},
+            r"layers\.0\.down_proj\.lora_B\.bias has shape \(3,\)",
+        ),
+        (
+            {"config": {"use_dora": True}},
+            "use_dora and lora_bias are both true, which PEFT does not train together",
+        ),
+        (
+            {"config": {"bias": "all"}},
+            "bias='all' retrain the base model's own biases, which are not served per adapter",
+        ),
+    ],
+    ids=[
+        "bias-without-lora-bias",
+        "lora-bias-without-bias",
+        "wrong-shape",
+        "with-dora",
+        "bias-all",
+    ],
+)
+def test_a_lora_bias_that_does_not_add_up_is_refused(
+    tiny_model_dir, dora_adapters, adapter_copy, damage, message
+):
+    adapter = adapter_copy(dora_adapters["r16-mlp"])
+    _rewrite(adapter, **damage)
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(adapter, ModelConfig.from_pretrained(tiny_model_dir))

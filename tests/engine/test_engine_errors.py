@@ -294,7 +294,7 @@ DAMAGED_ADAPTERS = {
         _edit_config(modules_to_save=["model.norm"]),
         "modules_to_save names 'model.norm'; only the embedding",
     ),
-    "bias": (_edit_config(bias="all"), "bias='all' are not supported yet; train with bias"),
+    "bias": (_edit_config(bias="all"), "bias='all' retrain the base model's own biases"),
     "rank-disagrees-with-config": (_edit_config(r=6), "rank 4, adapter_config says r=6"),
     "not-lora": (_edit_config(peft_type="PREFIX_TUNING"), "PREFIX_TUNING"),
 }

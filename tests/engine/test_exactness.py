@@ -23,7 +23,8 @@ ADAPTER_SPECS = {
 }
 ADAPTER_CYCLE = [None, "r4-qv", "r8-attn", "r16-mlp"]
 # The same in PEFT's other formats: r8-attn a DoRA adapter that also trains the tokens of its
-# prompts (trainable_token_indices), r4-qv one that saves the LM head whole (modules_to_save).
+# prompts (trainable_token_indices), r4-qv one that saves the LM head whole (modules_to_save),
+# r16-mlp one whose B matrices have biases (lora_bias).
 FORMAT_ADAPTER_SPECS = {
     "r4-qv": {**ADAPTER_SPECS["r4-qv"], "modules_to_save": ("lm_head",)},
     "r8-attn": {
@@ -31,7 +32,7 @@ FORMAT_ADAPTER_SPECS = {
         "use_dora": True,
         "trainable_text": f"{PROMPTS[2]} {PROMPTS[6]}",  # mixed_requests' for r8-attn
     },
-    "r16-mlp": ADAPTER_SPECS["r16-mlp"],
+    "r16-mlp": {**ADAPTER_SPECS["r16-mlp"], "lora_bias": True},
 }
 
 

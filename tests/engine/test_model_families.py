@@ -39,7 +39,12 @@ PHI3_ADAPTER_SPECS = {
         "use_dora": True,
         "trainable_text": f"{PROMPTS[2]} {PROMPTS[6]}",
     },
-    "r16-mlp": {"rank": 16, "targets": ("o_proj", "gate_up_proj", "down_proj"), "seed": 3},
+    "r16-mlp": {
+        "rank": 16,
+        "targets": ("o_proj", "gate_up_proj", "down_proj"),
+        "seed": 3,
+        "lora_bias": True,
+    },
 }
 
 

@@ -15,6 +15,7 @@ from loramux.kernels import dispatch
 from tests.engine.factories import build_engine
 from tests.engine.hf_reference import greedy_tokens
 from tests.engine.test_exactness import (
+    ADAPTER_SPECS,
     FORMAT_ADAPTER_SPECS,
     mixed_requests,
     tiny_adapters,  # noqa: F401 (fixture)
@@ -108,15 +109,16 @@ def test_no_static_path_without_triton_or_when_disabled(tiny_model_dir, monkeypa
     assert build_engine(tiny_model_dir, dtype="float64").executor.static_decode is None
 
 
-def test_steps_with_dora_or_token_tables_decode_eagerly(
+def test_steps_with_dora_lora_bias_or_token_tables_decode_eagerly(
     triton_everywhere, tiny_model_dir, make_adapter
 ):
-    """DoRA's term and an adapter's own head rows are applied by ops sized on the host: a
-    decode step with such an adapter leaves the static path (its tokens are PEFT's); one
-    with plain LoRA adapters takes it."""
+    """DoRA's and LoRA biases' terms and an adapter's own head rows are applied by ops
+    sized on the host: a decode step with such an adapter leaves the static path (its
+    tokens are PEFT's); one with plain LoRA adapters takes it."""
     adapters = {
         name: make_adapter(tiny_model_dir, **spec) for name, spec in FORMAT_ADAPTER_SPECS.items()
     }
+    adapters["plain"] = make_adapter(tiny_model_dir, **ADAPTER_SPECS["r16-mlp"])
     engine = build_engine(tiny_model_dir, adapters, cuda_graph_max_batch=2)
     prompt = "The capital of France is"
     prompt_ids = engine.tokenizer(prompt)["input_ids"]
@@ -124,9 +126,10 @@ def test_steps_with_dora_or_token_tables_decode_eagerly(
     (dora,) = engine.generate([prompt], params, adapters=["r8-attn"])
     assert dora.token_ids == greedy_tokens(tiny_model_dir, adapters["r8-attn"], prompt_ids, 3)
     assert engine.executor.static_decode.steps_run == {}
-    (head,) = engine.generate([prompt], params, adapters=["r4-qv"])  # saves the LM head
-    assert head.token_ids == greedy_tokens(tiny_model_dir, adapters["r4-qv"], prompt_ids, 3)
+    for name in ("r4-qv", "r16-mlp"):  # a whole LM head; LoRA biases
+        (out,) = engine.generate([prompt], params, adapters=[name])
+        assert out.token_ids == greedy_tokens(tiny_model_dir, adapters[name], prompt_ids, 3)
     assert engine.executor.static_decode.steps_run == {}
-    (lora,) = engine.generate([prompt], params, adapters=["r16-mlp"])
-    assert lora.token_ids == greedy_tokens(tiny_model_dir, adapters["r16-mlp"], prompt_ids, 3)
+    (lora,) = engine.generate([prompt], params, adapters=["plain"])
+    assert lora.token_ids == greedy_tokens(tiny_model_dir, adapters["plain"], prompt_ids, 3)
     assert engine.executor.static_decode.steps_run == {(1, True): 2}
