@@ -217,7 +217,7 @@ def _memory(config: EngineConfig, devices: Devices, model, backend, draft):
         config,
         model.config,
         device=devices.device,
-        static_decode=_runs_static_decode(config, backend),
+        static_decode=_runs_static_decode(config, backend, model.config),
         has_draft=draft is not None,
     )
     arena = devices.arena(
@@ -291,12 +291,16 @@ def _load_models(config: EngineConfig, devices: Devices, backend: KernelBackend)
     return _Model(model, whole, tokenizer, eos, draft)
 
 
-def _runs_static_decode(config: EngineConfig, backend: KernelBackend) -> bool:
-    """Whether decode steps run over fixed buffers (CUDA graphs on CUDA)."""
+def _runs_static_decode(
+    config: EngineConfig, backend: KernelBackend, model_config: ModelConfig
+) -> bool:
+    """Whether decode steps run over fixed buffers (CUDA graphs on CUDA): not for a
+    mixture of experts, whose experts are chosen on the host from the routing."""
     return (
         config.cuda_graph_max_batch > 0
         and backend.static_decode
         and config.torch_dtype in STATIC_DTYPES
+        and not any(model_config.moe_layers)
     )
 
 

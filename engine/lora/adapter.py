@@ -201,6 +201,11 @@ def _read_lora_tensors(
                     tokens[token_tensor] = handle.get_tensor(key)
                     continue
                 parsed = parse_lora_tensor_name(key)
+                if parsed is None and ".experts." in key:
+                    raise AdapterError(
+                        f"tensor {key!r} puts LoRA on a mixture-of-experts model's experts, "
+                        "which is not served yet; target the attention projections instead"
+                    )
                 if parsed is None:
                     raise AdapterError(f"tensor {key!r} is not a LoRA weight of a known module")
                 fused = model_config.fused_modules
@@ -392,6 +397,11 @@ def load_adapter(
         if which != "A":
             continue
         key = f"layers.{layer}.{module}"
+        if model_config.is_moe_layer(layer) and module in ("gate_proj", "up_proj", "down_proj"):
+            raise AdapterError(
+                f"{key}: layer {layer}'s MLP is a mixture of experts, which has no {module}; "
+                "LoRA on experts is not served yet: target the attention projections"
+            )
         if (module, layer, "B") not in raw:
             raise AdapterError(f"{key} has lora_A but no lora_B")
         b = raw[(module, layer, "B")][1]

@@ -177,6 +177,12 @@ def _check_supported(raw: dict) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(f"peft_type {_show(peft_type)} is not supported (only LORA)")
+    if raw.get("target_parameters"):
+        raise AdapterError(
+            f"target_parameters ({_show(raw['target_parameters'])}) puts LoRA on parameters "
+            "such as a mixture-of-experts model's expert weights, which is not served yet; "
+            "target the attention projections (target_modules) instead"
+        )
     if raw.get("bias", "none") != "none":
         raise AdapterError(
             f"adapters with bias={_show(raw['bias'])} retrain the base model's own biases, "

@@ -2,7 +2,8 @@
 
 Llama-family decoders: Llama (SmolLM2, Llama 3.x with its rope scaling), Mistral-style,
 Qwen2 (q/k/v bias), Qwen3 (an RMSNorm over each head's queries and keys before RoPE) and
-Phi-3/Phi-4 (q/k/v and gate/up fused in the checkpoint, split as they load) and Gemma 3's
+Phi-3/Phi-4 (q/k/v and gate/up fused in the checkpoint, split as they load), the
+mixture-of-experts Mixtral and Qwen3-MoE (routed expert MLPs, ``moe.py``) and Gemma 3's
 text decoder (embeddings scaled by √hidden, RMSNorms of (1 + w) computed in float32, norms
 after attention and around the MLP too, GeGLU, q/k norms, ``query_pre_attn_scalar``, and
 local layers with their own RoPE base between global ones): the fields the decoder needs,
@@ -19,19 +20,31 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"}
+SUPPORTED_MODEL_TYPES = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+}
+# Mixture-of-experts families (``engine/model/moe.py``): the MLP of some or all layers is
+# a router choosing ``experts_per_token`` of ``num_experts`` expert MLPs per token.
+MOE_MODEL_TYPES = {"mixtral", "qwen3_moe"}
 GEMMA_MODEL_TYPES = {"gemma3_text"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 # Families whose attention normalizes each head's queries and keys (RMSNorm over
 # head_dim, one weight shared by the heads) before RoPE.
-QK_NORM_MODEL_TYPES = {"qwen3", "gemma3_text"}
+QK_NORM_MODEL_TYPES = {"qwen3", "gemma3_text", "qwen3_moe"}
 # Families whose checkpoints (and PEFT adapters) hold some projections fused: the fused
 # module's output rows are its parts' outputs, in order.
 FUSED_MODULES = {
     "phi3": {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 }
 # Families that apply ``sliding_window`` only under ``use_sliding_window``.
-OPT_IN_WINDOW_MODEL_TYPES = {"qwen2", "qwen3"}
+OPT_IN_WINDOW_MODEL_TYPES = {"qwen2", "qwen3", "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,16 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict | None = None
+    # Mixture of experts (``engine/model/moe.py``): per layer whether its MLP is routed
+    # (empty: none is), the experts, how many a token takes, each one's intermediate size,
+    # whether the chosen experts' weights are renormalized to sum to 1, and whether they
+    # stay in float32 (Mixtral) or take the activations' dtype (Qwen3-MoE)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True
+    expert_weights_in_float32: bool = True
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
     model_type: str = "llama"
@@ -98,6 +121,10 @@ class ModelConfig:
         return dataclasses.replace(
             self, rope_theta=self.sliding_rope_theta, rope_scaling=self.sliding_rope_scaling
         )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed to experts (``engine/model/moe.py``)."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @property
     def fused_modules(self) -> dict[str, tuple[str, ...]]:
@@ -179,6 +206,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         gemma = model_type in GEMMA_MODEL_TYPES
         family = _gemma_fields(raw, hidden) if gemma else {}
+        if model_type in MOE_MODEL_TYPES:
+            family = _moe_fields(raw, model_type)
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(
@@ -224,6 +253,31 @@ class ModelConfig:
                 ids |= set(base if isinstance(base, list) else ([] if base is None else [base]))
                 raw = {**raw, "eos_token_id": sorted(ids)}
         return cls.from_hf_dict(raw)
+
+
+def _moe_fields(raw: dict, model_type: str) -> dict:
+    """Mixtral's and Qwen3-MoE's routers and experts, from their configs."""
+    layers = raw["num_hidden_layers"]
+    if model_type == "mixtral":
+        return {
+            "moe_layers": (True,) * layers,
+            "num_experts": raw["num_local_experts"],
+            "experts_per_token": raw["num_experts_per_tok"],
+            "expert_intermediate_size": raw["intermediate_size"],
+        }
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = raw.get("decoder_sparse_step", 1) or 1
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    return {
+        "moe_layers": tuple(
+            experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)
+        ),
+        "num_experts": experts,
+        "experts_per_token": raw["num_experts_per_tok"],
+        "expert_intermediate_size": raw["moe_intermediate_size"],
+        "normalize_expert_weights": bool(raw.get("norm_topk_prob", False)),
+        "expert_weights_in_float32": False,
+    }
 
 
 def _gemma_fields(raw: dict, hidden: int) -> dict:

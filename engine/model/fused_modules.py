@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.moe import decoder_name
 
 
 def split_rows(
@@ -37,6 +38,7 @@ def split_checkpoint_tensor(
     """``[(name, tensor)]`` for an ordinary tensor; a fused projection's weight or bias
     (``model.layers.3.self_attn.qkv_proj.weight``) as its parts' (``...q_proj.weight``,
     ...)."""
+    name = decoder_name(config, name)  # Mixtral's experts under the decoder's names
     *prefix, module, kind = name.split(".")
     if module not in config.fused_modules:
         return [(name, tensor)]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.moe import MoEMLP
 from loramux.engine.model.rope import RotaryEmbedding, apply_rotary
 from loramux.kernels.paged_attention import write_kv
 
@@ -227,7 +228,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config, layer)
+        if config.is_moe_layer(layer):
+            self.mlp = MoEMLP(config, ACTIVATIONS[config.hidden_act])
+        else:
+            self.mlp = LlamaMLP(config, layer)
         h = config.hidden_size
         self.input_layernorm = make_norm(config, h)
         # Llama's norm before the MLP; Gemma's after attention, with two around the MLP.

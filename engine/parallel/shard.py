@@ -9,6 +9,8 @@ Megatron's partitioning of a Llama layer over N ranks (each rank one device):
   parallel partner produced and computes a partial sum of the whole output; one
   all-reduce per projection adds the ranks' partials (two per layer). A row-parallel bias
   is added by rank 0 only, so the sum counts it once.
+* A mixture-of-experts MLP (``model/moe.py``): every expert as a dense MLP (its slice of
+  its intermediate size), the router whole on every rank.
 * The embedding and the LM head are split over the vocabulary: a rank looks up (or scores)
   only its range of token ids, the embedding's partials are summed (the other ranks
   contribute zeros), and the head's logits are gathered for sampling.
@@ -83,6 +85,11 @@ class ShardPlan:
                 f"tensor_parallel_size={n} must divide the model's intermediate size "
                 f"{c.intermediate_size}"
             )
+        if c.expert_intermediate_size % n:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} must divide the experts' intermediate size "
+                f"{c.expert_intermediate_size}"
+            )
 
     # --- sizes -----------------------------------------------------------------
     @property
@@ -120,6 +127,7 @@ class ShardPlan:
             intermediate_size=self.local_intermediate,
             num_heads=self.local_heads,
             num_kv_heads=self.local_kv_heads,
+            expert_intermediate_size=self.config.expert_intermediate_size // self.world_size,
         )
 
     # --- which features a rank holds -------------------------------------------
@@ -170,6 +178,10 @@ class ShardPlan:
             return self._vocab_rows(tensor)
         *_, module, kind = name.split(".")  # model.layers.3.self_attn.q_proj.weight
         out, inp = self.out_features(module), self.in_features(module)
+        if ".experts." in name:  # an expert's MLP: its slice of the expert's intermediate size
+            local = self.config.expert_intermediate_size // self.world_size
+            features = torch.arange(self.rank * local, (self.rank + 1) * local)
+            out, inp = (None, features) if module == "down_proj" else (features, None)
         if kind == "bias":
             if module in ROW_PARALLEL:  # added once, by rank 0, to the summed output
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)

@@ -36,6 +36,14 @@ FORMAT_ADAPTER_SPECS = {
 }
 
 
+# For a mixture-of-experts model, whose experts take no LoRA (PEFT turns MLP targets into
+# expert parameters there): the same formats on the attention projections alone.
+MOE_ADAPTER_SPECS = {
+    **FORMAT_ADAPTER_SPECS,
+    "r16-mlp": {**FORMAT_ADAPTER_SPECS["r16-mlp"], "targets": ("v_proj", "o_proj")},
+}
+
+
 def device_rows(model_dir, adapters: dict, shard=None) -> int:
     """The rank-rows ``adapters`` (name -> dir) take on the device together (of one rank's
     share under ``shard``, a ShardPlan): ranks, DoRA's rows, token tables."""

@@ -19,6 +19,7 @@ from loramux.engine.model.config import ModelConfig
 from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.test_exactness import (
     FORMAT_ADAPTER_SPECS,
+    MOE_ADAPTER_SPECS,
     assert_first_step_logits_match,
     assert_matches_reference,
     device_rows,
@@ -215,3 +216,80 @@ def test_phi3_adapters_of_every_format_are_accepted_at_upload(phi3_dir, phi3_ada
         max_bytes=16 << 20,
     )
     assert (info.rank, info.target_modules) == (4, ["qkv_proj"])
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def moe_dir(request, tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return build_tiny_model(out, tokenizer_dir, family=request.param, norm_noise=NORM_NOISE)
+
+
+@pytest.fixture(scope="module")
+def moe_adapters(moe_dir, make_adapter):
+    return {name: make_adapter(moe_dir, **spec) for name, spec in MOE_ADAPTER_SPECS.items()}
+
+
+def test_moe_configs_read_their_experts(moe_dir):
+    config = ModelConfig.from_pretrained(moe_dir)
+    assert (config.num_experts, config.experts_per_token, config.expert_intermediate_size) == (
+        4,
+        2,
+        48,
+    )
+    if config.model_type == "mixtral":
+        assert config.moe_layers == (True, True) and config.normalize_expert_weights
+    else:  # Qwen3-MoE: layer 1 dense (mlp_only_layers), weights not renormalized
+        assert config.moe_layers == (True, False) and not config.normalize_expert_weights
+        assert config.qk_norm and config.intermediate_size == 128
+
+
+def test_moe_routing_is_transformers_own(moe_dir):
+    """The same experts and weights as transformers' router, and the same layer output."""
+    from transformers import AutoModelForCausalLM
+
+    from loramux.engine.model.loader import load_model
+
+    reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    engine_model = load_model(moe_dir, dtype=torch.float32, device=torch.device("cpu"))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    theirs, ours = reference.model.layers[0].mlp, engine_model.model.layers[0].mlp
+    with torch.no_grad():
+        _, weights, experts = theirs.gate(x)
+        got_weights, got_experts = ours.route(x)
+        assert torch.equal(got_experts, experts) and torch.equal(got_weights, weights)
+        assert len(torch.unique(experts)) == 4  # every expert is chosen by some token
+        torch.testing.assert_close(ours(x), theirs(x[None])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_moe_first_step_logits_match_peft(moe_dir, moe_adapters):
+    engine = build_engine(moe_dir, moe_adapters)
+    assert_first_step_logits_match(engine, moe_dir, moe_adapters)
+
+
+def test_moe_staggered_prefix_hits_and_preemption_match_peft(moe_dir, moe_adapters):
+    assert_staggered_prefix_hits_and_preemption_match_peft(moe_dir, moe_adapters)
+
+
+def test_lora_on_experts_is_refused_naming_what_to_target(moe_dir, make_adapter):
+    """LoRA on the stacked experts, as PEFT trains it (target_parameters)."""
+    from loramux.engine.lora.adapter import AdapterError, load_adapter
+
+    experts = ("experts.gate_up_proj", "experts.down_proj")
+    adapter = make_adapter(moe_dir, rank=4, targets=("q_proj",), target_parameters=experts)
+    with pytest.raises(
+        AdapterError,
+        match=r"target_parameters .* expert weights, which is not served yet; target the attention",
+    ):
+        load_adapter(adapter, ModelConfig.from_pretrained(moe_dir))
+
+
+def test_moe_decodes_eagerly_on_the_triton_path(moe_dir, moe_adapters, monkeypatch):
+    """Experts are chosen on the host from the routing: no CUDA-graph decode for them."""
+    from loramux.kernels import dispatch
+
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
+    engine = build_engine(moe_dir, moe_adapters, cuda_graph_max_batch=4)
+    assert engine.backend.name == "triton" and engine.executor.static_decode is None
+    requests = mixed_requests(4)
+    outputs = run_staggered(engine, requests, 4)
+    assert_matches_reference(engine, moe_dir, moe_adapters, requests, outputs, 4)

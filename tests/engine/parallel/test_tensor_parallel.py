@@ -33,6 +33,7 @@ from tests.engine.speculative.test_speculative_engine import assert_speculated
 from tests.engine.test_exactness import (
     ADAPTER_SPECS,
     FORMAT_ADAPTER_SPECS,
+    MOE_ADAPTER_SPECS,
     assert_matches_reference,
     device_rows,
     mixed_requests,
@@ -84,15 +85,25 @@ def gemma3_model_dir(tmp_path_factory, tokenizer_dir):
     )
 
 
-@pytest.fixture(params=["split-kv", "replicated-kv", "gemma3"])
+@pytest.fixture(scope="module")
+def qwen3_moe_model_dir(tmp_path_factory, tokenizer_dir):
+    """A mixture-of-experts family over two ranks: each rank holds every expert's half of
+    its intermediate size and the whole router; a dense layer between routed ones."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-moe-tp"), tokenizer_dir, family="qwen3_moe"
+    )
+
+
+@pytest.fixture(params=["split-kv", "replicated-kv", "gemma3", "qwen3_moe"])
 def model_and_adapters(request, tiny_model_dir, make_adapter):
     model_dir = {
         "split-kv": lambda: tiny_model_dir,
         "replicated-kv": lambda: request.getfixturevalue("replicated_kv_model_dir"),
         "gemma3": lambda: request.getfixturevalue("gemma3_model_dir"),
+        "qwen3_moe": lambda: request.getfixturevalue("qwen3_moe_model_dir"),
     }[request.param]()
     # DoRA's row-parallel norms are summed over ranks; token rows replaced in each one's range
-    specs = FORMAT_ADAPTER_SPECS
+    specs = MOE_ADAPTER_SPECS if request.param == "qwen3_moe" else FORMAT_ADAPTER_SPECS
     adapters = {name: make_adapter(model_dir, **spec) for name, spec in specs.items()}
     return model_dir, adapters
 
