@@ -149,12 +149,13 @@ def _attend_tiles(
     INTERPRET: tl.constexpr,
     IEEE: tl.constexpr,
     QUANT: tl.constexpr,
+    WINDOW: tl.constexpr,  # a sliding window of keys per query row (CAUSAL; 0: every key)
 ):
     """Online-softmax update of (acc, m, l) over keys ``lo <= p < hi`` (module docstring).
 
-    Every row must see at least one key of the first tile (true for both callers: decode
-    rows see every key below ``hi``; prefill starts at key 0, which every query sees), so
-    ``m`` is finite after it and ``2^(m - m')`` is never ``2^(-inf + inf)``.
+    Under a sliding window a row may see no key of a tile (its window starts past it): its
+    running max stays -inf there, and the exponentials are taken from 0 instead, so they
+    come out 0 rather than ``2^(-inf + inf)``.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -178,12 +179,16 @@ def _attend_tiles(
             k = _cast(_dequantize(k, QUANT) * k_scale[:, None], q.dtype, INTERPRET)
         s = _dot(q, tl.trans(k), INTERPRET, IEEE) * qk_scale  # [M, N] t_ij (log2 domain)
         if CAUSAL:
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                seen = seen & (pos[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(seen, s, float("-inf"))
         else:
             s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        correction = tl.exp2(m_i - m_new)  # c = 2^(m - m')
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet
+        correction = tl.exp2(m_i - m_safe)  # c = 2^(m - m')
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * correction + tl.sum(p, 1)
         v = tl.load(
             v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + offs_d[None, :],
@@ -243,6 +248,7 @@ def _decode_split_kernel(
     INTERPRET: tl.constexpr,
     IEEE: tl.constexpr,
     QUANT: tl.constexpr,  # 0: the cache in the query's dtype; 1: int8; 2: fp8 (its bytes)
+    WINDOW: tl.constexpr,  # a sliding window: the query sees the last WINDOW keys (0: all)
 ):
     """One (sequence, KV head, split): the G query heads against keys of one span."""
     seq = tl.program_id(0)
@@ -250,9 +256,13 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
     ctx_len = tl.load(ctx_ptr + seq)
-    # This sequence's span per split: ceil(L / NUM_SPLITS) rounded up to whole key tiles.
-    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    start = 0
+    if WINDOW > 0:  # only the last WINDOW keys
+        start = tl.maximum(ctx_len - WINDOW, 0)
+    # This sequence's span per split: ceil((L - start) / NUM_SPLITS) rounded up to whole
+    # key tiles.
+    split_len = tl.cdiv(tl.cdiv(ctx_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * split_len
     hi = tl.minimum(lo + split_len, ctx_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -302,6 +312,7 @@ def _decode_split_kernel(
         INTERPRET,
         IEEE,
         QUANT,
+        0,  # every key of the span lies within the window
     )
 
     if NUM_SPLITS == 1:
@@ -396,6 +407,7 @@ def _prefill_kernel(
     INTERPRET: tl.constexpr,
     IEEE: tl.constexpr,
     QUANT: tl.constexpr,  # 0: the cache in the query's dtype; 1: int8; 2: fp8 (its bytes)
+    WINDOW: tl.constexpr,  # a sliding window of keys per query (0: all)
 ):
     """One (token tile, sequence, KV head): causal attention of the tile's queries."""
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
@@ -428,6 +440,9 @@ def _prefill_kernel(
     # The tile's last token sees keys up to its own position; padding rows (past n_new)
     # sit past it and are never stored.
     hi = ctx_len - n_new + tl.minimum(n_new, first + BLOCK_Q)
+    lo = 0  # the tile's first token sees keys from its window's start on
+    if WINDOW > 0:
+        lo = tl.maximum(ctx_len - n_new + first - WINDOW + 1, 0)
 
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -451,7 +466,7 @@ def _prefill_kernel(
         stride_kss,
         stride_vsb,
         stride_vss,
-        0,
+        lo,
         hi,
         qk_scale,
         HEAD_DIM,
@@ -462,8 +477,9 @@ def _prefill_kernel(
         INTERPRET,
         IEEE,
         QUANT,
+        WINDOW,
     )
-    out = acc / l_i[:, None]  # l >= 1: every row sees key 0
+    out = acc / l_i[:, None]  # l >= 1: every row sees its own key
     tl.store(
         out_ptr + (row0 + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         _cast(out, out_ptr.dtype.element_ty, INTERPRET),
@@ -552,6 +568,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_context_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention, ``out[s, h] = sum_{j < L_s} softmax_j(scale q[s,h].k_j) v_j``.
 
@@ -559,8 +576,9 @@ def paged_decode_attention(
     ``round_up(ceil(L_s / num_splits), BLOCK_N)`` tokens, combined by a second kernel
     (module docstring). ``max_context_len`` (the largest ``L_s``, or any bound on it: a
     CUDA graph passes the context cap) only chooses the default ``num_splits``, without
-    reading ``context_lens`` back from the device. Returns ``[B, Hq, D]`` in the query's
-    dtype; float32 accumulation.
+    reading ``context_lens`` back from the device. ``window``: only the last ``window``
+    keys (a sliding window), split alike. Returns ``[B, Hq, D]`` in the query's dtype;
+    float32 accumulation.
     """
     ops = _cache_operands(query, k_cache, v_cache)
     batch, q_heads, head_dim = query.shape
@@ -611,6 +629,7 @@ def paged_decode_attention(
         INTERPRET=interpret,
         IEEE=query.dtype == torch.float32,
         QUANT=ops.quant,
+        WINDOW=window or 0,
         num_warps=4,
     )
     if num_splits > 1:
@@ -643,13 +662,15 @@ def paged_prefill_attention(
     *,
     query_ends: torch.Tensor | None = None,  # [S] int32
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Sequence s owns query rows ``query_starts[s] .. query_starts[s+1] - 1`` (or
     ``.. query_ends[s] - 1`` when ``query_ends`` is given, which lets a caller pick some
     sequences of a larger batch); with ``n_s`` rows, row i sits at position
-    ``p_i = L_s - n_s + i`` and attends to keys ``0..p_i``. ``max_query_len >= max n_s``
+    ``p_i = L_s - n_s + i`` and attends to keys ``0..p_i`` (``p_i - window + 1 .. p_i``
+    under a sliding ``window``). ``max_query_len >= max n_s``
     sizes the grid. Writes into ``out`` (default: a new tensor like ``query``); rows of no
     listed sequence are left untouched. Float32 accumulation. Works for ``n_s = 1`` too,
     without the decode kernel's context splitting.
@@ -697,6 +718,7 @@ def paged_prefill_attention(
         INTERPRET=interpret,
         IEEE=query.dtype == torch.float32,
         QUANT=ops.quant,
+        WINDOW=window or 0,
         num_warps=4 if d_pad <= 64 else 8,
     )
     return out
@@ -708,6 +730,7 @@ def paged_attention_triton(
     v_cache: KVCache,
     plan: TritonAttentionPlan,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """A whole step: its decode rows by the split-context decode kernel, its prefilling
     sequences by the prefill kernel, each over its own sub-batch of ``plan``; together
@@ -723,6 +746,7 @@ def paged_attention_triton(
             plan.decode_context_lens,
             scale,
             max_context_len=plan.decode_max_context_len,
+            window=window,
         )
         if pure:
             return decoded
@@ -739,4 +763,5 @@ def paged_attention_triton(
         plan.prefill_max_query_len,
         query_ends=plan.prefill_query_ends,
         out=out,  # None: a new tensor
+        window=window,
     )

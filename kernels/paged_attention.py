@@ -10,7 +10,9 @@ Semantics (per sequence s with ``L_s`` tokens of context after this step, whose 
     out[i, h] = sum_{j <= p_i} softmax_j(q[i, h] . k[j, h'] * scale) v[j, h']
 
 with ``p_i = L_s - n_s + i`` (causal, bottom-right aligned: new tokens see the whole
-cached prefix). Decode is the case ``n_s = 1``. Accumulation in float32.
+cached prefix). Decode is the case ``n_s = 1``. Accumulation in float32. A layer with a
+sliding window of ``w`` keys (Gemma 3's local layers, Mistral-style models) sums over
+``p_i - w < j <= p_i`` only: each op takes ``window`` (None: every key).
 
 Each implementation has its own plan, built once per step and shared by every layer:
 :class:`AttentionPlan` for the torch implementation here (:func:`attend_reference`),
@@ -22,7 +24,7 @@ here chooses between them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -86,14 +88,33 @@ class AttentionPlan:
     decode_rows: torch.Tensor  # [B] token rows of the decode queries
     decode_slots: torch.Tensor  # [B, L_max] flat cache slots of each context (block 0 past its end)
     decode_mask: torch.Tensor  # [B, 1, 1, L_max] True where a slot is part of the context
+    decode_lengths: torch.Tensor  # [B] int64 keys each decode query sees
     # (first row, n_new, slots [ctx], causal mask [n_new, ctx]) per prefilling sequence; the
     # mask is None for a chunk with no cached prefix (ctx == n_new: plain causal attention)
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    # window -> (decode mask, prefill masks) of a sliding window, made by the first layer
+    # that asks (windowed_masks) and shared by the others
+    windowed: dict = field(default_factory=dict)
 
     @property
     def all_decode(self) -> bool:
         """Every sequence decodes: the decode rows are the whole batch, in order."""
         return not self.prefill
+
+    def windowed_masks(self, window: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decode mask and each prefill's mask for a sliding window of ``window`` keys:
+        query position p sees keys ``p - window < j <= p``."""
+        if window not in self.windowed:
+            span = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            first = (self.decode_lengths - window)[:, None, None, None]
+            decode = self.decode_mask & (span >= first)
+            prefill = []
+            for _, n_new, slots, _ in self.prefill:
+                keys = torch.arange(slots.shape[0], device=slots.device)
+                queries = keys[slots.shape[0] - n_new :, None]
+                prefill.append((keys[None, :] <= queries) & (keys[None, :] > queries - window))
+            self.windowed[window] = (decode, prefill)
+        return self.windowed[window]
 
 
 @dataclass(frozen=True)
@@ -244,6 +265,7 @@ def plan_attention(
         decode_rows=torch.tensor([row for row, _, _ in rows], **long),
         decode_slots=decode_slots,
         decode_mask=decode_mask[:, None, None, :],
+        decode_lengths=lengths,
         prefill=prefill,
     )
 
@@ -298,13 +320,14 @@ def paged_attention_reference(
     query_lens: list[int],  # n_s: new tokens (queries) per sequence
     scale: float,
     plan: AttentionPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The definition: the module docstring's maths over plain per-sequence lists."""
     if plan is None:
         plan = plan_attention(
             block_tables, context_lens, query_lens, k_cache.shape[1], query.device
         )
-    return attend_reference(query, k_cache, v_cache, plan, scale)
+    return attend_reference(query, k_cache, v_cache, plan, scale, window=window)
 
 
 def attend_reference(
@@ -314,23 +337,35 @@ def attend_reference(
     plan: AttentionPlan,
     scale: float,
     gather: Callable = gather_kv,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """The torch implementation: batched SDPA for decodes, a causal SDPA per prefilling
     sequence. ``gather`` reads contexts (``gather_kv``'s contract; the CPU's native read of
-    an 8-bit cache, ``kv_native``, is another)."""
+    an 8-bit cache, ``kv_native``, is another). ``window``: a sliding window of keys."""
+    decode_mask, prefill_masks = plan.decode_mask, [causal for *_, causal in plan.prefill]
+    if window is not None:
+        decode_mask, prefill_masks = plan.windowed_masks(window)
     if plan.all_decode:  # the hot path: no scatter into a fresh tensor
-        return _reference_decodes(query, k_cache, v_cache, plan, scale, gather)
+        return _reference_decodes(query, k_cache, v_cache, plan, scale, gather, decode_mask)
     out = torch.empty_like(query)
     if plan.decode_rows.numel():
         decoded = _reference_decodes(
-            query.index_select(0, plan.decode_rows), k_cache, v_cache, plan, scale, gather
+            query.index_select(0, plan.decode_rows),
+            k_cache,
+            v_cache,
+            plan,
+            scale,
+            gather,
+            decode_mask,
         )
         out.index_copy_(0, plan.decode_rows, decoded)
-    _reference_prefills(query, k_cache, v_cache, plan, scale, out, gather)
+    _reference_prefills(query, k_cache, v_cache, plan, scale, out, gather, prefill_masks)
     return out
 
 
-def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, gather) -> torch.Tensor:
+def _reference_decodes(
+    query, k_cache, v_cache, plan: AttentionPlan, scale, gather, mask
+) -> torch.Tensor:
     """Attention of the decode queries ``[B, q_heads, head_dim]`` (rows ``decode_rows`` of
     the step): one batched SDPA over their contexts padded to the longest."""
     batch, q_heads, head_dim = query.shape
@@ -341,11 +376,13 @@ def _reference_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, gath
     q = query.view(batch, kv_heads, group, head_dim)
     k = gather(k_cache, plan.decode_slots, query.dtype).transpose(1, 2)
     v = gather(v_cache, plan.decode_slots, query.dtype).transpose(1, 2)
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return attn.reshape(batch, q_heads, head_dim)
 
 
-def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out, gather) -> None:
+def _reference_prefills(
+    query, k_cache, v_cache, plan: AttentionPlan, scale, out, gather, masks
+) -> None:
     """Rows of each prefilling sequence of ``out``: a causal SDPA per sequence.
 
     The operands are 4-D (``[1, heads, tokens, head_dim]``) and the KV heads are shared by
@@ -354,7 +391,7 @@ def _reference_prefills(query, k_cache, v_cache, plan: AttentionPlan, scale, out
     with 3-D operands, or an explicit mask over a repeated query, it took its math path
     (about 70% of a 2,000-token prefill went to scores, softmax and masking). A chunk with no
     cached prefix needs no mask at all (``is_causal``: fully masked tiles are skipped)."""
-    for first, n_new, slots, causal in plan.prefill:
+    for (first, n_new, slots, _), causal in zip(plan.prefill, masks, strict=True):
         q = query[first : first + n_new].transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
         k = gather(k_cache, slots[None], query.dtype).transpose(1, 2)  # [1, Hkv, L, D]
         v = gather(v_cache, slots[None], query.dtype).transpose(1, 2)

@@ -41,7 +41,7 @@ class BoundAttention:
     """A plan and the op that reads it (a ``StepAttention``)."""
 
     plan: object  # AttentionPlan or TritonAttentionPlan: whichever ``op`` takes
-    op: Callable  # (query, k_cache, v_cache, plan, scale) -> out
+    op: Callable  # (query, k_cache, v_cache, plan, scale, window=None) -> out
 
     @property
     def positions(self) -> torch.Tensor:
@@ -51,8 +51,8 @@ class BoundAttention:
     def new_token_slots(self) -> torch.Tensor:
         return self.plan.new_token_slots
 
-    def attend(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
-        return self.op(query, k_cache, v_cache, self.plan, scale)
+    def attend(self, query, k_cache, v_cache, scale: float, window: int | None = None):
+        return self.op(query, k_cache, v_cache, self.plan, scale, window=window)
 
 
 class LaunchCount:

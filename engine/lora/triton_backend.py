@@ -110,5 +110,7 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
-def _paged_attention(query, k_cache, v_cache, plan, scale):
-    return attention_triton.paged_attention_triton(query, k_cache, v_cache, plan, scale)
+def _paged_attention(query, k_cache, v_cache, plan, scale, window=None):
+    return attention_triton.paged_attention_triton(
+        query, k_cache, v_cache, plan, scale, window=window
+    )

@@ -114,7 +114,7 @@ class MemoryPlan:
 
 def requested_context(config: EngineConfig, model: ModelConfig) -> int:
     """The context limit asked for (``max_model_len``, else the model's), never above the
-    model's positions (or its attention window, ``ModelConfig.max_context``); the plan caps
+    model's positions (``ModelConfig.max_context``); the plan caps
     it further so that KV's floor leaves room."""
     positions = model.max_context
     return min(config.max_model_len or positions, positions)

@@ -9,8 +9,9 @@ after attention and around the MLP too, GeGLU, q/k norms, ``query_pre_attn_scala
 local layers with their own RoPE base between global ones): the fields the decoder needs,
 checked once here so the model code can trust them.
 
-A model whose attention looks back a window of keys (``sliding_window``) is served up to
-that window (``max_context``): within it, full attention computes the same thing.
+A model whose attention looks back a window of keys (``sliding_window``) attends over it in
+its sliding layers (``window_of``): every layer of a Mistral-style model, Gemma 3's local
+layers between its global ones.
 """
 
 from __future__ import annotations
@@ -108,10 +109,19 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest context served: the model's positions, or its attention window
-        where that is shorter (past it, a sliding window would drop keys)."""
-        window = self.attention_window or self.max_position_embeddings
-        return min(self.max_position_embeddings, window)
+        """The longest context served: the model's positions (a sliding window's layers
+        attend to their window, ``window_of``)."""
+        return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        """The keys layer ``layer`` looks back over (a sliding window), None for all: a
+        windowed model's every layer, or its sliding layers where it has ``layer_types``
+        (Gemma 3's local layers)."""
+        if self.attention_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.attention_window
 
     def for_layer_kind(self, kind: str) -> ModelConfig:
         """This config as a layer of ``kind`` sees it: a sliding layer's own RoPE base and
@@ -208,6 +218,8 @@ class ModelConfig:
         family = _gemma_fields(raw, hidden) if gemma else {}
         if model_type in MOE_MODEL_TYPES:
             family = _moe_fields(raw, model_type)
+        if not gemma and raw.get("layer_types"):  # which layers slide (Qwen's first ones don't)
+            family["layer_types"] = _layer_types(raw)
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(
@@ -255,6 +267,17 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
 
+def _layer_types(raw: dict) -> tuple[str, ...]:
+    """Per layer, ``full_attention`` or ``sliding_attention``, checked."""
+    types = raw["layer_types"]
+    if len(types) != raw["num_hidden_layers"] or set(types) - {
+        "full_attention",
+        "sliding_attention",
+    }:
+        raise ValueError("layer_types must name one of full_attention/sliding_attention per layer")
+    return tuple(types)
+
+
 def _moe_fields(raw: dict, model_type: str) -> dict:
     """Mixtral's and Qwen3-MoE's routers and experts, from their configs."""
     layers = raw["num_hidden_layers"]
@@ -289,15 +312,14 @@ def _gemma_fields(raw: dict, hidden: int) -> dict:
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention is not served (decoders only)")
     layers = raw["num_hidden_layers"]
-    types = raw.get("layer_types")
-    if not types:
+    if raw.get("layer_types"):
+        types = _layer_types(raw)
+    else:
         pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
-        types = [
+        types = tuple(
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(layers)
-        ]
-    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-        raise ValueError("layer_types must name one of full_attention/sliding_attention per layer")
+        )
     local = (raw.get("rope_parameters") or {}).get("sliding_attention")
     if local is not None:
         local = dict(local)

@@ -50,6 +50,7 @@ class StepAttention(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         scale: float,
+        window: int | None = None,  # a sliding window of keys (None: every key)
     ) -> torch.Tensor: ...  # [T, heads, head_dim]
 
 
@@ -188,6 +189,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = make_norm(config, config.head_dim)
             self.k_norm = make_norm(config, config.head_dim)
         self.qk_norm = config.qk_norm
+        self.window = config.window_of(layer)  # a sliding window of keys, or None
         self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, cos, sin, attention: StepAttention, kv_cache, lora):
@@ -202,7 +204,7 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attention.new_token_slots)
-        attn = attention.attend(q, k_cache, v_cache, self.scale)  # [T, heads, head_dim]
+        attn = attention.attend(q, k_cache, v_cache, self.scale, self.window)  # [T, H, D]
         out = _project(attn.reshape(tokens, -1), (self.o_proj,), self.layer, O_PROJ, lora)[0]
         return _summed(out, self.ranks)
 

@@ -68,7 +68,8 @@ def reference(gemma3_gguf):
 def test_the_engine_reads_the_file_in_its_own_types(engine):
     config = engine.model.config
     assert (config.model_type, config.num_layers, config.vocab_size) == ("gemma3_text", 18, 262144)
-    assert config.max_context == 512  # the local layers' window
+    # the whole context served, the local layers (pattern 6: 5 of 6) over their window
+    assert (config.max_context, config.window_of(0), config.window_of(5)) == (32768, 512, None)
     kinds = {
         (module.qweight.kind, module.qweight.group_size)
         for module in engine.model.modules()
@@ -107,3 +108,20 @@ def test_the_assembled_file_is_the_package_s(gemma3_gguf):
     gguf_file, metadata_dir = gemma3_gguf
     assert gguf_file.stat().st_size == 253_113_024
     assert (Path(metadata_dir) / "tokenizer.json").is_file()
+
+
+@torch.inference_mode()
+def test_past_the_local_window_tokens_and_perplexity_are_transformers(engine, reference):
+    """A text of ~620 tokens: the local layers drop keys more than 512 back, the global
+    ones keep them all, as transformers' sliding-window masks do."""
+    ids = engine.tokenizer(" ".join([TEXT] * 7))["input_ids"]
+    assert 560 < len(ids) < 700
+    out = engine.generate(
+        [ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    )[0]
+    logits = reference(torch.tensor([ids])).logits[0].float()
+    assert out.token_ids[0] == int(logits[-1].argmax())
+    ours = [-entry.logprob for entry in out.prompt_logprobs if entry is not None]
+    theirs = -torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])
+    ratio = math.exp(sum(ours[512:]) / len(ours[512:])) / math.exp(float(theirs[512:].mean()))
+    assert abs(ratio - 1) < 0.01, ratio

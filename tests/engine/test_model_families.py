@@ -18,6 +18,7 @@ from loramux.engine.memory.arena import RowLayout, block_bytes, row_bytes
 from loramux.engine.model.config import ModelConfig
 from tests.engine.factories import PROMPTS, build_engine, put_adapters_on_device
 from tests.engine.test_exactness import (
+    ADAPTER_SPECS,
     FORMAT_ADAPTER_SPECS,
     MOE_ADAPTER_SPECS,
     assert_first_step_logits_match,
@@ -131,15 +132,21 @@ def test_phi3_staggered_prefix_hits_and_preemption_match_peft(phi3_dir, phi3_ada
     assert_staggered_prefix_hits_and_preemption_match_peft(phi3_dir, phi3_adapters)
 
 
-def test_a_sliding_window_caps_the_context_served(phi3_dir, qwen3_dir):
-    """Within its window a sliding-window model attends to every key: the engine serves
-    contexts up to the window. Qwen's window applies only under use_sliding_window."""
-    assert ModelConfig.from_pretrained(phi3_dir).max_context == 512
+def test_which_layers_slide_and_over_how_many_keys(phi3_dir, qwen3_dir, gemma3_dir):
+    """A windowed model's every layer (Phi-3, Mistral); Qwen's only under
+    use_sliding_window, and then its layer_types' sliding layers; Gemma 3's local layers.
+    The whole context is served either way."""
     windowed = ModelConfig.from_hf_dict(_config(phi3_dir, sliding_window=128))
-    assert (windowed.attention_window, windowed.max_context) == (128, 128)
-    qwen = _config(qwen3_dir, sliding_window=64)
-    assert ModelConfig.from_hf_dict(qwen).max_context == 512
-    assert ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True}).max_context == 64
+    assert [windowed.window_of(i) for i in range(2)] == [128, 128]
+    assert windowed.max_context == 512
+    qwen = _config(
+        qwen3_dir, sliding_window=64, layer_types=["full_attention", "sliding_attention"]
+    )
+    assert ModelConfig.from_hf_dict(qwen).window_of(1) is None
+    sliding = ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True})
+    assert [sliding.window_of(i) for i in range(2)] == [None, 64]
+    gemma = ModelConfig.from_pretrained(gemma3_dir)
+    assert [gemma.window_of(i) for i in range(3)] == [128, None, 128]
 
 
 def test_partial_rotary_embeddings_are_refused(phi3_dir):
@@ -167,7 +174,7 @@ def test_gemma3_config_reads_what_sets_it_apart(gemma3_dir):
     assert config.attention_scale == pytest.approx(24**-0.5)
     assert config.embed_scale == pytest.approx(64**0.5)
     assert config.gemma_norms and config.qk_norm and config.tie_word_embeddings
-    assert (config.hidden_act, config.max_context) == ("gelu_pytorch_tanh", 128)
+    assert (config.hidden_act, config.max_context) == ("gelu_pytorch_tanh", 512)
 
 
 def test_gemma3_first_step_logits_match_peft(gemma3_dir, gemma3_adapters):
@@ -293,3 +300,57 @@ def test_moe_decodes_eagerly_on_the_triton_path(moe_dir, moe_adapters, monkeypat
     requests = mixed_requests(4)
     outputs = run_staggered(engine, requests, 4)
     assert_matches_reference(engine, moe_dir, moe_adapters, requests, outputs, 4)
+
+
+# Phi-3's fused targets in plain LoRA (decodes may run over the static buffers)
+PHI3_LORA_SPECS = {
+    name: {k: v for k, v in spec.items() if k in ("rank", "targets", "seed")}
+    for name, spec in PHI3_ADAPTER_SPECS.items()
+}
+# Windows shorter than the tests' contexts (a system prompt and the question, 8 tokens more):
+# Gemma 3's local layers, every layer of a Phi-3 (Mistral-style), Qwen3's layers past
+# max_window_layers.
+WINDOWED = {
+    "gemma3": {"sliding_window": 6},
+    "phi3": {"sliding_window": 7},
+    "qwen3": {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 1},
+}
+
+
+@pytest.fixture(scope="module", params=list(WINDOWED))
+def windowed_dir(request, tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp(f"tiny-windowed-{request.param}")
+    family, overrides = request.param, WINDOWED[request.param]
+    return build_tiny_model(out, tokenizer_dir, family=family, norm_noise=NORM_NOISE, **overrides)
+
+
+def test_contexts_past_a_sliding_window_match_peft(windowed_dir, make_adapter):
+    """Past its window a layer drops the oldest keys as transformers' does: staggered
+    requests with prefix hits, prefill chunks and decodes, all past the window."""
+    specs = PHI3_LORA_SPECS if "phi3" in windowed_dir.name else ADAPTER_SPECS
+    adapters = {name: make_adapter(windowed_dir, **spec) for name, spec in specs.items()}
+    engine = build_engine(
+        windowed_dir, adapters, block_size=4, max_num_batched_tokens=16, max_prefill_chunk=6
+    )
+    system = "Answer in one short sentence. "
+    requests = [(system + p, a) for p, a in mixed_requests(6)]
+    outputs = run_staggered(engine, requests, 8)
+    assert engine.kv.prefix_cache_hits > 0
+    assert_matches_reference(engine, windowed_dir, adapters, requests, outputs, 8)
+
+
+def test_contexts_past_a_sliding_window_match_peft_over_the_triton_kernels(
+    windowed_dir, make_adapter, monkeypatch
+):
+    """The same through the Triton kernels (a window per layer kind), decodes over the
+    static buffers."""
+    from loramux.kernels import dispatch
+
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "triton")
+    specs = PHI3_LORA_SPECS if "phi3" in windowed_dir.name else ADAPTER_SPECS
+    adapters = {name: make_adapter(windowed_dir, **spec) for name, spec in specs.items()}
+    engine = build_engine(windowed_dir, adapters, block_size=4, cuda_graph_max_batch=4)
+    requests = [("Answer in one short sentence. " + p, a) for p, a in mixed_requests(4)]
+    outputs = run_staggered(engine, requests, 6)
+    assert sum(engine.executor.static_decode.steps_run.values()) > 0
+    assert_matches_reference(engine, windowed_dir, adapters, requests, outputs, 6)

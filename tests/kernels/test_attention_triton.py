@@ -75,7 +75,7 @@ class Step:
         rows = [0, *itertools.accumulate(self.query_lens)]
         return torch.tensor(rows, dtype=torch.int32, device=self.query.device)
 
-    def reference(self, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    def reference(self, dtype: torch.dtype, scale: float, window: int | None = None):
         return pa.paged_attention_reference(
             self.query.to(dtype),
             self.k_cache.to(dtype),
@@ -84,6 +84,7 @@ class Step:
             self.context_lens,
             self.query_lens,
             scale,
+            window=window,
         )
 
 
@@ -370,3 +371,38 @@ def test_whole_step_runs_each_kernel_over_its_sub_batch(kernel_calls, batch, exp
     out = _whole_step(step, 0.25)
     assert kernel_calls == expected_calls
     _assert_matches_reference(out, step, 0.25)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_a_sliding_window_in_both_kernels(window):
+    """Decodes over split contexts (the splits cover the window only) and prefill chunks
+    over cached prefixes (rows whose window starts past a key tile see none of it) against
+    the windowed reference (``test_paged_attention_reference.py`` checks its definition)."""
+    scale = 24**-0.5
+    decodes = _step(DECODES, 6, 2, 24, 8, torch.float32)
+    expected = decodes.reference(torch.float64, scale, window)
+    for num_splits in (1, 4):
+        out = paged_decode_attention(
+            decodes.query,
+            decodes.k_cache,
+            decodes.v_cache,
+            decodes.padded,
+            decodes.ctx(),
+            scale,
+            num_splits,
+            window=window,
+        )
+        assert_close(out, expected, 1e-5)
+    prefills = _step(PREFILLS, 6, 2, 24, 8, torch.float32)
+    out = paged_prefill_attention(
+        prefills.query,
+        prefills.k_cache,
+        prefills.v_cache,
+        prefills.padded,
+        prefills.ctx(),
+        prefills.starts(),
+        scale,
+        max(prefills.query_lens),
+        window=window,
+    )
+    assert_close(out, prefills.reference(torch.float64, scale, window), 1e-5)

@@ -105,8 +105,9 @@ def _write_all(seqs, k_cache, v_cache, block_size):
     write_kv(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, torch.cat(new_slots))
 
 
-def _dense_causal(seq: Sequence, scale: float) -> torch.Tensor:
-    """[n, q_heads, D] in float64: softmax over j <= p_i of q_i . k_j * scale, times v_j."""
+def _dense_causal(seq: Sequence, scale: float, window: int | None = None) -> torch.Tensor:
+    """[n, q_heads, D] in float64: softmax over j <= p_i (and j > p_i - window under a
+    sliding window) of q_i . k_j * scale, times v_j."""
     q = seq.queries.double()
     k, v = seq.keys.double(), seq.values.double()
     group = q.shape[1] // k.shape[1]
@@ -116,6 +117,8 @@ def _dense_causal(seq: Sequence, scale: float) -> torch.Tensor:
     scores = torch.einsum("ihd,jhd->hij", q, k) * scale  # [Hq, n, L]
     q_pos = torch.arange(ctx_len - n_new, ctx_len)[:, None]
     visible = torch.arange(ctx_len)[None, :] <= q_pos  # [n, L]
+    if window is not None:
+        visible &= torch.arange(ctx_len)[None, :] > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
     weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -217,3 +220,23 @@ def test_write_kv_scatters_to_slots_and_nothing_else(dtype):
     untouched = untouched.view(num_blocks, block_size)
     assert torch.equal(k_cache[untouched], k_before[untouched])
     assert torch.equal(v_cache[untouched], v_before[untouched])
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 1000])
+def test_a_sliding_window_sees_the_last_keys_only(window):
+    """Queries at position p see keys p - window < j <= p: decodes, prefill chunks over a
+    cached prefix and whole prompts alike; a window past every context sees them all."""
+    seqs, k_cache, v_cache = _build(BATCH, 6, 2, 24, 5, torch.float32)
+    _write_all(seqs, k_cache, v_cache, 5)
+    query = torch.cat([s.queries for s in seqs])
+    plan = plan_attention(
+        [s.table for s in seqs], [c for c, _ in BATCH], [n for _, n in BATCH], 5, "cpu"
+    )
+    out = attend_reference(query, k_cache, v_cache, plan, 0.2, window=window)
+    expected = torch.cat([_dense_causal(s, 0.2, window) for s in seqs])
+    assert_close(out, expected, 1e-5)
+    unwindowed = attend_reference(query, k_cache, v_cache, plan, 0.2)
+    if window == 1000:
+        torch.testing.assert_close(out, unwindowed, rtol=1e-5, atol=1e-6)
+    else:
+        assert not torch.allclose(out, unwindowed)
