@@ -23,6 +23,7 @@ from loramux.engine.lora.adapter import (
     parse_token_tensor_name,
     read_adapter_config,
 )
+from loramux.engine.lora.expert_lora import parse_expert_tensor_name
 from loramux.engine.lora.source import CallableSource
 from loramux.engine.memory.plan import MemoryPlan
 from loramux.engine.model.config import ModelConfig
@@ -114,6 +115,7 @@ __all__ = [
     "is_converted",
     "load_adapter",
     "merge_tenants",
+    "parse_expert_tensor_name",
     "parse_lora_tensor_name",
     "parse_token_tensor_name",
     "parse_tool_output",

@@ -186,6 +186,9 @@ class LoRATable:
     num_tokens: int
     dora_rows: list[int] | None = None
     bias_rows: list[int] | None = None  # the same for adapters with a LoRA bias (lora_bias)
+    # Per adapter, its experts' LoRA rank (0: none; the engine's lora/expert_lora.py);
+    # None: no adapter of the step has any. The LoRA ops never read it.
+    expert_ranks: list[int] | None = None
     # Per adapter, its embedding and head rows (the engine's ``lora/tokens.AdapterTokens``,
     # None for one without); None: no adapter of the step has any. The LoRA ops never read it.
     tokens: list | None = None
@@ -198,7 +201,12 @@ class LoRATable:
     def plain(self) -> bool:
         """Whether the LoRA ops are all the step's adapters need (no DoRA, LoRA bias or
         token rows)."""
-        return self.dora_rows is None and self.bias_rows is None and self.tokens is None
+        return (
+            self.dora_rows is None
+            and self.bias_rows is None
+            and self.tokens is None
+            and self.expert_ranks is None
+        )
 
     def first_rows(self) -> list[int]:
         """Each adapter's first pool row, for ops that read an adapter's rows as one slice:

@@ -27,6 +27,7 @@ from loramux.engine.lora.adapter_config import (
     AdapterError,
     read_adapter_config,
 )
+from loramux.engine.lora.expert_lora import expert_modules, parse_expert_tensor_name
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.fused_modules import split_rows
 from loramux.engine.model.llama import LORA_TARGETS
@@ -137,6 +138,9 @@ class LoRAWeights:
     # The embedding's and the LM head's rows it replaces (``engine/lora/tokens.py``)
     embed: TokenRows | None = None
     head: TokenRows | None = None
+    # LoRA on a mixture of experts' experts (``engine/lora/expert_lora.py``): each expert's
+    # rank; its MLP modules then hold rank·num_experts rows, expert e's from e·rank
+    expert_rank: int = 0
 
     @property
     def token_rows(self) -> int:
@@ -188,10 +192,14 @@ def parse_token_tensor_name(name: str) -> tuple[str, str] | None:
 
 
 def _read_lora_tensors(
-    weights_path: Path, model_config: ModelConfig, tokens: dict[tuple[str, str], torch.Tensor]
+    weights_path: Path,
+    model_config: ModelConfig,
+    tokens: dict[tuple[str, str], torch.Tensor],
+    experts: dict[tuple[int, int, str], torch.Tensor],
 ) -> dict[tuple[str, int, str], tuple[LoRATensorName, torch.Tensor]]:
     """(module, layer, "A" or "B") -> (its name, the tensor as stored), names checked; the
-    embedding's and head's tensors go into ``tokens`` (``parse_token_tensor_name``'s key)."""
+    embedding's and head's tensors go into ``tokens`` (``parse_token_tensor_name``'s key),
+    the experts' into ``experts`` (``expert_lora.parse_expert_tensor_name``'s)."""
     raw: dict[tuple[str, int, str], tuple[LoRATensorName, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as handle:
@@ -200,12 +208,11 @@ def _read_lora_tensors(
                 if token_tensor is not None:
                     tokens[token_tensor] = handle.get_tensor(key)
                     continue
+                expert_tensor = parse_expert_tensor_name(key)
+                if expert_tensor is not None:
+                    experts[expert_tensor] = handle.get_tensor(key)
+                    continue
                 parsed = parse_lora_tensor_name(key)
-                if parsed is None and ".experts." in key:
-                    raise AdapterError(
-                        f"tensor {key!r} puts LoRA on a mixture-of-experts model's experts, "
-                        "which is not served yet; target the attention projections instead"
-                    )
                 if parsed is None:
                     raise AdapterError(f"tensor {key!r} is not a LoRA weight of a known module")
                 fused = model_config.fused_modules
@@ -233,7 +240,7 @@ def _read_lora_tensors(
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise AdapterError(f"{WEIGHTS_FILE} could not be read as safetensors: {exc}") from exc
-    if not raw:
+    if not raw and not experts:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
     return raw
 
@@ -389,7 +396,8 @@ def load_adapter(
         raise AdapterError(f"{WEIGHTS_FILE} is missing from {adapter_dir}")
     config = read_adapter_config(adapter_dir)
     token_tensors: dict[tuple[str, str], torch.Tensor] = {}
-    raw = _read_lora_tensors(weights_path, model_config, token_tensors)
+    expert_tensors: dict[tuple[int, int, str], torch.Tensor] = {}
+    raw = _read_lora_tensors(weights_path, model_config, token_tensors, expert_tensors)
     embed, head = _token_rows(token_tensors, config, model_config, dtype, device)
 
     modules: dict[str, ModuleWeights] = {}
@@ -436,7 +444,24 @@ def load_adapter(
         module, layer, which = orphans[0]
         tensor = {"B": "lora_B", "bias": "lora_B.bias"}.get(which, "lora_magnitude_vector")
         raise AdapterError(f"layers.{layer}.{module} has {tensor} but no lora_A")
-    return LoRAWeights(name=name or adapter_dir.name, modules=modules, embed=embed, head=head)
+    expert_rank = 0
+    if expert_tensors:
+        slots = expert_modules(expert_tensors, config, model_config, dtype, device, _check_values)
+        for module, (rank, scale, a, b) in slots.items():
+            if module in modules:
+                raise AdapterError(
+                    f"the adapter puts LoRA on both the experts and a dense {module}; "
+                    "train one of them"
+                )
+            modules[module] = ModuleWeights(rank=rank, scale=scale, a=a, b=b)
+            expert_rank = rank // model_config.num_experts
+    return LoRAWeights(
+        name=name or adapter_dir.name,
+        modules=modules,
+        embed=embed,
+        head=head,
+        expert_rank=expert_rank,
+    )
 
 
 def _token_rows(

@@ -177,11 +177,15 @@ def _check_supported(raw: dict) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise AdapterError(f"peft_type {_show(peft_type)} is not supported (only LORA)")
-    if raw.get("target_parameters"):
+    parameters = raw.get("target_parameters") or []
+    if not isinstance(parameters, list) or any(
+        not isinstance(name, str) or name.rsplit(".", 1)[-1] not in ("gate_up_proj", "down_proj")
+        for name in parameters
+    ):
         raise AdapterError(
-            f"target_parameters ({_show(raw['target_parameters'])}) puts LoRA on parameters "
-            "such as a mixture-of-experts model's expert weights, which is not served yet; "
-            "target the attention projections (target_modules) instead"
+            f"target_parameters ({_show(parameters)}) may name only a mixture-of-experts "
+            "model's stacked experts, gate_up_proj and down_proj (experts.gate_up_proj, ...); "
+            "target other weights by module (target_modules)"
         )
     if raw.get("bias", "none") != "none":
         raise AdapterError(

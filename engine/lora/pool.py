@@ -65,6 +65,7 @@ class ResidentAdapter:
     modules: dict[str, tuple[int, float]]  # module -> (rank, scale)
     dora_offset: int | None = None  # which of its rows holds DoRA's scales (engine/lora/dora.py)
     bias_offset: int | None = None  # which holds its LoRA biases (engine/lora/output_terms.py)
+    expert_rank: int = 0  # LoRA on a mixture's experts: each expert's rank (expert_lora.py)
     # Its embedding and head rows (engine/lora/tokens.py): the first of their rank-rows,
     # how many, and where each table's rows are among them
     token_offset: int = 0
@@ -276,6 +277,7 @@ class LoRAPool:
             modules={m: (mw.rank, mw.scale) for m, mw in weights.modules.items()},
             dora_offset=weights.dora_row,
             bias_offset=weights.bias_row,
+            expert_rank=weights.expert_rank,
             token_offset=weights.num_rows,
             token_rows=num_rows - weights.num_rows,
             embed=embed,
@@ -373,6 +375,11 @@ class LoRAPool:
             bias_rows=(
                 [r.bias_row for r in residents]
                 if any(r.bias_offset is not None for r in residents)
+                else None
+            ),
+            expert_ranks=(
+                [r.expert_rank for r in residents]
+                if any(r.expert_rank for r in residents)
                 else None
             ),
             tokens=[r.tokens() for r in residents]

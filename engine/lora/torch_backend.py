@@ -90,6 +90,7 @@ class TorchStepLoRA:
     """A step's adapters for the torch ops (a ``StepLoRA``); group plans built on first use."""
 
     terms = None  # the step's DoRA and LoRA-bias terms, set by forward_step (output_terms.py)
+    experts = None  # its LoRA on a mixture's experts, set by forward_step (expert_lora.py)
 
     def __init__(
         self,

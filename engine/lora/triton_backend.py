@@ -34,6 +34,7 @@ class TritonStepLoRA:
     it has made (the engine reports them per decode step)."""
 
     terms = None  # the step's DoRA and LoRA-bias terms, set by forward_step (output_terms.py)
+    experts = None  # its LoRA on a mixture's experts, set by forward_step (expert_lora.py)
 
     def __init__(
         self, batch: LoRABatch, pools: LoRAWeightSource, tiles: PhaseTiles, count: LaunchCount

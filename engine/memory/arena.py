@@ -382,10 +382,12 @@ class DeviceArena:
         for module, mw in weights.modules.items():
             rows = slice(start, start + mw.rank)
             for layer, a in mw.a.items():
-                self.a_pool(layer, module)[rows].copy_(a.to(self.dtype), non_blocking=True)
+                # (an MoE expert's may be narrower than the dense MLP's slot: its start)
+                a_rows = self.a_pool(layer, module)[rows, : a.shape[1]]
+                a_rows.copy_(a.to(self.dtype), non_blocking=True)
                 # B is copied as it is (contiguous, pinned) and transposed on the device.
                 b = mw.b[layer].to(self.device, self.dtype, non_blocking=True)
-                self.b_pool(layer, module)[rows] = b.T
+                self.b_pool(layer, module)[rows, : b.shape[0]] = b.T
             if mw.magnitude and not mw.dora_excess:
                 raise ValueError(
                     f"DoRA adapter {weights.name!r} must be folded before it is written"

@@ -75,6 +75,7 @@ class StepLoRA(Protocol):
 
     launches: int
     terms: OutputTerms | None
+    experts: object | None  # LoRA on a mixture's experts (engine/lora/expert_lora.py)
 
     def add(
         self,
@@ -231,7 +232,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
         if config.is_moe_layer(layer):
-            self.mlp = MoEMLP(config, ACTIVATIONS[config.hidden_act])
+            self.mlp = MoEMLP(config, layer, ACTIVATIONS[config.hidden_act])
         else:
             self.mlp = LlamaMLP(config, layer)
         h = config.hidden_size
@@ -249,7 +250,7 @@ class LlamaDecoderLayer(nn.Module):
         attended = self.self_attn(self.input_layernorm(x), cos, sin, attention, kv_cache, lora)
         if not self.gemma_norms:
             x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x), lora)
+            return x + self.mlp(self.post_attention_layernorm(x), lora)  # (MoE: its experts')
         x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(
             self.mlp(self.pre_feedforward_layernorm(x), lora)

@@ -13,9 +13,9 @@ dimension (gate and up column-parallel, down row-parallel, as a dense MLP) and t
 whole: every rank routes alike, and the experts' partial outputs are summed over the ranks
 with the layer's one all-reduce.
 
-LoRA applies to the attention projections of such a layer (and to the MLP of the dense
-layers a family interleaves); LoRA on the experts themselves is refused when an adapter is
-read (``lora/adapter_config.py``).
+LoRA applies to the attention projections of such a layer and to its experts
+(``lora/expert_lora.py``: each expert's gate, up and down outputs gain their adapters'
+deltas for the tokens the expert serves).
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class Expert(nn.Module):
 class MoEMLP(nn.Module):
     """The routed MLP of one layer (see the module doc), in place of a dense one."""
 
-    def __init__(self, config: ModelConfig, activation):
+    def __init__(self, config: ModelConfig, layer: int, activation):
         super().__init__()
+        self.layer = layer
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(
             Expert(config.hidden_size, config.expert_intermediate_size)
@@ -85,13 +86,21 @@ class MoEMLP(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """``lora`` is not read: adapters do not reach the experts (see the module doc)."""
+        """``lora``: the step's adapters, whose LoRA on the experts (``lora.experts``,
+        ``engine/lora/expert_lora.py``) each expert adds for its tokens."""
+        adapters = None if lora is None else lora.experts
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():  # ascending, as transformers' loop
             tokens, slot = torch.where(experts == expert)
             module = self.experts[expert]
             h = x.index_select(0, tokens)
-            h = module.down_proj(self.act(module.gate_proj(h)) * module.up_proj(h))
-            out.index_add_(0, tokens, (h * weights[tokens, slot, None]).to(out.dtype))
+            gate, up = module.gate_proj(h), module.up_proj(h)
+            if adapters is not None:
+                adapters.add(h, [gate, up], tokens, self.layer, expert, ("gate_proj", "up_proj"))
+            h = self.act(gate) * up
+            down = module.down_proj(h)
+            if adapters is not None:
+                adapters.add(h, [down], tokens, self.layer, expert, ("down_proj",))
+            out.index_add_(0, tokens, (down * weights[tokens, slot, None]).to(out.dtype))
         return out if self.ranks is None else self.ranks.all_reduce_(out)

@@ -200,16 +200,38 @@ class ShardPlan:
             rows = torch.cat([rows, pad])
         return rows
 
-    def shard_lora_a(self, module: str, a: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a LoRA A (``[r, in]``): its input slice when row-parallel."""
-        inp = self.in_features(module)
-        return a if inp is None or self.world_size == 1 else a.index_select(1, inp)
+    def _expert_features(self) -> torch.Tensor:
+        local = self.config.expert_intermediate_size // self.world_size
+        return torch.arange(self.rank * local, (self.rank + 1) * local)
 
-    def shard_lora_b(self, module: str, b: torch.Tensor) -> torch.Tensor:
+    def _routed(self, module: str, layer: int | None) -> bool:
+        """Whether ``module`` of ``layer`` is an expert's (a routed layer's MLP slots)."""
+        return (
+            layer is not None
+            and self.config.is_moe_layer(layer)
+            and module in ("gate_proj", "up_proj", "down_proj")
+        )
+
+    def shard_lora_a(self, module: str, a: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """This rank's part of a LoRA A (``[r, in]``): its input slice when row-parallel (of
+        an expert's intermediate size in a routed layer)."""
+        if self.world_size == 1:
+            return a
+        inp = self.in_features(module)
+        if self._routed(module, layer):
+            inp = self._expert_features() if module == "down_proj" else None
+        return a if inp is None else a.index_select(1, inp)
+
+    def shard_lora_b(self, module: str, b: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """This rank's part of a LoRA B (``[out, r]``), or of anything else indexed by the
-        output features first: its output slice when column-parallel."""
+        output features first: its output slice when column-parallel (of an expert's
+        intermediate size in a routed layer)."""
+        if self.world_size == 1:
+            return b
         out = self.out_features(module)
-        return b if out is None or self.world_size == 1 else b.index_select(0, out)
+        if self._routed(module, layer):
+            out = None if module == "down_proj" else self._expert_features()
+        return b if out is None else b.index_select(0, out)
 
     def shard_lora_bias(self, module: str, bias: torch.Tensor) -> torch.Tensor:
         """This rank's part of a LoRA B's bias: its output slice when column-parallel; a
@@ -226,8 +248,8 @@ class ShardPlan:
             module: ModuleWeights(
                 rank=mw.rank,
                 scale=mw.scale,
-                a={layer: self.shard_lora_a(module, a) for layer, a in mw.a.items()},
-                b={layer: self.shard_lora_b(module, b) for layer, b in mw.b.items()},
+                a={layer: self.shard_lora_a(module, a, layer) for layer, a in mw.a.items()},
+                b={layer: self.shard_lora_b(module, b, layer) for layer, b in mw.b.items()},
                 # DoRA's magnitude is per output feature, as B's rows are
                 magnitude={
                     layer: self.shard_lora_b(module, m) for layer, m in mw.magnitude.items()

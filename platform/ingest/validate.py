@@ -35,6 +35,7 @@ from loramux.engine import (
     AdapterError,
     ModelConfig,
     load_adapter,
+    parse_expert_tensor_name,
     parse_lora_tensor_name,
     parse_token_tensor_name,
     read_adapter_config,
@@ -176,6 +177,8 @@ def _check_tensors(
     ranks: dict[tuple[str, int, str], int] = {}
     known = _known_modules(model_config)
     for entry in entries:
+        if parse_expert_tensor_name(entry.name) is not None:
+            continue  # LoRA on a mixture's experts: the loader checks it (expert_lora.py)
         if parse_token_tensor_name(entry.name) is not None:
             continue  # an embedding or head table (modules_to_save, trainable tokens): the loader checks it
         parsed = parse_lora_tensor_name(entry.name)

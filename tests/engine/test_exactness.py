@@ -36,11 +36,18 @@ FORMAT_ADAPTER_SPECS = {
 }
 
 
-# For a mixture-of-experts model, whose experts take no LoRA (PEFT turns MLP targets into
-# expert parameters there): the same formats on the attention projections alone.
+# For a mixture-of-experts model: r16-mlp's MLP LoRA is on the stacked experts
+# (target_parameters, rank 8 per expert; PEFT takes neither DoRA nor a LoRA bias there),
+# r4-qv has the LoRA biases instead.
 MOE_ADAPTER_SPECS = {
-    **FORMAT_ADAPTER_SPECS,
-    "r16-mlp": {**FORMAT_ADAPTER_SPECS["r16-mlp"], "targets": ("v_proj", "o_proj")},
+    "r4-qv": {**FORMAT_ADAPTER_SPECS["r4-qv"], "lora_bias": True},
+    "r8-attn": FORMAT_ADAPTER_SPECS["r8-attn"],
+    "r16-mlp": {
+        "rank": 8,
+        "targets": ("o_proj",),
+        "target_parameters": ("experts.gate_up_proj", "experts.down_proj"),
+        "seed": 3,
+    },
 }
 
 

@@ -277,16 +277,32 @@ def test_moe_staggered_prefix_hits_and_preemption_match_peft(moe_dir, moe_adapte
     assert_staggered_prefix_hits_and_preemption_match_peft(moe_dir, moe_adapters)
 
 
-def test_lora_on_experts_is_refused_naming_what_to_target(moe_dir, make_adapter):
-    """LoRA on the stacked experts, as PEFT trains it (target_parameters)."""
+def test_expert_lora_takes_rank_times_experts_rows_of_the_mlp_slots(moe_dir, moe_adapters):
+    """Expert e's rank-rows at e·rank of the MLP modules (gate_up's B split into gate's
+    and up's), attention's at the adapter's first rows."""
+    from loramux.engine.lora.adapter import load_adapter
+
+    config = ModelConfig.from_pretrained(moe_dir)
+    weights = load_adapter(moe_adapters["r16-mlp"], config)
+    assert weights.expert_rank == 8 and weights.rank == 8 * 4
+    gate, up, down = (weights.modules[m] for m in ("gate_proj", "up_proj", "down_proj"))
+    assert gate.a[0] is up.a[0] and gate.a[0].shape == (32, 64)
+    assert (gate.b[0].shape, down.a[0].shape, down.b[0].shape) == ((48, 32), (32, 48), (64, 32))
+    assert weights.modules["o_proj"].rank == 8
+    assert set(gate.a) == {i for i in range(config.num_layers) if config.is_moe_layer(i)}
+
+
+def test_target_parameters_other_than_the_experts_are_refused(moe_dir, moe_adapters, adapter_copy):
     from loramux.engine.lora.adapter import AdapterError, load_adapter
 
-    experts = ("experts.gate_up_proj", "experts.down_proj")
-    adapter = make_adapter(moe_dir, rank=4, targets=("q_proj",), target_parameters=experts)
-    with pytest.raises(
-        AdapterError,
-        match=r"target_parameters .* expert weights, which is not served yet; target the attention",
-    ):
+    adapter = adapter_copy(moe_adapters["r16-mlp"])
+    path = adapter / "adapter_config.json"
+    path.write_text(
+        json.dumps(
+            {**json.loads(path.read_text()), "target_parameters": ["self_attn.q_proj.weight"]}
+        )
+    )
+    with pytest.raises(AdapterError, match=r"target_parameters .* may name only a mixture"):
         load_adapter(adapter, ModelConfig.from_pretrained(moe_dir))
 
 
@@ -354,3 +370,16 @@ def test_contexts_past_a_sliding_window_match_peft_over_the_triton_kernels(
     outputs = run_staggered(engine, requests, 6)
     assert sum(engine.executor.static_decode.steps_run.values()) > 0
     assert_matches_reference(engine, windowed_dir, adapters, requests, outputs, 6)
+
+
+def test_expert_lora_is_accepted_at_upload(moe_dir, moe_adapters):
+    from loramux.platform.ingest import validate_adapter_dir
+
+    info = validate_adapter_dir(
+        moe_adapters["r16-mlp"],
+        ModelConfig.from_pretrained(moe_dir),
+        base_model_id=None,
+        max_rank=64,
+        max_bytes=10 << 20,
+    )
+    assert info.target_modules == ["o_proj"]
