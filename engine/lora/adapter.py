@@ -7,12 +7,16 @@ never opened: unpickling runs arbitrary code.
 ``adapter_config.json`` comes from tenants: it is parsed once, strictly, by
 ``loramux.engine.lora.adapter_config`` (which also holds PEFT's scaling rules). A loaded
 adapter's A, B and scale·B are finite in the dtype it is loaded in (fp16's 65504
-included): an adapter whose scaled weights overflow is refused, not served.
+included): an adapter whose scaled weights overflow is refused, not served
+(``adapter_checks.py``).
+
+Beyond A and B an adapter may hold DoRA's magnitudes and LoRA biases (checked here, served
+by ``dora.py`` and ``output_terms.py``), its own embedding and LM-head rows
+(``token_rows.py``, ``tokens.py``) and LoRA on a mixture's experts (``expert_lora.py``).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +24,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from loramux.engine.lora.adapter_checks import (
+    check_shapes,
+    check_values,
+    lora_bias_of,
+    magnitude_of,
+)
 from loramux.engine.lora.adapter_config import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -28,6 +38,7 @@ from loramux.engine.lora.adapter_config import (
     read_adapter_config,
 )
 from loramux.engine.lora.expert_lora import expert_modules, parse_expert_tensor_name
+from loramux.engine.lora.token_rows import TokenRows, parse_token_tensor_name, token_rows_of
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.fused_modules import split_rows
 from loramux.engine.model.llama import LORA_TARGETS
@@ -52,13 +63,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (optionally .default.),
-# and DoRA's ...q_proj.lora_magnitude_vector (older PEFT: ...lora_magnitude_vector.default.weight)
-# modules_to_save's whole tables (base_model.model.lm_head.weight), trainable_token_indices'
-# rows (base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta)
-_TOKEN_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(model\.embed_tokens|lm_head)\."
-    r"(?:(?:modules_to_save\.[\w-]+\.)?(weight)|token_adapter\.(trainable_tokens_delta)(?:\.[\w-]+)?)$"
-)
+# DoRA's ...q_proj.lora_magnitude_vector (older PEFT: ...lora_magnitude_vector.default.weight)
 # and lora_bias's ...q_proj.lora_B.bias
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
@@ -119,19 +124,6 @@ class ModuleWeights:
 
 
 @dataclass
-class TokenRows:
-    """Rows of the embedding or the LM head an adapter replaces (PEFT's modules_to_save:
-    the whole table; trainable_token_indices: a few rows)."""
-
-    rows: torch.Tensor  # [k, hidden]
-    ids: tuple[int, ...] | None = None  # the token of each row; None: all, in order
-
-    @property
-    def count(self) -> int:
-        return self.rows.shape[0]
-
-
-@dataclass
 class LoRAWeights:
     name: str
     modules: dict[str, ModuleWeights]  # target module -> weights
@@ -179,16 +171,6 @@ class LoRAWeights:
     def bias_row(self) -> int | None:
         """Which of its rows holds its scaled LoRA biases (None: it has none)."""
         return self.rank + self.dora if self.lora_bias else None
-
-
-def parse_token_tensor_name(name: str) -> tuple[str, str] | None:
-    """(``embed_tokens`` or ``lm_head``, ``table`` or ``rows``) of a modules_to_save table or
-    a trainable_token_indices tensor; None for any other name."""
-    match = _TOKEN_KEY.match(name)
-    if match is None:
-        return None
-    module = "lm_head" if match[1] == "lm_head" else "embed_tokens"
-    return module, "table" if match[2] else "rows"
 
 
 def _read_lora_tensors(
@@ -261,118 +243,6 @@ def _parts(
         raise AdapterError(f"{key}: {exc}") from exc
 
 
-def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int]) -> int:
-    """The rank of a layer's A [r, in] and B [out, r], after checking both against the base."""
-    in_features, out_features = shape
-    if a.ndim != 2 or a.shape[1] != in_features or a.shape[0] < 1:
-        raise AdapterError(
-            f"{key}.lora_A has shape {tuple(a.shape)}; the base model needs [r, {in_features}]"
-        )
-    rank = a.shape[0]
-    if b.ndim != 2 or tuple(b.shape) != (out_features, rank):
-        raise AdapterError(
-            f"{key}.lora_B has shape {tuple(b.shape)}; the base model needs "
-            f"[{out_features}, {rank}]"
-        )
-    return rank
-
-
-def _magnitude(
-    raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int, dtype
-) -> torch.Tensor | None:
-    """DoRA's magnitude vector of a module's layer ([out], finite in ``dtype``), None
-    without ``use_dora``; an error when the config and the tensors disagree."""
-    entry = raw.get((module, layer, "M"))
-    if not config.use_dora:
-        if entry is not None:
-            raise AdapterError(
-                f"{key}.lora_magnitude_vector is a DoRA tensor, but {CONFIG_FILE} does not "
-                "say use_dora: true; save the adapter with the config PEFT wrote for it"
-            )
-        return None
-    if entry is None:
-        raise AdapterError(
-            f"{key} has no lora_magnitude_vector, which a DoRA adapter (use_dora: true) "
-            "needs for every module it targets"
-        )
-    magnitude = entry[1]
-    if magnitude.ndim != 1 or magnitude.shape[0] != out_features:
-        raise AdapterError(
-            f"{key}.lora_magnitude_vector has shape {tuple(magnitude.shape)}; the base model "
-            f"needs [{out_features}]"
-        )
-    peak = float(magnitude.abs().max())
-    if not _fits(peak, dtype):
-        raise AdapterError(
-            f"{key}.lora_magnitude_vector holds NaN, infinite or values beyond "
-            f"{str(dtype).removeprefix('torch.')}'s range"
-        )
-    return magnitude
-
-
-def _lora_bias(
-    raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int
-) -> torch.Tensor | None:
-    """lora_B's bias of a module's layer ([out]), None without ``lora_bias``; an error when
-    the config and the tensors disagree (its values are checked with B's)."""
-    entry = raw.get((module, layer, "bias"))
-    if not config.lora_bias:
-        if entry is not None:
-            raise AdapterError(
-                f"{key}.lora_B.bias is a LoRA bias, but {CONFIG_FILE} does not say "
-                "lora_bias: true; save the adapter with the config PEFT wrote for it"
-            )
-        return None
-    if entry is None:
-        raise AdapterError(
-            f"{key} has no lora_B.bias, which an adapter with lora_bias: true needs for every "
-            "module it targets"
-        )
-    bias = entry[1]
-    if bias.ndim != 1 or bias.shape[0] != out_features:
-        raise AdapterError(
-            f"{key}.lora_B.bias has shape {tuple(bias.shape)}; the base model needs "
-            f"[{out_features}]"
-        )
-    return bias
-
-
-def _fits(value: float, dtype: torch.dtype) -> bool:
-    """Whether ``value`` stays finite when rounded to ``dtype``."""
-    return math.isfinite(value) and bool(
-        torch.isfinite(torch.tensor(value, dtype=torch.float64).to(dtype))
-    )
-
-
-def _check_values(key: str, a: torch.Tensor, b: torch.Tensor, scale: float, dtype) -> None:
-    """A and B must be finite, and A, B, the scale and scale·B finite in ``dtype``.
-
-    The engine keeps scales in the serving dtype and multiplies B by them: a value that
-    overflows there turns the adapter's outputs into inf/NaN (or makes the step raise).
-    Rounding is monotonic, so a tensor fits ``dtype`` when its largest magnitude does: one
-    reduction per tensor (NaN and inf propagate through it) instead of a check per element
-    kind, since the loader thread runs beside the engine's steps and a load's cost is felt
-    there.
-    """
-    peak_a, peak_b = float(a.abs().max()), float(b.abs().max())
-    if not (math.isfinite(peak_a) and math.isfinite(peak_b)):
-        raise AdapterError(f"{key} holds NaN or infinite values")
-    peak = peak_b * abs(scale)
-    if _fits(max(peak_a, peak_b, abs(scale), peak), dtype):
-        return
-    dtype_name, largest = str(dtype).removeprefix("torch."), torch.finfo(dtype).max
-    beyond = f"beyond {dtype_name}'s largest value ({largest:g}), the dtype it is served in"
-    for which, value in (("A", peak_a), ("B", peak_b)):
-        if not _fits(value, dtype):
-            raise AdapterError(f"{key}.lora_{which} has values {beyond}")
-    if not _fits(scale, dtype):
-        raise AdapterError(f"{key}: its scale (lora_alpha/r = {scale:g}) is {beyond}")
-    raise AdapterError(
-        f"{key}: lora_B times its scale (lora_alpha/r = {scale:g}) reaches {peak:.4g}, "
-        f"{beyond}; lower lora_alpha or the weights"
-    )
-
-
 def load_adapter(
     adapter_dir: str | Path,
     model_config: ModelConfig,
@@ -398,7 +268,7 @@ def load_adapter(
     token_tensors: dict[tuple[str, str], torch.Tensor] = {}
     expert_tensors: dict[tuple[int, int, str], torch.Tensor] = {}
     raw = _read_lora_tensors(weights_path, model_config, token_tensors, expert_tensors)
-    embed, head = _token_rows(token_tensors, config, model_config, dtype, device)
+    embed, head = token_rows_of(token_tensors, config, model_config, dtype, device)
 
     modules: dict[str, ModuleWeights] = {}
     for (module, layer, which), (tensor_name, a) in sorted(raw.items()):
@@ -413,9 +283,9 @@ def load_adapter(
         if (module, layer, "B") not in raw:
             raise AdapterError(f"{key} has lora_A but no lora_B")
         b = raw[(module, layer, "B")][1]
-        rank = _check_shapes(key, a, b, model_config.module_shape(module))
-        magnitude = _magnitude(raw, config, key, module, layer, b.shape[0], dtype)
-        bias = _lora_bias(raw, config, key, module, layer, b.shape[0])
+        rank = check_shapes(key, a, b, model_config.module_shape(module))
+        magnitude = magnitude_of(raw, config, key, module, layer, b.shape[0], dtype)
+        bias = lora_bias_of(raw, config, key, module, layer, b.shape[0])
         peft_name = tensor_name.peft_module_name
         expected_rank = config.rank_for(peft_name)
         if expected_rank is not None and rank != expected_rank:
@@ -423,9 +293,9 @@ def load_adapter(
         if max_rank is not None and rank > max_rank:
             raise AdapterError(f"{key} has rank {rank}, above this engine's maximum of {max_rank}")
         scale = config.scale_for(peft_name, rank)
-        _check_values(key, a, b, scale, dtype)
+        check_values(key, a, b, scale, dtype)
         if bias is not None:
-            _check_values(f"{key}.lora_B.bias", a, bias[:, None], scale, dtype)
+            check_values(f"{key}.lora_B.bias", a, bias[:, None], scale, dtype)
         weights = modules.get(module)
         if weights is None:
             weights = modules[module] = ModuleWeights(rank=rank, scale=scale)
@@ -446,7 +316,7 @@ def load_adapter(
         raise AdapterError(f"layers.{layer}.{module} has {tensor} but no lora_A")
     expert_rank = 0
     if expert_tensors:
-        slots = expert_modules(expert_tensors, config, model_config, dtype, device, _check_values)
+        slots = expert_modules(expert_tensors, config, model_config, dtype, device, check_values)
         for module, (rank, scale, a, b) in slots.items():
             if module in modules:
                 raise AdapterError(
@@ -462,78 +332,3 @@ def load_adapter(
         head=head,
         expert_rank=expert_rank,
     )
-
-
-def _token_rows(
-    tensors: dict[tuple[str, str], torch.Tensor],
-    config: AdapterConfig,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    device,
-) -> tuple[TokenRows | None, TokenRows | None]:
-    """The embedding's and the head's rows the adapter replaces, checked against its config
-    and the base model. PEFT ties trainable tokens of a tied embedding to the head; a whole
-    embedding saved without ``ensure_weight_tying`` leaves the head as it is."""
-    vocab, hidden = model_config.vocab_size, model_config.hidden_size
-    indices = dict(config.trainable_tokens)
-    found: dict[str, TokenRows] = {}
-    for (module, kind), tensor in sorted(tensors.items()):
-        name = f"{module} ({'modules_to_save' if kind == 'table' else 'trainable_token_indices'})"
-        if kind == "table":
-            if module not in config.modules_to_save:
-                raise AdapterError(
-                    f"the weights hold a whole {module} table, but {CONFIG_FILE} does not list "
-                    f"it in modules_to_save; save the adapter with the config PEFT wrote for it"
-                )
-            ids, expected = None, (vocab, hidden)
-            if tensor.ndim == 2 and tensor.shape[1] == hidden and tensor.shape[0] != vocab:
-                raise AdapterError(
-                    f"{name} has {tensor.shape[0]} rows, the base model's vocabulary "
-                    f"{vocab}: a resized vocabulary is not served; give new tokens ids "
-                    "within the base vocabulary (its reserved tokens) and train them with "
-                    "trainable_token_indices"
-                )
-        else:
-            ids = indices.get(module)
-            if ids is None:
-                raise AdapterError(
-                    f"the weights hold trainable token rows of {module}, but {CONFIG_FILE}'s "
-                    "trainable_token_indices names none for it"
-                )
-            if max(ids) >= vocab:
-                raise AdapterError(
-                    f"trainable_token_indices names token {max(ids)}, beyond the base "
-                    f"model's vocabulary of {vocab}"
-                )
-            expected = (len(ids), hidden)
-        if tuple(tensor.shape) != expected:
-            raise AdapterError(
-                f"{name} has shape {tuple(tensor.shape)}; the base model needs {list(expected)}"
-            )
-        if module in found:
-            raise AdapterError(f"{module} is both saved whole and given trainable tokens")
-        if not _fits(float(tensor.abs().max()), dtype):
-            raise AdapterError(
-                f"{name} holds NaN, infinite or values beyond "
-                f"{str(dtype).removeprefix('torch.')}'s range"
-            )
-        found[module] = TokenRows(rows=tensor.to(device=device, dtype=dtype), ids=ids)
-    for module in config.modules_to_save:
-        if module not in found:
-            raise AdapterError(
-                f"modules_to_save lists {module}, but the weights hold no table of it"
-            )
-    for module in indices:
-        if module not in found:
-            raise AdapterError(
-                f"trainable_token_indices names tokens of {module}, but the weights hold none"
-            )
-    embed, head = found.get("embed_tokens"), found.get("lm_head")
-    if (
-        head is None
-        and embed is not None
-        and embed.ids is not None
-        and model_config.tie_word_embeddings
-    ):
-        head = embed
-    return embed, head

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.lora.adapter import LoRAWeights, TokenRows
+from loramux.engine.lora.adapter import LoRAWeights
+from loramux.engine.lora.token_rows import TokenRows
 
 
 def token_table_rows(count: int, row_width: int, hidden: int, num_layers: int) -> int:
