@@ -28,32 +28,44 @@ def check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, i
     return rank
 
 
-def magnitude_of(
-    raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int, dtype
+def _per_output(
+    raw, enabled: bool, which: str, key: str, module: str, layer: int, out_features: int
 ) -> torch.Tensor | None:
-    """DoRA's magnitude vector of a module's layer ([out], finite in ``dtype``), None
-    without ``use_dora``; an error when the config and the tensors disagree."""
-    entry = raw.get((module, layer, "M"))
-    if not config.use_dora:
+    """A module's layer's per-output tensor of kind ``which`` ([out]), None unless the
+    config ``enabled`` it; an error naming the tensor when the config and the file disagree.
+    """
+    tensor, flag, what = {
+        "M": ("lora_magnitude_vector", "use_dora", "a DoRA tensor"),
+        "bias": ("lora_B.bias", "lora_bias", "a LoRA bias"),
+    }[which]
+    entry = raw.get((module, layer, which))
+    if not enabled:
         if entry is not None:
             raise AdapterError(
-                f"{key}.lora_magnitude_vector is a DoRA tensor, but {CONFIG_FILE} does not "
-                "say use_dora: true; save the adapter with the config PEFT wrote for it"
+                f"{key}.{tensor} is {what}, but {CONFIG_FILE} does not say {flag}: true; "
+                "save the adapter with the config PEFT wrote for it"
             )
         return None
     if entry is None:
         raise AdapterError(
-            f"{key} has no lora_magnitude_vector, which a DoRA adapter (use_dora: true) "
-            "needs for every module it targets"
+            f"{key} has no {tensor}, which an adapter with {flag}: true needs for every "
+            "module it targets"
         )
-    magnitude = entry[1]
-    if magnitude.ndim != 1 or magnitude.shape[0] != out_features:
+    value = entry[1]
+    if value.ndim != 1 or value.shape[0] != out_features:
         raise AdapterError(
-            f"{key}.lora_magnitude_vector has shape {tuple(magnitude.shape)}; the base model "
-            f"needs [{out_features}]"
+            f"{key}.{tensor} has shape {tuple(value.shape)}; the base model needs [{out_features}]"
         )
-    peak = float(magnitude.abs().max())
-    if not fits(peak, dtype):
+    return value
+
+
+def magnitude_of(
+    raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int, dtype
+) -> torch.Tensor | None:
+    """DoRA's magnitude vector of a module's layer ([out], finite in ``dtype``), None
+    without ``use_dora``."""
+    magnitude = _per_output(raw, config.use_dora, "M", key, module, layer, out_features)
+    if magnitude is not None and not fits(float(magnitude.abs().max()), dtype):
         raise AdapterError(
             f"{key}.lora_magnitude_vector holds NaN, infinite or values beyond "
             f"{str(dtype).removeprefix('torch.')}'s range"
@@ -64,28 +76,9 @@ def magnitude_of(
 def lora_bias_of(
     raw, config: AdapterConfig, key: str, module: str, layer: int, out_features: int
 ) -> torch.Tensor | None:
-    """lora_B's bias of a module's layer ([out]), None without ``lora_bias``; an error when
-    the config and the tensors disagree (its values are checked with B's)."""
-    entry = raw.get((module, layer, "bias"))
-    if not config.lora_bias:
-        if entry is not None:
-            raise AdapterError(
-                f"{key}.lora_B.bias is a LoRA bias, but {CONFIG_FILE} does not say "
-                "lora_bias: true; save the adapter with the config PEFT wrote for it"
-            )
-        return None
-    if entry is None:
-        raise AdapterError(
-            f"{key} has no lora_B.bias, which an adapter with lora_bias: true needs for every "
-            "module it targets"
-        )
-    bias = entry[1]
-    if bias.ndim != 1 or bias.shape[0] != out_features:
-        raise AdapterError(
-            f"{key}.lora_B.bias has shape {tuple(bias.shape)}; the base model needs "
-            f"[{out_features}]"
-        )
-    return bias
+    """lora_B's bias of a module's layer ([out]), None without ``lora_bias`` (its values
+    are checked with B's)."""
+    return _per_output(raw, config.lora_bias, "bias", key, module, layer, out_features)
 
 
 def fits(value: float, dtype: torch.dtype) -> bool:

@@ -180,7 +180,7 @@ def _rewrite(adapter_dir, *, config=None, tensors=None):
         ),
         (
             {"tensors": lambda ts: {k: v for k, v in ts.items() if k != MAGNITUDE}},
-            r"layers\.0\.q_proj has no lora_magnitude_vector, which a DoRA adapter",
+            r"layers\.0\.q_proj has no lora_magnitude_vector, which an adapter with use_dora: true",
         ),
         (
             {"tensors": lambda ts: {**ts, MAGNITUDE: ts[MAGNITUDE][:5]}},

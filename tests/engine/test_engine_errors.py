@@ -284,7 +284,7 @@ DAMAGED_ADAPTERS = {
     "inf": (_poison(float("inf")), r"layers\.\d+\.v_proj holds NaN or infinite"),
     "dora-without-magnitudes": (
         _edit_config(use_dora=True),
-        r"has no lora_magnitude_vector, which a DoRA adapter \(use_dora: true\) needs",
+        "has no lora_magnitude_vector, which an adapter with use_dora: true needs",
     ),
     "modules-to-save-missing": (
         _edit_config(modules_to_save=["lm_head"]),
