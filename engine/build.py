@@ -235,6 +235,9 @@ def _memory(config: EngineConfig, devices: Devices, model, backend, draft):
         config.block_size,
         config.enable_prefix_caching,
         min_limit=plan.kv_floor_blocks,
+        # Blocks out of every layer's window are released (not with a draft model, which
+        # reads the same tables over all its keys).
+        window=None if draft is not None else model.config.kv_window,
     )
     pool = LoRAPool(model.config, devices.adapter_rows(arena), kv, max_rows=plan.adapter_max_rows)
     return plan, arena, kv, pool

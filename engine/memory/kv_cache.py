@@ -55,6 +55,14 @@ end: :meth:`KVCacheManager.move_out_of_hold` gives each a free block below the h
 contents the caller copies before the next step reads them; only what finds no free
 block below (``hold_shortfall``) waits, or is preempted by the scheduler.
 
+*Blocks out of a sliding window.* When every layer attends over the last ``window`` keys
+only (``window``: a Mistral-style model), keys more than ``window - 1`` positions before a
+request's next token are never read again: :meth:`KVCacheManager.commit` releases the
+request's blocks that lie wholly before them, head first, as the request advances. Their
+table entries stay, pointing at the request's first live block, so positions keep their
+places and any read of them (the torch attention gathers whole contexts, masking what is
+out of the window) lands on the request's own KV; only the live entries hold refs.
+
 *Salt = adapter id + tenant.* KV depends on the weights that produced it, so a prompt run
 under adapter A must not reuse KV computed under adapter B; and one tenant must not be able
 to detect (through timing) what another tenant has recently sent. The caller therefore passes
@@ -173,6 +181,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         *,
         min_limit: int = 1,
+        window: int | None = None,
     ):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -184,6 +193,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.min_limit = min_limit
+        self.window = window  # every layer's sliding window (None: keys are kept)
         self._limit = num_blocks
 
         # Per-block state, indexed by block id.
@@ -205,6 +215,9 @@ class KVCacheManager:
         # The chained hash of each of the request's full blocks committed so far (or received
         # as a cached prefix): the parent for the next block, and how far commit() has got.
         self._chain: dict[str, list[int]] = {}
+        # How many of the request's leading table entries are released (out of the window).
+        self._released: dict[str, int] = {}
+        self.blocks_released = 0  # blocks released out of the window so far
 
         self.prefix_cache_queries = 0  # tokens looked up, counted when a request is admitted
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
@@ -394,9 +407,9 @@ class KVCacheManager:
         return request_id in self._tables
 
     def num_blocks_of(self, request_id: str) -> int:
-        """Blocks the request holds (0 for one holding none)."""
+        """Blocks the request holds (0 for one holding none; released ones not counted)."""
         table = self._tables.get(request_id)
-        return 0 if table is None else len(table)
+        return 0 if table is None else len(table) - self._released.get(request_id, 0)
 
     # -- prefix registration ----------------------------------------------------------------
 
@@ -407,10 +420,17 @@ class KVCacheManager:
 
         ``token_ids`` are the request's tokens so far (prompt + generated); KV exists for the
         first ``num_computed`` of them. Blocks already handled for this request are skipped, so
-        calling this every step costs only the newly filled blocks.
+        calling this every step costs only the newly filled blocks. Under a sliding
+        ``window``, then releases the blocks out of it (see the module docstring).
         """
-        if not self.enable_prefix_caching:
-            return
+        if self.enable_prefix_caching:
+            self._register(request_id, token_ids, num_computed, salt)
+        if self.window is not None:
+            self._release_before(request_id, num_computed - self.window + 1)
+
+    def _register(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: Hashable
+    ) -> None:
         table = self._tables[request_id]
         chain = self._chain[request_id]
         bs = self.block_size
@@ -434,16 +454,31 @@ class KVCacheManager:
 
     # -- release ----------------------------------------------------------------------------
 
+    def _release_before(self, request_id: str, first_needed: int) -> None:
+        """Release the request's blocks wholly before token ``first_needed`` (its last block
+        stays), re-pointing their entries at its first live block."""
+        table = self._tables[request_id]
+        done = self._released.get(request_id, 0)
+        upto = min(max(first_needed, 0) // self.block_size, len(table) - 1)
+        if upto <= done:
+            return
+        for index in range(done, upto):
+            self._drop_ref(table[index])
+        self.blocks_released += upto - done
+        table[:upto] = [table[upto]] * upto
+        self._released[request_id] = upto
+
     def free(self, request_id: str) -> None:
         """Drop the request's refs. Unknown request ids are ignored (e.g. aborted before
         admission)."""
         table = self._tables.pop(request_id, None)
         self._chain.pop(request_id, None)
+        released = self._released.pop(request_id, 0)
         if table is None:
             return
         # Tail first: blocks become evictable in this order, so the tail is evicted first and the
         # prefix head, most likely to be shared by later requests, stays cached longest.
-        for bid in reversed(table):
+        for bid in reversed(table[released:]):
             self._drop_ref(bid)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
@@ -602,9 +637,11 @@ class KVCacheManager:
         """Assert the internal structures agree with each other (for tests; O(num_blocks))."""
         assert self.min_limit <= self._limit <= self.num_blocks, "limit out of range"
         refs = [0] * self.num_blocks
-        for table in self._tables.values():
-            for bid in table:
+        for request_id, table in self._tables.items():
+            released = self._released.get(request_id, 0)
+            for bid in table[released:]:
                 refs[bid] += 1
+            assert all(bid == table[released] for bid in table[:released]), "stale entry"
         assert refs == self._ref_count, "ref counts disagree with block tables"
         free = set(self._free)
         evictable = set(self._evictable)

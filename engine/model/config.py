@@ -113,6 +113,13 @@ class ModelConfig:
         attend to their window, ``window_of``)."""
         return self.max_position_embeddings
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer attends over (a Mistral-style model), None when some
+        layer sees every key: keys older than it may be dropped from the KV cache."""
+        windows = {self.window_of(layer) for layer in range(self.num_layers)}
+        return None if None in windows else windows.pop()
+
     def window_of(self, layer: int) -> int | None:
         """The keys layer ``layer`` looks back over (a sliding window), None for all: a
         windowed model's every layer, or its sliding layers where it has ``layer_types``

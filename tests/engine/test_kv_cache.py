@@ -755,3 +755,41 @@ def test_the_hold_shortfall_counts_what_cannot_move_for_want_of_free_blocks():
     mgr.free("a")  # everything below the hold free, everything in it held
     assert mgr.hold_shortfall == 0 and mgr.num_held_blocks == 3
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_blocks_out_of_a_sliding_window_are_released_as_the_request_advances(caching):
+    """Window 6, blocks of 4: with 20 tokens computed the next token (position 20) sees
+    keys 15..20, so blocks 0-2 (keys 0..11) go back; their entries point at block 3's id,
+    the request's first live block, and the table keeps its length."""
+    mgr = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=caching, window=6)
+    mgr.allocate("a", 20)
+    tokens = list(range(20))
+    mgr.commit("a", tokens, 8, salt=0)  # keys 3.. still needed: nothing released
+    assert mgr.num_blocks_of("a") == 5
+    first = mgr.block_table("a")
+    mgr.commit("a", tokens, 20, salt=0)
+    table = mgr.block_table("a")
+    assert table == [first[3]] * 4 + first[4:]
+    assert mgr.num_blocks_of("a") == 2 and mgr.num_used_blocks == 2
+    mgr.check_invariants()
+    # Released blocks are the cache's (when caching): another request hits the prefix.
+    hit = mgr.find_cached_prefix(tokens, salt=0)
+    assert hit.num_tokens == (16 if caching else 0)
+    mgr.allocate("a", 24)  # grows at the tail as ever
+    assert len(mgr.block_table("a")) == 6 and mgr.num_blocks_of("a") == 3
+    mgr.check_invariants()
+    mgr.free("a")
+    assert mgr.num_used_blocks == 0
+    mgr.check_invariants()
+
+
+def test_released_entries_follow_their_block_out_of_a_hold():
+    mgr = KVCacheManager(num_blocks=8, block_size=2, window=3)
+    mgr.allocate("a", 8)  # blocks 0-3
+    mgr.commit("a", list(range(8)), 8, salt=0)  # keys 6.. needed: blocks 0-2 released
+    assert mgr.block_table("a") == [3, 3, 3, 3]
+    mgr.hold_from(3)
+    moves = mgr.move_out_of_hold()
+    assert moves == [(3, 0)] and mgr.block_table("a") == [0, 0, 0, 0]
+    mgr.check_invariants()

@@ -353,6 +353,10 @@ def test_contexts_past_a_sliding_window_match_peft(windowed_dir, make_adapter):
     outputs = run_staggered(engine, requests, 8)
     assert engine.kv.prefix_cache_hits > 0
     assert_matches_reference(engine, windowed_dir, adapters, requests, outputs, 8)
+    # Every layer windowed (Phi-3 here): the blocks out of the window were given back.
+    every_layer = ModelConfig.from_pretrained(windowed_dir).kv_window is not None
+    assert every_layer == ("phi3" in windowed_dir.name)
+    assert (engine.kv.blocks_released > 0) == every_layer
 
 
 def test_contexts_past_a_sliding_window_match_peft_over_the_triton_kernels(
