@@ -26,14 +26,13 @@ import torch
 
 from loramux.engine.lora.adapter_config import AdapterConfig, AdapterError
 from loramux.engine.model.config import ModelConfig
+from loramux.engine.model.llama import LORA_TARGETS
 
 # base_model.model.model.layers.3.mlp.experts[.base_layer]*.lora_A[.default].weight
 _EXPERT_KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
     r"lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
-# PEFT's names for the stacked parameters (target_parameters may prefix "experts.")
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -115,7 +114,7 @@ class StepExpertLoRA:
         for start, end, adapter in table.spans:
             if adapter is not None and ranks[adapter]:
                 adapter_of[start:end] = [adapter] * (end - start)
-        slots = {m: _slice(m) for m in MLP_MODULES}
+        slots = {m: LORA_TARGETS.index(m) for m in MLP_MODULES}
         adapters = [
             (a, table.adapter_rows[a][0], rank, {m: table.scales[s][a] for m, s in slots.items()})
             for a, rank in enumerate(ranks)
@@ -137,9 +136,3 @@ class StepExpertLoRA:
                 a = self.pools.a_pool(layer, module)[lo : lo + rank, : x.shape[1]]
                 b = self.pools.b_pool(layer, module)[lo : lo + rank, : out.shape[1]]
                 out.index_add_(0, rows, ((h @ a.T) @ b) * scales[module])
-
-
-def _slice(module: str) -> int:
-    from loramux.engine.model.llama import LORA_TARGETS
-
-    return LORA_TARGETS.index(module)

@@ -121,8 +121,12 @@ class StepTokens:
         vocab: range,  # the token ids this device's embedding and head hold
         device: torch.device,
     ):
-        self._tokens, self._spans, self._vocab = tokens, spans, vocab
-        self._device = device
+        self._tokens, self._vocab, self._device = tokens, vocab, device
+        # Each position's adapter, when it has a table of its own (for the head's passes)
+        self._table_of: list[int | None] = [None] * len(input_ids)
+        for start, end, adapter in spans:
+            if adapter is not None and tokens[adapter] is not None:
+                self._table_of[start:end] = [adapter] * (end - start)
         self._slabs = {
             a: source.token_slabs(t.first_row, t.rows)
             for a, t in enumerate(tokens)
@@ -169,9 +173,8 @@ class StepTokens:
         """What an LM-head pass over the step's ``positions`` (in order) replaces."""
         groups: dict[int, list[int]] = {}
         for i, position in enumerate(positions):
-            adapter = self._adapter_at(position)
-            tokens = None if adapter is None else self._tokens[adapter]
-            if tokens is not None and tokens.head is not None:
+            adapter = self._table_of[position]
+            if adapter is not None and self._tokens[adapter].head is not None:
                 groups.setdefault(adapter, []).append(i)
         if not groups:
             return None
@@ -183,12 +186,6 @@ class StepTokens:
             self._vocab,
             self._device,
         )
-
-    def _adapter_at(self, position: int) -> int | None:
-        for start, end, adapter in self._spans:
-            if start <= position < end:
-                return adapter
-        return None
 
 
 class HeadRows:

@@ -356,10 +356,6 @@ class DeviceArena:
             a[start:end] = 0
             b[start:end] = 0
 
-    def token_rows(self, weights: LoRAWeights) -> int:
-        """Rank-rows an adapter's embedding and head rows take (``lora/tokens.py``)."""
-        return token_rows(self.layout, self.num_layers, weights)
-
     def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]:
         """Rows ``[first_row, first_row + rows)`` as ``2·layers`` slabs of rows of the
         embedding's width (``lora/tokens.py``): each layer's A memory, then its B memory."""
@@ -377,7 +373,7 @@ class DeviceArena:
         DoRA adapter's scales into its last row (folded by ``fold``, ``lora/dora.py``)."""
         if self.fold is not None:
             weights = self.fold(weights)
-        tables = self.token_rows(weights)
+        tables = token_rows(self.layout, self.num_layers, weights)
         self.zero_rows(start, start + weights.num_rows + tables)
         for module, mw in weights.modules.items():
             rows = slice(start, start + mw.rank)

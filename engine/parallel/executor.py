@@ -95,9 +95,6 @@ class MirroredRows:
     def b_pool(self, layer: int, module: str) -> torch.Tensor:
         return self.arena.b_pool(layer, module)
 
-    def token_rows(self, weights: LoRAWeights) -> int:
-        return self.arena.token_rows(weights)
-
     def token_slabs(self, first_row: int, rows: int) -> list[torch.Tensor]:
         return self.arena.token_slabs(first_row, rows)
 

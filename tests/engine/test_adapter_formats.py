@@ -103,7 +103,7 @@ def test_every_format_matches_peft_in_one_batch(tiny_model_dir, dora_adapters):
     assert (dora.dora_offset, dora.token_offset) == (8, 9) and dora.token_rows >= 1
     head = pool.resident(engine.tiers.get("r4-qv").adapter_id)
     config = engine.model.config
-    slab_rows = head.token_rows * pool._layout.row_width * 2 * config.num_layers
+    slab_rows = head.token_rows * engine.arena.layout.row_width * 2 * config.num_layers
     assert (head.token_offset, head.head.count) == (4, config.vocab_size)
     assert slab_rows >= config.vocab_size * config.hidden_size  # the whole head fits in them
 
