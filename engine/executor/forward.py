@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 
 from loramux.engine.lora.backend import KernelBackend
-from loramux.engine.lora.expert_lora import StepExpertLoRA
 from loramux.engine.lora.output_terms import StepOutputTerms
 from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
@@ -52,7 +51,7 @@ def forward_step(
     if inputs.lora is not None:
         lora = backend.lora_step(inputs.lora, pools)
         lora.terms = StepOutputTerms.for_step(inputs.lora, pools, device)
-        lora.experts = StepExpertLoRA.for_step(inputs.lora, pools, device)
+        lora.experts = backend.expert_lora_step(inputs.lora, lora, pools, device)
     input_tensor = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
     return model(input_tensor, attention, kv_caches, lora, interrupt, tokens)
 

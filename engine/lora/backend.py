@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.lora.expert_lora import StepExpertLoRA
 from loramux.engine.model.llama import LoRAWeightSource, StepAttention, StepLoRA
 from loramux.engine.model.quantized import QuantLinearOp
 from loramux.kernels.dispatch import KERNELS_ENV, resolve_kernels
@@ -89,6 +90,11 @@ class KernelBackend(ABC):
     @property
     @abstractmethod
     def quant_linear(self) -> QuantLinearOp: ...
+
+    def expert_lora_step(self, table: LoRATable, step: StepLoRA, pools, device):
+        """The step's LoRA on a mixture's experts (``expert_lora.py``), None without any;
+        torch ops unless the backend has kernels for it."""
+        return StepExpertLoRA.for_step(table, pools, device)
 
 
 def select_backend(

@@ -10,9 +10,13 @@ when both parameters are targeted) are told apart by their shapes.
 On the device the experts' LoRA takes the adapter's rows of the MLP's own slots (``gate_proj``,
 ``up_proj``, ``down_proj``), which a routed layer's MLP never uses otherwise: ``r·E`` rows,
 expert e's rank-rows at ``e·r``; gate_up's B split into gate's rows and up's, A shared, as a
-fused projection's (``model/fused_modules.py``). A step (:class:`StepExpertLoRA`) adds, for
-the tokens an expert serves, each of their adapters' ``s·(x A_eᵀ) B_eᵀ`` to that expert's
-gate, up and down outputs (torch ops per expert and adapter: the reference form).
+fused projection's (``model/fused_modules.py``). A step adds, for the tokens an expert
+serves, each of their adapters' ``s·(x A_eᵀ) B_eᵀ`` to that expert's gate, up and down
+outputs: :class:`StepExpertLoRA` with torch ops per expert and adapter (the torch backend's
+form), ``triton_backend.TritonStepExpertLoRA`` with the per-token shrink and expand kernels
+over the expert's rank-rows of every adapter at once (one launch pair per expert and
+projection group, whatever the adapters). Both are the multi-slice LoRA of
+``kernels/lora.py`` over an expert's rows (:func:`expert_batch` builds that batch).
 
 Under tensor parallelism an expert's gate and up are column-parallel and its down
 row-parallel over its intermediate size, as a dense MLP's (``parallel/shard.py``).
@@ -21,12 +25,14 @@ row-parallel over its intermediate size, as a dense MLP's (``parallel/shard.py``
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from loramux.engine.lora.adapter_config import AdapterConfig, AdapterError
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LORA_TARGETS
+from loramux.kernels.lora_batch import LoRABatch
 
 # base_model.model.model.layers.3.mlp.experts[.base_layer]*.lora_A[.default].weight
 _EXPERT_KEY = re.compile(
@@ -96,43 +102,96 @@ def expert_modules(
     return slots
 
 
+@dataclass(frozen=True)
+class ExpertAdapter:
+    """A step adapter with LoRA on the experts."""
+
+    index: int  # in the step's table
+    first_row: int  # its first pool row (its rows are one contiguous run)
+    rank: int  # each expert's
+    scales: dict[str, float]  # per MLP module
+
+
+def expert_adapters(table) -> list[ExpertAdapter]:
+    """The step's adapters with LoRA on the experts (``LoRATable.expert_ranks``)."""
+    slots = {m: LORA_TARGETS.index(m) for m in MLP_MODULES}
+    firsts = table.first_rows()  # (checked consecutive: expert e's rows are first + e·r ..)
+    return [
+        ExpertAdapter(a, firsts[a], rank, {m: table.scales[s][a] for m, s in slots.items()})
+        for a, rank in enumerate(table.expert_ranks or ())
+        if rank
+    ]
+
+
+def token_owners(table, adapters: list[ExpertAdapter]) -> list[int]:
+    """Each token's position in ``adapters``, -1 for a token whose adapter has none."""
+    position = {adapter.index: i for i, adapter in enumerate(adapters)}
+    owners = [-1] * table.num_tokens
+    for start, end, adapter in table.spans:
+        if adapter in position:
+            owners[start:end] = [position[adapter]] * (end - start)
+    return owners
+
+
+def expert_batch(
+    owners: torch.Tensor, tokens: torch.Tensor, adapters: list[ExpertAdapter], expert: int
+) -> LoRABatch:
+    """The multi-slice LoRA batch (``kernels/lora_batch.py``) of expert ``expert``'s
+    ``tokens``: slices gate, up and down; adapter i's rows are its expert's rank-rows.
+    ``owners``: each step token's position in ``adapters`` (:func:`token_owners`). Built on
+    the host (the reference and the tests); the Triton form builds it on the device."""
+    max_rank = max(adapter.rank for adapter in adapters)
+    rows = torch.zeros(len(adapters), max_rank, dtype=torch.int32)
+    for i, adapter in enumerate(adapters):
+        first = adapter.first_row + expert * adapter.rank
+        rows[i, : adapter.rank] = torch.arange(first, first + adapter.rank)
+    device = owners.device
+    return LoRABatch.per_token(
+        owners.index_select(0, tokens).to(torch.int32),
+        rows.to(device),
+        torch.tensor([[a.rank for a in adapters]] * len(MLP_MODULES), dtype=torch.int32).to(device),
+        torch.tensor([[a.scales[m] for a in adapters] for m in MLP_MODULES]).to(device),
+    )
+
+
 class StepExpertLoRA:
     """A step's adapters with LoRA on the experts: what each expert's projections gain
-    for the tokens of those adapters (see the module doc)."""
+    for the tokens of those adapters (see the module doc); torch ops."""
 
-    def __init__(self, adapter_of: torch.Tensor, adapters, pools):
-        self.adapter_of = adapter_of  # [T] int64, each token's adapter index, -1 for none
-        self.adapters = adapters  # (index, first row, rank per expert, scales per module)
+    def __init__(self, owners: torch.Tensor, adapters: list[ExpertAdapter], pools):
+        self.owners = owners  # [T] int64, each token's position in ``adapters``, or -1
+        self.adapters = adapters
         self.pools = pools
 
     @classmethod
     def for_step(cls, table, pools, device: torch.device) -> StepExpertLoRA | None:
-        ranks = table.expert_ranks
-        if ranks is None:
+        adapters = expert_adapters(table)
+        if not adapters:
             return None
-        adapter_of = [-1] * table.num_tokens
-        for start, end, adapter in table.spans:
-            if adapter is not None and ranks[adapter]:
-                adapter_of[start:end] = [adapter] * (end - start)
-        slots = {m: LORA_TARGETS.index(m) for m in MLP_MODULES}
-        adapters = [
-            (a, table.adapter_rows[a][0], rank, {m: table.scales[s][a] for m, s in slots.items()})
-            for a, rank in enumerate(ranks)
-            if rank
-        ]
-        return cls(torch.tensor(adapter_of, dtype=torch.long).to(device), adapters, pools)
+        owners = torch.tensor(token_owners(table, adapters), dtype=torch.long)
+        return cls(owners.to(device), adapters, pools)
 
     def add(self, x, outs, tokens, layer: int, expert: int, modules: tuple[str, ...]) -> None:
         """``outs`` (expert ``expert``'s outputs of ``modules`` for the step's ``tokens``,
         whose inputs are ``x``) plus their adapters' deltas."""
-        owners = self.adapter_of.index_select(0, tokens)
-        for adapter, first_row, rank, scales in self.adapters:
-            rows = (owners == adapter).nonzero()[:, 0]
+        owners = self.owners.index_select(0, tokens)
+        for position, adapter in enumerate(self.adapters):
+            rows = (owners == position).nonzero()[:, 0]
             if rows.numel() == 0:
                 continue
-            lo = first_row + expert * rank
+            lo, rank = adapter.first_row + expert * adapter.rank, adapter.rank
             h = x.index_select(0, rows)
             for out, module in zip(outs, modules, strict=True):
                 a = self.pools.a_pool(layer, module)[lo : lo + rank, : x.shape[1]]
                 b = self.pools.b_pool(layer, module)[lo : lo + rank, : out.shape[1]]
-                out.index_add_(0, rows, ((h @ a.T) @ b) * scales[module])
+                out.index_add_(0, rows, ((h @ a.T) @ b) * adapter.scales[module])
+
+
+def expert_pools(pools, layer: int, modules, x: torch.Tensor, outs) -> tuple[list, list]:
+    """The MLP slots' A and B pools of ``modules`` cut to an expert's widths (the slots are
+    as wide as the dense MLP, which may be wider: the experts' rows fill their start)."""
+    a_pools = [pools.a_pool(layer, m)[:, : x.shape[1]] for m in modules]
+    b_pools = [
+        pools.b_pool(layer, m)[:, : out.shape[1]] for m, out in zip(modules, outs, strict=True)
+    ]
+    return a_pools, b_pools

@@ -7,7 +7,9 @@ decode-sized step (``lora_triton_fused``: per token when every segment is one to
 segment tile otherwise), and a shrink plus an expand over all its slices for a larger one
 (``lora_triton``'s SGMV); the tiles of each come from ``lora_tiles.json``. The static
 decode path (``loramux.engine.static_decode``) binds its fixed buffers through
-:meth:`TritonBackend.bind_lora` and :meth:`TritonBackend.bind_attention`.
+:meth:`TritonBackend.bind_lora` and :meth:`TritonBackend.bind_attention`. LoRA on a mixture's
+experts (``expert_lora.py``) runs the per-token kernels over each expert's rows
+(:class:`TritonStepExpertLoRA`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from __future__ import annotations
 import torch
 
 from loramux.engine.lora.backend import BoundAttention, KernelBackend, LaunchCount
+from loramux.engine.lora.expert_lora import (
+    MLP_MODULES,
+    expert_adapters,
+    expert_pools,
+    token_owners,
+)
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.engine.model.quantized import QuantLinearOp
 from loramux.kernels import attention_triton, lora_triton, lora_triton_fused
@@ -54,7 +62,9 @@ class TritonStepLoRA:
         pools = self.pools
         a_pools = [pools.a_pool(layer, m) for m in modules]
         b_pools = [pools.b_pool(layer, m) for m in modules]
-        launches = self._run_group(x, outs, a_pools, b_pools, LORA_TARGETS.index(modules[0]))
+        self.count(self._run_group(x, outs, a_pools, b_pools, LORA_TARGETS.index(modules[0])))
+
+    def count(self, launches: int) -> None:
         self.launches += launches
         self._count.add(launches)
 
@@ -73,6 +83,53 @@ class TritonStepLoRA:
             outs, y, b_pools, batch, first_slice=first, block_m=block_m
         )
         return TWO_LAUNCH_LAUNCHES
+
+
+class TritonStepExpertLoRA:
+    """``expert_lora.StepExpertLoRA`` through the per-token shrink and expand kernels: for
+    an expert, every adapter's tokens in one launch pair per projection group, the batch
+    (``expert_lora.expert_batch``'s) made on the device with no host sync."""
+
+    def __init__(self, owners, row_base, rank_col, rank, scale, pools, step: TritonStepLoRA):
+        self.owners = owners  # [T] int32, each token's position in the step's table, or -1
+        self.row_base = row_base  # [A, max_rank] int32: expert 0's rows (first_row + i)
+        self.rank_col = rank_col  # [A, 1] int32: each adapter's rank per expert
+        self.rank, self.scale = rank, scale  # [3, A]: per slice (gate, up, down)
+        self.pools, self.step = pools, step
+
+    @classmethod
+    def for_step(cls, table, pools, device, step: TritonStepLoRA) -> TritonStepExpertLoRA | None:
+        adapters = expert_adapters(table)
+        if not adapters:
+            return None
+        max_rank = max(a.rank for a in adapters)
+        first = torch.tensor([a.first_row for a in adapters], dtype=torch.int32)
+        ranks = torch.tensor([a.rank for a in adapters], dtype=torch.int32)
+        row_base = first[:, None] + torch.arange(max_rank, dtype=torch.int32)[None, :]
+        scale = torch.tensor([[a.scales[m] for a in adapters] for m in MLP_MODULES])
+        owners = torch.tensor(token_owners(table, adapters), dtype=torch.int32)
+        return cls(
+            owners.to(device),
+            row_base.to(device),
+            ranks[:, None].to(device),
+            ranks.expand(len(MLP_MODULES), -1).contiguous().to(device),
+            scale.to(device),
+            pools,
+            step,
+        )
+
+    def add(self, x, outs, tokens, layer: int, expert: int, modules: tuple[str, ...]) -> None:
+        batch = LoRABatch.per_token(
+            self.owners.index_select(0, tokens),
+            self.row_base + expert * self.rank_col,
+            self.rank,
+            self.scale,
+        )
+        a_pools, b_pools = expert_pools(self.pools, layer, modules, x, outs)
+        first = MLP_MODULES.index(modules[0])
+        y = lora_triton.lora_shrink_bgmv(x, a_pools, batch, first_slice=first)
+        lora_triton.lora_expand_bgmv_outs(outs, y, b_pools, batch, first_slice=first)
+        self.step.count(TWO_LAUNCH_LAUNCHES)
 
 
 class TritonBackend(KernelBackend):
@@ -104,6 +161,9 @@ class TritonBackend(KernelBackend):
 
     def bind_lora(self, batch: LoRABatch, pools: LoRAWeightSource) -> TritonStepLoRA:
         return TritonStepLoRA(batch, pools, self.tiles, self.lora_launches)
+
+    def expert_lora_step(self, table: LoRATable, step: TritonStepLoRA, pools, device):
+        return TritonStepExpertLoRA.for_step(table, pools, device, step)
 
 
 def _device_name(device: torch.device) -> str | None:
