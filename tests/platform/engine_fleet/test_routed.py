@@ -33,6 +33,7 @@ from loramux.platform.engine_fleet.server import EngineHost, create_engine_app
 from loramux.platform.settings import Settings
 from loramux.platform.store.local import LocalObjectStore
 from tests.fixtures.browser import ServerThread, free_port
+from tests.fixtures.deadline import run_within
 from tests.fixtures.polling import eventually
 from tests.platform.engine_fleet.test_engine_server import SECRET, store_adapter
 from tests.platform.raw_http import request_then_leave
@@ -131,7 +132,7 @@ def test_the_registry_lists_live_engines_and_forgets_silent_ones(cluster):
         await asyncio.sleep(HEARTBEAT_S * 1.5)  # ...the running one is back at its next beat
         assert {r.engine_id for r in await registry.live()} == {"engine-a", "engine-b"}
 
-    asyncio.run(go())
+    run_within(go())
 
 
 def test_requests_stick_to_their_adapters_engine_and_adapters_spread(cluster):
@@ -150,7 +151,7 @@ def test_requests_stick_to_their_adapters_engine_and_adapters_spread(cluster):
         finally:
             await client.stop()
 
-    routed, stats = asyncio.run(go())
+    routed, stats = run_within(go())
     engines_of = {name: {e for (e, a) in routed if a == name} for name in cluster.adapters}
     assert all(len(engines) == 1 for engines in engines_of.values()), engines_of
     assert sum(routed.values()) == 36
@@ -209,7 +210,7 @@ def test_an_unreachable_engine_is_skipped_at_once(cluster):
             await registry.withdraw("dead")
             await client.stop()
 
-    first, second, engines, listed = asyncio.run(go())
+    first, second, engines, listed = run_within(go())
     assert first.finish_reason == second.finish_reason == "length"
     assert "dead" not in engines
     assert "dead" not in listed  # skipped until it beats again
@@ -282,7 +283,7 @@ def _through_a_dying_engine(cluster: Cluster, dying: _DyingEngine) -> _ThroughAD
             await registry.withdraw("dying")
             await client.stop()
 
-    seen = asyncio.run(go())
+    seen = run_within(go())
     assert seen.accepted == 1, "no request reached the dying engine: the test proves nothing"
     assert all(f.finish_reason == "length" for f in seen.finals)
     assert "dying" not in seen.engines
@@ -335,7 +336,7 @@ def test_an_engine_that_forgot_an_adapter_gets_it_again(cluster):
         finally:
             await client.stop()
 
-    final, engine_id, routed = asyncio.run(go())
+    final, engine_id, routed = run_within(go())
     assert final.finish_reason == "length"
     assert routed[(engine_id, "v5")] == 2
 
@@ -355,7 +356,7 @@ def test_an_abort_goes_to_the_engine_running_the_request(cluster):
         finally:
             await client.stop()
 
-    first, aborted, rest, again = asyncio.run(go())
+    first, aborted, rest, again = run_within(go())
     assert not first.finished
     assert aborted.finished and aborted.finish_reason == "abort"
     assert aborted.metrics.computed_prompt_tokens == aborted.metrics.prompt_tokens > 0
@@ -376,7 +377,7 @@ def test_tenant_scheduling_reaches_engines_before_their_first_request(cluster):
         finally:
             await client.stop()
 
-    stats = asyncio.run(go())
+    stats = run_within(go())
     assert stats.tenant_priorities.get("gold") == 8
     assert stats.tenant_weights.get("gold") == 4.0
 
@@ -393,7 +394,7 @@ def test_no_engine_means_a_clear_error(redis_url, tiny_model_dir):
         finally:
             await client.stop()
 
-    asyncio.run(go())
+    run_within(go())
 
 
 def test_with_no_engine_streamed_and_plain_requests_get_the_same_503(
