@@ -9,29 +9,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.api import (
-    adapters,
-    admin,
-    admin_billing,
-    completions,
-    health,
-    identity,
-    metrics,
-    models,
-    responses,
-    ui,
-    usage,
-)
-from loramux.platform.api.body_limit import (
+from loramux.platform.api import admin, chat, completions, models, ops, responses, tenant
+from loramux.platform.api.errors import install_error_handlers
+from loramux.platform.api.middleware.body_limit import (
     DEFAULT_MAX_BODY_BYTES,
     UPLOAD_ROUTE,
     BodyDeadline,
     BodyLimitMiddleware,
 )
-from loramux.platform.api.errors import install_error_handlers
-from loramux.platform.api.input_guard import InputGuardMiddleware
-from loramux.platform.api.metrics import HTTPMetricsMiddleware, PlatformMetrics
+from loramux.platform.api.middleware.input_guard import InputGuardMiddleware
 from loramux.platform.api.openapi_errors import install_error_docs
+from loramux.platform.api.ops.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.context import PlatformContext
 from loramux.platform.services.adapter_runtime import AdapterRuntime
 from loramux.platform.services.load_shedding import (
@@ -127,17 +115,10 @@ def create_app(
         ),
     )
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.platform_metrics)
-    app.include_router(health.router)
-    app.include_router(metrics.router)
-    app.include_router(models.router)
-    app.include_router(admin.router)
-    app.include_router(admin_billing.router)
-    app.include_router(usage.router)
-    app.include_router(completions.router)
-    app.include_router(responses.router)
-    app.include_router(adapters.router)
-    app.include_router(identity.router)
-    app.include_router(ui.router)
-    app.mount("/ui/static", ui.UIStaticFiles(), name="ui-static")
+    for package in (ops, models, admin, tenant, completions, chat, responses):
+        for router in package.ROUTERS:
+            app.include_router(router)
+    app.include_router(admin.ui.router)
+    app.mount("/ui/static", admin.ui.UIStaticFiles(), name="ui-static")
     install_error_docs(app)  # after every router: /openapi.json declares each one's errors
     return app

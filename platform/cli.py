@@ -136,8 +136,8 @@ def show_engine_log() -> None:
 def serve_options(settings) -> dict:
     """uvicorn's options for ``loramux serve``: where to bind, and a request-head limit above
     the platform's own URL and header caps, so those are answered 414/431 (JSON) rather than
-    dropped by uvicorn (see ``loramux.platform.api.input_guard``)."""
-    from loramux.platform.api.input_guard import UVICORN_LIMITS
+    dropped by uvicorn (see ``loramux.platform.api.middleware.input_guard``)."""
+    from loramux.platform.api.middleware.input_guard import UVICORN_LIMITS
 
     return {"host": settings.host, "port": settings.port, "log_level": "info", **UVICORN_LIMITS}
 

@@ -292,7 +292,7 @@ def _period(first: date, last: date) -> str:
 
 
 def _rollup(args: argparse.Namespace, settings: Any) -> int:
-    from loramux.platform.api.schemas_billing import RollupOut
+    from loramux.platform.api.admin.billing_schemas import RollupOut
     from loramux.platform.db.types import utc_now
     from loramux.platform.services.rollups import InvalidPeriod, run_rollup
 
@@ -312,7 +312,7 @@ def _rollup(args: argparse.Namespace, settings: Any) -> int:
 
 
 def _export(args: argparse.Namespace, settings: Any) -> int:
-    from loramux.platform.api.schemas_billing import ExportCreatedOut
+    from loramux.platform.api.admin.billing_schemas import ExportCreatedOut
     from loramux.platform.db.types import utc_now
     from loramux.platform.services.billing_exports import DayRange, export_period
     from loramux.platform.services.rollups import InvalidPeriod
@@ -352,7 +352,7 @@ def _export(args: argparse.Namespace, settings: Any) -> int:
 
 
 def _list(args: argparse.Namespace, settings: Any) -> int:
-    from loramux.platform.api.schemas_billing import ExportOut
+    from loramux.platform.api.admin.billing_schemas import ExportOut
     from loramux.platform.services.billing_exports import list_exports
 
     if args.limit < 1 or args.offset < 0:

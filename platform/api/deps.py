@@ -141,3 +141,13 @@ def get_adapter_runtime(request: Request) -> AdapterRuntime:
 
 
 AdapterRuntimeDep = Annotated[AdapterRuntime, Depends(get_adapter_runtime)]
+
+
+def admin_or_tenant(context: ContextDep, session: SessionDep, token: BearerDep) -> Tenant | None:
+    """``None`` for the admin token, the tenant for a live API key; 401 otherwise."""
+    if is_admin_token(context, token):
+        return None
+    return current_tenant(session, token)
+
+
+AdminOrTenant = Annotated[Tenant | None, Depends(admin_or_tenant)]

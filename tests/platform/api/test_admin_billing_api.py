@@ -11,7 +11,7 @@ from datetime import UTC, date, datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
-from loramux.platform.api import admin_billing
+from loramux.platform.api.admin import billing as admin_billing
 from loramux.platform.db.models import BillingExport, Tenant, UsageDaily
 from loramux.platform.services.billing import METRICS, to_csv, usage_report
 from loramux.platform.services.rollups import utc_day_bounds

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from fastapi.testclient import TestClient
 
-from loramux.platform.api.body_limit import DEFAULT_MAX_BODY_BYTES
+from loramux.platform.api.middleware.body_limit import DEFAULT_MAX_BODY_BYTES
 from loramux.platform.app import create_app
 from tests.platform.api.conftest import assert_openai_error
 

@@ -11,7 +11,7 @@ import pytest
 
 from loramux.engine import EngineError, UnknownAdapter
 from loramux.platform.api.error_codes import ERROR_CODES, HTTP_EXCEPTION_CODES, error_detail
-from loramux.platform.api.respond import _engine_error
+from loramux.platform.api.openai.respond import _engine_error
 from loramux.platform.engine_fleet.remote import AdapterNotRegistered
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -89,7 +89,7 @@ def test_pass_through_sites_are_the_known_ones():
         if _literal(status) is None and _literal(code) is None
     ]
     for where in forwarding:
-        assert where.startswith(("platform/api/errors.py", "platform/api/respond.py")), where
+        assert where.startswith(("platform/api/errors.py", "platform/api/openai/respond.py")), where
 
 
 def test_engine_failure_codes_are_in_the_table():

@@ -89,7 +89,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from loramux.platform.api.input_guard import bad_character
+from loramux.platform.api.middleware.input_guard import bad_character
 from loramux.platform.app import create_app
 from loramux.platform.context import build_context
 from loramux.platform.settings import Settings
@@ -459,11 +459,11 @@ RULED_FIELDS = (
 def within_contract(case: Case) -> None:
     """Make a schema-valid case meet the rules JSON Schema cannot state.
 
-    - Money is whole micro-dollars (422 otherwise, ``schemas_admin``); ``multipleOf:
+    - Money is whole micro-dollars (422 otherwise, ``admin/schemas.py``); ``multipleOf:
       0.000001`` would be inexact on floats (it refuses 0.15), so amounts are rounded to 6
       decimal places.
-    - Request bodies take JSON types as they are (strict models: ``schemas_admin``,
-      ``schemas_openai``): an integer is written ``5``, while JSON Schema also counts ``5.0``
+    - Request bodies take JSON types as they are (strict models: ``admin/schemas.py``,
+      ``openai/schemas.py``): an integer is written ``5``, while JSON Schema also counts ``5.0``
       as one; integral floats at the top of a body are sent as ints.
     - A usage range starts no later than it ends (422 otherwise): ``start`` and ``end`` are
       swapped when drawn the wrong way round.

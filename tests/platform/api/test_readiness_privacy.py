@@ -11,7 +11,7 @@ from sqlalchemy.orm import sessionmaker
 
 from loramux.platform.store import StoreUnavailable
 
-HEALTH_LOGGER = "loramux.platform.api.health"
+HEALTH_LOGGER = "loramux.platform.api.ops.health"
 PRIVATE_STORE_DETAILS = (
     "minio.internal.example",
     "tenant-adapters-bucket",

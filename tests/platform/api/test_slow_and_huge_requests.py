@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from loramux.platform.api.input_guard import MAX_HEADER_BYTES, MAX_URL_BYTES
+from loramux.platform.api.middleware.input_guard import MAX_HEADER_BYTES, MAX_URL_BYTES
 from loramux.platform.app import create_app
 from loramux.platform.cli import serve_options
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from loramux.engine.structured import JsonObject, JsonSchema, Tool, ToolCalls, ToolChoice
-from loramux.platform.api.structured_params import (
+from loramux.platform.api.chat.tool_params import check_tools, tool_spec
+from loramux.platform.api.openai.structured import (
     check_structured,
     response_format_spec,
     text_format_spec,
 )
-from loramux.platform.api.tool_params import check_tools, tool_spec
 from loramux.platform.errors import Invalid
 
 PERSON = {

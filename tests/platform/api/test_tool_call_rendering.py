@@ -13,14 +13,14 @@ import pytest
 
 from loramux.engine import FinishReason, RequestOutput
 from loramux.engine.structured import Tool, ToolCalls, ToolChoice, parse_tool_output
-from loramux.platform.api.schemas_openai import ChatMessage
-from loramux.platform.api.tool_messages import template_messages
-from loramux.platform.api.tool_render import (
+from loramux.platform.api.chat.tool_messages import template_messages
+from loramux.platform.api.chat.tool_render import (
     ToolCallSplitter,
     ToolChatRender,
     _held_back,
     finish_reason,
 )
+from loramux.platform.api.openai.schemas import ChatMessage
 from loramux.platform.errors import Invalid
 from loramux.platform.services.inference_job import Choice
 

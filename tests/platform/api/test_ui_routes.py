@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 from fastapi.testclient import TestClient
 
-from loramux.platform.api.ui import NAV, PAGES
+from loramux.platform.api.admin.ui import NAV, PAGES
 from loramux.platform.app import create_app
 from loramux.platform.context import build_context
 from loramux.platform.settings import Settings

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from loramux.platform.api.deps import api_key_hash
-from loramux.platform.api.openai_render import openai_usage
+from loramux.platform.api.openai.render import openai_usage
 from loramux.platform.context import PlatformContext, build_context
 from loramux.platform.db.models import ApiKey
 from loramux.platform.services.billing import METRICS

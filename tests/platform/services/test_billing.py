@@ -13,7 +13,7 @@ from datetime import UTC, date, datetime, timedelta, timezone
 import pytest
 from sqlalchemy import text
 
-from loramux.platform.api.openai_render import openai_usage
+from loramux.platform.api.openai.render import openai_usage
 from loramux.platform.db.models import UsageRecord
 from loramux.platform.services.billing import (
     GROUP_BYS,

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
-from loramux.platform.api.openai_render import openai_usage
+from loramux.platform.api.openai.render import openai_usage
 from loramux.platform.db.models import UsageRecord
 from loramux.platform.db.types import utc_now
 from loramux.platform.services.metering import Meter, Usage, UsageEvent

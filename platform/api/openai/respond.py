@@ -2,7 +2,7 @@
 
 Every inference route (completions, chat, responses) resolves its model, prepares a
 :class:`~loramux.platform.services.inference_job.Job` and hands it here with a
-:class:`~loramux.platform.api.openai_render.Render`, which shapes the engine's deltas into
+:class:`~loramux.platform.api.openai.render.Render`, which shapes the engine's deltas into
 its API's JSON: a response, or a stream (the render's opening events, one or more events per
 delta, its closing events; ``data: [DONE]`` for the chat-style APIs).
 
@@ -34,7 +34,7 @@ from loramux.engine import AsyncEngineError, EngineError, RequestOutput, Unknown
 from loramux.platform.api.deps import ContextDep
 from loramux.platform.api.error_codes import ERROR_CODES, error_detail
 from loramux.platform.api.errors import APIError
-from loramux.platform.api.openai_render import Render
+from loramux.platform.api.openai.render import Render
 from loramux.platform.engine_fleet.remote import EngineLost, EngineUnavailable
 from loramux.platform.services.deadlines import DeadlineExceeded
 from loramux.platform.services.engine_failures import EngineRequestFailed
@@ -245,3 +245,13 @@ async def _written(request: Request) -> bool:
     stream, may wake only after a few more chunks were "sent". The connection's state, read
     without waiting right after the send, says whether that send was written."""
     return not await request.is_disconnected()
+
+
+# /openapi.json: the answer is JSON, or with ``stream: true`` server-sent events.
+STREAMED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion; with `stream: true`, server-sent events: one "
+        "`data: {chunk}` per delta, then `data: [DONE]`.",
+        "content": {"text/event-stream": {}},
+    }
+}

@@ -3,7 +3,7 @@
 :class:`CompletionRender` shapes ``/v1/completions`` (``text_completion``) and
 :class:`ChatRender` ``/v1/chat/completions`` (``chat.completion`` and its chunks), from
 the deltas and the :class:`~loramux.platform.services.inference_job.Tally` of a run;
-``responses_render`` shapes the Responses API the same way.
+``responses/render.py`` shapes the Responses API the same way.
 
 A completion with ``echo`` starts with its prompt: the text, and with ``logprobs`` the
 prompt's tokens first in the logprobs object (the first one's logprob and top_logprobs null:

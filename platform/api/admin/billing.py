@@ -24,15 +24,15 @@ from typing import Annotated, BinaryIO
 from fastapi import APIRouter, Body, Depends, Query, Response
 from fastapi.responses import StreamingResponse
 
-from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
-from loramux.platform.api.errors import APIError, ErrorBody
-from loramux.platform.api.schemas_billing import (
+from loramux.platform.api.admin.billing_schemas import (
     ExportCreatedOut,
     ExportOut,
     ExportRequest,
     RollupOut,
     RollupRequest,
 )
+from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
+from loramux.platform.api.errors import APIError, ErrorBody
 from loramux.platform.db.types import utc_now
 from loramux.platform.services.billing_exports import (
     DEFAULT_LIST_LIMIT,

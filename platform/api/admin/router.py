@@ -16,9 +16,8 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine import AsyncEngineError, EngineStats
-from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
-from loramux.platform.api.errors import APIError
-from loramux.platform.api.schemas_admin import (
+from loramux.platform.api.admin.engine_schemas import EngineSnapshotOut
+from loramux.platform.api.admin.schemas import (
     AdminAdapterList,
     AdminAdapterOut,
     ApiKeyCreate,
@@ -28,7 +27,8 @@ from loramux.platform.api.schemas_admin import (
     TenantOut,
     TenantUpdate,
 )
-from loramux.platform.api.schemas_engine import EngineSnapshotOut
+from loramux.platform.api.deps import ContextDep, SessionDep, require_admin
+from loramux.platform.api.errors import APIError
 from loramux.platform.db.types import utc_now
 from loramux.platform.engine_fleet.merge import merge_stats
 from loramux.platform.services import adapters, api_keys, tenants

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from loramux.engine import FinishReason, RequestOutput
-from loramux.platform.api.openai_render import Render
+from loramux.platform.api.openai.render import Render
 from loramux.platform.services.inference_job import Choice, Job, Tally
 from loramux.platform.services.metering import Usage
 

@@ -37,8 +37,8 @@ from urllib.parse import parse_qsl
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loramux.platform.api.body_limit import DEFAULT_MAX_BODY_BYTES
 from loramux.platform.api.errors import error_response
+from loramux.platform.api.middleware.body_limit import DEFAULT_MAX_BODY_BYTES
 
 MAX_URL_BYTES = 8 * 1024
 """The longest request target (path, ``?`` and query) answered; longer ones are a 414."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from loramux.platform.api.models import AdminOrTenant
-from loramux.platform.api.schemas_identity import IdentityOut
+from loramux.platform.api.deps import AdminOrTenant
+from loramux.platform.api.tenant.identity_schemas import IdentityOut
 
 router = APIRouter(tags=["identity"])
 

@@ -6,19 +6,10 @@ and each of its adapters with a ready version, named as the tenant named them.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import BaseModel
 
-from loramux.platform.api.deps import (
-    BearerDep,
-    ContextDep,
-    SessionDep,
-    current_tenant,
-    is_admin_token,
-)
-from loramux.platform.db.models import Tenant
+from loramux.platform.api.deps import AdminOrTenant, ContextDep, SessionDep
 from loramux.platform.services import adapters
 
 router = APIRouter(tags=["models"])
@@ -36,16 +27,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
-
-
-def admin_or_tenant(context: ContextDep, session: SessionDep, token: BearerDep) -> Tenant | None:
-    """``None`` for the admin token, the tenant for a live API key; 401 otherwise."""
-    if is_admin_token(context, token):
-        return None
-    return current_tenant(session, token)
-
-
-AdminOrTenant = Annotated[Tenant | None, Depends(admin_or_tenant)]
 
 
 @router.get("/v1/models", response_model=ModelList)

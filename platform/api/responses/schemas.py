@@ -1,8 +1,8 @@
 """Request bodies of the Responses API (``POST /v1/responses``, per adapter too): text in,
 text or JSON out.
 
-As in ``schemas_openai``, only JSON types are checked here (a wrong type is a 422);
-``responses_input`` reads the values and refuses, with a 400 naming the field, what this
+As in ``openai/schemas.py``, only JSON types are checked here (a wrong type is a 422);
+``responses/input.py`` reads the values and refuses, with a 400 naming the field, what this
 server does not do. Unknown fields are ignored. Of OpenAI's fields:
 
 - served: ``input`` (a string, or a list of messages whose content is a string or
@@ -10,7 +10,7 @@ server does not do. Unknown fields are ignored. Of OpenAI's fields:
   ``temperature``, ``top_p``, ``stream``, ``user``, ``metadata`` (returned as sent),
   ``text.format`` (``text``, ``json_object``, or ``json_schema`` with ``name``, ``schema``
   and ``strict``: structured outputs as chat's ``response_format``, read by
-  ``structured_params``; returned as sent), and loramux's ``timeout``, ``speculative``
+  ``openai/structured.py``; returned as sent), and loramux's ``timeout``, ``speculative``
   and sampling extensions as in chat (``extra_body``);
 - refused (400): ``tools`` (non-empty), a ``tool_choice`` that requires a tool,
   ``previous_response_id`` and ``conversation`` (no response is stored to continue),
@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from loramux.platform.api.schemas_openai import SPECULATIVE_DESCRIPTION
+from loramux.platform.api.openai.schemas import SPECULATIVE_DESCRIPTION
 
 
 class InputMessage(BaseModel):
@@ -75,7 +75,7 @@ class AdapterResponseRequest(BaseModel):
     # loramux: seconds this request may take in all (services/deadlines.py)
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
-    # read only to be refused (openai_params.check_no_priority), so not in /openapi.json
+    # read only to be refused (openai.params.check_no_priority), so not in /openapi.json
     priority: SkipJsonSchema[Any] = None
 
 

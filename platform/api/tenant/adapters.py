@@ -29,7 +29,7 @@ from loramux.platform.api.deps import (
     SessionDep,
 )
 from loramux.platform.api.errors import APIError
-from loramux.platform.api.schemas_adapters import AdapterList, AdapterOut
+from loramux.platform.api.tenant.adapter_schemas import AdapterList, AdapterOut
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Adapter
 from loramux.platform.ingest.archive import ADAPTER_FILES, PICKLE_SUFFIXES

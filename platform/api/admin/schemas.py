@@ -9,25 +9,31 @@ are (``"5"`` is not a priority).
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    StringConstraints,
     field_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from loramux.platform.api.schemas_adapters import AdapterOut
+from loramux.platform.api.admin.fields import (
+    Name,
+    PerMinute,
+    Priority,
+    QueueLimit,
+    TimeoutSeconds,
+    Usd,
+    Weight,
+    micro,
+    usd,
+)
+from loramux.platform.api.tenant.adapter_schemas import AdapterOut
 from loramux.platform.db.models import (
     DEFAULT_PRIORITY,
     DEFAULT_WEIGHT,
-    MAX_PRIORITY,
-    MIN_PRIORITY,
-    NAME_LENGTH,
 )
 from loramux.platform.services.adapters import TenantAdapterView
 from loramux.platform.services.api_keys import IssuedKey
@@ -36,63 +42,8 @@ from loramux.platform.services.tenants import (
     NewTenant,
     PriceChange,
     TenantView,
-    micro_usd_to_usd,
     usd_to_micro_usd,
 )
-
-MAX_USD = 1_000_000_000  # keeps every amount far inside a BIGINT of micro-dollars
-MAX_PER_MINUTE = 2**31 - 1  # the limit columns are 32-bit integers
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: anything longer is a typo
-
-
-def _whole_micro_usd(value: float) -> float:
-    usd_to_micro_usd(value)  # raises ValueError (→ 422) when not whole micro-dollars
-    return value
-
-
-# Stripped before it is checked, so a name needs a character other than whitespace; the
-# pattern says so in /openapi.json too (a client reading minLength alone would send "\t").
-Name = Annotated[
-    str,
-    StringConstraints(strip_whitespace=True, min_length=1, max_length=NAME_LENGTH, pattern=r"\S"),
-]
-Priority = Annotated[
-    int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0-9; higher is served first.")
-]
-Weight = Annotated[
-    float,
-    Field(gt=0, allow_inf_nan=False, description="Share among tenants of one priority (> 0)."),
-]
-PerMinute = Annotated[int, Field(gt=0, le=MAX_PER_MINUTE)]
-TimeoutSeconds = Annotated[
-    float,
-    Field(
-        gt=0,
-        le=MAX_TIMEOUT_S,
-        allow_inf_nan=False,
-        description="Default deadline of the tenant's requests, in seconds (the server's "
-        "maximum still applies; a request's `timeout` can only shorten it).",
-    ),
-]
-QueueLimit = Annotated[
-    int,
-    Field(
-        gt=0,
-        le=MAX_PER_MINUTE,
-        description="Most of the tenant's requests queued at once (each choice counts).",
-    ),
-]
-Usd = Annotated[
-    float, Field(ge=0, le=MAX_USD, allow_inf_nan=False), AfterValidator(_whole_micro_usd)
-]
-
-
-def _micro(usd: float | None) -> int | None:
-    return None if usd is None else usd_to_micro_usd(usd)
-
-
-def _usd(micro_usd: int | None) -> float | None:
-    return None if micro_usd is None else micro_usd_to_usd(micro_usd)
 
 
 class _Request(BaseModel):
@@ -123,7 +74,7 @@ class TenantCreate(_Request):
         # PriceChange applies the rule that the cached-input price follows the input price.
         price = PriceChange(
             input=usd_to_micro_usd(self.input_price_per_mtok),
-            cached_input=_micro(self.cached_input_price_per_mtok),
+            cached_input=micro(self.cached_input_price_per_mtok),
             output=usd_to_micro_usd(self.output_price_per_mtok),
         ).applied_to(None)
         return NewTenant(
@@ -132,7 +83,7 @@ class TenantCreate(_Request):
             weight=self.weight,
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
-            monthly_budget_micro_usd=_micro(self.monthly_budget_usd),
+            monthly_budget_micro_usd=micro(self.monthly_budget_usd),
             request_timeout_s=self.request_timeout_s,
             max_queued_requests=self.max_queued_requests,
             price=price,
@@ -202,12 +153,12 @@ class TenantUpdate(_Request):
             if name in sent
         }
         if "monthly_budget_usd" in sent:
-            settings["monthly_budget_micro_usd"] = _micro(self.monthly_budget_usd)
+            settings["monthly_budget_micro_usd"] = micro(self.monthly_budget_usd)
         return settings
 
     def price_change(self) -> PriceChange | None:
         changes = {
-            part: _micro(getattr(self, name))
+            part: micro(getattr(self, name))
             for name, part in _PRICE_FIELDS.items()
             if name in self.model_fields_set
         }
@@ -246,12 +197,12 @@ class TenantOut(BaseModel):
             weight=tenant.weight,
             requests_per_minute=tenant.requests_per_minute,
             tokens_per_minute=tenant.tokens_per_minute,
-            monthly_budget_usd=_usd(tenant.monthly_budget_micro_usd),
+            monthly_budget_usd=usd(tenant.monthly_budget_micro_usd),
             request_timeout_s=tenant.request_timeout_s,
             max_queued_requests=tenant.max_queued_requests,
-            input_price_per_mtok=_usd(price and price.input_micro_usd_per_mtok),
-            cached_input_price_per_mtok=_usd(price and price.cached_input_micro_usd_per_mtok),
-            output_price_per_mtok=_usd(price and price.output_micro_usd_per_mtok),
+            input_price_per_mtok=usd(price and price.input_micro_usd_per_mtok),
+            cached_input_price_per_mtok=usd(price and price.cached_input_micro_usd_per_mtok),
+            output_price_per_mtok=usd(price and price.output_micro_usd_per_mtok),
             created_at=tenant.created_at,
             updated_at=tenant.updated_at,
         )

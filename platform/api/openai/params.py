@@ -1,6 +1,6 @@
 """OpenAI's request fields read into what the services take, with the 400s of bad values.
 
-The schemas (``schemas_openai``) check JSON types only; what a value means is checked here
+The schemas (``openai/schemas.py``) check JSON types only; what a value means is checked here
 (or by ``SamplingParams`` and admission), so a wrong value is a 400 naming the field:
 
 - ``prompt``: a string, a token-id list, or a batch of either (a list of strings or of
@@ -18,6 +18,7 @@ The schemas (``schemas_openai``) check JSON types only; what a value means is ch
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from loramux.platform.errors import Invalid
 
@@ -99,3 +100,23 @@ def logit_bias_of(bias: Mapping[str, float] | None) -> dict[int, float] | None:
             )
         out[int(token)] = float(value)
     return out
+
+
+def sampling_of(body, **extra: Any) -> dict[str, Any]:
+    """The engine's sampling parameters among a request's fields, plus ``extra``."""
+    fields = (
+        "stop",
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "speculative",
+        "seed",
+    )
+    given = {name: getattr(body, name) for name in fields}
+    return {**given, "logit_bias": logit_bias_of(body.logit_bias), **extra}

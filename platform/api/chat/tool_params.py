@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from loramux.engine import GrammarError, Tool, ToolCalls, ToolChoice, check_spec
-from loramux.platform.api.structured_params import NAME, invalid, shown
+from loramux.platform.api.openai.structured import NAME, invalid, shown
 
 CHOICES = ("none", "auto", "required")
 

@@ -14,7 +14,7 @@ tenant's default and the server's maximum (``services/deadlines.py``); so is
 ``speculative`` (default true): ``false`` opts the request out of the engine's speculative
 decoding (``SPECULATIVE_DESCRIPTION``).
 Structured outputs (``response_format``; chat's ``tools``, ``tool_choice`` and
-``parallel_tool_calls``) are read by ``structured_params`` and ``tool_params``, whose 400s
+``parallel_tool_calls``) are read by ``openai/structured.py`` and ``chat/tool_params.py``, whose 400s
 name the field; completions take ``response_format`` too, as an extension.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from loramux.platform.api.openai_params import Prompts
+from loramux.platform.api.openai.params import Prompts
 
 MAX_N = 16  # choices per request
 SPECULATIVE_DESCRIPTION = (
@@ -63,7 +63,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    # OpenAI's {"token id": bias}: read by openai_params.logit_bias_of (400s name the key)
+    # OpenAI's {"token id": bias}: read by openai.params.logit_bias_of (400s name the key)
     logit_bias: dict[str, float] | None = None
     # the tenant's id for its end user: stored on the usage record and exported with it
     user: str | None = None
@@ -71,7 +71,7 @@ class _Sampling(BaseModel):
     # default and the server's maximum (services/deadlines.py).
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
-    # read only to be refused (openai_params.check_no_priority), so not in /openapi.json
+    # read only to be refused (openai.params.check_no_priority), so not in /openapi.json
     priority: SkipJsonSchema[Any] = None
 
     @property
@@ -83,7 +83,7 @@ class AdapterCompletionRequest(_Sampling):
     """``POST /v1/adapters/{name}/completions``: a completion without ``model``.
 
     ``prompt`` is one prompt (text or token ids) or a batch of them; ``echo``, ``best_of``
-    and ``suffix`` are read by ``openai_params``."""
+    and ``suffix`` are read by ``openai/params.py``."""
 
     prompt: Prompts
     max_tokens: int | None = None
@@ -91,7 +91,7 @@ class AdapterCompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    # extension: structured_params reads it as chat's
+    # extension: openai/structured.py reads it as chat's
     response_format: dict[str, Any] | None = None
 
 
@@ -102,7 +102,7 @@ class CompletionRequest(AdapterCompletionRequest):
 
 
 class ChatMessage(BaseModel):
-    """One message; ``tool_messages`` renders those of tool calls (an assistant's
+    """One message; ``chat/tool_messages.py`` renders those of tool calls (an assistant's
     ``tool_calls``, a ``tool`` message's result for ``tool_call_id``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)

@@ -1,10 +1,10 @@
 """OpenAI's Responses API for text (and JSON: ``text.format``): ``POST /v1/responses`` and
 ``POST /v1/adapters/{name}/responses``.
 
-A response is a chat completion underneath: its input (``responses_input``) is rendered with
+A response is a chat completion underneath: its input (``responses/input.py``) is rendered with
 the chat template and runs as a one-choice job on the same path as chat (admission, queue,
 deadline, budget and rate limits, fairness, one usage record with the request's ``user``);
-``responses_render`` shapes the answer. Nothing is stored: there is no retrieval, and
+``responses/render.py`` shapes the answer. Nothing is stored: there is no retrieval, and
 ``previous_response_id`` is refused.
 """
 
@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
-from loramux.platform.api.openai_params import check_no_priority
-from loramux.platform.api.respond import InferenceDep, respond
-from loramux.platform.api.responses_input import check_supported, messages_of
-from loramux.platform.api.responses_render import ResponsesRender
-from loramux.platform.api.schemas_responses import AdapterResponseRequest, ResponseRequest
-from loramux.platform.api.structured_params import check_structured, text_format_spec
+from loramux.platform.api.openai.params import check_no_priority
+from loramux.platform.api.openai.respond import InferenceDep, respond
+from loramux.platform.api.openai.structured import check_structured, text_format_spec
+from loramux.platform.api.responses.input import check_supported, messages_of
+from loramux.platform.api.responses.render import ResponsesRender
+from loramux.platform.api.responses.schemas import AdapterResponseRequest, ResponseRequest
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.inference import InferenceService
 from loramux.platform.services.inference_job import Target, new_request_id

@@ -34,7 +34,7 @@ from loramux.engine import (
     ToolOutput,
     parse_tool_output,
 )
-from loramux.platform.api.openai_render import ChatRender
+from loramux.platform.api.openai.render import ChatRender
 from loramux.platform.services.inference_job import Choice, Tally, delta_logprobs
 
 TOOL_CALLS_FINISH = "tool_calls"

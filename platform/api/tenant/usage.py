@@ -2,7 +2,7 @@
 
 Both answer ``{"rows": [...], "totals": {...}}`` (or, with ``format=csv``, the same rows as a
 CSV attachment) from ``loramux.platform.services.billing.usage_report``; the period and
-its parameters are described in ``loramux.platform.api.schemas_usage``. The totals equal
+its parameters are described in ``loramux.platform.api.tenant.usage_schemas``. The totals equal
 exactly the sum of the rows, and of the ``usage`` objects the API returned for the same
 requests.
 """
@@ -15,7 +15,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from loramux.platform.api.deps import AdminDep, CurrentTenant, SessionDep
-from loramux.platform.api.schemas_usage import (
+from loramux.platform.api.tenant.usage_schemas import (
     REPORT_SCHEMAS,
     AdminUsageQuery,
     UsageQuery,

@@ -29,7 +29,7 @@ from typing import Any
 from loramux.engine import TOOL_CALL_CLOSE as CLOSE
 from loramux.engine import TOOL_CALL_OPEN as OPEN
 from loramux.engine import ToolCalls, format_instructions
-from loramux.platform.api.schemas_openai import ChatMessage
+from loramux.platform.api.openai.schemas import ChatMessage
 from loramux.platform.errors import Invalid
 
 RESPONSE_OPEN = "<tool_response>"

@@ -3,15 +3,15 @@
 ``instructions`` becomes a system message before the input; a string ``input`` is one user
 message; a message's content parts of type ``input_text`` / ``output_text`` (or ``text``)
 are joined. The ``developer`` role is rendered as ``system`` (the chat template knows no
-other). Every refusal is a 400 naming the field (``schemas_responses`` lists them).
-``text.format`` is read by ``structured_params.text_format_spec``.
+other). Every refusal is a 400 naming the field (``responses/schemas.py`` lists them).
+``text.format`` is read by ``openai.structured.text_format_spec``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from loramux.platform.api.schemas_responses import AdapterResponseRequest, InputMessage
+from loramux.platform.api.responses.schemas import AdapterResponseRequest, InputMessage
 from loramux.platform.errors import Invalid
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

@@ -1,0 +1,114 @@
+"""OpenAI's (legacy) text completions: ``POST /v1/completions`` and
+``POST /v1/adapters/{name}/completions``.
+
+The routes resolve the model, read OpenAI's fields (``openai/params.py``) and hand a job to
+:class:`~loramux.platform.services.inference.InferenceService`; ``openai/respond.py`` runs
+it and answers with the JSON the render shapes (a response, or server-sent chunks ending
+in ``data: [DONE]``).
+
+A completion's ``prompt`` may be a batch: each prompt gets ``n`` choices (the best ``n`` of
+``best_of``), indexed prompt-major as OpenAI does (``index = prompt_index * n + i``, in a
+stream's chunks too), and one usage record sums them all. ``response_format`` is accepted
+as an extension (``openai/structured.py``), checked before admission.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
+from loramux.platform.api.openai.params import (
+    check_best_of,
+    check_no_priority,
+    check_suffix,
+    completion_max_tokens,
+    prompts_of,
+    sampling_of,
+)
+from loramux.platform.api.openai.render import CompletionRender
+from loramux.platform.api.openai.respond import STREAMED_RESPONSES, InferenceDep, respond
+from loramux.platform.api.openai.schemas import AdapterCompletionRequest, CompletionRequest
+from loramux.platform.api.openai.structured import check_structured, response_format_spec
+from loramux.platform.db.models import Tenant
+from loramux.platform.services.inference import InferenceService
+from loramux.platform.services.inference_job import Target, new_request_id
+
+router = APIRouter(tags=["inference"])
+
+
+async def _complete(
+    request: Request,
+    service: InferenceService,
+    session: Session,
+    tenant: Tenant,
+    target: Target,
+    body: AdapterCompletionRequest,
+):
+    check_no_priority(body.priority)
+    check_suffix(body.suffix)
+    check_best_of(body.best_of, body.n, stream=body.stream)
+    structured = response_format_spec(body.response_format)
+    await run_in_threadpool(check_structured, structured)
+    max_tokens = completion_max_tokens(body.max_tokens, echo=body.echo)
+    ranked = body.best_of is not None and body.best_of > body.n
+    # best_of ranks candidates by their tokens' log-probabilities: asked of the engine
+    # even when the client wants none shown.
+    logprobs = 0 if ranked and body.logprobs is None else body.logprobs
+    prompt_logprobs = None
+    if body.echo and (body.logprobs is not None or max_tokens == 0):
+        # max_tokens 0 scores the prompt: the engine computes its logprobs either way.
+        prompt_logprobs = body.logprobs or 0
+    job = await service.prepare(
+        session,
+        tenant,
+        target,
+        request_id=new_request_id("cmpl"),
+        prompts=prompts_of(body.prompt),
+        n=body.n,
+        best_of=body.best_of,
+        sampling=sampling_of(
+            body,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured=structured,
+        ),
+        default_max_tokens=16,  # OpenAI's default for completions
+        timeout=body.timeout,
+        end_user=body.user,
+    )
+    render = CompletionRender(service.tokenizer, job, body.logprobs, echo=body.echo)
+    return await respond(
+        request, service, job, render, stream=body.stream, include_usage=body.include_usage
+    )
+
+
+@router.post("/v1/completions", responses=STREAMED_RESPONSES)
+async def create_completion(
+    request: Request,
+    body: CompletionRequest,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    service: InferenceDep,
+    runtime: AdapterRuntimeDep,
+):
+    """A text completion from the base model or one of the caller's adapters (``model``)."""
+    target = await service.resolve(session, tenant, body.model, runtime)
+    return await _complete(request, service, session, tenant, target, body)
+
+
+@router.post("/v1/adapters/{name}/completions", responses=STREAMED_RESPONSES)
+async def create_adapter_completion(
+    request: Request,
+    name: str,
+    body: AdapterCompletionRequest,
+    tenant: CurrentTenant,
+    session: SessionDep,
+    service: InferenceDep,
+    runtime: AdapterRuntimeDep,
+):
+    """A text completion from the caller's adapter ``name``."""
+    target = await service.adapter_target(session, tenant, name, runtime)
+    return await _complete(request, service, session, tenant, target, body)

@@ -1,0 +1,5 @@
+"""``GET /v1/models`` (``router``)."""
+
+from loramux.platform.api.models import router
+
+ROUTERS = (router.router,)

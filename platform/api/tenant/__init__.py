@@ -1,0 +1,7 @@
+"""A tenant's own API: its adapters (``adapters``: upload, list, read, delete), its usage
+(``usage``, with the operator's ``/admin/usage``) and who it is (``identity``:
+``/v1/me``), each with its schemas (``*_schemas``)."""
+
+from loramux.platform.api.tenant import adapters, identity, usage
+
+ROUTERS = (usage.router, adapters.router, identity.router)
