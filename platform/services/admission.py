@@ -27,9 +27,7 @@ it in a worker thread, off the event loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -42,6 +40,7 @@ from loramux.platform.errors import Invalid, PlatformError, QuotaExceeded
 from loramux.platform.limits import BudgetHold, TenantBudget, TenantLimits
 from loramux.platform.services.deadlines import request_deadline
 from loramux.platform.services.inference_job import Caller, Job, Target
+from loramux.platform.services.inference_request import InferenceRequest, Sampling
 from loramux.platform.services.limit_holds import Holds, limits_reachable
 from loramux.platform.services.load_shedding import LoadControl
 from loramux.platform.services.prompts import PromptReader, check_batch, sequences_per_prompt
@@ -84,34 +83,26 @@ class Admission:
         session: Session,
         tenant: Tenant,
         target: Target,
+        request: InferenceRequest,
         *,
-        request_id: str,
-        prompts: Sequence[str | list[int]] | None = None,
-        messages: Sequence[dict[str, Any]] | None = None,
-        n: int,
-        best_of: int | None = None,
-        sampling: dict[str, Any],
-        default_max_tokens: int | None,
-        timeout: float | None = None,
         load: LoadControl | None = None,
-        end_user: str | None = None,
     ) -> Job:
         """The job, holding its place in ``load``'s queue (given back if anything after
         refuses it); the queue and deadline checks come before the budget and rate limits,
-        so a request refused for load uses none of them. ``prompts`` (a batch) or
-        ``messages`` (rendered with the chat template into one prompt)."""
-        check_end_user(end_user)
-        per_prompt = sequences_per_prompt(n, best_of)
-        if messages is not None:
-            prompts = [self.prompts.render_chat(messages)]
-        if prompts is None:
-            raise TypeError("prepare needs prompts or messages")
+        so a request refused for load uses none of them. A chat request's messages are
+        rendered with the chat template into its one prompt."""
+        check_end_user(request.end_user)
+        per_prompt = sequences_per_prompt(request.n, request.best_of)
+        prompts = request.prompts
+        if request.messages is not None:
+            prompts = [self.prompts.render_chat(list(request.messages))]
         check_batch(len(prompts), per_prompt)
-        self.prompts.check_logit_bias(sampling.get("logit_bias"))
+        sampling = request.sampling
+        self.prompts.check_logit_bias(sampling.logit_bias)
         deadline = request_deadline(
-            self._context.settings.request_timeout_s, tenant.request_timeout_s, timeout
+            self._context.settings.request_timeout_s, tenant.request_timeout_s, request.timeout
         )
-        read = self.prompts.read(prompts, generates=sampling.get("max_tokens") != 0)
+        read = self.prompts.read(prompts, generates=sampling.max_tokens != 0)
         shape = _Shape(tuple(p.tokens for p in read for _ in range(per_prompt)))
         caller = Caller.of(tenant)
         ticket = None
@@ -126,14 +117,14 @@ class Admission:
             )
         try:
             params, holds = self._take(
-                session, tenant, caller, shape, per_prompt, sampling, default_max_tokens
+                session, tenant, caller, shape, per_prompt, sampling, request.default_max_tokens
             )
         except BaseException:
             if ticket is not None:
                 ticket.close()
             raise
         return Job(
-            request_id=request_id,
+            request_id=request.request_id,
             created=int(time.time()),
             caller=caller,
             target=target,
@@ -142,8 +133,8 @@ class Admission:
             holds=holds,
             deadline=deadline,
             ticket=ticket,
-            end_user=end_user,
-            n=n,
+            end_user=request.end_user,
+            n=request.n,
         )
 
     def _take(
@@ -153,7 +144,7 @@ class Admission:
         caller: Caller,
         shape: _Shape,
         per_prompt: int,
-        sampling: dict[str, Any],
+        sampling: Sampling,
         default_max_tokens: int | None,
     ) -> tuple[tuple[SamplingParams, ...], Holds]:
         """The sequences' parameters, and what they take of the budget and rate limits."""
@@ -162,12 +153,12 @@ class Admission:
         if caller.monthly_budget_micro_usd is not None:
             price = current_price(session, tenant.id, utc_now())
         longest = max(shape.prompt_tokens)
-        given = sampling.get("max_tokens")
+        given = sampling.max_tokens
         if given is None:
             room = self.prompts.default_max_tokens(longest)
             max_tokens = min(default_max_tokens or room, room)
             max_tokens = self._within_limits(session, caller, price, shape, max_tokens)
-            sampling = {**sampling, "max_tokens": max_tokens}
+            sampling = sampling.with_max_tokens(max_tokens)
         else:
             self.prompts.check_fits_context(longest, given)
         # The request's session has done its reads: end its transaction before anything is
@@ -272,12 +263,10 @@ class Admission:
         return decision.hold
 
 
-def build_params(
-    sampling: dict[str, Any], sequences: int, per_prompt: int
-) -> tuple[SamplingParams, ...]:
+def build_params(sampling: Sampling, sequences: int, per_prompt: int) -> tuple[SamplingParams, ...]:
     """One ``SamplingParams`` per sequence; 400 if bad. Seeded sequences of a prompt get
     seed, seed+1, ...: each prompt of a batch draws what it would alone."""
-    given = {k: v for k, v in sampling.items() if v is not None}
+    given = sampling.given()
     seed = given.pop("seed", None)
     try:
         return tuple(

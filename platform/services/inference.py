@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -52,6 +52,7 @@ from loramux.platform.services.admission import Admission
 from loramux.platform.services.deadlines import DEADLINE_FINISH, DeadlineExceeded
 from loramux.platform.services.engine_failures import tenant_facing_error
 from loramux.platform.services.inference_job import Job, Tally, Target, stopped_output
+from loramux.platform.services.inference_request import InferenceRequest
 from loramux.platform.services.load_shedding import LoadControl
 from loramux.platform.services.metering import (
     Meter,
@@ -188,38 +189,12 @@ class InferenceService:
 
     # --- building a job ---------------------------------------------------------------
     async def prepare(
-        self,
-        session: Session,
-        tenant: Tenant,
-        target: Target,
-        *,
-        request_id: str,
-        prompts: Sequence[str | list[int]] | None = None,
-        messages: Sequence[dict[str, Any]] | None = None,
-        n: int,
-        best_of: int | None = None,
-        sampling: dict[str, Any],
-        default_max_tokens: int | None = None,
-        timeout: float | None = None,
-        end_user: str | None = None,
+        self, session: Session, tenant: Tenant, target: Target, request: InferenceRequest
     ) -> Job:
         """Validate, check the queue, the deadline, budget and limits, and reserve tokens:
         the job to run (:meth:`Admission.prepare`, in a worker thread, off the event loop)."""
         return await _in_thread(
-            self.admission.prepare,
-            session,
-            tenant,
-            target,
-            request_id=request_id,
-            prompts=prompts,
-            messages=messages,
-            n=n,
-            best_of=best_of,
-            sampling=sampling,
-            default_max_tokens=default_max_tokens,
-            timeout=timeout,
-            load=self._load,
-            end_user=end_user,
+            self.admission.prepare, session, tenant, target, request, load=self._load
         )
 
     # --- running ----------------------------------------------------------------------

@@ -20,12 +20,12 @@ from loramux.platform.api.chat.tool_messages import template_messages
 from loramux.platform.api.chat.tool_params import check_tools, tool_spec
 from loramux.platform.api.chat.tool_render import ToolChatRender
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
-from loramux.platform.api.openai.params import check_no_priority, sampling_of
+from loramux.platform.api.openai.params import check_no_priority
 from loramux.platform.api.openai.render import ChatRender
+from loramux.platform.api.openai.requests import chat_request, chat_top_logprobs
 from loramux.platform.api.openai.respond import STREAMED_RESPONSES, InferenceDep, respond
 from loramux.platform.api.openai.schemas import ChatCompletionRequest
 from loramux.platform.api.openai.structured import check_structured, invalid, response_format_spec
-from loramux.platform.services.inference_job import new_request_id
 
 router = APIRouter(tags=["inference"])
 
@@ -62,25 +62,10 @@ async def create_chat_completion(
     check_no_priority(body.priority)
     target = await service.resolve(session, tenant, body.model, runtime)
     structured, tools = await _chat_specs(body)
-    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    job = await service.prepare(
-        session,
-        tenant,
-        target,
-        request_id=new_request_id("chatcmpl"),
-        messages=template_messages(body.messages, tools),
-        n=body.n,
-        sampling=sampling_of(
-            body, max_tokens=max_tokens, logprobs=top_logprobs, structured=structured
-        ),
-        timeout=body.timeout,
-        end_user=body.user,
-    )
+    inference = chat_request(body, template_messages(body.messages, tools), structured)
+    job = await service.prepare(session, tenant, target, inference)
     kind = ChatRender if tools is None else ToolChatRender
-    render = kind(service.tokenizer, job, top_logprobs)
+    render = kind(service.tokenizer, job, chat_top_logprobs(body))
     return await respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )

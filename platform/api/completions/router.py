@@ -19,21 +19,15 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
-from loramux.platform.api.openai.params import (
-    check_best_of,
-    check_no_priority,
-    check_suffix,
-    completion_max_tokens,
-    prompts_of,
-    sampling_of,
-)
+from loramux.platform.api.openai.params import check_no_priority
 from loramux.platform.api.openai.render import CompletionRender
+from loramux.platform.api.openai.requests import completion_request
 from loramux.platform.api.openai.respond import STREAMED_RESPONSES, InferenceDep, respond
 from loramux.platform.api.openai.schemas import AdapterCompletionRequest, CompletionRequest
-from loramux.platform.api.openai.structured import check_structured, response_format_spec
+from loramux.platform.api.openai.structured import check_structured
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.inference import InferenceService
-from loramux.platform.services.inference_job import Target, new_request_id
+from loramux.platform.services.inference_job import Target
 
 router = APIRouter(tags=["inference"])
 
@@ -47,38 +41,9 @@ async def _complete(
     body: AdapterCompletionRequest,
 ):
     check_no_priority(body.priority)
-    check_suffix(body.suffix)
-    check_best_of(body.best_of, body.n, stream=body.stream)
-    structured = response_format_spec(body.response_format)
-    await run_in_threadpool(check_structured, structured)
-    max_tokens = completion_max_tokens(body.max_tokens, echo=body.echo)
-    ranked = body.best_of is not None and body.best_of > body.n
-    # best_of ranks candidates by their tokens' log-probabilities: asked of the engine
-    # even when the client wants none shown.
-    logprobs = 0 if ranked and body.logprobs is None else body.logprobs
-    prompt_logprobs = None
-    if body.echo and (body.logprobs is not None or max_tokens == 0):
-        # max_tokens 0 scores the prompt: the engine computes its logprobs either way.
-        prompt_logprobs = body.logprobs or 0
-    job = await service.prepare(
-        session,
-        tenant,
-        target,
-        request_id=new_request_id("cmpl"),
-        prompts=prompts_of(body.prompt),
-        n=body.n,
-        best_of=body.best_of,
-        sampling=sampling_of(
-            body,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            structured=structured,
-        ),
-        default_max_tokens=16,  # OpenAI's default for completions
-        timeout=body.timeout,
-        end_user=body.user,
-    )
+    inference = completion_request(body)
+    await run_in_threadpool(check_structured, inference.sampling.structured)
+    job = await service.prepare(session, tenant, target, inference)
     render = CompletionRender(service.tokenizer, job, body.logprobs, echo=body.echo)
     return await respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from loramux.platform.errors import Invalid
+from loramux.platform.services.inference_request import Sampling
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias's magnitude (the engine's too)
 
@@ -102,21 +103,24 @@ def logit_bias_of(bias: Mapping[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def sampling_of(body, **extra: Any) -> dict[str, Any]:
-    """The engine's sampling parameters among a request's fields, plus ``extra``."""
-    fields = (
-        "stop",
-        "temperature",
-        "top_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "speculative",
-        "seed",
-    )
-    given = {name: getattr(body, name) for name in fields}
-    return {**given, "logit_bias": logit_bias_of(body.logit_bias), **extra}
+# The engine's sampling fields that completions and chat bodies carry under their own names.
+SAMPLING_FIELDS = (
+    "stop",
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "speculative",
+    "seed",
+)
+
+
+def sampling_of(body, **extra: Any) -> Sampling:
+    """The engine's sampling fields of a completions or chat body, plus ``extra``."""
+    given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
+    return Sampling(**given, logit_bias=logit_bias_of(body.logit_bias), **extra)

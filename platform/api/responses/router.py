@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
 from loramux.platform.api.openai.params import check_no_priority
+from loramux.platform.api.openai.requests import response_request
 from loramux.platform.api.openai.respond import InferenceDep, respond
 from loramux.platform.api.openai.structured import check_structured, text_format_spec
 from loramux.platform.api.responses.input import check_supported, messages_of
@@ -25,23 +26,9 @@ from loramux.platform.api.responses.render import ResponsesRender
 from loramux.platform.api.responses.schemas import AdapterResponseRequest, ResponseRequest
 from loramux.platform.db.models import Tenant
 from loramux.platform.services.inference import InferenceService
-from loramux.platform.services.inference_job import Target, new_request_id
+from loramux.platform.services.inference_job import Target
 
 router = APIRouter(tags=["inference"])
-
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "seed",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "speculative",
-)
 
 # /openapi.json: the answer is JSON, or with ``stream: true`` server-sent events.
 _RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -66,18 +53,8 @@ async def _answer(
     check_supported(body)
     structured = text_format_spec(body.text)
     await run_in_threadpool(check_structured, structured, "text.format")
-    sampling = {name: getattr(body, name) for name in _SAMPLING}
-    job = await service.prepare(
-        session,
-        tenant,
-        target,
-        request_id=new_request_id("resp", separator="_"),
-        messages=messages_of(body),
-        n=1,
-        sampling={**sampling, "max_tokens": body.max_output_tokens, "structured": structured},
-        timeout=body.timeout,
-        end_user=body.user,
-    )
+    inference = response_request(body, messages_of(body), structured)
+    job = await service.prepare(session, tenant, target, inference)
     settings = body.model_dump(
         include={"instructions", "max_output_tokens", "temperature", "top_p", "user", "metadata"}
     )
