@@ -11,7 +11,7 @@ alternate, length by length, so that a busy moment of the machine falls on both.
 is the prompt's tokens over the request's wall time (its one decode step included).
 
 llama.cpp, where ``llama-cpp-python`` imports (``--llama-cpp-python PY``: the interpreter
-of a venv that has it; the README says how it was built), prefills the same prompts' token
+of a venv that has it; docs/benchmarks.md says how it was built), prefills the same prompts' token
 ids from the same GGUF with ``n_threads`` equal to the run's, ``n_batch`` 2048 and
 ``n_ubatch`` 512 (its defaults), in a process of its own.
 

@@ -13,7 +13,7 @@ them as ordinary exceptions whose text is the message.
 | :class:`QuotaExceeded` | over a budget or a rate limit | 402 or 429 |
 | :class:`Unavailable` | a part is down or full for now; the same request may pass later | 503 |
 
-``code`` is one of the API's error codes (README "Errors"), so a client can branch on it;
+``code`` is one of the API's error codes (docs/api.md, "Errors"), so a client can branch on it;
 ``retry_after_s``, where given, is when trying again makes sense (``Retry-After``).
 """
 

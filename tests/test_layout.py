@@ -217,6 +217,20 @@ def test_readme_opens_with_make_run_and_make_test():
     assert len(paragraphs) <= 1, f"more than one paragraph before the commands: {paragraphs}"
 
 
+def test_the_front_page_links_every_docs_page_and_every_link_resolves():
+    readme = (REPO_ROOT / "README.md").read_text()
+    pages = sorted(p.name for p in (REPO_ROOT / "docs").glob("*.md"))
+    assert pages, "docs/ has no pages"
+    for page in pages:
+        assert f"](docs/{page})" in readme, f"README.md does not link docs/{page}"
+    for path in [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)\)", path.read_text()):
+            if "://" in target:
+                continue
+            resolved = (path.parent / target).resolve()
+            assert resolved.exists(), f"{path.relative_to(REPO_ROOT)} links {target}, which is not there"
+
+
 def test_ci_runs_make_test():
     script = (REPO_ROOT / ".ci" / "run").read_text()
     commands = [

@@ -1,6 +1,6 @@
 """Every error code the HTTP API answers with: its status, OpenAI's error ``type`` and what
 it means. One table, so a code always comes with the same status and type, whether it is a
-JSON response or an error event inside a stream (README "Errors" lists it).
+JSON response or an error event inside a stream (docs/api.md, "Errors", lists it).
 
 A client should branch on ``code`` (stable) and show ``message`` (prose, may change).
 """
@@ -37,7 +37,7 @@ def error_type(status: int) -> str:
 @dataclass(frozen=True)
 class ErrorCode:
     status: int
-    meaning: str  # what a client should make of it (the README's table)
+    meaning: str  # what a client should make of it (the table in docs/api.md)
 
     @property
     def type(self) -> str:

@@ -27,7 +27,7 @@ RELEASE = "demo"
 NAMESPACE = "serving"
 
 
-# What an operator sets to install the chart (see README, "Running at scale"): the
+# What an operator sets to install the chart (see docs/operations.md): the
 # tests render it with these values on top of values.yaml.
 INSTALL_VALUES = {
     "secrets": {

@@ -1,5 +1,5 @@
 """One table of error codes (``error_codes.ERROR_CODES``): every place that answers an
-error uses a code from it with the table's status, and the README documents it."""
+error uses a code from it with the table's status, and docs/api.md documents it."""
 
 from __future__ import annotations
 
@@ -112,10 +112,10 @@ def test_types_follow_statuses():
 
 
 @pytest.mark.parametrize("code", sorted(ERROR_CODES))
-def test_the_readme_documents_each_code(code):
-    readme = (ROOT / "README.md").read_text()
+def test_the_api_page_documents_each_code(code):
+    readme = (ROOT / "docs" / "api.md").read_text()
     row = re.search(rf"^\| `{code}` \| (\d{{3}}) \| `([a-z_]+)` \|", readme, re.MULTILINE)
-    assert row is not None, f"README's error table has no row for {code}"
+    assert row is not None, f"docs/api.md's error table has no row for {code}"
     assert int(row.group(1)) == ERROR_CODES[code].status
     assert row.group(2) == ERROR_CODES[code].type
 

@@ -24,7 +24,7 @@ Every response goes through these checks:
   which model exists. Uploads are left out of this check (``CONTENT_BEYOND_SCHEMA``), and a
   few rules JSON Schema cannot state are applied to positive cases first
   (:func:`within_contract`);
-- bad characters: the refusal README documents, exactly (below).
+- bad characters: the refusal docs/api.md documents, exactly (below).
 
 Bad characters. Schemathesis never generates lone surrogates (it leaves out Unicode category
 Cs, since UTF-8 cannot carry them), and the NULs it generates (``allow-x00``) would land in
@@ -37,7 +37,7 @@ allowed, the only form a URL can carry). After the fuzz, a sweep sends both char
 every string field the schema declares (each JSON body field, nested ones and free-form
 objects' keys included, each query and path parameter, the upload form's text field) of each
 operation the role may call, on top of a request the server accepted, plus a body that is
-not UTF-8 and one nested too deep to parse. README: a NUL is a 404 in the path; either is a
+not UTF-8 and one nested too deep to parse. docs/api.md: a NUL is a 404 in the path; either is a
 422 naming the field in a query or a body.
 
 Real values. Random strings name nothing, so most cases would only ever reach a 404: a
@@ -130,7 +130,7 @@ BASE_CHECKS = [
 # a 5xx is reported once, by not_a_server_error.
 POSITIVE_STATUSES = ["2xx", "400", "401", "402", "404", "409", "429", "5xx"]
 # Whose valid requests the schema cannot describe: an upload's files must hold a PEFT adapter,
-# and one that does not is refused with 422 and the reason (README), whatever the form's shape.
+# and one that does not is refused with 422 and the reason (docs/api.md), whatever the form's shape.
 CONTENT_BEYOND_SCHEMA = {"POST /v1/adapters"}
 PUBLIC = ("/health", "/healthz", "/readyz", "/metrics", "/v1/me")
 ADAPTER_NAME = "fuzz-adapter"
@@ -381,7 +381,7 @@ def _json_body(case: Case) -> Any | None:
 
 
 def expected_refusal(case: Case) -> int | None:
-    """The status README promises for the bad characters ``case`` carries, if any.
+    """The status docs/api.md promises for the bad characters ``case`` carries, if any.
 
     The input guard refuses a NUL in the path with 404, then a NUL or lone surrogate in a
     query parameter (name or value) or a JSON body (string or key) with 422. A surrogate sent
