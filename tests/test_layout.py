@@ -228,7 +228,9 @@ def test_the_front_page_links_every_docs_page_and_every_link_resolves():
             if "://" in target:
                 continue
             resolved = (path.parent / target).resolve()
-            assert resolved.exists(), f"{path.relative_to(REPO_ROOT)} links {target}, which is not there"
+            assert resolved.exists(), (
+                f"{path.relative_to(REPO_ROOT)} links {target}, which is not there"
+            )
 
 
 def test_ci_runs_make_test():
