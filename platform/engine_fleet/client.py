@@ -21,6 +21,19 @@ from loramux.platform.store import ObjectStore
 
 
 @dataclass(frozen=True)
+class EngineRequest:
+    """One engine request as the platform hands it to an engine client: one sequence of a
+    job (``services/inference_job.Job``), its id unique while it runs."""
+
+    request_id: str
+    prompt: str | Seq[int]  # text, or token ids
+    params: SamplingParams
+    adapter: str | None = None  # the engine's name of the adapter version; None: the base
+    priority: int = 0  # the tenant's priority class
+    tenant: str | None = None  # whose fair share it counts against
+
+
+@dataclass(frozen=True)
 class EngineReport:
     """One engine as the platform sees it: its snapshot, or why it has none."""
 
@@ -35,7 +48,7 @@ class EngineReport:
 class EngineClient(Protocol):
     """What the platform may ask of its engine(s).
 
-    ``generate`` raises ``EngineError`` when a request is refused and ``AsyncEngineError``
+    ``stream`` raises ``EngineError`` when a request is refused and ``AsyncEngineError``
     (or a subclass) when the engine could not finish it; leaving its loop early aborts the
     request on the engine. ``abort`` aborts one by id and answers with its final output
     (finish reason ``abort``; its metrics say how much of the prompt was prefilled), or None
@@ -57,16 +70,7 @@ class EngineClient(Protocol):
 
     def capacity(self) -> int: ...  # requests run at once, all engines together (now)
 
-    def generate(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams,
-        *,
-        adapter: str | None = None,
-        priority: int = 0,
-        tenant: str | None = None,
-        request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> RequestOutput | None: ...
 
@@ -105,6 +109,16 @@ class LocalEngine(AsyncEngine):
 
     def not_ready_reason(self) -> str | None:
         return None if self.is_running else "the engine loop is not running"
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        return self.generate(
+            request.prompt,
+            request.params,
+            adapter=request.adapter,
+            priority=request.priority,
+            tenant=request.tenant,
+            request_id=request.request_id,
+        )
 
     def capacity(self) -> int:
         return self.engine.config.max_num_seqs

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import httpx
@@ -25,9 +24,9 @@ from loramux.engine import (
     EngineError,
     EngineStats,
     RequestOutput,
-    SamplingParams,
     UnknownAdapter,
 )
+from loramux.platform.engine_fleet.client import EngineRequest
 from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
 from loramux.platform.engine_fleet.wire import output_from_json, params_to_json, stats_from_json
 
@@ -99,25 +98,17 @@ class RemoteEngine:
             )
         return response
 
-    async def generate(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        adapter: str | None = None,
-        priority: int = 0,
-        tenant: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine streams them; closing early drops the
         connection, which aborts the request on the engine."""
+        prompt = request.prompt
         body = {
-            "request_id": request_id,
+            "request_id": request.request_id,
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
-            "params": params_to_json(params),
-            "adapter": adapter,
-            "priority": priority,
-            "tenant": tenant,
+            "params": params_to_json(request.params),
+            "adapter": request.adapter,
+            "priority": request.priority,
+            "tenant": request.tenant,
         }
         finished = answered = False
         try:
@@ -139,12 +130,13 @@ class RemoteEngine:
             if not answered:  # dropped before any response: it did not take the request
                 raise self._unreachable(exc) from exc
             raise EngineLost(
-                f"engine {self.engine_id} stopped during request {request_id}: {_describe(exc)}",
+                f"engine {self.engine_id} stopped during request {request.request_id}: "
+                f"{_describe(exc)}",
                 engine_id=self.engine_id,
             ) from exc
         if not finished:
             raise EngineLost(
-                f"engine {self.engine_id} ended request {request_id} unfinished",
+                f"engine {self.engine_id} ended request {request.request_id} unfinished",
                 engine_id=self.engine_id,
             )
 

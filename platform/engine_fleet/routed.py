@@ -26,7 +26,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from collections.abc import Sequence as Seq
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -34,8 +33,8 @@ import httpx
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
-from loramux.engine import EngineStats, RequestOutput, SamplingParams
-from loramux.platform.engine_fleet.client import EngineReport
+from loramux.engine import EngineStats, RequestOutput
+from loramux.platform.engine_fleet.client import EngineReport, EngineRequest
 from loramux.platform.engine_fleet.merge import fastest_tiers, merge_stats
 from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 from loramux.platform.engine_fleet.remote import (
@@ -249,22 +248,12 @@ class RoutedEngines:
         self._down[record.engine_id] = record.heartbeat_at
 
     # --- requests ---------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams,
-        *,
-        adapter: str | None = None,
-        priority: int = 0,
-        tenant: str | None = None,
-        request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """One request on the engine ``routing`` picks; retried on another engine when the
         first did not answer or went away before the request's first output (nothing had
         reached the caller), or after re-registering the adapter with an engine that had
         forgotten it (it restarted). An engine lost after an output fails the request."""
-        if request_id is None:
-            raise ValueError("routed requests need a request_id")
+        request_id, adapter = request.request_id, request.adapter
         excluded: set[str] = set()
         reregistered = delivered = False
         while True:
@@ -278,14 +267,7 @@ class RoutedEngines:
             self._running_on[request_id] = record
             try:
                 await self._prepare(record, adapter)
-                stream = self._remote(record).generate(
-                    prompt,
-                    params,
-                    request_id=request_id,
-                    adapter=adapter,
-                    priority=priority,
-                    tenant=tenant,
-                )
+                stream = self._remote(record).stream(request)
                 async with aclosing(stream):
                     async for out in stream:
                         self.routed[(record.engine_id, adapter)] += out.finished

@@ -260,14 +260,7 @@ class InferenceService:
             self._journal.close(job.request_id)
 
     async def _generate(self, job: Job, index: int) -> AsyncIterator[RequestOutput]:
-        stream = self._engine.generate(
-            job.prompt_of(index).source,
-            job.params[index],
-            adapter=job.target.engine_adapter,
-            priority=job.caller.priority,
-            tenant=job.caller.tenant_id,
-            request_id=f"{job.request_id}-{index}",
-        )
+        stream = self._engine.stream(job.engine_request(index))
         try:
             async for out in stream:
                 if out.finished and out.finish_reason == FinishReason.ERROR:

@@ -24,6 +24,7 @@ from loramux.engine import (
     TokenLogprobs,
 )
 from loramux.platform.db.models import Tenant
+from loramux.platform.engine_fleet.client import EngineRequest
 from loramux.platform.services.deadlines import Deadline
 from loramux.platform.services.limit_holds import Holds
 from loramux.platform.services.load_shedding import Ticket
@@ -102,6 +103,18 @@ class Job:
     def reserved_tokens(self) -> int:
         """Debited from the tokens/minute bucket."""
         return self.holds.reserved_tokens
+
+    def engine_request(self, index: int) -> EngineRequest:
+        """Sequence ``index`` as the engine client takes it (its id: the job's, then
+        ``-index``)."""
+        return EngineRequest(
+            request_id=f"{self.request_id}-{index}",
+            prompt=self.prompt_of(index).source,
+            params=self.params[index],
+            adapter=self.target.engine_adapter,
+            priority=self.caller.priority,
+            tenant=self.caller.tenant_id,
+        )
 
 
 @dataclass

@@ -26,6 +26,7 @@ from loramux.engine import (
     UnknownAdapter,
 )
 from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from loramux.platform.engine_fleet.client import EngineRequest
 from loramux.platform.engine_fleet.remote import (
     AdapterNotRegistered,
     EngineUnavailable,
@@ -99,7 +100,9 @@ async def _collect(stream) -> list:
 
 def test_generate_streams_the_engines_tokens(running_engine, tiny_model_dir):
     async def go(remote: RemoteEngine):
-        return await _collect(remote.generate("Hello there", GREEDY, request_id="g1"))
+        return await _collect(
+            remote.stream(EngineRequest(prompt="Hello there", params=GREEDY, request_id="g1"))
+        )
 
     outs = asyncio.run(_run(go)(running_engine.url))
     assert outs[-1].finished and outs[-1].finish_reason == "length"
@@ -118,7 +121,11 @@ def test_adapters_are_registered_by_store_objects_and_served(running_engine, tin
         other, _ = running_engine.adapters["r8"]
         with pytest.raises(EngineError, match="other files"):
             await remote.register_adapter("v-r4", other)
-        outs = await _collect(remote.generate("Hi", GREEDY, request_id="g2", adapter="v-r4"))
+        outs = await _collect(
+            remote.stream(
+                EngineRequest(prompt="Hi", params=GREEDY, request_id="g2", adapter="v-r4")
+            )
+        )
         residency = await remote.residency()
         return outs[-1], residency
 
@@ -131,9 +138,15 @@ def test_adapters_are_registered_by_store_objects_and_served(running_engine, tin
 def test_refusals_name_the_problem(running_engine):
     async def go(remote: RemoteEngine):
         with pytest.raises(AdapterNotRegistered, match="unknown adapter"):
-            await _collect(remote.generate("Hi", GREEDY, request_id="g3", adapter="nope"))
+            await _collect(
+                remote.stream(
+                    EngineRequest(prompt="Hi", params=GREEDY, request_id="g3", adapter="nope")
+                )
+            )
         with pytest.raises(EngineError, match="prompt token ids"):
-            await _collect(remote.generate([10**9], GREEDY, request_id="g4"))
+            await _collect(
+                remote.stream(EngineRequest(prompt=[10**9], params=GREEDY, request_id="g4"))
+            )
 
     asyncio.run(_run(go)(running_engine.url))
     bad = httpx.post(
@@ -160,7 +173,9 @@ def test_a_dropped_connection_aborts_the_request_on_the_engine(running_engine):
     engine = running_engine.host.engine.engine
 
     async def go(remote: RemoteEngine):
-        stream = remote.generate("Tell me a long story", long, request_id="drop1")
+        stream = remote.stream(
+            EngineRequest(prompt="Tell me a long story", params=long, request_id="drop1")
+        )
         first = await anext(stream)
         await stream.aclose()  # the platform's caller went away
         return first
@@ -182,7 +197,9 @@ def test_an_abort_answers_with_the_requests_final_output(running_engine):
     engine = running_engine.host.engine.engine
 
     async def go(remote: RemoteEngine):
-        stream = remote.generate("Tell me a long story", long, request_id="abort1")
+        stream = remote.stream(
+            EngineRequest(prompt="Tell me a long story", params=long, request_id="abort1")
+        )
         first = await anext(stream)
         aborted = await remote.abort("abort1")
         rest = await _collect(stream)  # the stream ends with the same abort output
@@ -213,7 +230,9 @@ def test_an_adapter_in_use_is_not_removed(running_engine):
 
     async def go(remote: RemoteEngine):
         await remote.register_adapter("v-r8", stored)
-        stream = remote.generate("Busy", long, request_id="busy1", adapter="v-r8")
+        stream = remote.stream(
+            EngineRequest(prompt="Busy", params=long, request_id="busy1", adapter="v-r8")
+        )
         await anext(stream)
         with pytest.raises(AdapterInUse, match="'v-r8' is in use by 1 request"):
             await remote.remove_adapter("v-r8")
@@ -263,7 +282,9 @@ def test_an_engine_that_is_not_there_is_unreachable():
 
     async def go(remote: RemoteEngine):
         with pytest.raises(EngineUnreachable):
-            await _collect(remote.generate("Hi", GREEDY, request_id="u1"))
+            await _collect(
+                remote.stream(EngineRequest(prompt="Hi", params=GREEDY, request_id="u1"))
+            )
         with pytest.raises(EngineUnavailable):
             await remote.stats()
 
@@ -302,7 +323,9 @@ def test_a_shutdown_aborts_what_still_runs_after_its_grace(tiny_model_dir, tmp_p
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
     async def go(remote: RemoteEngine):
-        stream = remote.generate("Tell me a long story", long, request_id="drain1")
+        stream = remote.stream(
+            EngineRequest(prompt="Tell me a long story", params=long, request_id="drain1")
+        )
         outs = [await anext(stream)]
         server.should_exit = True  # what the SIGTERM handler sets
         outs += [out async for out in stream]

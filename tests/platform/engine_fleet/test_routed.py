@@ -26,6 +26,7 @@ from loramux.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from loramux.engine.model.config import ModelConfig
 from loramux.platform.app import create_app
 from loramux.platform.context import build_context
+from loramux.platform.engine_fleet.client import EngineRequest
 from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 from loramux.platform.engine_fleet.remote import RemoteEngine
 from loramux.platform.engine_fleet.routed import NoEngineAvailable, RoutedEngines
@@ -109,8 +110,10 @@ def cluster(tiny_model_dir, make_adapter, redis_url, tmp_path_factory) -> Iterat
 async def _serve(client: RoutedEngines, adapter: str | None, request_id: str):
     return [
         out
-        async for out in client.generate(
-            "Hello", GREEDY, adapter=adapter, request_id=request_id, tenant="acme"
+        async for out in client.stream(
+            EngineRequest(
+                prompt="Hello", params=GREEDY, adapter=adapter, request_id=request_id, tenant="acme"
+            )
         )
     ][-1]
 
@@ -348,7 +351,9 @@ def test_an_abort_goes_to_the_engine_running_the_request(cluster):
         client = cluster.client()
         await client.start()
         try:
-            stream = client.generate("Hello", long, request_id="routed-abort", tenant="acme")
+            stream = client.stream(
+                EngineRequest(prompt="Hello", params=long, request_id="routed-abort", tenant="acme")
+            )
             first = await anext(stream)
             aborted = await client.abort("routed-abort")
             rest = [out async for out in stream]
