@@ -98,7 +98,7 @@ def create_app(
         ServiceRates(
             slots=context.engine.capacity
             if context.engine is not None
-            else lambda: context.settings.max_num_seqs
+            else lambda: context.settings.engine.scheduler.max_num_seqs
         ),
         LoadMetrics(app.state.platform_metrics.registry),
     )

@@ -173,12 +173,16 @@ def _settings(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
     from loramux.platform.settings import Settings
+    from loramux.platform.settings_names import env_name
 
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(error["msg"] for error in exc.errors())
+        problems = "; ".join(
+            f"{env_name(str(error['loc'][-1]))}: {error['msg']}" if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
         raise _bad(f"invalid settings: {problems}") from None
 
 

@@ -1,9 +1,11 @@
-"""Which platform setting sets each field of the engine's ``EngineConfig``: one table.
+"""Which platform setting sets each field of the engine's ``EngineConfig``.
 
-Every ``EngineConfig`` field is in exactly one of three tables (a test checks it, so a field
-added to the engine without a decision here fails the suite):
+Every ``EngineConfig`` field is decided exactly once (a test checks it, so a field added
+to the engine without a decision fails the suite):
 
-* :data:`FROM_SETTINGS`: copied from the ``Settings`` field named (``LORAMUX_<NAME>``);
+* a field of the engine's settings (``settings_engine``: ``Settings.engine.<part>.<field>``,
+  ``LORAMUX_ENGINE_<FIELD>``) is copied as it is (:data:`FROM_SETTINGS`, derived from them):
+  exposing an engine field is its one line there;
 * :data:`SET_BY_THE_PLATFORM`: derived from other settings, as :func:`engine_config` says;
 * :data:`ENGINE_DEFAULTS`: left at the engine's default, each with the reason.
 
@@ -16,36 +18,8 @@ from __future__ import annotations
 from loramux.engine import EngineConfig, default_compute_threads
 from loramux.platform.base_model import ResolvedBaseModel
 from loramux.platform.settings import Settings
+from loramux.platform.settings_engine import PART_OF
 
-# EngineConfig field -> the Settings field it is copied from.
-FROM_SETTINGS = {
-    "device": "device",
-    "dtype": "dtype",
-    "kv_cache_bytes": "kv_cache_bytes",
-    "kv_cache_dtype": "kv_cache_dtype",
-    "adapter_device_bytes": "adapter_device_bytes",
-    "adapter_host_bytes": "adapter_host_bytes",
-    "adapter_load_workers": "adapter_load_workers",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_prefill_chunk": "max_prefill_chunk",
-    "prefill_step_target_s": "prefill_step_target_s",
-    "max_model_len": "max_model_len",
-    "max_adapters_per_step": "max_adapters_per_step",
-    "adapter_wait_steps": "adapter_wait_steps",
-    "max_lora_rank": "max_adapter_rank",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "grammar_cache_bytes": "grammar_cache_bytes",
-    "grammar_cache_tenant_bytes": "grammar_cache_tenant_bytes",
-    "cuda_graph_max_batch": "cuda_graph_max_batch",
-    "kernels": "kernels",
-    "speculative_method": "speculative_method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "ngram_max_n": "ngram_max_n",
-    "ngram_min_n": "ngram_min_n",
-    "draft_kv_cache_bytes": "draft_kv_cache_bytes",
-    "tensor_parallel_size": "tensor_parallel_size",
-}
 # EngineConfig field -> what sets it.
 SET_BY_THE_PLATFORM = {
     "model": "the resolved base model's folder (LORAMUX_MODEL; of a GGUF, its config and "
@@ -63,6 +37,12 @@ SET_BY_THE_PLATFORM = {
     "platform's process the available cores less an eighth for the platform "
     "(compute_threads.platform_reserve), for a `loramux engine` process the engine's default",
 }
+# EngineConfig field -> the setting it is copied from: the engine's settings under their
+# own names (but those the platform derives, above), and the rank limit uploads share.
+FROM_SETTINGS = {
+    **{field: field for field in PART_OF if field not in SET_BY_THE_PLATFORM},
+    "max_lora_rank": "max_adapter_rank",
+}
 # EngineConfig field -> why the platform keeps the engine's default.
 ENGINE_DEFAULTS = {
     "block_size": "16 tokens a KV block suits every backend; the kernels are tuned for it",
@@ -76,20 +56,27 @@ ENGINE_DEFAULTS = {
 }
 
 
+def engine_setting(settings: Settings, field: str):
+    """The engine setting ``field`` (an ``EngineConfig`` field's name) of ``settings``."""
+    return getattr(getattr(settings.engine, PART_OF[field]), field)
+
+
 def engine_config(
     settings: Settings, base_model: ResolvedBaseModel, *, shares_process: bool = False
 ) -> EngineConfig:
     """The engine this platform's settings describe: in the platform's process
     (``shares_process``) or as ``loramux engine``."""
-    values = {field: getattr(settings, name) for field, name in FROM_SETTINGS.items()}
-    values["compute_threads"] = settings.compute_threads
-    if settings.compute_threads is None and shares_process:
+    engine = settings.engine
+    values = {field: engine_setting(settings, field) for field in FROM_SETTINGS if field in PART_OF}
+    values["max_lora_rank"] = settings.max_adapter_rank
+    values["compute_threads"] = engine.compute.compute_threads
+    if engine.compute.compute_threads is None and shares_process:
         values["compute_threads"] = default_compute_threads(shares_process=True)
-    if settings.adapter_disk_cache_bytes:
+    if engine.lora.adapter_disk_cache_bytes:
         values["adapter_disk_cache_dir"] = str(settings.data_dir / "adapter-cache")
-        values["adapter_disk_cache_bytes"] = settings.adapter_disk_cache_bytes
-    if settings.draft_model is not None:
-        values["draft_model"] = str(settings.draft_model)
+        values["adapter_disk_cache_bytes"] = engine.lora.adapter_disk_cache_bytes
+    if engine.speculative.draft_model is not None:
+        values["draft_model"] = str(engine.speculative.draft_model)
     if base_model.gguf_file is not None:
         values["gguf_file"] = str(base_model.gguf_file)
     if settings.quantization in ("int8", "int4"):

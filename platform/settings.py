@@ -1,6 +1,7 @@
 """Platform settings, read from the environment by pydantic-settings: ``LORAMUX_<FIELD>``,
-except the engine's (``LORAMUX_ENGINE_<FIELD>`` to tune it, ``LORAMUX_ENGINE_SERVER_<NAME>``
-for the ``loramux engine`` process; ``settings_names``).
+except the engine's (``LORAMUX_ENGINE_<FIELD>`` to tune it, nested under ``engine`` as the
+engine's config is: ``settings_engine``; ``LORAMUX_ENGINE_SERVER_<NAME>`` for the
+``loramux engine`` process; ``settings_names``).
 
 Nothing is read at import time: the CLI or a test builds ``Settings()`` and passes it
 down. With nothing configured every backend is the embedded one (SQLite, a local
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loramux.engine import INT4_GROUP_SIZES
+from loramux.platform.settings_engine import PART_MODELS, PART_OF, EngineSettings, nest
 from loramux.platform.settings_names import EngineEnvNames, env_name
 
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -96,154 +99,10 @@ class Settings(BaseSettings):
         default=32,
         description="Inputs sharing one scale under quantization int4: 32, 64 or 128.",
     )
-    device: str = Field(default="auto", description="`auto`, `cpu`, `cuda` or `cuda:N`.")
-    kv_cache_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="Device bytes shared by the paged KV cache and resident adapters (unset: "
-        "sized to the machine when the engine starts: on CPU 15% of the available RAM, at "
-        "least 512 MiB and at most 4 GiB; on CUDA 90% of the memory free after the weights, "
-        "less room for activations). The engine logs the budget and what it holds at start.",
-    )
-    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
-        default="auto",
-        description="How the paged KV cache holds keys and values: auto (the engine's dtype); "
-        "int8 (the CPU's) or fp8 (e4m3, a GPU's): 8 bits with a float32 scale per token and "
-        "KV head, so kv_cache_bytes holds 3.8x the tokens of float32 (1.9x of bfloat16) for a "
-        "64-wide head, at a small cost in quality (benchmarks/results/quant_quality.md).",
-    )
-    tensor_parallel_size: int = Field(
-        default=1,
-        gt=0,
-        description="One engine over this many GPUs (tensor parallelism: GPUs 0..N-1 of its "
-        "machine, or N processes sharing the CPU's cores), for a base model larger than one "
-        "device. Float weights only (no quantization, no GGUF file).",
-    )
-    adapter_device_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="Cap on the share of kv_cache_bytes resident adapters may take "
-        "(unset: all but the KV cache's floor).",
-    )
-    adapter_host_bytes: int = Field(
-        default=1 << 30,
-        gt=0,
-        description="Host RAM for parsed adapters (LRU) between store and device.",
-    )
-    adapter_disk_cache_bytes: int = Field(
-        default=0,
-        ge=0,
-        description="Local-disk cache of adapter files between the store and RAM, under "
-        "<data dir>/adapter-cache (0: none).",
-    )
-    max_num_seqs: int = Field(default=64, gt=0, description="Most requests running at once.")
-    max_num_batched_tokens: int = Field(
-        default=2048, gt=0, description="Token budget of one engine step (decode + prefill)."
-    )
-    cuda_graph_max_batch: int = Field(
-        default=64,
-        ge=0,
-        description="Decode-only steps of up to this many requests replay CUDA graphs "
-        "captured at start (CUDA only; 0: every step eager).",
-    )
-    kernels: Literal["auto", "torch", "triton"] | None = Field(
-        default=None,
-        description="Which kernels run the engine's ops: auto (Triton on CUDA, torch "
-        "elsewhere), torch (torch ops only, on CUDA too, to bisect a suspected kernel bug) or "
-        "triton (the Triton kernels; on the CPU only inside Triton's interpreter). Unset: "
-        "LORAMUX_KERNELS, else auto.",
-    )
-    speculative_method: Literal["off", "ngram", "draft"] = Field(
-        default="off",
-        description="Speculative decoding: off; ngram (prompt lookup: proposes the tokens that "
-        "followed the output's last few tokens earlier in the request, no extra model); draft "
-        "(a smaller model sharing the tokenizer, LORAMUX_ENGINE_DRAFT_MODEL). Output is unchanged.",
-    )
-    num_speculative_tokens: int = Field(
-        default=4,
-        gt=0,
-        description="Most proposed tokens a request verifies per step (fewer as its "
-        "acceptance rate falls).",
-    )
-    ngram_max_n: int = Field(
-        default=4, gt=0, description="Longest suffix the n-gram proposer looks up."
-    )
-    ngram_min_n: int = Field(
-        default=2, gt=0, description="Shortest suffix the n-gram proposer tries."
-    )
-    draft_model: Path | None = Field(
-        default=None,
-        description="HF-format folder of the draft model (speculative_method draft).",
-    )
-    draft_kv_cache_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="Bytes of the draft model's own KV cache, taken out of "
-        "LORAMUX_ENGINE_KV_CACHE_BYTES (unset: an eighth of it).",
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        default=None,
-        description="The engine's weights and activations (unset: float32 on CPU, bfloat16 on CUDA).",
-    )
-    max_prefill_chunk: int | None = Field(
-        default=None,
-        gt=0,
-        description="Most prompt tokens one request prefills in one step (unset: as many as "
-        "the step's token budget leaves), so long prompts share steps with decodes.",
-    )
-    prefill_step_target_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="Seconds a step that prefills should last: the prompt tokens per step are "
-        "sized from the measured cost of recent steps, so one tenant's long prompts hold "
-        "another's first token for a step or two (unset: 0.12 on the CPU; on a GPU no time "
-        "target, LORAMUX_ENGINE_MAX_NUM_BATCHED_TOKENS alone).",
-    )
-    compute_threads: int | None = Field(
-        default=None,
-        gt=0,
-        description="The engine's CPU threads (unset: the cores this process may use, from "
-        "its CPU affinity and cgroup quota, less an eighth of them for the platform when the "
-        "engine shares its process). The start-up log says the choice.",
-    )
-    max_model_len: int | None = Field(
-        default=None,
-        gt=0,
-        description="Context cap, prompt plus output (unset: the model's).",
-    )
-    max_adapters_per_step: int | None = Field(
-        default=None,
-        gt=0,
-        description="Most distinct adapters in one engine step (unset: no cap).",
-    )
-    adapter_wait_steps: int = Field(
-        default=16,
-        gt=0,
-        description="Steps a request whose adapter is capped out of the step waits before "
-        "the others drain to make room for it.",
-    )
-    adapter_load_workers: int = Field(
-        default=2,
-        gt=0,
-        description="Threads fetching and parsing adapters (a fetch that hangs holds up only its own).",
-    )
-    enable_prefix_caching: bool = Field(
-        default=True,
-        description="Reuse the KV blocks of a prompt prefix already computed with the same "
-        "adapter (keyed by adapter, so a tenant never reuses another adapter's blocks).",
-    )
-    grammar_cache_bytes: int = Field(
-        default=256 << 20,
-        gt=0,
-        description="Host RAM of compiled structured-output grammars kept for reuse (least "
-        "recently used go; a 12,000-value enum schema keeps about 4.8 MiB).",
-    )
-    grammar_cache_tenant_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="The most one tenant's compiled grammars keep of "
-        "LORAMUX_ENGINE_GRAMMAR_CACHE_BYTES (unset: a quarter), so one tenant's new schemas "
-        "evict its own first.",
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="The engine's settings, nested as its config is (settings_engine.py); "
+        "each is LORAMUX_ENGINE_<FIELD>.",
     )
 
     # --- engines: in-process, or `loramux engine` processes behind the platform --------
@@ -362,6 +221,28 @@ class Settings(BaseSettings):
         engine_names = EngineEnvNames(settings_cls)
         return init_settings, engine_names, env_settings, dotenv_settings, file_secret_settings
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_engine_keywords(cls, data):
+        """Flat engine keywords (``Settings(kv_cache_bytes=...)``) go into ``engine``; given
+        both ways, the flat one wins (keywords come before the environment, which arrives
+        nested)."""
+        if not isinstance(data, dict) or not PART_OF.keys() & data.keys():
+            return data
+        data = dict(data)
+        flat = {name: data.pop(name) for name in list(data) if name in PART_OF}
+        engine = data.get("engine") or {}
+        if isinstance(engine, EngineSettings):
+            engine = engine.model_dump()
+        engine = dict(engine)
+        for part, values in nest(flat).items():
+            given = engine.get(part) or {}
+            if isinstance(given, PART_MODELS[part]):
+                given = given.model_dump()
+            engine[part] = {**given, **values}
+        data["engine"] = engine
+        return data
+
     @field_validator("quantization_group_size")
     @classmethod
     def _known_group_size(cls, value: int) -> int:
@@ -398,3 +279,12 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'loramux.db'}"
+
+
+def setting_fields() -> dict[str, FieldInfo]:
+    """Every setting by its field name (each has one environment variable: ``env_name``),
+    the engine's parts' fields among them."""
+    fields = {name: info for name, info in Settings.model_fields.items() if name != "engine"}
+    for model in PART_MODELS.values():
+        fields.update(model.model_fields)
+    return fields

@@ -21,37 +21,10 @@ from typing import Any
 
 from pydantic_settings import PydanticBaseSettingsSource
 
-# Settings fields that tune the engine: LORAMUX_ENGINE_<FIELD>.
-ENGINE_TUNING_FIELDS = (
-    "device",
-    "dtype",
-    "kv_cache_bytes",
-    "kv_cache_dtype",
-    "adapter_device_bytes",
-    "adapter_host_bytes",
-    "adapter_disk_cache_bytes",
-    "adapter_load_workers",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_prefill_chunk",
-    "prefill_step_target_s",
-    "compute_threads",
-    "max_model_len",
-    "max_adapters_per_step",
-    "adapter_wait_steps",
-    "enable_prefix_caching",
-    "grammar_cache_bytes",
-    "grammar_cache_tenant_bytes",
-    "cuda_graph_max_batch",
-    "kernels",
-    "speculative_method",
-    "num_speculative_tokens",
-    "ngram_max_n",
-    "ngram_min_n",
-    "draft_model",
-    "draft_kv_cache_bytes",
-    "tensor_parallel_size",
-)
+from loramux.platform.settings_engine import PART_OF, nest
+
+# Settings fields that tune the engine (``settings_engine``'s): LORAMUX_ENGINE_<FIELD>.
+ENGINE_TUNING_FIELDS = tuple(PART_OF)
 # Settings fields of the engine server: LORAMUX_ENGINE_SERVER_<NAME>.
 ENGINE_SERVER_FIELDS = (
     "engine_id",
@@ -86,18 +59,22 @@ class DeprecatedSetting(FutureWarning):
 class EngineEnvNames(PydanticBaseSettingsSource):
     """Reads the engine's settings under their names and warns about old names in use.
 
-    Placed before pydantic-settings' own environment source, which reads every field as
-    ``LORAMUX_<FIELD>`` and so still picks up an old name: a new name set too wins."""
+    Placed before pydantic-settings' own environment source, which reads every top-level
+    field as ``LORAMUX_<FIELD>`` and so still picks up an engine server's old name (a new
+    name set too wins); the engine's tuning settings, nested, are read here under both
+    names and handed over as ``{"engine": {part: {field: value}}}``."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         raise NotImplementedError  # __call__ reads every field at once
 
     def __call__(self) -> dict[str, Any]:
         values: dict[str, Any] = {}
+        tuning: dict[str, Any] = {}
         for field in ENGINE_TUNING_FIELDS + ENGINE_SERVER_FIELDS:
             new, old = env_name(field), old_env_name(field)
+            into = tuning if field in PART_OF else values
             if new in os.environ:
-                values[field] = os.environ[new]
+                into[field] = os.environ[new]
             if old is not None and old in os.environ:
                 ignored = " (ignored: it is set too)" if new in os.environ else ""
                 warnings.warn(
@@ -105,4 +82,10 @@ class EngineEnvNames(PydanticBaseSettingsSource):
                     DeprecatedSetting,
                     stacklevel=2,
                 )
+                # The engine's settings are nested: pydantic's own source no longer reads
+                # their old flat names, so the old name is read here (the new one wins).
+                if field in PART_OF and new not in os.environ:
+                    tuning[field] = os.environ[old]
+        if tuning:
+            values["engine"] = nest(tuning)
         return values

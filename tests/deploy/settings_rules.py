@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import SecretStr, ValidationError
 
-from loramux.platform.settings import Settings
+from loramux.platform.settings import Settings, setting_fields
 from loramux.platform.settings_names import env_name
 from tests.deploy.processes import ROLES, Process, SecretRef
 
@@ -20,7 +20,7 @@ PREFIX = "LORAMUX_"
 
 
 def field_of_env_name() -> dict[str, str]:
-    return {env_name(field): field for field in Settings.model_fields}
+    return {env_name(field): field for field in setting_fields()}
 
 
 def known_settings() -> set[str]:
@@ -31,7 +31,7 @@ def secret_settings() -> set[str]:
     """Settings typed ``SecretStr``: they may only come from a Secret or deploy/.env."""
     return {
         env_name(field)
-        for field, info in Settings.model_fields.items()
+        for field, info in setting_fields().items()
         if SecretStr in typing.get_args(info.annotation) or info.annotation is SecretStr
     }
 

@@ -287,6 +287,12 @@ def test_no_database_is_1_with_what_to_do(capsys, env, monkeypatch):
     assert "secret" not in err
 
 
+def test_a_bad_setting_is_2_naming_its_variable(capsys, env, monkeypatch):
+    monkeypatch.setenv("LORAMUX_ENGINE_MAX_NUM_SEQS", "0")  # an engine setting, nested
+    status, _, err = run(capsys, "billing", "list")
+    assert status == 2 and "invalid settings" in err and "LORAMUX_ENGINE_MAX_NUM_SEQS" in err
+
+
 def test_an_unmigrated_database_is_1(capsys, env, monkeypatch, postgres_database_url):
     monkeypatch.setenv("LORAMUX_DATABASE_URL", postgres_database_url)
     status, _, err = run(capsys, "billing", "list")

@@ -79,7 +79,7 @@ def test_the_engine_budget_is_sized_to_the_machine_unless_set(tmp_path, monkeypa
     from loramux.platform.engine_settings import engine_config
 
     base = ResolvedBaseModel(path=tmp_path, model_id="m")
-    assert Settings(data_dir=tmp_path).kv_cache_bytes is None
+    assert Settings(data_dir=tmp_path).engine.cache.kv_cache_bytes is None
     assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes is None
     monkeypatch.setenv("LORAMUX_ENGINE_KV_CACHE_BYTES", str(64 << 20))
     assert engine_config(Settings(data_dir=tmp_path), base).kv_cache_bytes == 64 << 20

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from loramux.platform.engine_settings import FROM_SETTINGS, SET_BY_THE_PLATFORM
-from loramux.platform.settings import Settings
+from loramux.platform.settings import Settings, setting_fields
 from loramux.platform.settings_names import (
     ENGINE_SERVER_FIELDS,
     ENGINE_TUNING_FIELDS,
@@ -49,7 +49,7 @@ def test_the_families_cover_what_the_engine_reads():
         "LORAMUX_ENGINE_ADAPTER_DISK_CACHE_BYTES" in SET_BY_THE_PLATFORM["adapter_disk_cache_bytes"]
     )
     assert "LORAMUX_ENGINE_DRAFT_MODEL" in SET_BY_THE_PLATFORM["draft_model"]
-    fields = set(Settings.model_fields)
+    fields = set(setting_fields())
     assert set(ENGINE_SERVER_FIELDS) <= fields and set(ENGINE_TUNING_FIELDS) <= fields
     names = [env_name(field) for field in fields]
     assert len(set(names)) == len(names)  # no two settings share a name
@@ -61,7 +61,8 @@ def test_new_names_set_the_engine_and_its_server(tmp_path, clean_env):
     clean_env.setenv("LORAMUX_ENGINE_SERVER_ID", "engine-7")
     clean_env.setenv("LORAMUX_ENGINE_SERVER_PORT", "9100")
     settings, deprecated = _settings(tmp_path)
-    assert (settings.max_num_seqs, settings.kv_cache_bytes) == (7, 64 << 20)
+    engine = settings.engine
+    assert (engine.scheduler.max_num_seqs, engine.cache.kv_cache_bytes) == (7, 64 << 20)
     assert (settings.engine_id, settings.engine_port) == ("engine-7", 9100)
     assert deprecated == []
 
@@ -70,7 +71,7 @@ def test_old_names_still_work_and_say_what_replaces_them(tmp_path, clean_env):
     clean_env.setenv("LORAMUX_MAX_NUM_SEQS", "5")
     clean_env.setenv("LORAMUX_ENGINE_ID", "old-engine")
     settings, deprecated = _settings(tmp_path)
-    assert settings.max_num_seqs == 5 and settings.engine_id == "old-engine"
+    assert settings.engine.scheduler.max_num_seqs == 5 and settings.engine_id == "old-engine"
     assert sorted(deprecated) == [
         "LORAMUX_ENGINE_ID is deprecated: set LORAMUX_ENGINE_SERVER_ID instead",
         "LORAMUX_MAX_NUM_SEQS is deprecated: set LORAMUX_ENGINE_MAX_NUM_SEQS instead",
@@ -81,7 +82,7 @@ def test_a_new_name_wins_over_an_old_one(tmp_path, clean_env):
     clean_env.setenv("LORAMUX_MAX_NUM_SEQS", "5")
     clean_env.setenv("LORAMUX_ENGINE_MAX_NUM_SEQS", "9")
     settings, deprecated = _settings(tmp_path)
-    assert settings.max_num_seqs == 9
+    assert settings.engine.scheduler.max_num_seqs == 9
     assert deprecated == [
         "LORAMUX_MAX_NUM_SEQS is deprecated: set LORAMUX_ENGINE_MAX_NUM_SEQS instead "
         "(ignored: it is set too)"
@@ -91,7 +92,7 @@ def test_a_new_name_wins_over_an_old_one(tmp_path, clean_env):
 def test_arguments_win_over_the_environment(tmp_path, clean_env):
     clean_env.setenv("LORAMUX_ENGINE_MAX_NUM_SEQS", "9")
     settings, _ = _settings(tmp_path, max_num_seqs=3)
-    assert settings.max_num_seqs == 3
+    assert settings.engine.scheduler.max_num_seqs == 3
 
 
 def test_a_bad_value_under_a_new_name_names_the_field(tmp_path, clean_env):

@@ -37,20 +37,20 @@ def test_idle_engine(client, admin, context):
         "adapters": [],
     }
     assert body["device"]["capacity_bytes"] > 0
-    assert body["host"]["capacity_bytes"] == context.settings.adapter_host_bytes
+    assert body["host"]["capacity_bytes"] == context.settings.engine.lora.adapter_host_bytes
     assert body["adapters"] == [] and body["tenants"] == []
     assert body["ttft"] == {"samples": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None}
     assert body["latency_window_s"] > 0 and body["taken_at"]
     # What the budget holds (the test run sets LORAMUX_ENGINE_KV_CACHE_BYTES) and no memory pressure.
     settings = context.settings
     memory = body["memory"]
-    assert memory["budget_bytes"] == settings.kv_cache_bytes
+    assert memory["budget_bytes"] == settings.engine.cache.kv_cache_bytes
     assert memory["source"] == "set" and memory["device"] == "cpu"
     assert memory["kv_blocks"] == kv["blocks_total"]
     assert memory["kv_tokens"] == kv["blocks_total"] * kv["block_size"]
     assert memory["rank"] == 16 and memory["rank_adapter_bytes"] > 0
     assert (memory["full_batch_requests"], memory["full_batch_context"]) == (
-        settings.max_num_seqs,
+        settings.engine.scheduler.max_num_seqs,
         512,
     )
     assert memory["full_batch_fits"] is True
@@ -71,7 +71,10 @@ def test_idle_engine(client, admin, context):
         "thrashing": False,
     }
     [row] = body["engines"]
-    assert row["budget_bytes"] == settings.kv_cache_bytes and row["budget_source"] == "set"
+    assert (
+        row["budget_bytes"] == settings.engine.cache.kv_cache_bytes
+        and row["budget_source"] == "set"
+    )
     assert row["kv_tokens"] == memory["kv_tokens"]
     assert row["adapters_beside_full_batch"] == memory["adapters_beside_full_batch"]
     assert row["adapter_reloads_per_min"] == 0.0 and row["thrashing"] is False
@@ -86,8 +89,8 @@ def test_idle_engine(client, admin, context):
     # No structured request yet: the compiled-grammar cache is empty, its budgets set.
     assert body["grammar_cache"] == {
         **NO_GRAMMARS,
-        "budget_bytes": settings.grammar_cache_bytes,
-        "tenant_budget_bytes": settings.grammar_cache_bytes // 4,
+        "budget_bytes": settings.engine.cache.grammar_cache_bytes,
+        "tenant_budget_bytes": settings.engine.cache.grammar_cache_bytes // 4,
     }
 
 

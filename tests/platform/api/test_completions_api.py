@@ -29,7 +29,8 @@ def reference_engine(context) -> Engine:
     """A second engine on the same weights, outside the server."""
     return Engine(
         EngineConfig(
-            model=str(context.base_model.path), kv_cache_bytes=context.settings.kv_cache_bytes
+            model=str(context.base_model.path),
+            kv_cache_bytes=context.settings.engine.cache.kv_cache_bytes,
         )
     )
 

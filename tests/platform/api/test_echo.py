@@ -19,7 +19,8 @@ def reference(context):
     """The prompt scored by an engine of its own (outside the server)."""
     engine = Engine(
         EngineConfig(
-            model=str(context.base_model.path), kv_cache_bytes=context.settings.kv_cache_bytes
+            model=str(context.base_model.path),
+            kv_cache_bytes=context.settings.engine.cache.kv_cache_bytes,
         )
     )
 
