@@ -41,16 +41,16 @@ from pathlib import Path
 import torch
 
 from loramux.benchmarks.adapter_churn_report import figures, render_markdown, repeat_figures
-from loramux.benchmarks.adapter_traffic import read_counters, traffic_between
-from loramux.benchmarks.adapters import QKVO, AdapterSpec, prepare_adapters
 from loramux.benchmarks.bench_gpu_model import SMOKE_MODEL, random_model_dir
 from loramux.benchmarks.bench_presets import PRESETS
-from loramux.benchmarks.drivers import run_engine
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
-from loramux.benchmarks.machine import Clock, available_cores, contention, machine_info
-from loramux.benchmarks.models import prepare_model
-from loramux.benchmarks.prompts import chat_prompts
-from loramux.benchmarks.workload import WorkloadRequest, WorkloadSpec, generate
+from loramux.benchmarks.common.adapter_traffic import read_counters, traffic_between
+from loramux.benchmarks.common.adapters import QKVO, AdapterSpec, prepare_adapters
+from loramux.benchmarks.common.drivers import run_engine
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.common.machine import Clock, available_cores, contention, machine_info
+from loramux.benchmarks.common.models import prepare_model
+from loramux.benchmarks.common.prompts import chat_prompts
+from loramux.benchmarks.common.workload import WorkloadRequest, WorkloadSpec, generate
 
 PRESET = PRESETS["adapter-churn"]
 ADAPTER_DTYPE = torch.bfloat16  # on disk, like adapters trained in bf16; parsed to float32

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from loramux.benchmarks.machine import busy_warning, machine_text
-from loramux.benchmarks.measures import percentiles
+from loramux.benchmarks.common.machine import busy_warning, machine_text
+from loramux.benchmarks.common.measures import percentiles
 
 
 def _ms(value: float | None) -> float | None:

@@ -48,16 +48,16 @@ from loramux.benchmarks import (
     soak,
     speculative,
 )
-from loramux.benchmarks.adapters import QKVO, cached_adapter
 from loramux.benchmarks.bench_gpu_report import markdown_lines
 from loramux.benchmarks.bench_presets import PRESETS, Baseline, Preset
 from loramux.benchmarks.bench_report import figures, ratios, render_markdown, write_plots
-from loramux.benchmarks.drivers import run_engine, run_http, run_peft_baseline
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
-from loramux.benchmarks.machine import machine_info
-from loramux.benchmarks.measures import memory_high_water
-from loramux.benchmarks.models import prepare_model
-from loramux.benchmarks.workload import WorkloadSpec, adapter_ranks, requests_with_prompts
+from loramux.benchmarks.common.adapters import QKVO, cached_adapter
+from loramux.benchmarks.common.drivers import run_engine, run_http, run_peft_baseline
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.common.measures import memory_high_water
+from loramux.benchmarks.common.models import prepare_model
+from loramux.benchmarks.common.workload import WorkloadSpec, adapter_ranks, requests_with_prompts
 
 # Runs with options of their own: ``loramux bench NAME [their options]``.
 OWN_OPTIONS = {
@@ -263,7 +263,7 @@ def serve_engine(preset: Preset, spec: WorkloadSpec, *, prepared: Prepared) -> d
 
 def serve_http(preset: Preset, spec: WorkloadSpec, *, prepared: Prepared) -> dict:
     """loramux's figures for ``spec`` on the platform in-process, over its OpenAI API."""
-    from loramux.benchmarks.bench_server import serve_platform, setup_workload
+    from loramux.benchmarks.common.bench_server import serve_platform, setup_workload
 
     adapter_dirs = prepared.adapter_dirs(spec)
     requests, prompts = prepared.workload(spec)

@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 
-from loramux.benchmarks.adapter_traffic import read_counters, traffic_between
-from loramux.benchmarks.adapters import ADAPTER_STD, QKVO
 from loramux.benchmarks.bench_gpu_model import (
     LLAMA_7B,
     SMOKE_MODEL,
@@ -51,19 +49,25 @@ from loramux.benchmarks.bench_gpu_model import (
 from loramux.benchmarks.bench_gpu_report import judge, unjudged_reason
 from loramux.benchmarks.bench_presets import PRESETS, Preset
 from loramux.benchmarks.bench_report import figures, ratios
-from loramux.benchmarks.driver_engine import exact_length_params, run_engine
-from loramux.benchmarks.driver_peft import AdapterSwapper, adapter_names, serve_static_batches
-from loramux.benchmarks.kernels_gpu_timing import free_device_memory
-from loramux.benchmarks.machine import machine_info
-from loramux.benchmarks.measures import agreement, memory_high_water
-from loramux.benchmarks.models import prepare_model
-from loramux.benchmarks.step_trace import StepTracer, summarize_steps
-from loramux.benchmarks.workload import (
+from loramux.benchmarks.common.adapter_traffic import read_counters, traffic_between
+from loramux.benchmarks.common.adapters import ADAPTER_STD, QKVO
+from loramux.benchmarks.common.driver_engine import exact_length_params, run_engine
+from loramux.benchmarks.common.driver_peft import (
+    AdapterSwapper,
+    adapter_names,
+    serve_static_batches,
+)
+from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.common.measures import agreement, memory_high_water
+from loramux.benchmarks.common.models import prepare_model
+from loramux.benchmarks.common.step_trace import StepTracer, summarize_steps
+from loramux.benchmarks.common.workload import (
     WorkloadRequest,
     WorkloadSpec,
     adapter_ranks,
     requests_with_prompts,
 )
+from loramux.benchmarks.kernels_gpu_timing import free_device_memory
 
 SMOKE_ENGINE = {
     "kv_cache_bytes": 16 << 20,

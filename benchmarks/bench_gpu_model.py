@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from loramux.benchmarks.adapters import QKVO, adapter_config, lora_tensors, write_adapter
-from loramux.benchmarks.files import publish_folder
+from loramux.benchmarks.common.adapters import QKVO, adapter_config, lora_tensors, write_adapter
+from loramux.benchmarks.common.files import publish_folder
 
 LLAMA_7B = {
     "architectures": ["LlamaForCausalLM"],

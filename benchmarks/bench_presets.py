@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
-from loramux.benchmarks.workload import TenantSpec, WorkloadSpec
+from loramux.benchmarks.common.workload import TenantSpec, WorkloadSpec
 
 
 @dataclass(frozen=True)

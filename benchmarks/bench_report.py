@@ -15,10 +15,10 @@ from pathlib import Path
 
 from loramux.benchmarks import bench_sweeps
 from loramux.benchmarks.bench_presets import Preset
-from loramux.benchmarks.files import pyplot, save_figure
-from loramux.benchmarks.machine import machine_text
-from loramux.benchmarks.measures import RequestRecord, summarize
-from loramux.benchmarks.workload import WorkloadSpec
+from loramux.benchmarks.common.files import pyplot, save_figure
+from loramux.benchmarks.common.machine import machine_text
+from loramux.benchmarks.common.measures import RequestRecord, summarize
+from loramux.benchmarks.common.workload import WorkloadSpec
 
 CDF_POINTS = 2001  # latency samples kept per kind in the report (quantiles beyond that)
 

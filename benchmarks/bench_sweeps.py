@@ -17,8 +17,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from loramux.benchmarks.files import pyplot, save_figure
-from loramux.benchmarks.workload import WorkloadSpec
+from loramux.benchmarks.common.files import pyplot, save_figure
+from loramux.benchmarks.common.workload import WorkloadSpec
 
 SWEEPS: dict[str, tuple[float, ...]] = {
     "adapters": (1, 4, 16, 64),

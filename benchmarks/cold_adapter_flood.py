@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
-from loramux.benchmarks.machine import machine_info
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.soak_server import expect, start_server
 from loramux.benchmarks.soak_tenants import Tenant, prepare_pool, upload
 

@@ -39,23 +39,33 @@ from pathlib import Path
 import torch
 
 from loramux.benchmarks import revisions
-from loramux.benchmarks.adapters import ADAPTER_STD, ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
 from loramux.benchmarks.bench_presets import PRESETS
 from loramux.benchmarks.bench_report import run_duration
-from loramux.benchmarks.driver_peft import adapter_names, load_peft_model, serve_static_batches
-from loramux.benchmarks.drivers import run_engine
-from loramux.benchmarks.engine_vs_peft_report import render_markdown
-from loramux.benchmarks.files import (
+from loramux.benchmarks.common.adapters import (
+    ADAPTER_STD,
+    ALL_SEVEN,
+    QKVO,
+    AdapterSpec,
+    prepare_adapters,
+)
+from loramux.benchmarks.common.driver_peft import (
+    adapter_names,
+    load_peft_model,
+    serve_static_batches,
+)
+from loramux.benchmarks.common.drivers import run_engine
+from loramux.benchmarks.common.files import (
     add_output_options,
     check_output_options,
     write_atomic,
     write_report,
 )
-from loramux.benchmarks.machine import Clock, contention, machine_info
-from loramux.benchmarks.measures import agreement, percentiles
-from loramux.benchmarks.models import prepare_model
-from loramux.benchmarks.prompts import chat_prompts
-from loramux.benchmarks.workload import WorkloadSpec, generate
+from loramux.benchmarks.common.machine import Clock, contention, machine_info
+from loramux.benchmarks.common.measures import agreement, percentiles
+from loramux.benchmarks.common.models import prepare_model
+from loramux.benchmarks.common.prompts import chat_prompts
+from loramux.benchmarks.common.workload import WorkloadSpec, generate
+from loramux.benchmarks.engine_vs_peft_report import render_markdown
 
 PRESET = PRESETS["engine-vs-peft"]
 # Adapter i gets ADAPTER_SHAPES[i % 4] and seed 1000 + i.

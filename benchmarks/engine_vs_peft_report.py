@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loramux.benchmarks.machine import busy_warning, machine_text
+from loramux.benchmarks.common.machine import busy_warning, machine_text
 
 
 def _agreement_text(agree: dict) -> str:

@@ -47,21 +47,21 @@ import httpx
 import numpy as np
 
 from loramux.benchmarks.bench_presets import PRESETS
-from loramux.benchmarks.driver_http import _settle_token_times
+from loramux.benchmarks.common.driver_http import _settle_token_times
+from loramux.benchmarks.common.files import (
+    add_output_options,
+    check_output_options,
+    fill_sizes,
+    write_report,
+)
+from loramux.benchmarks.common.machine import Clock, machine_info
+from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.fairness_slo_report import (
     compact,
     render_markdown,
     summarize,
     write_plots,
 )
-from loramux.benchmarks.files import (
-    add_output_options,
-    check_output_options,
-    fill_sizes,
-    write_report,
-)
-from loramux.benchmarks.machine import Clock, machine_info
-from loramux.benchmarks.models import prepare_model
 
 PRESET = PRESETS["fairness-slo"]
 QUEUE_LIMIT = 4  # LORAMUX_MAX_QUEUED_REQUESTS_PER_TENANT: past it, 429 queue_full
@@ -363,7 +363,7 @@ def read_metrics(platform, tenants: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loramux.benchmarks.bench_server import serve_platform
+    from loramux.benchmarks.common.bench_server import serve_platform
 
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     model_dir = args.model if args.model is not None else prepare_model(args.cache_dir)

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from loramux.benchmarks.bench_presets import judge_goals
-from loramux.benchmarks.files import pyplot, save_figure
-from loramux.benchmarks.machine import machine_text
+from loramux.benchmarks.common.files import pyplot, save_figure
+from loramux.benchmarks.common.machine import machine_text
 
 SHARE_SPAN_S = 30.0
 OUTCOMES = ("queue_full", "deadline_unattainable", "expired_queued", "expired_generating")

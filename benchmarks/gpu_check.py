@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.benchmarks.files import CHECKOUT, RESULTS_DIR, default_cache_dir
+from loramux.benchmarks.common.files import CHECKOUT, RESULTS_DIR, default_cache_dir
 
 REPO_ROOT = CHECKOUT or Path.cwd()
 CACHE_DIR = default_cache_dir()
@@ -236,7 +236,7 @@ def prepare() -> int:
 def check(args: argparse.Namespace) -> int:
     import torch
 
-    from loramux.benchmarks.machine import accelerator_info
+    from loramux.benchmarks.common.machine import accelerator_info
 
     if not args.smoke and not torch.cuda.is_available():
         print("gpu-check needs a CUDA GPU; `--smoke` runs its CPU form.", file=sys.stderr)

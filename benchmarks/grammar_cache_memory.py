@@ -35,9 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
-from loramux.benchmarks.machine import machine_info
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.common.models import prepare_model
 
 DEFAULT_SCHEMAS = 100
 DEFAULT_VALUES = 12_000

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
-from loramux.benchmarks.machine import machine_info, machine_text
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.common.machine import machine_info, machine_text
+from loramux.benchmarks.common.models import prepare_model
 
 ENGINES = ("xgrammar", "llguidance", "outlines-core")
 MODULES = {"xgrammar": "xgrammar", "llguidance": "llguidance", "outlines-core": "outlines_core"}

@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 
 from loramux.benchmarks.bench_gpu_model import LLAMA_7B
-from loramux.benchmarks.files import add_output_options, check_output_options
+from loramux.benchmarks.common.files import add_output_options, check_output_options
+from loramux.benchmarks.common.machine import machine_info
 
 # None of these imports a Triton kernel module at import time: the kernels are imported
 # where they run, after main() has chosen compiler or interpreter.
@@ -79,7 +80,6 @@ from loramux.benchmarks.kernels_gpu_timing import (
     free_device_memory,
     measure_rates,
 )
-from loramux.benchmarks.machine import machine_info
 from loramux.engine.model.config import ModelConfig
 from loramux.kernels.dispatch import KERNELS_ENV
 from loramux.kernels.interpreter import use_cpu_interpreter

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.benchmarks.files import write_atomic
+from loramux.benchmarks.common.files import write_atomic
 
 
 @dataclass(frozen=True)

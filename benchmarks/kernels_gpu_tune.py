@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from loramux.benchmarks.files import RESULTS_DIR, write_atomic
+from loramux.benchmarks.common.files import RESULTS_DIR, write_atomic
 from loramux.benchmarks.kernels_gpu_lora import grouped_spans
 from loramux.benchmarks.kernels_gpu_timing import Timer, relative_error
 from loramux.kernels.interpreter import use_cpu_interpreter

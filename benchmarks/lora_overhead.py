@@ -29,13 +29,19 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
 from loramux.benchmarks.bench_presets import Preset, judge_goals
-from loramux.benchmarks.driver_engine import exact_length_params
-from loramux.benchmarks.files import pyplot, save_figure, write_report
-from loramux.benchmarks.machine import Clock, busy_warning, contention, machine_info, machine_text
-from loramux.benchmarks.models import MODEL_NAME, prepare_model
-from loramux.benchmarks.workload import WorkloadSpec, requests_with_prompts
+from loramux.benchmarks.common.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
+from loramux.benchmarks.common.driver_engine import exact_length_params
+from loramux.benchmarks.common.files import pyplot, save_figure, write_report
+from loramux.benchmarks.common.machine import (
+    Clock,
+    busy_warning,
+    contention,
+    machine_info,
+    machine_text,
+)
+from loramux.benchmarks.common.models import MODEL_NAME, prepare_model
+from loramux.benchmarks.common.workload import WorkloadSpec, requests_with_prompts
 
 DEFAULT_REPEATS = 3
 ADAPTER_SEED = 1000  # adapter i's seed is 1000 + i, as engine-vs-peft's: the cache is shared

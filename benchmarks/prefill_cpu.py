@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from loramux.benchmarks import revisions
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
-from loramux.benchmarks.machine import machine_info, machine_text
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.common.machine import machine_info, machine_text
 
 NAME = "prefill_cpu"
 KV_BYTES = 1 << 30  # holds an 8,000-token context of SmolLM2 in float32 (368 MiB) with room
@@ -278,7 +278,7 @@ class _checkouts:
 
 
 def write_plot(report: dict, stem: Path) -> list[Path]:
-    from loramux.benchmarks.files import pyplot, save_figure
+    from loramux.benchmarks.common.files import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:

@@ -41,13 +41,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from loramux.benchmarks.files import (
+from loramux.benchmarks.common.files import (
     add_output_options,
     check_output_options,
     fill_sizes,
     write_report,
 )
-from loramux.benchmarks.machine import Clock, machine_info
+from loramux.benchmarks.common.machine import Clock, machine_info
 from loramux.benchmarks.prefill_flood_report import render_markdown, summarize, write_plots
 
 NAME = "prefill-flood"
@@ -321,7 +321,7 @@ def _create_tenants(platform) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loramux.benchmarks.bench_server import serve_platform
+    from loramux.benchmarks.common.bench_server import serve_platform
 
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     load_before = os.getloadavg()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loramux.benchmarks.files import pyplot, save_figure
-from loramux.benchmarks.machine import machine_text
+from loramux.benchmarks.common.files import pyplot, save_figure
+from loramux.benchmarks.common.machine import machine_text
 
 P50_GOAL = 5.0  # victim TTFT P50 under an attack, in idle P50s
 P99_GOAL = 20.0

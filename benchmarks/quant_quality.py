@@ -236,10 +236,14 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, cached_adapter
-    from loramux.benchmarks.files import add_output_options, check_output_options, write_report
-    from loramux.benchmarks.machine import machine_info
-    from loramux.benchmarks.models import prepare_model
+    from loramux.benchmarks.common.adapters import ALL_SEVEN, QKVO, cached_adapter
+    from loramux.benchmarks.common.files import (
+        add_output_options,
+        check_output_options,
+        write_report,
+    )
+    from loramux.benchmarks.common.machine import machine_info
+    from loramux.benchmarks.common.models import prepare_model
     from loramux.engine import ModelConfig
     from loramux.engine.model.gguf_convert import extract_gguf_metadata
     from loramux.platform.base_model import embedded_gguf_path

@@ -33,8 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loramux.benchmarks.bench_server import free_port
-from loramux.benchmarks.files import (
+from loramux.benchmarks.common.bench_server import free_port
+from loramux.benchmarks.common.files import (
     add_output_options,
     check_output_options,
     link_or_copy,
@@ -42,8 +42,8 @@ from loramux.benchmarks.files import (
     save_figure,
     write_report,
 )
-from loramux.benchmarks.machine import machine_info, machine_text
-from loramux.benchmarks.models import MODEL_NAME, prepare_model
+from loramux.benchmarks.common.machine import machine_info, machine_text
+from loramux.benchmarks.common.models import MODEL_NAME, prepare_model
 from loramux.benchmarks.soak_server import Server, proc_status, stop_server, tree_bytes, wait_ready
 
 MODES = {

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.benchmarks.files import CHECKOUT, write_atomic
+from loramux.benchmarks.common.files import CHECKOUT, write_atomic
 
 NO_CHECKOUT = "--before needs the source checkout (a git repository); this loramux is installed"
 

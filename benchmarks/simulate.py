@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramux.benchmarks.adapter_traffic import read_counters, traffic_between
 from loramux.benchmarks.bench_gpu_model import random_model_dir
 from loramux.benchmarks.bench_presets import H100_ENGINE
-from loramux.benchmarks.driver_engine import run_engine
-from loramux.benchmarks.measures import RequestRecord, summarize
-from loramux.benchmarks.step_trace import StepTracer, summarize_steps
-from loramux.benchmarks.workload import WorkloadRequest, prompt_token_ids
+from loramux.benchmarks.common.adapter_traffic import read_counters, traffic_between
+from loramux.benchmarks.common.driver_engine import run_engine
+from loramux.benchmarks.common.measures import RequestRecord, summarize
+from loramux.benchmarks.common.step_trace import StepTracer, summarize_steps
+from loramux.benchmarks.common.workload import WorkloadRequest, prompt_token_ids
 from loramux.engine.config import EngineConfig
 from loramux.engine.model.config import ModelConfig
 from loramux.engine.simulation.adapters import QKVO, SimulatedAdapterSource, adapter_bytes

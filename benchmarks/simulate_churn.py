@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loramux.benchmarks.files import pyplot, save_figure
+from loramux.benchmarks.common.files import pyplot, save_figure
+from loramux.benchmarks.common.slora_workloads import SETTINGS, adapter_rank, slora_requests
 from loramux.benchmarks.simulate import SimulatedRun, engine_config, model_dir, model_of, serve
 from loramux.benchmarks.simulate_runs import PER_MINUTE, per_minute_cell
-from loramux.benchmarks.slora_workloads import SETTINGS, adapter_rank, slora_requests
 from loramux.engine.model.llama import LORA_TARGETS
 from loramux.engine.simulation.adapters import adapter_bytes
 from loramux.engine.simulation.profile import DeviceProfile

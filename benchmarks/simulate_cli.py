@@ -17,13 +17,14 @@ import argparse
 import re
 from pathlib import Path
 
-from loramux.benchmarks.files import (
+from loramux.benchmarks.common.files import (
     RESULTS_DIR,
     add_output_options,
     check_output_options,
     write_report,
 )
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.models import prepare_model
+from loramux.benchmarks.common.slora_workloads import SETTINGS, TABLE_ADAPTERS
 from loramux.benchmarks.simulate import DEFAULT_PROFILE
 from loramux.benchmarks.simulate_churn import (
     CHURN_DURATION_S,
@@ -34,7 +35,6 @@ from loramux.benchmarks.simulate_churn import (
     churn_sweep,
 )
 from loramux.benchmarks.simulate_runs import calibration, per_minute_cell, slora_table
-from loramux.benchmarks.slora_workloads import SETTINGS, TABLE_ADAPTERS
 from loramux.engine.simulation.profile import PROFILES_DIR, DeviceProfile
 
 
@@ -270,7 +270,7 @@ def slora_markdown(report: dict) -> str:
         f"# S-LoRA {report['setting']} on a simulated GPU ({report['profile']})",
         "",
         f"**Simulated: {report['label']}.** S-LoRA's own trace (seed 42, its arrival, length "
-        "and popularity draws; `benchmarks/slora_workloads.py`); throughput is S-LoRA's "
+        "and popularity draws; `benchmarks/common/slora_workloads.py`); throughput is S-LoRA's "
         "(finished requests over the time to the last finish). The base-model rows serve the "
         "same trace with no adapter: the ceiling. *Of the base model's*: the row's throughput "
         "over that ceiling's; *the adapters' bytes allow*: the same ratio with the steps "

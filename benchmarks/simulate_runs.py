@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loramux.benchmarks.files import RESULTS_DIR
+from loramux.benchmarks.common.files import RESULTS_DIR
+from loramux.benchmarks.common.slora_workloads import SETTINGS, adapter_rank, slora_requests
+from loramux.benchmarks.common.workload import WorkloadSpec, adapter_ranks, generate
 from loramux.benchmarks.simulate import SimulatedRun, engine_config, model_dir, serve
-from loramux.benchmarks.slora_workloads import SETTINGS, adapter_rank, slora_requests
-from loramux.benchmarks.workload import WorkloadSpec, adapter_ranks, generate
 from loramux.engine.simulation.calibration import decode_step_table
 from loramux.engine.simulation.profile import DeviceProfile
 

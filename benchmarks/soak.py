@@ -66,15 +66,15 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from loramux.benchmarks.adapters import AdapterSpec
-from loramux.benchmarks.files import (
+from loramux.benchmarks.common.adapters import AdapterSpec
+from loramux.benchmarks.common.files import (
     CHECKOUT,
     add_output_options,
     check_output_options,
     write_report,
 )
-from loramux.benchmarks.machine import machine_info
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.soak_load import KINDS, MAX_CHURNED, TARGETS, run_load
 from loramux.benchmarks.soak_report import render_markdown, write_plot
 from loramux.benchmarks.soak_server import MIB, start_server

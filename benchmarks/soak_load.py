@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loramux.benchmarks.adapters import AdapterSpec
-from loramux.benchmarks.prompts import QUESTIONS
+from loramux.benchmarks.common.adapters import AdapterSpec
+from loramux.benchmarks.common.prompts import QUESTIONS
 from loramux.benchmarks.soak_server import REQUEST_TIMEOUT_S, Server, take_sample
 from loramux.benchmarks.soak_tenants import Catalog, Tenant, setup_tenants, upload
 

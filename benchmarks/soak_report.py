@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loramux.benchmarks.files import pyplot, save_figure
+from loramux.benchmarks.common.files import pyplot, save_figure
 from loramux.benchmarks.soak_server import MIB
 from loramux.benchmarks.soak_verdict import USAGE_FIELDS
 

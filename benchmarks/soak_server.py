@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loramux.benchmarks.bench_server import free_port
+from loramux.benchmarks.common.bench_server import free_port
 
 # A start converts the model first when its cache is cold (~20 s, slower on a busy machine).
 STARTUP_TIMEOUT_S = 180.0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
-from loramux.benchmarks.bench_server import ADAPTER_FILES
+from loramux.benchmarks.common.adapters import ALL_SEVEN, QKVO, AdapterSpec, prepare_adapters
+from loramux.benchmarks.common.bench_server import ADAPTER_FILES
 from loramux.benchmarks.soak_server import REQUEST_TIMEOUT_S, Server, expect
 
 QV = ("q_proj", "v_proj")

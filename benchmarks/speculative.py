@@ -58,9 +58,9 @@ import time
 from pathlib import Path
 
 from loramux.benchmarks.bench_presets import PRESETS
-from loramux.benchmarks.files import add_output_options, check_output_options, write_report
-from loramux.benchmarks.machine import Clock, contention, machine_info
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_report
+from loramux.benchmarks.common.machine import Clock, contention, machine_info
+from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.speculative_prompts import REQUESTS, WORKLOADS, prompts
 from loramux.benchmarks.speculative_report import (
     judge,

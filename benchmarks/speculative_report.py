@@ -12,8 +12,8 @@ import statistics
 from pathlib import Path
 
 from loramux.benchmarks.bench_presets import Goal, judge_goals
-from loramux.benchmarks.files import pyplot, save_figure
-from loramux.benchmarks.machine import busy_warning, machine_text
+from loramux.benchmarks.common.files import pyplot, save_figure
+from loramux.benchmarks.common.machine import busy_warning, machine_text
 
 
 def summarize(results: list[dict]) -> list[dict]:

@@ -33,9 +33,9 @@ import statistics
 import time
 from pathlib import Path
 
-from loramux.benchmarks.files import add_output_options, check_output_options, write_atomic
-from loramux.benchmarks.machine import Clock, contention, machine_info, machine_text
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.files import add_output_options, check_output_options, write_atomic
+from loramux.benchmarks.common.machine import Clock, contention, machine_info, machine_text
+from loramux.benchmarks.common.models import prepare_model
 
 BATCH_SIZES = (1, 8)
 DEFAULT_TOKENS = 64

@@ -39,15 +39,15 @@ from pathlib import Path
 
 import torch
 
-from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, prepare_adapters
-from loramux.benchmarks.files import (
+from loramux.benchmarks.common.adapters import ALL_SEVEN, QKVO, prepare_adapters
+from loramux.benchmarks.common.files import (
     add_output_options,
     check_output_options,
     publish_folder,
     write_report,
 )
-from loramux.benchmarks.machine import machine_info, machine_text
-from loramux.benchmarks.models import prepare_model
+from loramux.benchmarks.common.machine import machine_info, machine_text
+from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.speculative import StepTimer
 
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""The benchmarks' one random-adapter writer (``loramux.benchmarks.adapters``).
+"""The benchmarks' one random-adapter writer (``loramux.benchmarks.common.adapters``).
 
 Its draws must equal those of an adapter built through PEFT from the same seed (the
 recorded engine-vs-PEFT results were made with such adapters), and a cached adapter is
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from loramux.benchmarks.adapters import ALL_SEVEN, QKVO, cached_adapter, lora_tensors
+from loramux.benchmarks.common.adapters import ALL_SEVEN, QKVO, cached_adapter, lora_tensors
 from loramux.engine.lora.adapter import load_adapter
 from loramux.engine.model.config import ModelConfig
 from tests.fixtures.models import build_peft_adapter

@@ -19,8 +19,13 @@ import httpx
 import pytest
 import torch
 
-from loramux.benchmarks.drivers import exact_length_params, run_engine, run_http, run_peft_baseline
-from loramux.benchmarks.workload import WorkloadRequest
+from loramux.benchmarks.common.drivers import (
+    exact_length_params,
+    run_engine,
+    run_http,
+    run_peft_baseline,
+)
+from loramux.benchmarks.common.workload import WorkloadRequest
 from loramux.engine import Engine, EngineConfig
 from loramux.platform.settings import Settings
 from tests.engine.factories import build_engine

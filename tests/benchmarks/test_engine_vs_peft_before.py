@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loramux.benchmarks import engine_vs_peft, revisions
-from loramux.benchmarks.files import CHECKOUT
+from loramux.benchmarks.common.files import CHECKOUT
 
 
 def _git(*args: str) -> str:

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from loramux.benchmarks.measures import RequestRecord, memory_high_water, percentiles, summarize
+from loramux.benchmarks.common.measures import (
+    RequestRecord,
+    memory_high_water,
+    percentiles,
+    summarize,
+)
 
 
 def record(index, tenant, arrival, tokens, finish, error=None) -> RequestRecord:

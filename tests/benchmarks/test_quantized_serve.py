@@ -5,7 +5,7 @@ recorded ``benchmarks/results/bench_quantized-serve.md``)."""
 from __future__ import annotations
 
 from loramux.benchmarks import quantized_serve
-from loramux.benchmarks.machine import machine_info
+from loramux.benchmarks.common.machine import machine_info
 
 
 def _run(mode: str, rss: float, b1: float, b4: float, texts: list[str]) -> dict:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from loramux.benchmarks.common.slora_workloads import SETTINGS, adapter_rank, slora_requests
+from loramux.benchmarks.common.workload import WorkloadRequest
 from loramux.benchmarks.simulate import SimulatedRunClock, engine_config, serve
 from loramux.benchmarks.simulate_churn import churn_markdown, churn_plot, churn_sweep
 from loramux.benchmarks.simulate_cli import calibration_markdown, parse_args, slora_markdown
-from loramux.benchmarks.slora_workloads import SETTINGS, adapter_rank, slora_requests
-from loramux.benchmarks.workload import WorkloadRequest
 from loramux.engine.simulation.clock import EngineStuck, SimulatedClock
 from loramux.engine.simulation.profile import DeviceProfile
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from loramux.benchmarks.workload import (
+from loramux.benchmarks.common.workload import (
     TenantSpec,
     WorkloadRequest,
     WorkloadSpec,

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from loramux.benchmarks.measures import RequestRecord, new_records
-from loramux.benchmarks.workload import WorkloadRequest
+from loramux.benchmarks.common.measures import RequestRecord, new_records
+from loramux.benchmarks.common.workload import WorkloadRequest
 
 
 def _error_text(exc: Exception) -> str:

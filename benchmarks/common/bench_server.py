@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loramux.benchmarks.workload import WorkloadRequest, WorkloadSpec
+from loramux.benchmarks.common.workload import WorkloadRequest, WorkloadSpec
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -21,8 +21,8 @@ module's docstring gives its own rules and extras (``token_ids=``, ``texts=``...
 
 from __future__ import annotations
 
-from loramux.benchmarks.driver_engine import exact_length_params, run_engine
-from loramux.benchmarks.driver_http import run_http
-from loramux.benchmarks.driver_peft import BASE_ADAPTER, run_peft_baseline
+from loramux.benchmarks.common.driver_engine import exact_length_params, run_engine
+from loramux.benchmarks.common.driver_http import run_http
+from loramux.benchmarks.common.driver_peft import BASE_ADAPTER, run_peft_baseline
 
 __all__ = ["BASE_ADAPTER", "exact_length_params", "run_engine", "run_http", "run_peft_baseline"]

@@ -28,8 +28,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from loramux.benchmarks.measures import RequestRecord, new_records
-from loramux.benchmarks.workload import WorkloadRequest
+from loramux.benchmarks.common.measures import RequestRecord, new_records
+from loramux.benchmarks.common.workload import WorkloadRequest
 
 
 class WallRunClock:

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from loramux.benchmarks.measures import RequestRecord, new_records
-from loramux.benchmarks.workload import WorkloadRequest
+from loramux.benchmarks.common.measures import RequestRecord, new_records
+from loramux.benchmarks.common.workload import WorkloadRequest
 
 BASE_ADAPTER = "__base__"  # PEFT's adapter_names entry for "no adapter"
 BatchHook = Callable[[Sequence[WorkloadRequest], Sequence[WorkloadRequest]], None]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from loramux.benchmarks.files import publish_folder
-from loramux.benchmarks.models import model_key
+from loramux.benchmarks.common.files import publish_folder
+from loramux.benchmarks.common.models import model_key
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

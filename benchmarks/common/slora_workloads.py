@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loramux.benchmarks.bench_gpu_model import LLAMA_7B
-from loramux.benchmarks.workload import WorkloadRequest
+from loramux.benchmarks.common.workload import WorkloadRequest
 
 LLAMA_13B = {
     **LLAMA_7B,
