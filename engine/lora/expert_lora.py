@@ -175,16 +175,17 @@ class StepExpertLoRA:
         """``outs`` (expert ``expert``'s outputs of ``modules`` for the step's ``tokens``,
         whose inputs are ``x``) plus their adapters' deltas."""
         owners = self.owners.index_select(0, tokens)
+        a_pools, b_pools = expert_pools(self.pools, layer, modules, x, outs)
         for position, adapter in enumerate(self.adapters):
             rows = (owners == position).nonzero()[:, 0]
             if rows.numel() == 0:
                 continue
-            lo, rank = adapter.first_row + expert * adapter.rank, adapter.rank
+            lo = adapter.first_row + expert * adapter.rank
+            hi = lo + adapter.rank
             h = x.index_select(0, rows)
-            for out, module in zip(outs, modules, strict=True):
-                a = self.pools.a_pool(layer, module)[lo : lo + rank, : x.shape[1]]
-                b = self.pools.b_pool(layer, module)[lo : lo + rank, : out.shape[1]]
-                out.index_add_(0, rows, ((h @ a.T) @ b) * adapter.scales[module])
+            for out, module, a, b in zip(outs, modules, a_pools, b_pools, strict=True):
+                delta = (h @ a[lo:hi].T) @ b[lo:hi]
+                out.index_add_(0, rows, delta * adapter.scales[module])
 
 
 def expert_pools(pools, layer: int, modules, x: torch.Tensor, outs) -> tuple[list, list]:

@@ -95,7 +95,7 @@ class Admission:
         per_prompt = sequences_per_prompt(request.n, request.best_of)
         prompts = request.prompts
         if request.messages is not None:
-            prompts = [self.prompts.render_chat(list(request.messages))]
+            prompts = [self.prompts.render_chat(request.messages)]
         check_batch(len(prompts), per_prompt)
         sampling = request.sampling
         self.prompts.check_logit_bias(sampling.logit_bias)

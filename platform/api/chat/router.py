@@ -22,7 +22,7 @@ from loramux.platform.api.chat.tool_render import ToolChatRender
 from loramux.platform.api.deps import AdapterRuntimeDep, CurrentTenant, SessionDep
 from loramux.platform.api.openai.params import check_no_priority
 from loramux.platform.api.openai.render import ChatRender
-from loramux.platform.api.openai.requests import chat_request, chat_top_logprobs
+from loramux.platform.api.openai.requests import chat_request
 from loramux.platform.api.openai.respond import STREAMED_RESPONSES, InferenceDep, respond
 from loramux.platform.api.openai.schemas import ChatCompletionRequest
 from loramux.platform.api.openai.structured import check_structured, invalid, response_format_spec
@@ -65,7 +65,7 @@ async def create_chat_completion(
     inference = chat_request(body, template_messages(body.messages, tools), structured)
     job = await service.prepare(session, tenant, target, inference)
     kind = ChatRender if tools is None else ToolChatRender
-    render = kind(service.tokenizer, job, chat_top_logprobs(body))
+    render = kind(service.tokenizer, job, inference.sampling.logprobs)
     return await respond(
         request, service, job, render, stream=body.stream, include_usage=body.include_usage
     )

@@ -75,7 +75,7 @@ def completion_request(body) -> InferenceRequest:
     )
 
 
-def chat_top_logprobs(body) -> int | None:
+def _chat_top_logprobs(body) -> int | None:
     """Top log-probabilities per token a chat body asks for (None: no logprobs)."""
     return (body.top_logprobs or 0) if body.logprobs else None
 
@@ -90,7 +90,7 @@ def chat_request(
     return InferenceRequest(
         request_id=new_request_id("chatcmpl"),
         sampling=sampling_of(
-            body, max_tokens=max_tokens, logprobs=chat_top_logprobs(body), structured=structured
+            body, max_tokens=max_tokens, logprobs=_chat_top_logprobs(body), structured=structured
         ),
         messages=tuple(messages),
         n=body.n,
