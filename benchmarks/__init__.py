@@ -1,7 +1,8 @@
-"""loramux's benchmarks, ``loramux.benchmarks``: ``loramux bench PRESET`` (``bench``).
+"""loramux's benchmarks, ``loramux.benchmarks``: ``loramux bench NAME`` (``bench``).
 
-Workloads (``workload``), drivers that serve them on the engine, the platform over HTTP
-or transformers + PEFT (``drivers``), what a run measured (``measures``) and how it is
-reported (``bench_report``); the presets that combine them (``bench_presets``). Recorded
-results are in the source checkout's ``benchmarks/results/``.
+One package per study (its ``runner`` and, where it has one, its ``report``), each a
+``common.study.Study``; what they share is in ``common``: workloads, drivers that serve
+them on the engine, the platform over HTTP or transformers + PEFT, what a run measured,
+and the one report writer (``common.report``). The serve presets are in
+``serve.presets``. Recorded results are in the source checkout's ``benchmarks/results/``.
 """

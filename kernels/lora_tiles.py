@@ -8,7 +8,7 @@ columns (``target_programs``); prefill is two matmuls per segment, tiled for ``t
 
 ``lora_tiles.json`` maps a device name (``torch.cuda.get_device_name``) to its tiles;
 "default" serves any other device and Triton's CPU interpreter. The table is data,
-written by the tuning run of ``loramux.benchmarks.kernels_gpu_lora`` (``--tune``) on the
+written by the tuning run of ``loramux.benchmarks.kernels_gpu.tune`` on the
 device and committed; nothing is autotuned when the engine starts, so a step's launches
 (and a CUDA graph's) are the same on every run. Each entry says where it came from.
 """

@@ -3,7 +3,7 @@
 Rules (shared by every driver, see ``drivers.py``):
 
 * times are seconds from the run's start (``time.perf_counter() - t0``; on a simulated
-  GPU, simulated seconds: ``benchmarks/simulate.py``'s run clock); a request's
+  GPU, simulated seconds: ``benchmarks/simulate/serve.py``'s run clock); a request's
   ``arrival_s`` is taken from the workload, never measured;
 * every request is greedy and generates exactly ``output_len`` tokens: EOS is suppressed
   (``min_tokens = max_tokens = output_len``), as PEFT's ``min_new_tokens`` suppresses it.

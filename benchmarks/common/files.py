@@ -9,7 +9,6 @@ results are committed) and models and adapters are cached in its
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -90,13 +89,6 @@ def publish_folder(staging: Path, target: Path, made: Callable[[], bool]) -> Non
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def write_report(stem: Path, report: dict, markdown: str) -> None:
-    """``<stem>.json`` and ``<stem>.md``, then the markdown on stdout."""
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2, default=float) + "\n")
-    write_atomic(stem.with_suffix(".md"), markdown)
-    print(markdown)
 
 
 def pyplot():

@@ -1,11 +1,16 @@
-"""Chat prompts for the CPU benchmarks: short everyday questions in the model's chat template.
+"""Prompts for the benchmarks: short everyday questions in the model's chat template, and
+random token ids.
 
-Request i asks ``QUESTIONS[i % 32]``; from the 33rd on a question ends with "(Answer #n.)"
-so that no two prompts are the same. A tokenizer without a chat template gets the bare
-question. Both systems of a comparison get the same token ids.
+Chat prompts: request i asks ``QUESTIONS[i % 32]``; from the 33rd on a question ends with
+"(Answer #n.)" so that no two prompts are the same. A tokenizer without a chat template
+gets the bare question. Both systems of a comparison get the same token ids.
 """
 
 from __future__ import annotations
+
+import threading
+
+import numpy as np
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -59,3 +64,17 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
             text = question
         prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return prompts
+
+
+class Prompts:
+    """Random prompt token ids (EOS avoided), a fresh prompt per call (no prefix-cache hits)."""
+
+    def __init__(self, vocab_size: int, avoid, seed: int = 0):
+        avoid = set(avoid)
+        self._ids = np.array([i for i in range(3, vocab_size) if i not in avoid])
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def __call__(self, length: int) -> list[int]:
+        with self._lock:
+            return self._rng.choice(self._ids, size=length).tolist()

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loramux.benchmarks.bench_gpu_model import LLAMA_7B
 from loramux.benchmarks.common.workload import WorkloadRequest
+from loramux.benchmarks.serve.gpu_model import LLAMA_7B
 
 LLAMA_13B = {
     **LLAMA_7B,

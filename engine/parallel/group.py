@@ -82,7 +82,7 @@ class TensorParallelGroup:
         else:
             self._device_group = self._control
         # Seconds this rank spent in collectives (sending, and waiting for the slowest rank):
-        # the communication share of a step (benchmarks/tensor_parallel.py). On CUDA a
+        # the communication share of a step (benchmarks/tensor_parallel/runner.py). On CUDA a
         # collective is timed to its launch unless the caller synchronizes.
         self.collective_s = 0.0
         self.command_s = 0.0  # ...and in sending (or waiting for) rank 0's commands

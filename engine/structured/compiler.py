@@ -2,7 +2,7 @@
 bounded in bytes, for the engine and for each tenant (``grammar_cache.py``).
 
 Compiling is building llguidance's matcher from the spec's grammar (about a millisecond for
-the schemas in ``benchmarks/grammar_engines.py``, 50 ms for a 12,000-value enum; the lexer
+the schemas in ``benchmarks/grammar_engines/runner.py``, 50 ms for a 12,000-value enum; the lexer
 is then built lazily during the first masks). The compiled form is a *template* matcher
 that never advances: every request gets a copy of it (a few microseconds). What the build
 kept is measured (``grammar_bytes.py``) and charged to the tenant whose request asked.

@@ -10,7 +10,7 @@ are known as soon as the previous step's sampling ends. So the engine can call
 :meth:`MaskFiller.submit` right after it schedules a step (the matchers listed in the order
 of the rows that will sample) and before it launches the forward; a background thread fills
 the masks while the model runs (the fill releases the GIL, so the main thread keeps
-launching kernels: ``benchmarks/grammar_engines.py`` measured a Python loop on the main
+launching kernels: ``benchmarks/grammar_engines/runner.py`` measured a Python loop on the main
 thread at 0.86-0.95 of its speed while another thread filled 64 masks per call), and the
 sampler waits on the future only when it needs the masks. Until that future is done, the
 step's matchers must not accept tokens (the engine accepts after sampling, so they don't).

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loramux.benchmarks.bench_gpu_model import (
+from loramux.benchmarks.common.adapters import QKVO
+from loramux.benchmarks.common.driver_peft import AdapterSwapper
+from loramux.benchmarks.common.workload import WorkloadRequest
+from loramux.benchmarks.serve.gpu_model import (
     SMOKE_MODEL,
     WARM_ADAPTER,
     baseline_model,
@@ -22,9 +25,6 @@ from loramux.benchmarks.bench_gpu_model import (
     random_adapter_state,
     random_model_dir,
 )
-from loramux.benchmarks.common.adapters import QKVO
-from loramux.benchmarks.common.driver_peft import AdapterSwapper
-from loramux.benchmarks.common.workload import WorkloadRequest
 from loramux.engine import Engine, EngineConfig, SamplingParams
 from loramux.engine.lora.adapter import load_adapter
 from loramux.engine.model.config import ModelConfig

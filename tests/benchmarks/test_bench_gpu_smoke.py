@@ -1,4 +1,4 @@
-"""The GPU runner of ``loramux bench`` (``benchmarks/bench_gpu.py``) in its CPU smoke mode.
+"""The GPU runner of ``loramux bench`` (``benchmarks/serve/gpu.py``) in its CPU smoke mode.
 
 ``bench.py PRESET --smoke`` runs the very code a GPU session runs for ``slora-s2`` and
 ``punica-distinct`` (engine with random weights and callable adapter sources, PEFT with
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from loramux.benchmarks import gpu_check
+from loramux.benchmarks.gpu_check import runner as gpu_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODULE = "loramux.benchmarks.bench"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from loramux.benchmarks.bench_gpu_report import judge, unjudged_reason
-from loramux.benchmarks.bench_presets import PRESETS
-from loramux.benchmarks.bench_report import cdf_points
 from loramux.benchmarks.common.measures import agreement
+from loramux.benchmarks.serve.gpu import judge, unjudged_reason
+from loramux.benchmarks.serve.presets import PRESETS
+from loramux.benchmarks.serve.report import cdf_points
 
 
 def test_cdf_points_keep_short_samples_and_thin_long_ones_to_quantiles():

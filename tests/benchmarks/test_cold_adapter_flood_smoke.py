@@ -1,6 +1,6 @@
-"""The cold-adapter flood benchmark's plumbing (``benchmarks/cold_adapter_flood.py``) for
-a few seconds on the tiny model: a real ``loramux serve``, a small flood, one cold probe.
-The times mean nothing here; what is asserted is that every part ran and wrote its files."""
+"""``python -m loramux.benchmarks.cold_adapter_flood``'s plumbing for a few seconds on the
+tiny model: a real ``loramux serve``, a small flood, one cold probe. The times mean nothing
+here; what is asserted is that every part ran and wrote its files."""
 
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from loramux.benchmarks import engine_vs_peft, revisions
+from loramux.benchmarks.common import revisions
 from loramux.benchmarks.common.files import CHECKOUT
+from loramux.benchmarks.engine_vs_peft import runner as engine_vs_peft
 
 
 def _git(*args: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loramux.benchmarks.bench_presets import PRESETS
+from loramux.benchmarks.serve.presets import PRESETS
 from tests.benchmarks.commands import loramux
 
 PRESET = PRESETS["fairness-slo"]

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 
-from loramux.benchmarks import grammar_cache_memory
+from loramux.benchmarks.bench import study
+from loramux.benchmarks.grammar_cache_memory import runner as grammar_cache_memory
 from tests.benchmarks.recorded import missing_keys
 
 
 def test_a_short_run_writes_the_recorded_report(tmp_path, tiny_model_dir):
     argv = ["--model", str(tiny_model_dir), "--out", str(tmp_path), "--schemas", "3"]
     argv += ["--values", "200", "--scenarios", "unbounded", "one-tenant"]
-    assert grammar_cache_memory.main(argv) == 0
+    assert study("grammar-cache-memory").main(argv) == 0
     report = json.loads((tmp_path / "grammar_cache_memory.json").read_text())
     assert not missing_keys("grammar_cache_memory.json", report)
     unbounded, one_tenant = report["scenarios"]

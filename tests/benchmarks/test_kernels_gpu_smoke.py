@@ -1,9 +1,9 @@
 """The GPU kernel benchmark's plumbing, run in its CPU smoke mode.
 
-``benchmarks/kernels_gpu.py --smoke`` runs every section at tiny shapes in float32, the
-Triton kernels in Triton's interpreter, so CI keeps the script (imports, shapes, output
-checks, the report) working for the session that runs it on an H100. Its times mean
-nothing and are not asserted.
+``python -m loramux.benchmarks.kernels_gpu --smoke`` runs every section at tiny shapes in
+float32, the Triton kernels in Triton's interpreter, so CI keeps the script (imports,
+shapes, output checks, the report) working for the session that runs it on an H100. Its
+times mean nothing and are not asserted.
 
 The run checked is the ``kernels`` section of the session's ``make gpu-check`` smoke
 (``gpu_check_smoke``, tests/benchmarks/conftest.py): gpu_check runs exactly
@@ -13,12 +13,14 @@ below), so the slow interpreted grid runs once for both test modules.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from pathlib import Path
 
 import pytest
+
+from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.kernels_gpu.runner import finish
 
 MODULE = "loramux.benchmarks.kernels_gpu"
 SECTIONS = (
@@ -151,11 +153,10 @@ def test_markdown_states_every_target_verdict(smoke_run):
 
 
 def test_a_mismatch_makes_the_exit_code_nonzero(tmp_path):
-    kernels_gpu = importlib.import_module(MODULE)
     results = {
         "sections": {"lora": [{"matches": True}, {"matches": False}]},
         "targets": {},
-        "machine": {"accelerator": {"device": "cpu", "python": "3", "date": "today"}},
+        "machine": machine_info("cpu"),
         "rates": {"copy_gbs": 1.0, "matmul_tflops": 1.0},
         "config": {
             "grid": "smoke",
@@ -167,8 +168,7 @@ def test_a_mismatch_makes_the_exit_code_nonzero(tmp_path):
         },
         "command": "test",
     }
-    paths = (tmp_path / "r.json", tmp_path / "r.md")
-    assert kernels_gpu.finish(results, paths) == 1
-    assert json.loads(paths[0].read_text())["all_match"] is False
+    assert finish(results, tmp_path / "r") == 1
+    assert json.loads((tmp_path / "r.json").read_text())["all_match"] is False
     results["sections"]["lora"].pop()
-    assert kernels_gpu.finish(results, paths) == 0
+    assert finish(results, tmp_path / "r") == 0

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from loramux.benchmarks import lora_overhead
-from loramux.benchmarks.bench import parse_args
-from loramux.benchmarks.bench_presets import PRESETS, Baseline, Goal
+from loramux.benchmarks.bench import study
+from loramux.benchmarks.lora_overhead import runner as lora_overhead
+from loramux.benchmarks.serve.presets import PRESETS, Baseline, Goal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_counters_come_from_stats_residency():
 )
 def test_options_that_do_not_apply_are_refused(argv):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(argv)
+        study(argv[0]).parse(argv[1:])
     assert exit_info.value.code == 2
 
 

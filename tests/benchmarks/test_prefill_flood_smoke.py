@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loramux.benchmarks.prefill_flood import ATTACKS
+from loramux.benchmarks.prefill_flood.runner import ATTACKS
 from tests.benchmarks.commands import loramux
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from loramux.benchmarks import quant_quality
-from loramux.benchmarks.quant_quality import Mode
+from loramux.benchmarks.quant_quality import runner as quant_quality
+from loramux.benchmarks.quant_quality.runner import Mode
 
 ADAPTERS = {
     "r8-attn": {"rank": 8, "targets": ("q_proj", "k_proj", "v_proj", "o_proj"), "seed": 2},

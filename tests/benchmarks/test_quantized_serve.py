@@ -4,8 +4,8 @@ recorded ``benchmarks/results/bench_quantized-serve.md``)."""
 
 from __future__ import annotations
 
-from loramux.benchmarks import quantized_serve
 from loramux.benchmarks.common.machine import machine_info
+from loramux.benchmarks.quantized_serve import runner as quantized_serve
 
 
 def _run(mode: str, rss: float, b1: float, b4: float, texts: list[str]) -> dict:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from loramux.benchmarks.bench import study
 from loramux.benchmarks.common.slora_workloads import SETTINGS, adapter_rank, slora_requests
 from loramux.benchmarks.common.workload import WorkloadRequest
-from loramux.benchmarks.simulate import SimulatedRunClock, engine_config, serve
-from loramux.benchmarks.simulate_churn import churn_markdown, churn_plot, churn_sweep
-from loramux.benchmarks.simulate_cli import calibration_markdown, parse_args, slora_markdown
+from loramux.benchmarks.simulate.churn import churn_markdown, churn_plot, churn_sweep
+from loramux.benchmarks.simulate.runs import calibration_markdown, slora_markdown
+from loramux.benchmarks.simulate.serve import SimulatedRunClock, engine_config, serve
 from loramux.engine.simulation.clock import EngineStuck, SimulatedClock
 from loramux.engine.simulation.profile import DeviceProfile
 
@@ -169,8 +170,10 @@ def test_the_churn_sweep_runs_each_working_set_capped_and_all_resident(tmp_path,
 
 
 def test_engine_settings_over_the_presets_are_checked_by_name_and_number():
-    args = parse_args(["slora", "--set", "max_num_seqs=256", "--set", "kv_cache_bytes=6e10"])
+    args = study("simulate").parse(
+        ["slora", "--set", "max_num_seqs=256", "--set", "kv_cache_bytes=6e10"]
+    )
     assert args.engine == [("max_num_seqs", 256), ("kv_cache_bytes", 60_000_000_000)]
     for bad in ("max_seqs=256", "max_num_seqs=many"):
         with pytest.raises(SystemExit):
-            parse_args(["slora", "--set", bad])
+            study("simulate").parse(["slora", "--set", bad])

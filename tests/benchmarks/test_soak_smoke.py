@@ -1,4 +1,4 @@
-"""The soak's plumbing (``loramux bench soak``, ``benchmarks/soak.py``) for a few seconds.
+"""The soak's plumbing (``loramux bench soak``, ``benchmarks/soak/runner.py``) for a few seconds.
 
 A real ``loramux serve`` on the tiny random Llama gets the soak's mix of requests and
 adapter churn for 8 s, sampled every second, then the billing, database and shutdown

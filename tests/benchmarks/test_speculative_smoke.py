@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from loramux.benchmarks import speculative
-from loramux.benchmarks.bench_presets import PRESETS, Baseline
+from loramux.benchmarks.serve.presets import PRESETS, Baseline
+from loramux.benchmarks.speculative import runner as speculative
 from tests.benchmarks.commands import loramux
 
 

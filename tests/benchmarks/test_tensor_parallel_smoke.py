@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from loramux.benchmarks import tensor_parallel
+from loramux.benchmarks.bench import study
 
 
 def test_the_smoke_compares_one_process_with_two_ranks(tiny_model_dir, tmp_path):
-    status = tensor_parallel.main(
+    status = study("tensor-parallel").main(
         [
             "--smoke",
             "--model",
@@ -40,7 +40,7 @@ def test_the_smoke_compares_one_process_with_two_ranks(tiny_model_dir, tmp_path)
 def test_the_gpu_form_without_two_gpus_says_so(tmp_path, capsys):
     if torch.cuda.device_count() >= 2:
         pytest.skip("two GPUs here: the GPU form would run")
-    status = tensor_parallel.main(["--device", "cuda", "--out", str(tmp_path)])
+    status = study("tensor-parallel").main(["--device", "cuda", "--out", str(tmp_path)])
     assert status == 2
     assert "needs two GPUs" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from loramux.benchmarks.kernels_gpu_tune import write_table
+from loramux.benchmarks.kernels_gpu.tune import write_table
 from loramux.kernels.lora_tiles import FusedTiles, PhaseTiles, tiles_for
 
 

@@ -1,0 +1,1 @@
+"""The adapter churn study."""

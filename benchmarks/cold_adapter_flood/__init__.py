@@ -1,0 +1,1 @@
+"""The cold adapter flood study."""

@@ -1,0 +1,1 @@
+"""The fairness slo study."""

@@ -1,0 +1,1 @@
+"""The gpu check study."""

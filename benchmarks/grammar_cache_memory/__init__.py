@@ -1,0 +1,1 @@
+"""The grammar cache memory study."""

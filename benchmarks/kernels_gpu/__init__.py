@@ -1,0 +1,1 @@
+"""The kernels gpu study."""

@@ -1,0 +1,1 @@
+"""The quantized serve study."""

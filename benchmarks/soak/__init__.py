@@ -1,0 +1,1 @@
+"""The soak study."""
