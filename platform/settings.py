@@ -18,7 +18,14 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loramux.engine import INT4_GROUP_SIZES
-from loramux.platform.settings_engine import PART_MODELS, PART_OF, EngineSettings, nest
+from loramux.platform.settings_engine import (
+    PART_MODELS,
+    PART_OF,
+    EngineSettings,
+    nest,
+    non_negative,
+    positive,
+)
 from loramux.platform.settings_names import EngineEnvNames, env_name
 
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -72,10 +79,9 @@ class Settings(BaseSettings):
         "billing/<day>.by-<grouping>.csv), and the default of POST /admin/billing/exports and "
         "`loramux billing export`: `day`, `adapter` or `request`.",
     )
-    usage_rollup_interval_s: int = Field(
-        default=3600,
-        gt=0,
-        description="Seconds between Celery beat's usage roll-ups (closed UTC days summed per "
+    usage_rollup_interval_s: int = positive(
+        3600,
+        "Seconds between Celery beat's usage roll-ups (closed UTC days summed per "
         "tenant, adapter and model; the monthly budget reads them).",
     )
 
@@ -130,10 +136,9 @@ class Settings(BaseSettings):
         default=None,
         description="This engine's name in the registry (default: <hostname>-<engine_port>).",
     )
-    engine_heartbeat_s: float = Field(
-        default=2.0,
-        gt=0,
-        description="Seconds between an engine's registry heartbeats; one silent for three "
+    engine_heartbeat_s: float = positive(
+        2.0,
+        "Seconds between an engine's registry heartbeats; one silent for three "
         "is dead and gets no new requests.",
     )
     routing_load_factor: float = Field(
@@ -144,29 +149,25 @@ class Settings(BaseSettings):
     )
 
     # --- adapter uploads ---------------------------------------------------------
-    max_upload_bytes: int = Field(
-        default=512 << 20,
-        gt=0,
-        description="Largest adapter upload (the request body, and the unpacked adapter).",
+    max_upload_bytes: int = positive(
+        512 << 20,
+        "Largest adapter upload (the request body, and the unpacked adapter).",
     )
-    max_adapter_rank: int = Field(
-        default=64,
-        gt=0,
-        description="Largest LoRA rank an uploaded adapter may have; also the engine's "
+    max_adapter_rank: int = positive(
+        64,
+        "Largest LoRA rank an uploaded adapter may have; also the engine's "
         "largest servable rank (EngineConfig.max_lora_rank): one setting for both.",
     )
 
     # --- slow clients ------------------------------------------------------------
-    request_body_timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="Seconds a request body may take to arrive, plus one second per "
+    request_body_timeout_s: float = positive(
+        60.0,
+        "Seconds a request body may take to arrive, plus one second per "
         "request_body_min_bytes_per_s bytes received; a slower body is cut off with 408.",
     )
-    request_body_min_bytes_per_s: int = Field(
-        default=16 * 1024,
-        gt=0,
-        description="The slowest steady rate (bytes per second) a request body may arrive "
+    request_body_min_bytes_per_s: int = positive(
+        16 * 1024,
+        "The slowest steady rate (bytes per second) a request body may arrive "
         "at without being cut off, once request_body_timeout_s is spent.",
     )
 
@@ -180,30 +181,26 @@ class Settings(BaseSettings):
         "shorten it. A request past its deadline is ended wherever it is (504 "
         "deadline_exceeded; a stream's last event), billed for the tokens it sent.",
     )
-    max_queued_requests: int = Field(
-        default=1024,
-        gt=0,
-        description="Most requests (each choice of `n` counts) admitted and not started yet, "
+    max_queued_requests: int = positive(
+        1024,
+        "Most requests (each choice of `n` counts) admitted and not started yet, "
         "across tenants; past it a request gets 429 queue_full with Retry-After at once.",
     )
-    max_queued_requests_per_tenant: int = Field(
-        default=256,
-        gt=0,
-        description="The same, per tenant, unless the tenant has its own max_queued_requests.",
+    max_queued_requests_per_tenant: int = positive(
+        256,
+        "The same, per tenant, unless the tenant has its own max_queued_requests.",
     )
 
     # --- ending requests: shutdown and crashes -----------------------------------
-    shutdown_timeout_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="On SIGTERM, `loramux serve` and `loramux engine` stop accepting and let "
+    shutdown_timeout_s: float = non_negative(
+        30.0,
+        "On SIGTERM, `loramux serve` and `loramux engine` stop accepting and let "
         "running requests finish for up to this many seconds, then end the rest (each "
         "billed for the tokens it delivered) and exit.",
     )
-    usage_journal_interval_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="Seconds between checkpoints of running requests' delivered usage; a "
+    usage_journal_interval_s: float = positive(
+        1.0,
+        "Seconds between checkpoints of running requests' delivered usage; a "
         "crash loses at most this long's worth of a request's tokens (plus one write).",
     )
 

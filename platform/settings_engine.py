@@ -13,9 +13,19 @@ config (``engine_settings.engine_config``) all follow from it. Flat keywords
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+def positive(default: Any, description: str) -> Any:
+    """A setting that must be above zero (``None``, where it is the default, means unset)."""
+    return Field(default=default, gt=0, description=description)
+
+
+def non_negative(default: Any, description: str) -> Any:
+    """A setting that may be zero (which turns its feature off) but not below."""
+    return Field(default=default, ge=0, description=description)
 
 
 class _Part(BaseModel):
@@ -25,10 +35,9 @@ class _Part(BaseModel):
 class CacheSettings(_Part):
     """The device memory KV blocks and adapters share, and the grammar cache in RAM (``EngineConfig.cache``)."""
 
-    kv_cache_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="Device bytes shared by the paged KV cache and resident adapters (unset: "
+    kv_cache_bytes: int | None = positive(
+        None,
+        "Device bytes shared by the paged KV cache and resident adapters (unset: "
         "sized to the machine when the engine starts: on CPU 15% of the available RAM, at "
         "least 512 MiB and at most 4 GiB; on CUDA 90% of the memory free after the weights, "
         "less room for activations). The engine logs the budget and what it holds at start.",
@@ -40,10 +49,9 @@ class CacheSettings(_Part):
         "KV head, so kv_cache_bytes holds 3.8x the tokens of float32 (1.9x of bfloat16) for a "
         "64-wide head, at a small cost in quality (benchmarks/results/quant_quality.md).",
     )
-    adapter_device_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="Cap on the share of kv_cache_bytes resident adapters may take "
+    adapter_device_bytes: int | None = positive(
+        None,
+        "Cap on the share of kv_cache_bytes resident adapters may take "
         "(unset: all but the KV cache's floor).",
     )
     enable_prefix_caching: bool = Field(
@@ -51,21 +59,18 @@ class CacheSettings(_Part):
         description="Reuse the KV blocks of a prompt prefix already computed with the same "
         "adapter (keyed by adapter, so a tenant never reuses another adapter's blocks).",
     )
-    max_model_len: int | None = Field(
-        default=None,
-        gt=0,
-        description="Context cap, prompt plus output (unset: the model's).",
+    max_model_len: int | None = positive(
+        None,
+        "Context cap, prompt plus output (unset: the model's).",
     )
-    grammar_cache_bytes: int = Field(
-        default=256 << 20,
-        gt=0,
-        description="Host RAM of compiled structured-output grammars kept for reuse (least "
+    grammar_cache_bytes: int = positive(
+        256 << 20,
+        "Host RAM of compiled structured-output grammars kept for reuse (least "
         "recently used go; a 12,000-value enum schema keeps about 4.8 MiB).",
     )
-    grammar_cache_tenant_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="The most one tenant's compiled grammars keep of "
+    grammar_cache_tenant_bytes: int | None = positive(
+        None,
+        "The most one tenant's compiled grammars keep of "
         "LORAMUX_ENGINE_GRAMMAR_CACHE_BYTES (unset: a quarter), so one tenant's new schemas "
         "evict its own first.",
     )
@@ -78,29 +83,25 @@ class SchedulerSettings(_Part):
     max_num_batched_tokens: int = Field(
         default=2048, gt=0, description="Token budget of one engine step (decode + prefill)."
     )
-    max_prefill_chunk: int | None = Field(
-        default=None,
-        gt=0,
-        description="Most prompt tokens one request prefills in one step (unset: as many as "
+    max_prefill_chunk: int | None = positive(
+        None,
+        "Most prompt tokens one request prefills in one step (unset: as many as "
         "the step's token budget leaves), so long prompts share steps with decodes.",
     )
-    prefill_step_target_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="Seconds a step that prefills should last: the prompt tokens per step are "
+    prefill_step_target_s: float | None = positive(
+        None,
+        "Seconds a step that prefills should last: the prompt tokens per step are "
         "sized from the measured cost of recent steps, so one tenant's long prompts hold "
         "another's first token for a step or two (unset: 0.12 on the CPU; on a GPU no time "
         "target, LORAMUX_ENGINE_MAX_NUM_BATCHED_TOKENS alone).",
     )
-    max_adapters_per_step: int | None = Field(
-        default=None,
-        gt=0,
-        description="Most distinct adapters in one engine step (unset: no cap).",
+    max_adapters_per_step: int | None = positive(
+        None,
+        "Most distinct adapters in one engine step (unset: no cap).",
     )
-    adapter_wait_steps: int = Field(
-        default=16,
-        gt=0,
-        description="Steps a request whose adapter is capped out of the step waits before "
+    adapter_wait_steps: int = positive(
+        16,
+        "Steps a request whose adapter is capped out of the step waits before "
         "the others drain to make room for it.",
     )
 
@@ -108,20 +109,17 @@ class SchedulerSettings(_Part):
 class LoRASettings(_Part):
     """Adapters between the store and the device: host RAM, loader threads, the disk tier (``EngineConfig.lora``)."""
 
-    adapter_host_bytes: int = Field(
-        default=1 << 30,
-        gt=0,
-        description="Host RAM for parsed adapters (LRU) between store and device.",
+    adapter_host_bytes: int = positive(
+        1 << 30,
+        "Host RAM for parsed adapters (LRU) between store and device.",
     )
-    adapter_load_workers: int = Field(
-        default=2,
-        gt=0,
-        description="Threads fetching and parsing adapters (a fetch that hangs holds up only its own).",
+    adapter_load_workers: int = positive(
+        2,
+        "Threads fetching and parsing adapters (a fetch that hangs holds up only its own).",
     )
-    adapter_disk_cache_bytes: int = Field(
-        default=0,
-        ge=0,
-        description="Local-disk cache of adapter files between the store and RAM, under "
+    adapter_disk_cache_bytes: int = non_negative(
+        0,
+        "Local-disk cache of adapter files between the store and RAM, under "
         "<data dir>/adapter-cache (0: none).",
     )
 
@@ -135,11 +133,9 @@ class SpeculativeSettings(_Part):
         "followed the output's last few tokens earlier in the request, no extra model); draft "
         "(a smaller model sharing the tokenizer, LORAMUX_ENGINE_DRAFT_MODEL). Output is unchanged.",
     )
-    num_speculative_tokens: int = Field(
-        default=4,
-        gt=0,
-        description="Most proposed tokens a request verifies per step (fewer as its "
-        "acceptance rate falls).",
+    num_speculative_tokens: int = positive(
+        4,
+        "Most proposed tokens a request verifies per step (fewer as its acceptance rate falls).",
     )
     ngram_max_n: int = Field(
         default=4, gt=0, description="Longest suffix the n-gram proposer looks up."
@@ -151,10 +147,9 @@ class SpeculativeSettings(_Part):
         default=None,
         description="HF-format folder of the draft model (speculative_method draft).",
     )
-    draft_kv_cache_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="Bytes of the draft model's own KV cache, taken out of "
+    draft_kv_cache_bytes: int | None = positive(
+        None,
+        "Bytes of the draft model's own KV cache, taken out of "
         "LORAMUX_ENGINE_KV_CACHE_BYTES (unset: an eighth of it).",
     )
 
@@ -162,10 +157,9 @@ class SpeculativeSettings(_Part):
 class ParallelSettings(_Part):
     """One engine over several devices (``EngineConfig.parallel``)."""
 
-    tensor_parallel_size: int = Field(
-        default=1,
-        gt=0,
-        description="One engine over this many GPUs (tensor parallelism: GPUs 0..N-1 of its "
+    tensor_parallel_size: int = positive(
+        1,
+        "One engine over this many GPUs (tensor parallelism: GPUs 0..N-1 of its "
         "machine, or N processes sharing the CPU's cores), for a base model larger than one "
         "device. Float weights only (no quantization, no GGUF file).",
     )
@@ -191,16 +185,14 @@ class ComputeSettings(_Part):
         "triton (the Triton kernels; on the CPU only inside Triton's interpreter). Unset: "
         "LORAMUX_KERNELS, else auto.",
     )
-    cuda_graph_max_batch: int = Field(
-        default=64,
-        ge=0,
-        description="Decode-only steps of up to this many requests replay CUDA graphs "
+    cuda_graph_max_batch: int = non_negative(
+        64,
+        "Decode-only steps of up to this many requests replay CUDA graphs "
         "captured at start (CUDA only; 0: every step eager).",
     )
-    compute_threads: int | None = Field(
-        default=None,
-        gt=0,
-        description="The engine's CPU threads (unset: the cores this process may use, from "
+    compute_threads: int | None = positive(
+        None,
+        "The engine's CPU threads (unset: the cores this process may use, from "
         "its CPU affinity and cgroup quota, less an eighth of them for the platform when the "
         "engine shares its process). The start-up log says the choice.",
     )

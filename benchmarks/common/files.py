@@ -55,6 +55,23 @@ def fill_sizes(args: argparse.Namespace, sizes: dict[str, dict]) -> None:
             setattr(args, name, value)
 
 
+def check_sized(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, sizes: dict, positive: tuple
+) -> None:
+    """``--out`` given; the options left unset take the run's size's values (``fill_sizes``);
+    each option named in ``positive`` (every value, for a list; None is unset) above zero,
+    else a usage error naming those that are not."""
+    check_output_options(parser, args)
+    fill_sizes(args, sizes)
+
+    def low(value) -> bool:
+        return value is not None and min(value if isinstance(value, list) else [value]) <= 0
+
+    bad = ["--" + name.replace("_", "-") for name in positive if low(getattr(args, name))]
+    if bad:
+        parser.error(f"{', '.join(bad)} must be positive")
+
+
 def link_or_copy(source: str, target: str) -> None:
     """A hard link where ``source`` and ``target`` share a file system (a model's hundreds of
     MB cost nothing), else a copy: ``shutil.copytree``'s ``copy_function``."""

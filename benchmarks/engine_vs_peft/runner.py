@@ -39,8 +39,7 @@ from loramux.benchmarks.common.driver_peft import (
 from loramux.benchmarks.common.drivers import run_engine
 from loramux.benchmarks.common.files import (
     add_output_options,
-    check_output_options,
-    fill_sizes,
+    check_sized,
     write_atomic,
 )
 from loramux.benchmarks.common.machine import Clock, machine_info
@@ -245,10 +244,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    check_output_options(parser, args)
-    fill_sizes(args, SIZES)
-    if min(args.requests, args.adapters, args.max_tokens) < 1:
-        parser.error("--requests, --adapters and --max-tokens must be positive")
+    check_sized(parser, args, SIZES, ("requests", "adapters", "max_tokens"))
     if args.peft_batch_sizes is None:
         args.peft_batch_sizes = [args.requests] + ([8] if args.requests > 8 else [])
     else:

@@ -32,7 +32,10 @@ import httpx
 
 from loramux.benchmarks.common.bench_server import Target, open_platform, run_apart, serve_platform
 from loramux.benchmarks.common.driver_http import _settle_token_times
-from loramux.benchmarks.common.files import add_output_options, check_output_options, fill_sizes
+from loramux.benchmarks.common.files import (
+    add_output_options,
+    check_sized,
+)
 from loramux.benchmarks.common.machine import machine_info
 from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.common.prompts import Prompts
@@ -107,11 +110,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    check_output_options(parser, args)
-    fill_sizes(args, SIZES)
-    sizes = (args.duration, args.probe_interval, args.bucket, args.streams, args.idle_probes)
-    if min(*sizes, args.output_tokens) <= 0:
-        parser.error("durations, intervals and counts must be positive")
+    positive = ("duration", "probe_interval", "bucket", "streams", "idle_probes")
+    check_sized(parser, args, SIZES, (*positive, "output_tokens"))
 
 
 class Client:

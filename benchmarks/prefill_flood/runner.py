@@ -29,7 +29,10 @@ from pathlib import Path
 import httpx
 
 from loramux.benchmarks.common.bench_server import Target, open_platform, run_apart, serve_platform
-from loramux.benchmarks.common.files import add_output_options, check_output_options, fill_sizes
+from loramux.benchmarks.common.files import (
+    add_output_options,
+    check_sized,
+)
 from loramux.benchmarks.common.machine import machine_info
 from loramux.benchmarks.common.prompts import Prompts
 from loramux.benchmarks.prefill_flood.report import write_results
@@ -112,10 +115,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    check_output_options(parser, args)
-    fill_sizes(args, SIZES)
-    if min(args.idle_probes, args.probes) <= 0 or args.probe_interval <= 0:
-        parser.error("probe counts and the interval must be positive")
+    check_sized(parser, args, SIZES, ("idle_probes", "probes", "probe_interval"))
 
 
 def _victim(target: Target):

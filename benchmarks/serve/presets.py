@@ -199,6 +199,20 @@ SPECULATIVE_GOALS = (
 )
 
 
+def _sixteen_at_once(**lengths) -> WorkloadSpec:
+    """32 requests at once (the runner submits every one before stepping), request i on
+    adapter i % 16 of ranks 8 and 16."""
+    return WorkloadSpec(
+        num_requests=32,
+        rate=1e6,
+        num_adapters=16,
+        popularity="distinct",
+        ranks=(8, 16),
+        seed=0,
+        **lengths,
+    )
+
+
 def _slora(name: str, ranks: tuple[int, ...], description: str, **judged) -> Preset:
     return Preset(
         name=name,
@@ -261,15 +275,7 @@ PRESETS: dict[str, Preset] = {
             "(ranks 8 and 16, q/k/v/o or all seven modules; request i uses adapter i % 16), "
             "128 new tokens each (fixed length, greedy), served by the engine and by "
             "transformers + PEFT's mixed-adapter generate",
-            workload=WorkloadSpec(
-                num_requests=32,
-                rate=1e6,  # all at once: the driver adds every request before stepping
-                num_adapters=16,
-                popularity="distinct",
-                ranks=(8, 16),
-                output_len=(128, 128),
-                seed=0,
-            ),
+            workload=_sixteen_at_once(output_len=(128, 128)),
             engine={
                 "kv_cache_bytes": 512 << 20,
                 "max_num_seqs": 64,
@@ -304,16 +310,7 @@ PRESETS: dict[str, Preset] = {
             "served by the base model alone and with 16 distinct adapters (ranks 8 and 16; "
             "q/k/v/o on 12, all seven modules on 4, half of each rank 8; request i uses "
             "adapter i % 16), in interleaved runs",
-            workload=WorkloadSpec(
-                num_requests=32,
-                rate=1e6,  # all at once: the runner submits every request before stepping
-                num_adapters=16,
-                popularity="distinct",
-                ranks=(8, 16),
-                input_len=(16, 96),
-                output_len=(64, 64),
-                seed=0,
-            ),
+            workload=_sixteen_at_once(input_len=(16, 96), output_len=(64, 64)),
             baseline=Baseline.BASE_MODEL,
             goals=(LORA_OVERHEAD_GOAL,),
         ),

@@ -29,7 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from loramux.benchmarks.common.files import add_output_options, check_output_options, fill_sizes
+from loramux.benchmarks.common.files import (
+    add_output_options,
+    check_sized,
+)
 from loramux.benchmarks.common.machine import Clock, contention, machine_info
 from loramux.benchmarks.common.models import prepare_model
 from loramux.benchmarks.serve.presets import PRESETS
@@ -74,12 +77,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    check_output_options(parser, args)
-    fill_sizes(args, SIZES)
-    if min(args.tokens, args.repeats, *args.batch_sizes) < 1:
-        parser.error("--tokens, --repeats and --batch-sizes must be positive")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be positive")
+    check_sized(parser, args, SIZES, ("tokens", "repeats", "batch_sizes", "threads"))
     args.workloads = list(dict.fromkeys(args.workloads))
 
 

@@ -73,6 +73,23 @@ def database_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, sa_exc.TimeoutError)  # no pooled connection came free in time
 
 
+# The event's fields its usage record keeps as they are (the record adds the cost and the
+# moment; delivered_prompt and abandoned_prefill only decide what is billed).
+RECORDED_FIELDS = (
+    "request_id",
+    "tenant_id",
+    "adapter_id",
+    "adapter_version_id",
+    "model",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "latency_ms",
+    "finish_reason",
+    "end_user",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class UsageEvent:
     """What one request used, as the serving path saw it when the request ended.
@@ -156,19 +173,9 @@ def _stored(session: Session, request_id: str) -> UsageRecord | None:
 
 def _priced_record(session: Session, event: UsageEvent, moment: datetime) -> UsageRecord:
     return UsageRecord(
-        request_id=event.request_id,
-        tenant_id=event.tenant_id,
-        adapter_id=event.adapter_id,
-        adapter_version_id=event.adapter_version_id,
-        model=event.model,
-        prompt_tokens=event.prompt_tokens,
-        cached_prompt_tokens=event.cached_prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        latency_ms=event.latency_ms,
+        **{name: getattr(event, name) for name in RECORDED_FIELDS},
         cost_micro_usd=price_event(session, event, moment),
-        finish_reason=event.finish_reason,
         created_at=moment,
-        end_user=event.end_user,
     )
 
 

@@ -30,19 +30,19 @@ from loramux.platform.errors import Conflict, NotFound
 
 MICRO_USD_PER_USD = 1_000_000
 
-# Tenant columns ``update_tenant`` may set (prices go through ``PriceChange``).
-TENANT_SETTINGS = frozenset(
-    {
-        "name",
-        "priority",
-        "weight",
-        "requests_per_minute",
-        "tokens_per_minute",
-        "monthly_budget_micro_usd",
-        "request_timeout_s",
-        "max_queued_requests",
-    }
+# The tenant settings the admin API, ``NewTenant`` and the row all call by the same name
+# (the budget is converted between USD and micro-USD on the way).
+SETTINGS_NAMED_ALIKE = (
+    "name",
+    "priority",
+    "weight",
+    "requests_per_minute",
+    "tokens_per_minute",
+    "request_timeout_s",
+    "max_queued_requests",
 )
+# Tenant columns ``update_tenant`` may set (prices go through ``PriceChange``).
+TENANT_SETTINGS = frozenset({*SETTINGS_NAMED_ALIKE, "monthly_budget_micro_usd"})
 SCHEDULING_SETTINGS = frozenset({"priority", "weight"})
 
 
@@ -236,14 +236,8 @@ def create_tenant(session: Session, new: NewTenant) -> TenantView:
     if _name_taken(session, new.name):
         raise _conflict(new.name)
     tenant = Tenant(
-        name=new.name,
-        priority=new.priority,
-        weight=new.weight,
-        requests_per_minute=new.requests_per_minute,
-        tokens_per_minute=new.tokens_per_minute,
+        **{name: getattr(new, name) for name in SETTINGS_NAMED_ALIKE},
         monthly_budget_micro_usd=new.monthly_budget_micro_usd,
-        request_timeout_s=new.request_timeout_s,
-        max_queued_requests=new.max_queued_requests,
     )
     session.add(tenant)
     with _name_guard(session, new.name):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import pkgutil
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 import loramux.benchmarks
 from loramux.benchmarks import bench
+from loramux.benchmarks.common.files import check_sized
 from loramux.benchmarks.common.report import Markdown, ms, num, pct, table_lines, write
 from loramux.benchmarks.common.study import Study
 from loramux.benchmarks.serve.presets import PRESETS
@@ -124,3 +126,24 @@ def test_the_writer_renders_parts_in_order_and_writes_both_files(tmp_path, capsy
     assert capsys.readouterr().out.strip() == text.strip()
     assert not list(tmp_path.glob("*.tmp"))
     assert "Plots: none" in Markdown("U").plots([]).render()
+
+
+def test_sized_options_take_the_runs_size_and_must_be_positive(tmp_path, capsys):
+    sizes = {"full": {"count": 8, "widths": [1, 4]}, "smoke": {"count": 2, "widths": [1]}}
+    parser = argparse.ArgumentParser()
+    for name in ("--count", "--threads"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("--widths", type=int, nargs="+")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=tmp_path)
+    args = parser.parse_args(["--smoke"])
+    check_sized(parser, args, sizes, ("count", "widths", "threads"))
+    assert (args.count, args.widths, args.threads) == (2, [1], None)
+    with pytest.raises(SystemExit):
+        check_sized(
+            parser,
+            parser.parse_args(["--count", "0", "--widths", "3", "-1"]),
+            sizes,
+            ("count", "widths"),
+        )
+    assert "--count, --widths must be positive" in capsys.readouterr().err

@@ -117,19 +117,12 @@ class ExportOut(BaseModel):
     @classmethod
     def from_export(cls, export: BillingExport) -> ExportOut:
         period = period_of(export)
+        copied = ("id", "period_start", "period_end", "group_by", "version", "provisional")
+        copied += ("rows", "size_bytes", "sha256", "created_at")
         return cls(
-            id=export.id,
+            **{name: getattr(export, name) for name in copied},
             first_day=period.first,
             last_day=period.last,
-            period_start=export.period_start,
-            period_end=export.period_end,
-            group_by=export.group_by,  # type: ignore[arg-type]
-            version=export.version,
-            provisional=export.provisional,
-            rows=export.rows,
-            size_bytes=export.size_bytes,
-            sha256=export.sha256,
-            created_at=export.created_at,
             key=export.store_key,
             file_name=export_file_name(export),
             download_url=f"/admin/billing/exports/{export.id}/download",

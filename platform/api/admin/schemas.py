@@ -39,6 +39,7 @@ from loramux.platform.services.adapters import TenantAdapterView
 from loramux.platform.services.api_keys import IssuedKey
 from loramux.platform.services.tenants import (
     SCHEDULING_SETTINGS,
+    SETTINGS_NAMED_ALIKE,
     NewTenant,
     PriceChange,
     TenantView,
@@ -78,14 +79,8 @@ class TenantCreate(_Request):
             output=usd_to_micro_usd(self.output_price_per_mtok),
         ).applied_to(None)
         return NewTenant(
-            name=self.name,
-            priority=self.priority,
-            weight=self.weight,
-            requests_per_minute=self.requests_per_minute,
-            tokens_per_minute=self.tokens_per_minute,
+            **self.model_dump(include=set(SETTINGS_NAMED_ALIKE)),
             monthly_budget_micro_usd=micro(self.monthly_budget_usd),
-            request_timeout_s=self.request_timeout_s,
-            max_queued_requests=self.max_queued_requests,
             price=price,
         )
 
@@ -140,17 +135,7 @@ class TenantUpdate(_Request):
         """The tenant columns to set (only fields the request carried)."""
         sent = self.model_fields_set
         settings: dict[str, object] = {
-            name: getattr(self, name)
-            for name in (
-                "name",
-                "priority",
-                "weight",
-                "requests_per_minute",
-                "tokens_per_minute",
-                "request_timeout_s",
-                "max_queued_requests",
-            )
-            if name in sent
+            name: getattr(self, name) for name in SETTINGS_NAMED_ALIKE if name in sent
         }
         if "monthly_budget_usd" in sent:
             settings["monthly_budget_micro_usd"] = micro(self.monthly_budget_usd)
@@ -190,21 +175,13 @@ class TenantOut(BaseModel):
     @classmethod
     def from_view(cls, view: TenantView) -> TenantOut:
         tenant, price = view.tenant, view.price
+        copied = ("id", *SETTINGS_NAMED_ALIKE, "created_at", "updated_at")
         return cls(
-            id=tenant.id,
-            name=tenant.name,
-            priority=tenant.priority,
-            weight=tenant.weight,
-            requests_per_minute=tenant.requests_per_minute,
-            tokens_per_minute=tenant.tokens_per_minute,
+            **{name: getattr(tenant, name) for name in copied},
             monthly_budget_usd=usd(tenant.monthly_budget_micro_usd),
-            request_timeout_s=tenant.request_timeout_s,
-            max_queued_requests=tenant.max_queued_requests,
             input_price_per_mtok=usd(price and price.input_micro_usd_per_mtok),
             cached_input_price_per_mtok=usd(price and price.cached_input_micro_usd_per_mtok),
             output_price_per_mtok=usd(price and price.output_micro_usd_per_mtok),
-            created_at=tenant.created_at,
-            updated_at=tenant.updated_at,
         )
 
 

@@ -43,15 +43,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """What completions and chat share."""
+class SamplingFields(BaseModel):
+    """The sampling fields every inference API here takes (the Responses API too)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -63,8 +60,6 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    # OpenAI's {"token id": bias}: read by openai.params.logit_bias_of (400s name the key)
-    logit_bias: dict[str, float] | None = None
     # the tenant's id for its end user: stored on the usage record and exported with it
     user: str | None = None
     # loramux: seconds this request may take in all; it can only shorten the tenant's
@@ -73,6 +68,16 @@ class _Sampling(BaseModel):
     speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
     # read only to be refused (openai.params.check_no_priority), so not in /openapi.json
     priority: SkipJsonSchema[Any] = None
+
+
+class _Sampling(SamplingFields):
+    """What completions and chat share beyond that."""
+
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    # OpenAI's {"token id": bias}: read by openai.params.logit_bias_of (400s name the key)
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
+from pydantic import BaseModel, ConfigDict
 
-from loramux.platform.api.openai.schemas import SPECULATIVE_DESCRIPTION
+from loramux.platform.api.openai.schemas import SamplingFields
 
 
 class InputMessage(BaseModel):
@@ -42,18 +41,14 @@ class InputMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class AdapterResponseRequest(BaseModel):
-    """``POST /v1/adapters/{name}/responses``: a response without ``model``."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
+class AdapterResponseRequest(SamplingFields):
+    """``POST /v1/adapters/{name}/responses``: a response without ``model``; the sampling
+    fields (``stream``, ``temperature``, ``top_p``, ``user``, loramux's extensions) are
+    chat's."""
 
     input: str | list[InputMessage]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    user: str | None = None
     metadata: dict[str, str] | None = None
     # read only to be refused (or ignored where harmless): see the module docstring
     tools: list[dict[str, Any]] | None = None
@@ -63,20 +58,6 @@ class AdapterResponseRequest(BaseModel):
     background: bool | None = None
     store: bool | None = None
     text: dict[str, Any] | None = None
-    # extensions (extra_body), as in chat
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    # loramux: seconds this request may take in all (services/deadlines.py)
-    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    speculative: bool = Field(default=True, description=SPECULATIVE_DESCRIPTION)
-    # read only to be refused (openai.params.check_no_priority), so not in /openapi.json
-    priority: SkipJsonSchema[Any] = None
 
 
 class ResponseRequest(AdapterResponseRequest):
