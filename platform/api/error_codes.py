@@ -61,6 +61,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
         400, "The sampling parameters contradict each other or the model."
     ),
     "invalid_request": ErrorCode(400, "The engine refused the request as sent."),
+    "invalid_model": ErrorCode(
+        400, "`model` names an adapter version in a form not read (`name@3`, `name@sha256:<hex>`)."
+    ),
     "invalid_period": ErrorCode(
         400, "A billing period is backwards, over 31 days or in the future (or, to roll up, open)."
     ),

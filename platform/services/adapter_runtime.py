@@ -8,16 +8,19 @@ The engine's loader thread fetches it when a request needs it and keeps it in it
 and device tiers while it is used; a fetch that fails (store unreachable, object missing
 or corrupt) fails the requests waiting for it, and the next request retries.
 
-A version a newer one replaced can never be requested again: when the newer one is
-registered, the older ones of the same adapter are *retired*, unregistered from the
-engine once ``SUPERSEDED_GRACE_S`` has passed (a request that resolved the old version
-just before may still be on its way to the engine) and no request uses them. Without
-this, every re-upload would leave one more registration behind for good.
+Of an adapter's registered versions, those below the highest are *retiring*: an older
+version is reached only by a request that names it (``name@3``, ``adapter_refs``) or
+that resolved it just before the newer one was registered. A retiring version is
+unregistered once no request has asked for it for ``SUPERSEDED_GRACE_S`` (longer than a
+request takes from resolving its version to reaching the engine) and none uses it; a
+request that names it meanwhile keeps it registered. Without this, every re-upload would
+leave one more registration behind for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from loramux.engine import EngineError, UnknownAdapter
 from loramux.platform.context import PlatformContext
@@ -47,7 +50,9 @@ class AdapterRuntime:
         self._locks: dict[str, asyncio.Lock] = {}
         self._loaded: set[str] = set()
         self._adapter_of: dict[str, str] = {}  # registered engine name -> its adapter's id
+        self._number_of: dict[str, int] = {}  # registered engine name -> its version number
         self._retiring: set[str] = set()  # superseded: still registered, removal pending
+        self._asked_at: dict[str, float] = {}  # engine name -> when a request last asked
         self._pending_removals: set[asyncio.Task] = set()  # deletes waiting for requests
 
     @staticmethod
@@ -62,6 +67,7 @@ class AdapterRuntime:
         if version.status != AdapterStatus.READY:
             raise AdapterNotServable(f"adapter version {version.id} is {version.status}")
         name = self.engine_name(version)
+        self._asked_at[name] = time.monotonic()
         if name in self._loaded or name in self._retiring:
             return name
         lock = self._locks.setdefault(name, asyncio.Lock())
@@ -79,28 +85,37 @@ class AdapterRuntime:
             await engine.register_stored_adapter(name, stored)
             self._loaded.add(name)
             self._adapter_of[name] = version.adapter_id
-        self._retire_superseded(engine, name)
+            self._number_of[name] = version.version
+        self._retire_superseded(engine, version.adapter_id)
         return name
 
-    def _retire_superseded(self, engine, name: str) -> None:
-        """Schedule the removal of the other registered versions of ``name``'s adapter."""
-        adapter_id = self._adapter_of[name]
-        older = [n for n, a in self._adapter_of.items() if a == adapter_id and n != name]
-        for old in older:
-            self._forget(old)
-            self._retiring.add(old)
-            self._remove_later(engine, old, delay=SUPERSEDED_GRACE_S)
+    def _retire_superseded(self, engine, adapter_id: str) -> None:
+        """Schedule the removal of the adapter's registered versions below its highest."""
+        mine = [n for n, a in self._adapter_of.items() if a == adapter_id]
+        newest = max(mine, key=self._number_of.__getitem__)
+        for old in mine:
+            if old != newest:
+                self._forget(old)
+                self._retiring.add(old)
+                self._remove_later(engine, old, delay=SUPERSEDED_GRACE_S, unasked=True)
 
     def _forget(self, name: str) -> None:
         self._loaded.discard(name)
         self._locks.pop(name, None)
         self._adapter_of.pop(name, None)
+        self._number_of.pop(name, None)
 
-    def _remove_later(self, engine, name: str, *, delay: float) -> None:
-        task = asyncio.create_task(self._remove_when_idle(engine, name, delay=delay))
+    def _remove_later(self, engine, name: str, *, delay: float, unasked: bool = False) -> None:
+        """Unregister ``name`` after ``delay`` once no request uses it (``unasked``: and none
+        has asked for it for ``delay``)."""
+        asked_at = self._asked_at.get if unasked else None
+        task = asyncio.create_task(
+            self._remove_when_idle(engine, name, delay=delay, asked_at=asked_at)
+        )
         self._pending_removals.add(task)
         task.add_done_callback(self._pending_removals.discard)
         task.add_done_callback(lambda _: self._retiring.discard(name))
+        task.add_done_callback(lambda _: self._asked_at.pop(name, None))
 
     async def unload(self, version: AdapterVersion) -> None:
         """Unregister ``version`` from the engine, freeing its memory; if requests still use
@@ -109,15 +124,21 @@ class AdapterRuntime:
         name = self.engine_name(version)
         if engine is not None and name in self._loaded:
             self._forget(name)
+            self._asked_at.pop(name, None)
             try:
                 await engine.remove_adapter(name)
             except EngineError:  # in use by running or queued requests
                 self._remove_later(engine, name, delay=REMOVAL_RETRY_S)
 
     @staticmethod
-    async def _remove_when_idle(engine, name: str, *, delay: float) -> None:
+    async def _remove_when_idle(engine, name: str, *, delay: float, asked_at=None) -> None:
         await asyncio.sleep(delay)
         while True:
+            if asked_at is not None:
+                quiet = time.monotonic() - asked_at(name, 0.0)
+                if quiet < delay:  # asked for again: wait until it has been quiet as long
+                    await asyncio.sleep(delay - quiet)
+                    continue
             try:
                 await engine.remove_adapter(name)
                 return

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from loramux.platform.db.models import Adapter, AdapterStatus, AdapterVersion, Tenant
 from loramux.platform.db.types import utc_now
 from loramux.platform.errors import Conflict, Invalid, NotFound
+from loramux.platform.services.adapter_refs import AdapterRef
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -81,14 +82,33 @@ def latest_version(
 
 
 def ready_version(
-    session: Session, tenant_id: str, name: str
+    session: Session, tenant_id: str, ref: AdapterRef
 ) -> tuple[Adapter, AdapterVersion] | None:
-    """The tenant's live adapter called ``name`` and its newest ready version, if both exist."""
-    adapter = _find_live_adapter(session, tenant_id, name)
+    """The tenant's live adapter ``ref`` names and the ready version it means (its newest,
+    its number, or its digest prefix), if both exist; a 400 for a digest prefix that two
+    of its versions share."""
+    adapter = _find_live_adapter(session, tenant_id, ref.name)
     if adapter is None:
         return None
-    version = latest_version(session, adapter, ready=True)
-    return None if version is None else (adapter, version)
+    if ref.number is None and ref.digest_prefix is None:
+        version = latest_version(session, adapter, ready=True)
+        return None if version is None else (adapter, version)
+    query = select(AdapterVersion).where(
+        AdapterVersion.adapter_id == adapter.id,
+        AdapterVersion.status == AdapterStatus.READY.value,
+    )
+    if ref.number is not None:
+        query = query.where(AdapterVersion.version == ref.number)
+    else:
+        query = query.where(AdapterVersion.sha256.startswith(ref.digest_prefix, autoescape=True))
+    found = session.scalars(query.limit(2)).all()
+    if len(found) > 1:
+        raise Invalid(
+            f"{str(ref)!r} matches more than one version of {ref.name!r}: give more digits "
+            "of its sha256, or its version number.",
+            code="invalid_model",
+        )
+    return (adapter, found[0]) if found else None
 
 
 def get_adapter(session: Session, adapter: Adapter) -> AdapterView:

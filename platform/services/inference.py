@@ -46,6 +46,7 @@ from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Tenant
 from loramux.platform.db.types import utc_now
 from loramux.platform.errors import NotFound, Unavailable
+from loramux.platform.services.adapter_refs import AdapterRef
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.admission import Admission
@@ -170,12 +171,19 @@ class InferenceService:
         return await self.adapter_target(session, tenant, model, runtime)
 
     async def adapter_target(
-        self, session: Session, tenant: Tenant, name: str, runtime: AdapterRuntime
+        self, session: Session, tenant: Tenant, model: str, runtime: AdapterRuntime
     ) -> Target:
-        found = await _in_thread(ready_version, session, tenant.id, name)
+        """The version of the tenant's adapter that ``model`` names (``adapter_refs``)."""
+        ref = AdapterRef.parse(model)
+        found = await _in_thread(ready_version, session, tenant.id, ref)
         if found is None:
+            what = (
+                "does not exist"
+                if ref.number is None and ref.digest_prefix is None
+                else ("has no ready version of that name")
+            )
             raise NotFound(
-                f"The model {name!r} does not exist or you do not have access to it.",
+                f"The model {model!r} {what} or you do not have access to it.",
                 code="model_not_found",
             )
         adapter, version = found
@@ -183,9 +191,9 @@ class InferenceService:
             engine_name = await runtime.ensure_loaded(version)
         except AdapterNotServable as exc:
             raise Unavailable(
-                f"Adapter {name!r} cannot be served: {exc}", code="adapter_unavailable"
+                f"Adapter {model!r} cannot be served: {exc}", code="adapter_unavailable"
             ) from exc
-        return Target(name, engine_name, adapter.id, version.id)
+        return Target(model, engine_name, adapter.id, version.id)
 
     # --- building a job ---------------------------------------------------------------
     async def prepare(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,30 @@ def test_a_superseded_version_leaves_the_engine_after_its_grace(
     eventually(
         lambda: client.portal.call(context.engine.list_adapters) == [names[-1]],
         "superseded versions to leave the engine",
+        timeout_s=30,
+    )
+
+
+def test_an_older_version_still_asked_for_stays_and_never_retires_the_newest(
+    client, context, auth, good_adapter, other_adapter, monkeypatch
+):
+    """``name@1`` reaches an older version: while requests keep asking for it, it stays
+    registered; registering it does not retire the newest; unasked, it leaves."""
+    monkeypatch.setattr(adapter_runtime, "SUPERSEDED_GRACE_S", 1.0)
+    runtime = client.app.state.adapter_runtime
+    for files in (good_adapter, other_adapter):
+        assert _upload(client, auth, "bot", _files(files)).status_code == 201
+    with context.sessions() as session:
+        old, new = session.scalars(select(AdapterVersion).order_by(AdapterVersion.version)).all()
+    client.portal.call(runtime.ensure_loaded, new)
+    client.portal.call(runtime.ensure_loaded, old)  # as `bot@1` would
+    for _ in range(8):  # 2.4 s of requests for the old version: past its grace
+        assert client.portal.call(runtime.ensure_loaded, old) == old.id
+        time.sleep(0.3)
+    assert set(client.portal.call(context.engine.list_adapters)) == {old.id, new.id}
+    eventually(
+        lambda: client.portal.call(context.engine.list_adapters) == [new.id],
+        "the old version to leave once no request asks for it",
         timeout_s=30,
     )
 

@@ -1,0 +1,129 @@
+"""Addressing one version of an adapter (``name@3``, ``name@sha256:<prefix>``) over HTTP with
+the official ``openai`` client: each version answers with its own weights, the bare name
+with the newest, bad forms are 400s naming the forms, another tenant's versions are 404s
+however named, usage records carry the version served, and a new version never reuses the
+cached KV of the old one under the same name."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import select
+
+from loramux.platform.db.models import UsageRecord
+from tests.platform.api.conftest import assert_openai_error
+
+PROMPT = "Versions of one adapter answer the same prompt differently: "
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def _upload(server, client: openai.OpenAI, name: str, folder) -> dict:
+    files = [("files", (f, (folder / f).read_bytes())) for f in FILES]
+    response = httpx.post(
+        f"{server.url}/v1/adapters",
+        data={"name": name},
+        files=files,
+        headers={"Authorization": f"Bearer {client.api_key}"},
+        timeout=60,
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["status"] == "ready"
+    return response.json()
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: str = PROMPT):
+    return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+
+
+@pytest.fixture
+def two_versions(make_client, server, context, make_adapter):
+    """A tenant whose adapter ``bot`` has two versions of different weights; the text each
+    gave as the newest (before the second existed, and after)."""
+    client, tenant_id = make_client()
+    model_dir = context.base_model.path
+    first = _upload(server, client, "bot", make_adapter(model_dir, rank=4, seed=11, std=0.3))
+    text_1 = _complete(client, "bot").choices[0].text
+    second = _upload(server, client, "bot", make_adapter(model_dir, rank=4, seed=12, std=0.3))
+    text_2 = _complete(client, "bot").choices[0].text
+    assert (first["version"], second["version"]) == (1, 2)
+    assert text_1 != text_2  # the versions' weights differ enough to tell them apart
+    return client, tenant_id, first, second, text_1, text_2
+
+
+def test_each_version_answers_by_number_and_by_digest(two_versions, context):
+    client, tenant_id, first, second, text_1, text_2 = two_versions
+    named = {
+        "bot": text_2,
+        "bot@1": text_1,
+        "bot@2": text_2,
+        f"bot@sha256:{first['sha256'][:8]}": text_1,
+        f"bot@sha256:{second['sha256'][:16].upper()}": text_2,
+        f"bot@sha256:{first['sha256']}": text_1,
+    }
+    for model, text in named.items():
+        result = _complete(client, model)
+        assert (result.choices[0].text, result.model) == (text, model), model
+    # The old version keeps answering while the new one does: neither retires the other.
+    assert _complete(client, "bot@1").choices[0].text == text_1
+    with context.sessions() as session:
+        records = session.scalars(
+            select(UsageRecord)
+            .where(UsageRecord.tenant_id == tenant_id)
+            .order_by(UsageRecord.created_at)
+        ).all()
+    served = [(r.model, r.adapter_version_id) for r in records]
+    # The first two requests named "bot" while version 1, then version 2, was the newest.
+    (_, version_1), (_, version_2) = served[:2]
+    assert version_1 != version_2
+    assert ("bot@1", version_1) in served and ("bot@2", version_2) in served
+    assert (f"bot@sha256:{first['sha256'][:8]}", version_1) in served
+
+
+def test_a_version_in_a_form_not_read_is_a_400_naming_the_forms(two_versions):
+    client = two_versions[0]
+    for model in (
+        "bot@",
+        "bot@0",
+        "bot@01",
+        "bot@x",
+        "bot@sha256:",
+        "bot@sha256:abc",
+        "bot@sha1:ab",
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            _complete(client, model)
+        assert assert_openai_error(refused.value.response, 400)["code"] == "invalid_model"
+        assert "name@<version number>" in str(refused.value), model
+
+
+def test_a_missing_version_and_another_tenants_versions_are_404s(two_versions, make_client):
+    client, _, first, *_ = two_versions
+    for model in ("bot@3", "bot@sha256:" + "0" * 8, "nobody@1"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            _complete(client, model)
+        assert assert_openai_error(missing.value.response, 404)["code"] == "model_not_found"
+    stranger, _ = make_client()
+    for model in ("bot", "bot@1", f"bot@sha256:{first['sha256'][:12]}", f"{first['id']}"):
+        with pytest.raises(openai.NotFoundError) as hidden:
+            _complete(stranger, model)
+        assert assert_openai_error(hidden.value.response, 404)["code"] == "model_not_found"
+        assert first["sha256"][:8] not in str(hidden.value).replace(model, "")
+
+
+def test_a_new_version_never_reuses_the_old_versions_cached_prompt(
+    make_client, server, context, make_adapter
+):
+    client, _ = make_client()
+    model_dir = context.base_model.path
+    prompt = PROMPT * 6  # several full KV blocks
+    _upload(server, client, "cached", make_adapter(model_dir, rank=4, seed=21))
+    _complete(client, "cached", prompt)
+    again = _complete(client, "cached", prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same version hits
+    _upload(server, client, "cached", make_adapter(model_dir, rank=4, seed=22))
+    fresh = _complete(client, "cached", prompt)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    # And the old version, named, still finds its own blocks.
+    old = _complete(client, "cached@1", prompt)
+    assert old.usage.prompt_tokens_details.cached_tokens > 0
