@@ -76,6 +76,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "No such route or resource."),
     "model_not_found": ErrorCode(404, "No such model, or not the caller's."),
     "adapter_not_found": ErrorCode(404, "No such adapter, or not the caller's."),
+    "adapter_version_not_found": ErrorCode(404, "The adapter has no version of that number."),
     "api_key_not_found": ErrorCode(404, "No API key with that id."),
     "tenant_not_found": ErrorCode(404, "No tenant with that id."),
     "export_not_found": ErrorCode(404, "No billing export with that id."),
@@ -85,6 +86,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
     # 409
     "adapter_name_conflict": ErrorCode(409, "The adapter name is taken (the base model's name)."),
     "tenant_name_taken": ErrorCode(409, "A tenant of that name exists or existed."),
+    "adapter_version_not_ready": ErrorCode(
+        409, "The version is not ready, so it cannot take the name."
+    ),
     "adapter_upload_conflict": ErrorCode(
         409, "Too many uploads of one adapter at once; nothing was kept, try again."
     ),

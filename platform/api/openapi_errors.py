@@ -63,6 +63,7 @@ ROUTE_STATUSES: dict[tuple[str, str], frozenset[int]] = {
     # a malformed form (too many parts, a file part without a file name); name conflict;
     # task queue down
     ("POST", "/v1/adapters"): frozenset({400, 409, 503}),
+    ("PUT", "/v1/adapters/{name}/alias"): frozenset({409}),  # the version is not ready
     ("GET", "/admin/adapters"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/usage"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/engine"): frozenset({503}),  # no engine can report

@@ -184,7 +184,9 @@ class Adapter(Base):
     """A tenant's named adapter; its uploads are ``AdapterVersion`` rows (1, 2, ...).
 
     Names are unique among a tenant's live (not soft-deleted) adapters; a deleted name can be
-    used again, and different tenants may use the same name.
+    used again, and different tenants may use the same name. ``alias_version`` is the
+    version the bare name reaches, set by the tenant (a rollback); ``None``: the newest
+    ready one.
     """
 
     __tablename__ = "adapters"
@@ -204,6 +206,7 @@ class Adapter(Base):
     name: Mapped[str] = mapped_column(String(NAME_LENGTH))
     created_at: Mapped[datetime] = _created_at_column()
     deleted_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    alias_version: Mapped[int | None] = mapped_column(Integer)
 
     versions: Mapped[list[AdapterVersion]] = relationship(
         back_populates="adapter", order_by="AdapterVersion.version"

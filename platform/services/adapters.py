@@ -84,21 +84,21 @@ def latest_version(
 def ready_version(
     session: Session, tenant_id: str, ref: AdapterRef
 ) -> tuple[Adapter, AdapterVersion] | None:
-    """The tenant's live adapter ``ref`` names and the ready version it means (its newest,
-    its number, or its digest prefix), if both exist; a 400 for a digest prefix that two
-    of its versions share."""
+    """The tenant's live adapter ``ref`` names and the ready version it means (the bare
+    name: the version its alias names, else its newest; or by number or digest prefix), if
+    both exist; a 400 for a digest prefix that two of its versions share."""
     adapter = _find_live_adapter(session, tenant_id, ref.name)
     if adapter is None:
         return None
-    if ref.number is None and ref.digest_prefix is None:
+    if ref.number is None and ref.digest_prefix is None and adapter.alias_version is None:
         version = latest_version(session, adapter, ready=True)
         return None if version is None else (adapter, version)
     query = select(AdapterVersion).where(
         AdapterVersion.adapter_id == adapter.id,
         AdapterVersion.status == AdapterStatus.READY.value,
     )
-    if ref.number is not None:
-        query = query.where(AdapterVersion.version == ref.number)
+    if ref.number is not None or ref.digest_prefix is None:  # by number, or by the alias
+        query = query.where(AdapterVersion.version == (ref.number or adapter.alias_version))
     else:
         query = query.where(AdapterVersion.sha256.startswith(ref.digest_prefix, autoescape=True))
     found = session.scalars(query.limit(2)).all()
@@ -109,6 +109,39 @@ def ready_version(
             code="invalid_model",
         )
     return (adapter, found[0]) if found else None
+
+
+def versions_of(session: Session, adapter: Adapter) -> list[AdapterVersion]:
+    """Every version of the adapter, newest first."""
+    query = select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
+    return list(session.scalars(query.order_by(AdapterVersion.version.desc())).all())
+
+
+def set_alias(session: Session, tenant: Tenant, name: str, version: int | None) -> Adapter:
+    """Point the adapter's bare name at its ready version ``version`` (None: back to the
+    newest ready). Flushed, not committed: the request's session commits before the answer
+    is sent, so requests resolved after the answer reach it. 404 for a version the adapter
+    does not have, 409 for one that is not ready."""
+    adapter = live_adapter(session, tenant, name)
+    if version is not None:
+        found = session.scalar(
+            select(AdapterVersion).where(
+                AdapterVersion.adapter_id == adapter.id, AdapterVersion.version == version
+            )
+        )
+        if found is None:
+            raise NotFound(
+                f"Adapter {name!r} has no version {version}.", code="adapter_version_not_found"
+            )
+        if found.status != AdapterStatus.READY.value:
+            raise Conflict(
+                f"Version {version} of {name!r} is {found.status}, not ready: only a ready "
+                "version can take the name.",
+                code="adapter_version_not_ready",
+            )
+    adapter.alias_version = version
+    session.flush()
+    return adapter
 
 
 def get_adapter(session: Session, adapter: Adapter) -> AdapterView:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
+from loramux.platform.db.models import AdapterVersion
 from loramux.platform.services.adapters import AdapterView
 
 
@@ -24,6 +25,11 @@ class AdapterOut(BaseModel):
     sha256: str | None
     base_model: str | None
     created_at: datetime
+    alias_version: int | None = Field(
+        default=None,
+        description="The version the bare name reaches (`PUT /v1/adapters/{name}/alias`); "
+        "null: the newest ready one.",
+    )
 
     @classmethod
     def from_view(cls, view: AdapterView) -> AdapterOut:
@@ -40,9 +46,51 @@ class AdapterOut(BaseModel):
             sha256=None if version is None else version.sha256,
             base_model=None if version is None else version.base_model,
             created_at=view.adapter.created_at,
+            alias_version=view.adapter.alias_version,
         )
 
 
 class AdapterList(BaseModel):
     object: str = "list"
     data: list[AdapterOut]
+
+
+VERSION_MAX = 2**31 - 1  # the database's INTEGER
+
+
+class AliasIn(BaseModel):
+    """``PUT /v1/adapters/{name}/alias``: which ready version the bare name reaches."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: int | None = Field(
+        ge=1,
+        le=VERSION_MAX,
+        description="A ready version's number; null: follow the newest ready version.",
+    )
+
+
+class VersionOut(BaseModel):
+    """One upload of an adapter; call it as ``name@<version>`` or ``name@sha256:<prefix>``."""
+
+    object: str = "adapter.version"
+    version: int
+    status: str
+    failure_reason: str | None = None
+    rank: int | None
+    target_modules: list[str] | None
+    size_bytes: int | None
+    sha256: str | None = Field(description="SHA-256 of the weights file: the version's digest.")
+    created_at: datetime
+
+    @classmethod
+    def of(cls, version: AdapterVersion) -> VersionOut:
+        fields = ("version", "status", "failure_reason", "rank", "target_modules")
+        fields += ("size_bytes", "sha256", "created_at")
+        return cls(**{name: getattr(version, name) for name in fields})
+
+
+class VersionList(BaseModel):
+    object: str = "list"
+    alias_version: int | None
+    data: list[VersionOut]

@@ -1,4 +1,4 @@
-"""The tenant adapter API under ``/v1/adapters``: upload, list, get, delete.
+"""The tenant adapter API under ``/v1/adapters``: upload, list, get, versions, alias, delete.
 
 Routes translate between HTTP and ``loramux.platform.services.adapters`` /
 ``adapter_upload``. The body-limit middleware caps an upload's body at
@@ -29,7 +29,13 @@ from loramux.platform.api.deps import (
     SessionDep,
 )
 from loramux.platform.api.errors import APIError
-from loramux.platform.api.tenant.adapter_schemas import AdapterList, AdapterOut
+from loramux.platform.api.tenant.adapter_schemas import (
+    AdapterList,
+    AdapterOut,
+    AliasIn,
+    VersionList,
+    VersionOut,
+)
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Adapter
 from loramux.platform.ingest.archive import ADAPTER_FILES, PICKLE_SUFFIXES
@@ -204,6 +210,23 @@ def list_adapters(session: SessionDep, tenant: CurrentTenant) -> AdapterList:
 
 @router.get("/{name}")
 def get_adapter(adapter: TenantAdapter, session: SessionDep) -> AdapterOut:
+    return AdapterOut.from_view(service.get_adapter(session, adapter))
+
+
+@router.get("/{name}/versions")
+def list_versions(adapter: TenantAdapter, session: SessionDep) -> VersionList:
+    """Every version of the adapter, newest first, and the one its bare name reaches."""
+    versions = service.versions_of(session, adapter)
+    return VersionList(
+        alias_version=adapter.alias_version, data=[VersionOut.of(v) for v in versions]
+    )
+
+
+@router.put("/{name}/alias")
+def set_alias(name: str, body: AliasIn, session: SessionDep, tenant: CurrentTenant) -> AdapterOut:
+    """Point the bare name at one ready version (a rollback), or back at the newest (null).
+    Requests resolved after the answer reach it; those already running finish on theirs."""
+    adapter = service.set_alias(session, tenant, name, body.version)
     return AdapterOut.from_view(service.get_adapter(session, adapter))
 
 

@@ -6,13 +6,17 @@ cached KV of the old one under the same name."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import openai
 import pytest
 from sqlalchemy import select
 
-from loramux.platform.db.models import UsageRecord
+from loramux.platform.db.models import Adapter, AdapterStatus, UsageRecord
 from tests.platform.api.conftest import assert_openai_error
+from tests.platform.db.factories import add_adapter_version
 
 PROMPT = "Versions of one adapter answer the same prompt differently: "
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -127,3 +131,70 @@ def test_a_new_version_never_reuses_the_old_versions_cached_prompt(
     # And the old version, named, still finds its own blocks.
     old = _complete(client, "cached@1", prompt)
     assert old.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_alias_rolls_the_name_back_and_forward_mid_traffic(two_versions, server):
+    """The rollback the issue asks for: the bare name moves between versions while a client
+    keeps calling it, and no request fails; each answer after the alias's is the target's."""
+    client, _, first, second, text_1, text_2 = two_versions
+    auth = {"Authorization": f"Bearer {client.api_key}"}
+    texts, errors, stop = [], [], threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                texts.append(_complete(client, "bot").choices[0].text)
+            except Exception as exc:  # every failure is what the test counts
+                errors.append(exc)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        for target, text in ((1, text_1), (None, text_2), (1, text_1)):
+            moved = httpx.put(
+                f"{server.url}/v1/adapters/bot/alias", json={"version": target}, headers=auth
+            )
+            assert moved.status_code == 200, moved.text
+            assert (moved.json()["alias_version"], moved.json()["version"]) == (target, 2)
+            assert _complete(client, "bot").choices[0].text == text
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert not errors and len(texts) >= 3 and set(texts) <= {text_1, text_2}
+    assert _complete(client, "bot@2").choices[0].text == text_2  # numbers ignore the alias
+
+    listed = httpx.get(f"{server.url}/v1/adapters/bot/versions", headers=auth).json()
+    assert listed["alias_version"] == 1
+    assert [(v["version"], v["sha256"]) for v in listed["data"]] == [
+        (2, second["sha256"]),
+        (1, first["sha256"]),
+    ]
+
+
+def test_the_alias_refuses_what_it_cannot_point_at(two_versions, server, context, make_client):
+    client, tenant_id, *_ = two_versions
+    auth = {"Authorization": f"Bearer {client.api_key}"}
+
+    def put(body, name="bot", headers=auth):
+        return httpx.put(f"{server.url}/v1/adapters/{name}/alias", json=body, headers=headers)
+
+    with context.sessions.begin() as session:
+        adapter = session.scalars(select(Adapter).where(Adapter.tenant_id == tenant_id)).one()
+        add_adapter_version(
+            session, adapter, 3, status=AdapterStatus.FAILED.value, failure_reason="bad shapes"
+        )
+    assert put({"version": 3}).json()["error"]["code"] == "adapter_version_not_ready"
+    assert put({"version": 3}).status_code == 409
+    assert put({"version": 9}).status_code == 404
+    assert put({"version": 9}).json()["error"]["code"] == "adapter_version_not_found"
+    for body in ({"version": 0}, {"version": "1"}, {}, {"version": 1, "extra": True}):
+        assert put(body).status_code == 422, body
+    assert put({"version": 1}, name="nobody").status_code == 404
+    stranger, _ = make_client()
+    stranger_auth = {"Authorization": f"Bearer {stranger.api_key}"}
+    assert put({"version": 1}, headers=stranger_auth).json()["error"]["code"] == "adapter_not_found"
+    hidden = httpx.get(f"{server.url}/v1/adapters/bot/versions", headers=stranger_auth)
+    assert hidden.status_code == 404
+    # Nothing moved: the owner's bare name still reaches the newest version.
+    assert httpx.get(f"{server.url}/v1/adapters/bot", headers=auth).json()["alias_version"] is None

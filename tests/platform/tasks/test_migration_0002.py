@@ -26,6 +26,7 @@ LATER_ADDITIONS = {
     ("add_column", "tenants", "request_timeout_s"),  # 0007
     ("add_column", "tenants", "max_queued_requests"),  # 0007
     ("add_column", "usage_records", "end_user"),  # 0008
+    ("add_column", "adapters", "alias_version"),  # 0009
 }
 
 
