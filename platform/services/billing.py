@@ -12,8 +12,10 @@ bound may be ``None``: unbounded), groups them in SQL and returns a ``UsageRepor
 Grouping keys: ``day`` → ``tenant_id``, ``day`` (a ``date``, UTC); ``adapter`` →
 ``tenant_id``, ``adapter`` (its name; ``None`` for the base model; adapters sharing a name,
 such as a deleted one and its successor, share a row); ``request`` → ``tenant_id``,
-``request_id``, ``created_at``, ``model``, ``adapter``, ``user`` (the end user the request
-named, OpenAI's ``user``; ``None`` when it sent none), ``finish_reason``, ``latency_ms``.
+``request_id``, ``created_at``, ``model``, ``adapter``, ``adapter_version`` and
+``adapter_sha256`` (the version that served it: its number and its weights' digest; ``None``
+for the base model), ``user`` (the end user the request named, OpenAI's ``user``; ``None``
+when it sent none), ``finish_reason``, ``latency_ms``.
 
 The grand totals are computed in the same SQL statement as the rows (window sums over the
 groups), so rows and totals come from one snapshot and always agree exactly, even while
@@ -32,7 +34,7 @@ from sqlalchemy import Date, Integer, cast, func, literal_column, select
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from loramux.platform.db.models import Adapter, UsageRecord
+from loramux.platform.db.models import Adapter, AdapterVersion, UsageRecord
 
 GroupBy = Literal["day", "adapter", "request"]
 GROUP_BYS: tuple[str, ...] = get_args(GroupBy)
@@ -54,6 +56,8 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
         "created_at",
         "model",
         "adapter",
+        "adapter_version",
+        "adapter_sha256",
         "user",
         "finish_reason",
         "latency_ms",
@@ -99,6 +103,8 @@ def _key_columns(group_by: str, dialect: str) -> list[ColumnElement[Any]]:
         UsageRecord.created_at,
         UsageRecord.model,
         adapter,
+        AdapterVersion.version.label("adapter_version"),
+        AdapterVersion.sha256.label("adapter_sha256"),
         UsageRecord.end_user.label("user"),
         UsageRecord.finish_reason,
         UsageRecord.latency_ms,
@@ -158,6 +164,7 @@ def usage_report(
         )
         .select_from(UsageRecord)
         .outerjoin(Adapter, Adapter.id == UsageRecord.adapter_id)
+        .outerjoin(AdapterVersion, AdapterVersion.id == UsageRecord.adapter_version_id)
         .order_by(*_order_by(group_by))
     )
     if tenant_id is not None:

@@ -112,6 +112,12 @@ class _RequestKeys(BaseModel):
     created_at: datetime = Field(description="When the request was recorded (UTC).")
     model: str
     adapter: str | None = Field(description="Adapter name; null for the base model.")
+    adapter_version: int | None = Field(
+        description="The adapter version that served it; null for the base model."
+    )
+    adapter_sha256: str | None = Field(
+        description="That version's weights digest (SHA-256); null for the base model."
+    )
     user: str | None = Field(
         description="The end user the request named (its `user` field); null when none."
     )

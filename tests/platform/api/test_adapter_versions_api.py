@@ -55,7 +55,7 @@ def two_versions(make_client, server, context, make_adapter):
     return client, tenant_id, first, second, text_1, text_2
 
 
-def test_each_version_answers_by_number_and_by_digest(two_versions, context):
+def test_each_version_answers_by_number_and_by_digest(two_versions, context, server):
     client, tenant_id, first, second, text_1, text_2 = two_versions
     named = {
         "bot": text_2,
@@ -82,6 +82,15 @@ def test_each_version_answers_by_number_and_by_digest(two_versions, context):
     assert version_1 != version_2
     assert ("bot@1", version_1) in served and ("bot@2", version_2) in served
     assert (f"bot@sha256:{first['sha256'][:8]}", version_1) in served
+    # The tenant's usage export names the version and its digest, request by request.
+    usage = httpx.get(
+        f"{server.url}/v1/usage",
+        params={"group_by": "request"},
+        headers={"Authorization": f"Bearer {client.api_key}"},
+    )
+    assert usage.status_code == 200, usage.text
+    rows = {(r["model"], r["adapter_version"], r["adapter_sha256"]) for r in usage.json()["rows"]}
+    assert ("bot@1", 1, first["sha256"]) in rows and ("bot@2", 2, second["sha256"]) in rows
 
 
 def test_a_version_in_a_form_not_read_is_a_400_naming_the_forms(two_versions):

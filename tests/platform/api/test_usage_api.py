@@ -29,6 +29,8 @@ REQUEST_COLUMNS = [
     "created_at",
     "model",
     "adapter",
+    "adapter_version",
+    "adapter_sha256",
     "user",
     "finish_reason",
     "latency_ms",
@@ -159,6 +161,8 @@ def test_admin_usage_by_adapter_and_by_request(client, admin, usage):
         "created_at": "2031-05-01T01:00:00Z",
         "model": "support",
         "adapter": "support",
+        "adapter_version": None,  # a record made without a version (tested in test_billing)
+        "adapter_sha256": None,
         "user": None,
         "finish_reason": "stop",
         "latency_ms": 10,

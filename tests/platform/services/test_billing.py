@@ -25,7 +25,7 @@ from loramux.platform.services.billing import (
     usage_report,
 )
 from loramux.platform.services.metering import Meter, Usage, UsageEvent
-from tests.platform.db.factories import add_adapter, add_price, add_tenant
+from tests.platform.db.factories import add_adapter, add_adapter_version, add_price, add_tenant
 
 DAY0 = datetime(2031, 5, 1, tzinfo=UTC)
 DAYS = 10
@@ -66,8 +66,9 @@ def _parse_csv(body: str) -> tuple[list[str], list[dict[str, str]]]:
 def _populate(make_session, rng: random.Random) -> tuple[list[UsageRecord], dict[str, str]]:
     """~300 records over 3 tenants, 4 adapters and the base model, over 10 days.
 
-    Prices change mid-period; token counts range from 1 to tens of millions. Returns the
-    stored records and adapter id → name.
+    Prices change mid-period; token counts range from 1 to tens of millions; each adapter
+    has two versions, and a record names one. Returns the stored records and, by id, each
+    adapter's name and each version's (number, sha256).
     """
     with make_session.begin() as session:
         tenants = [add_tenant(session) for _ in range(3)]
@@ -84,7 +85,15 @@ def _populate(make_session, rng: random.Random) -> tuple[list[UsageRecord], dict
             tenant.id: [None, *(a for a in adapters if a.tenant_id == tenant.id)]
             for tenant in tenants
         }
+        versions = {
+            adapter.id: [
+                add_adapter_version(session, adapter, number, sha256=uuid.uuid4().hex * 2)
+                for number in (1, 2)
+            ]
+            for adapter in adapters
+        }
         names = {adapter.id: adapter.name for adapter in adapters}
+        names |= {v.id: (v.version, v.sha256) for vs in versions.values() for v in vs}
 
     records = []
     for _ in range(300):
@@ -102,6 +111,7 @@ def _populate(make_session, rng: random.Random) -> tuple[list[UsageRecord], dict
                 tenant_id,
                 created_at,
                 adapter_id=adapter.id if adapter else None,
+                adapter_version_id=rng.choice(versions[adapter.id]).id if adapter else None,
                 model=adapter.name if adapter else "base",
                 prompt_tokens=prompt,
                 cached_prompt_tokens=rng.randrange(prompt + 1),
@@ -125,9 +135,10 @@ def _random_instant(rng: random.Random, records: list[UsageRecord]) -> datetime 
     return DAY0 + timedelta(seconds=rng.randrange(-86_400, (DAYS + 1) * 86_400))
 
 
-def _key_of(group_by: str, names: dict[str, str]) -> Callable[[UsageRecord], tuple]:
+def _key_of(group_by: str, names: dict) -> Callable[[UsageRecord], tuple]:
     def key(record: UsageRecord) -> tuple:
         adapter = names.get(record.adapter_id)
+        version = names.get(record.adapter_version_id, (None, None))
         if group_by == "day":
             return (record.tenant_id, record.created_at.astimezone(UTC).date())
         if group_by == "adapter":
@@ -138,6 +149,7 @@ def _key_of(group_by: str, names: dict[str, str]) -> Callable[[UsageRecord], tup
             record.created_at,
             record.model,
             adapter,
+            *version,
             record.end_user,
             record.finish_reason,
             record.latency_ms,
@@ -287,6 +299,8 @@ def test_request_rows_are_the_records_in_time_order(make_session):
         "created_at": DAY0 + timedelta(hours=1),
         "model": "base",
         "adapter": None,
+        "adapter_version": None,
+        "adapter_sha256": None,
         "user": None,
         "finish_reason": None,
         "latency_ms": 7,
@@ -320,6 +334,8 @@ def test_csv_cells(make_session):
             "created_at": "2031-01-01T12:00:00.000250Z",
             "model": "a,b",
             "adapter": "",
+            "adapter_version": "",
+            "adapter_sha256": "",
             "user": "",
             "finish_reason": "",
             "latency_ms": "0",
