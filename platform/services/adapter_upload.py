@@ -183,6 +183,14 @@ class _QueueUnavailable(Exception):
     """Sending the validation task failed."""
 
 
+class _SameBytes(Exception):  # a signal between two functions, not an error
+    """The upload's files are a ready version's of the same adapter and base model."""
+
+    def __init__(self, version_id: str):
+        super().__init__(version_id)
+        self.version_id = version_id
+
+
 def upload_adapter(
     sessions: sessionmaker[Session],
     store: ObjectStore,
@@ -194,7 +202,8 @@ def upload_adapter(
     owner: str,
     enqueue: EnqueueValidation | None = None,
 ) -> AdapterView:
-    """Record the upload as the next version of ``name`` and validate or queue it.
+    """Record the upload as the next version of ``name`` and validate or queue it; files a
+    ready version of ``name`` already holds are that version (``AdapterView.reused``).
 
     ``owner`` is the lease owner of this platform replica's requests
     (``UploadWorkspace.owner``). Uses its own sessions: the upload's states are committed
@@ -221,6 +230,9 @@ def upload_adapter(
     except _QueueUnavailable as exc:
         _give_up(sessions, store, version_id, owner, put)
         raise Unavailable(QUEUE_UNAVAILABLE, code="task_queue_unavailable") from exc
+    except _SameBytes as same:  # nothing was put: the new row goes, the old version answers
+        _give_up(sessions, store, version_id, owner, put)
+        return _view(sessions, same.version_id, reused=True)
     except LeaseLost as exc:  # swept: the sweep removes it, with what it put
         raise Unavailable(LEASE_LOST, code="upload_interrupted") from exc
     except BaseException:
@@ -296,6 +308,8 @@ def _check_and_store(
     write_if_held(sessions, version_id, owner, status=AdapterStatus.VALIDATING.value)
     info = target.validate(adapter_dir) if enqueue is None else None
     files = _digests(adapter_dir, target.max_bytes)
+    if (same := _ready_twin(sessions, version_id, files)) is not None:
+        raise _SameBytes(same)
     # Named before they exist: a crash after any put leaves no object that no version names.
     write_if_held(sessions, version_id, owner, **_file_columns(files))
     for file_name, expected in files.items():
@@ -305,6 +319,28 @@ def _check_and_store(
             raise RuntimeError(f"{file_name} changed while it was being stored")
     if info is not None:
         write_if_held(sessions, version_id, owner, **release(**_ready_columns(info)))
+
+
+def _ready_twin(
+    sessions: sessionmaker[Session], version_id: str, files: dict[str, StoredObject]
+) -> str | None:
+    """The id of a ready version of the same adapter with these very files, validated
+    against the same base model, if there is one: a re-upload of it is that version."""
+    with sessions() as session:
+        new = session.get(AdapterVersion, version_id)
+        if new is None:  # swept from under the request: its next write says so
+            return None
+        columns = _file_columns(files)
+        return session.scalar(
+            select(AdapterVersion.id).where(
+                AdapterVersion.adapter_id == new.adapter_id,
+                AdapterVersion.id != version_id,
+                AdapterVersion.status == AdapterStatus.READY.value,
+                AdapterVersion.base_model == new.base_model,
+                AdapterVersion.sha256 == columns["sha256"],
+                AdapterVersion.config_sha256 == columns["config_sha256"],
+            )
+        )
 
 
 def _adapter_dir(received: ReceivedUpload, max_bytes: int) -> Path:
@@ -409,12 +445,12 @@ def _end_lease_now(sessions: sessionmaker[Session], version_id: str, owner: str)
         logger.exception("upload %s: could not end its lease; it runs out by itself", version_id)
 
 
-def _view(sessions: sessionmaker[Session], version_id: str) -> AdapterView:
+def _view(sessions: sessionmaker[Session], version_id: str, reused: bool = False) -> AdapterView:
     with sessions() as session:
         version = session.get(AdapterVersion, version_id)
         if version is None:  # swept between its last write and here
             raise Unavailable(LEASE_LOST, code="upload_interrupted")
-        return AdapterView(session.get(Adapter, version.adapter_id), version)
+        return AdapterView(session.get(Adapter, version.adapter_id), version, reused)
 
 
 # --- the worker's part -----------------------------------------------------------------------

@@ -28,6 +28,8 @@ class AdapterView:
 
     adapter: Adapter
     version: AdapterVersion | None
+    # An upload whose bytes a ready version already holds answers with that version.
+    reused: bool = False
 
 
 # --- names and look-ups ----------------------------------------------------------------------

@@ -8,7 +8,9 @@ the request ends, whatever happened, and at the next start should the process be
 
 An upload answers 201 with status ``ready`` when it was validated in the request (tasks
 in-process, the embedded default), or 202 with status ``validating`` when validation was
-queued to a worker: poll ``GET /v1/adapters/{name}`` until ``ready`` or ``failed``.
+queued to a worker: poll ``GET /v1/adapters/{name}`` until ``ready`` or ``failed``. Files a
+ready version of the adapter already holds answer 200 with that version: the same bytes
+are the same version.
 """
 
 from __future__ import annotations
@@ -175,7 +177,13 @@ def _validation_queue(context: PlatformContext):
     "",
     status_code=201,
     openapi_extra=_UPLOAD_DOC,
-    responses={202: {"model": AdapterOut, "description": "Accepted; validation queued."}},
+    responses={
+        200: {
+            "model": AdapterOut,
+            "description": "The files of a ready version of this adapter: that version.",
+        },
+        202: {"model": AdapterOut, "description": "Accepted; validation queued."},
+    },
 )
 async def upload(request: Request, tenant: CurrentTenant, context: ContextDep) -> AdapterOut:
     workspace: UploadWorkspace = request.app.state.upload_workspace
@@ -196,6 +204,8 @@ async def upload(request: Request, tenant: CurrentTenant, context: ContextDep) -
     finally:
         await run_in_threadpool(shutil.rmtree, folder, True)
     out = AdapterOut.from_view(view)
+    if view.reused:  # the same bytes as a ready version: nothing new was made
+        return JSONResponse(out.model_dump(mode="json"), status_code=200)
     if out.status != "ready":  # queued: the worker decides
         return JSONResponse(out.model_dump(mode="json"), status_code=202)
     return out

@@ -207,3 +207,22 @@ def test_the_alias_refuses_what_it_cannot_point_at(two_versions, server, context
     assert hidden.status_code == 404
     # Nothing moved: the owner's bare name still reaches the newest version.
     assert httpx.get(f"{server.url}/v1/adapters/bot", headers=auth).json()["alias_version"] is None
+
+
+def test_the_same_bytes_again_are_the_same_version(two_versions, server, context, make_adapter):
+    """Re-uploading version 1's files answers 200 with version 1: no new version, no new
+    stored object, the bare name still the newest."""
+    client, _, first, _, _, text_2 = two_versions
+    auth = {"Authorization": f"Bearer {client.api_key}"}
+    stored = sorted(p.name for p in context.store.root.rglob("*") if p.is_file())
+    folder = make_adapter(context.base_model.path, rank=4, seed=11, std=0.3)  # version 1's
+    files = [("files", (f, (folder / f).read_bytes())) for f in FILES]
+    again = httpx.post(
+        f"{server.url}/v1/adapters", data={"name": "bot"}, files=files, headers=auth, timeout=60
+    )
+    assert again.status_code == 200, again.text
+    assert (again.json()["version"], again.json()["sha256"]) == (1, first["sha256"])
+    versions = httpx.get(f"{server.url}/v1/adapters/bot/versions", headers=auth).json()["data"]
+    assert [v["version"] for v in versions] == [2, 1]
+    assert sorted(p.name for p in context.store.root.rglob("*") if p.is_file()) == stored
+    assert _complete(client, "bot").choices[0].text == text_2

@@ -1,7 +1,7 @@
 """Parallel first uploads of one new adapter name, over HTTP, on SQLite and PostgreSQL.
 
-Every upload gets a clean answer and both databases behave the same: each becomes a version
-of the one adapter, numbered 1, 2, 3… in the order the uploads were recorded (a 409
+Every upload (each of its own weights) gets a clean answer and both databases behave the
+same: each becomes a version of the one adapter, numbered 1, 2, 3… in the order the uploads were recorded (a 409
 ``adapter_upload_conflict`` is allowed only if the database stays busy past the retries,
 which eight uploads never reach). Never a 500.
 """
@@ -44,14 +44,16 @@ def _upload(platform: Platform, tenant: Tenant, name: str, files: list) -> httpx
 
 
 def test_parallel_first_uploads_each_become_a_version(platform, make_adapter, tiny_model_dir):
-    adapter_dir: Path = make_adapter(tiny_model_dir, rank=4, targets=("q_proj",), seed=7)
-    files = [("files", (f, (adapter_dir / f).read_bytes())) for f in ADAPTER_FILES]
+    # Different weights each: the same bytes as a ready version would be that version.
+    folders: list[Path] = [
+        make_adapter(tiny_model_dir, rank=4, targets=("q_proj",), seed=7 + k)
+        for k in range(PARALLEL_UPLOADS)
+    ]
+    uploads = [[("files", (f, (d / f).read_bytes())) for f in ADAPTER_FILES] for d in folders]
     tenant = platform.new_tenant()
 
     with ThreadPoolExecutor(PARALLEL_UPLOADS) as pool:
-        answers = list(
-            pool.map(lambda _: _upload(platform, tenant, "twins", files), range(PARALLEL_UPLOADS))
-        )
+        answers = list(pool.map(lambda files: _upload(platform, tenant, "twins", files), uploads))
 
     statuses = sorted(answer.status_code for answer in answers)
     assert statuses == [201] * PARALLEL_UPLOADS, [answer.text for answer in answers]

@@ -79,9 +79,9 @@ def _objects(store: LocalObjectStore) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
-def _upload(make_session, store, target, tenant_id, received, **kwargs):
+def _upload(make_session, store, target, tenant_id, received, name="bot", **kwargs):
     return upload_adapter(
-        make_session, store, target, tenant_id, "bot", received, owner=OWNER, **kwargs
+        make_session, store, target, tenant_id, name, received, owner=OWNER, **kwargs
     )
 
 
@@ -142,10 +142,21 @@ def test_an_upload_keeps_the_files_another_version_shares(
     first = _upload(make_session, store, target, tenant_id, received)
     assert first.version.status == "ready"
     store.down = True
-    with pytest.raises(Unavailable):
-        _upload(make_session, store, target, tenant_id, received)
+    with pytest.raises(Unavailable):  # the same files under another name share the objects
+        _upload(make_session, store, target, tenant_id, received, name="twin")
     assert _counts(make_session) == (1, 1)
     assert len(_objects(store.inner)) == 2
+
+
+def test_the_same_files_again_are_the_ready_version_they_match(
+    make_session, tmp_path, target, tenant_id, received
+):
+    store = FlakyStore(LocalObjectStore(tmp_path / "store"))
+    first = _upload(make_session, store, target, tenant_id, received)
+    store.down = True  # nothing is stored again: a down store does not matter
+    again = _upload(make_session, store, target, tenant_id, received)
+    assert (again.reused, again.version.id, again.version.version) == (True, first.version.id, 1)
+    assert _counts(make_session) == (1, 1) and len(_objects(store.inner)) == 2
 
 
 # --- leases ----------------------------------------------------------------------------------
