@@ -46,6 +46,11 @@ class AdapterRef:
             code="invalid_model",
         )
 
+    @property
+    def is_bare(self) -> bool:
+        """Only the name: the version its alias names, else its newest ready one."""
+        return self.number is None and self.digest_prefix is None
+
     def __str__(self) -> str:
         if self.number is not None:
             return f"{self.name}@{self.number}"

@@ -92,15 +92,16 @@ def ready_version(
     adapter = _find_live_adapter(session, tenant_id, ref.name)
     if adapter is None:
         return None
-    if ref.number is None and ref.digest_prefix is None and adapter.alias_version is None:
+    number = ref.number if not ref.is_bare else adapter.alias_version
+    if number is None and ref.digest_prefix is None:  # the bare name, no alias set
         version = latest_version(session, adapter, ready=True)
         return None if version is None else (adapter, version)
     query = select(AdapterVersion).where(
         AdapterVersion.adapter_id == adapter.id,
         AdapterVersion.status == AdapterStatus.READY.value,
     )
-    if ref.number is not None or ref.digest_prefix is None:  # by number, or by the alias
-        query = query.where(AdapterVersion.version == (ref.number or adapter.alias_version))
+    if number is not None:
+        query = query.where(AdapterVersion.version == number)
     else:
         query = query.where(AdapterVersion.sha256.startswith(ref.digest_prefix, autoescape=True))
     found = session.scalars(query.limit(2)).all()

@@ -177,11 +177,7 @@ class InferenceService:
         ref = AdapterRef.parse(model)
         found = await _in_thread(ready_version, session, tenant.id, ref)
         if found is None:
-            what = (
-                "does not exist"
-                if ref.number is None and ref.digest_prefix is None
-                else ("has no ready version of that name")
-            )
+            what = "does not exist" if ref.is_bare else "names no ready version"
             raise NotFound(
                 f"The model {model!r} {what} or you do not have access to it.",
                 code="model_not_found",
