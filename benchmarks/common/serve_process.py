@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from loramux.benchmarks.common.bench_server import bearer, free_port
+from loramux.platform.settings_names import env_name
 
 # A start converts the model first when its cache is cold (~20 s, slower on a busy machine).
 STARTUP_TIMEOUT_S = 180.0
@@ -81,13 +82,14 @@ class Server:
 def serve(root: Path, own_tmp: bool = False, **settings) -> Iterator[Server]:
     """``loramux serve`` in ``root``: its data dir ``root/data``, its log ``root/serve.log``
     and, with ``own_tmp``, its TMPDIR ``root/tmp``; the embedded default but for
-    ``settings`` (``model=DIR``: ``LORAMUX_MODEL=DIR``). Killed on the way out if it still
+    ``settings``, each by its variable (``model=DIR``: ``LORAMUX_MODEL=DIR``;
+    ``adapter_host_bytes``: ``LORAMUX_ENGINE_ADAPTER_HOST_BYTES``). Killed on the way out if it still
     runs."""
     tmp_dir = root / "tmp" if own_tmp else None
     (tmp_dir or root).mkdir(parents=True, exist_ok=True)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LORAMUX_")}
     environ |= {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    environ |= {f"LORAMUX_{name.upper()}": str(value) for name, value in settings.items()}
+    environ |= {env_name(name): str(value) for name, value in settings.items()}
     if tmp_dir is not None:
         environ["TMPDIR"] = str(tmp_dir)
     port, log = free_port(), root / "serve.log"
