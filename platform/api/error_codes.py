@@ -62,8 +62,11 @@ ERROR_CODES: dict[str, ErrorCode] = {
     ),
     "invalid_request": ErrorCode(400, "The engine refused the request as sent."),
     "invalid_model": ErrorCode(
-        400, "`model` names an adapter version in a form not read (`name@3`, `name@sha256:<hex>`)."
+        400,
+        "`model` names an adapter in a form not read (`name@3`, `name@sha256:<hex>`, "
+        "`owner/name`).",
     ),
+    "invalid_grant": ErrorCode(400, "A tenant cannot grant its own adapter to itself."),
     "invalid_period": ErrorCode(
         400, "A billing period is backwards, over 31 days or in the future (or, to roll up, open)."
     ),
@@ -77,6 +80,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "model_not_found": ErrorCode(404, "No such model, or not the caller's."),
     "adapter_not_found": ErrorCode(404, "No such adapter, or not the caller's."),
     "adapter_version_not_found": ErrorCode(404, "The adapter has no version of that number."),
+    "grantee_not_found": ErrorCode(404, "No live tenant of that name to grant the adapter to."),
+    "grant_not_found": ErrorCode(404, "The adapter is not granted to that tenant."),
     "api_key_not_found": ErrorCode(404, "No API key with that id."),
     "tenant_not_found": ErrorCode(404, "No tenant with that id."),
     "export_not_found": ErrorCode(404, "No billing export with that id."),
@@ -87,7 +92,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "adapter_name_conflict": ErrorCode(409, "The adapter name is taken (the base model's name)."),
     "tenant_name_taken": ErrorCode(409, "A tenant of that name exists or existed."),
     "adapter_version_not_ready": ErrorCode(
-        409, "The version is not ready, so it cannot take the name."
+        409, "The version is not ready, so it cannot take the name or a grant."
     ),
     "adapter_upload_conflict": ErrorCode(
         409, "Too many uploads of one adapter at once; nothing was kept, try again."

@@ -64,6 +64,7 @@ ROUTE_STATUSES: dict[tuple[str, str], frozenset[int]] = {
     # task queue down
     ("POST", "/v1/adapters"): frozenset({400, 409, 503}),
     ("PUT", "/v1/adapters/{name}/alias"): frozenset({409}),  # the version is not ready
+    ("PUT", "/v1/adapters/{name}/grants/{grantee}"): frozenset({409}),  # version not ready
     ("GET", "/admin/adapters"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/usage"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/engine"): frozenset({503}),  # no engine can report

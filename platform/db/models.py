@@ -278,6 +278,32 @@ class AdapterVersion(Base):
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
 
 
+class AdapterGrant(Base):
+    """Leave for one tenant (the grantee) to call another's adapter, without its weights.
+
+    ``version`` ``None``: every ready version, the bare ``owner/name`` reaching the one the
+    owner's name reaches; a number: that version alone, which the bare name then reaches.
+    Revoking deletes the row; what the grantee already ran stays in its usage records.
+    """
+
+    __tablename__ = "adapter_grants"
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "grantee_tenant_id"),
+        CheckConstraint("version IS NULL OR version >= 1", name="version_positive"),
+        # /v1/models and every call by a grantee look its grants up by grantee.
+        Index("ix_adapter_grants_grantee_tenant_id", "grantee_tenant_id"),
+    )
+
+    id: Mapped[str] = _id_column()
+    adapter_id: Mapped[str] = mapped_column(
+        String(ID_LENGTH), ForeignKey("adapters.id", ondelete="CASCADE")
+    )
+    grantee_tenant_id: Mapped[str] = _tenant_fk(ondelete="CASCADE")
+    version: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _created_at_column()
+    updated_at: Mapped[datetime] = _updated_at_column()
+
+
 class UsageRecord(Base):
     """What one request used and cost: exactly one row per request id (the idempotency key).
 

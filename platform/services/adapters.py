@@ -88,21 +88,32 @@ def ready_version(
 ) -> tuple[Adapter, AdapterVersion] | None:
     """The tenant's live adapter ``ref`` names and the ready version it means (the bare
     name: the version its alias names, else its newest; or by number or digest prefix), if
-    both exist; a 400 for a digest prefix that two of its versions share."""
+    both exist; a 400 for a digest prefix that two of its versions share. ``ref``'s owner
+    is not read here (``adapter_grants.callable_version`` reads it)."""
     adapter = _find_live_adapter(session, tenant_id, ref.name)
     if adapter is None:
         return None
-    number = ref.number if not ref.is_bare else adapter.alias_version
+    version = ready_version_of(session, adapter, ref)
+    return None if version is None else (adapter, version)
+
+
+def ready_version_of(
+    session: Session, adapter: Adapter, ref: AdapterRef, *, only: int | None = None
+) -> AdapterVersion | None:
+    """The ready version of ``adapter`` that ``ref`` means (see ``ready_version``); with
+    ``only``, that version number alone can be meant, and the bare name means it."""
+    number = ref.number if not ref.is_bare else (only or adapter.alias_version)
+    if only is not None and number not in (None, only):
+        return None
     if number is None and ref.digest_prefix is None:  # the bare name, no alias set
-        version = latest_version(session, adapter, ready=True)
-        return None if version is None else (adapter, version)
+        return latest_version(session, adapter, ready=True)
     query = select(AdapterVersion).where(
         AdapterVersion.adapter_id == adapter.id,
         AdapterVersion.status == AdapterStatus.READY.value,
     )
-    if number is not None:
-        query = query.where(AdapterVersion.version == number)
-    else:
+    if number is not None or only is not None:
+        query = query.where(AdapterVersion.version == (number or only))
+    if ref.digest_prefix is not None:
         query = query.where(AdapterVersion.sha256.startswith(ref.digest_prefix, autoescape=True))
     found = session.scalars(query.limit(2)).all()
     if len(found) > 1:
@@ -111,13 +122,34 @@ def ready_version(
             "of its sha256, or its version number.",
             code="invalid_model",
         )
-    return (adapter, found[0]) if found else None
+    return found[0] if found else None
 
 
 def versions_of(session: Session, adapter: Adapter) -> list[AdapterVersion]:
     """Every version of the adapter, newest first."""
     query = select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
     return list(session.scalars(query.order_by(AdapterVersion.version.desc())).all())
+
+
+def ready_numbered_version(session: Session, adapter: Adapter, version: int) -> AdapterVersion:
+    """The adapter's version ``version``: 404 if it has none, 409 if it is not ready."""
+    found = session.scalar(
+        select(AdapterVersion).where(
+            AdapterVersion.adapter_id == adapter.id, AdapterVersion.version == version
+        )
+    )
+    if found is None:
+        raise NotFound(
+            f"Adapter {adapter.name!r} has no version {version}.",
+            code="adapter_version_not_found",
+        )
+    if found.status != AdapterStatus.READY.value:
+        raise Conflict(
+            f"Version {version} of {adapter.name!r} is {found.status}, not ready: only a "
+            "ready version can be named so.",
+            code="adapter_version_not_ready",
+        )
+    return found
 
 
 def set_alias(session: Session, tenant: Tenant, name: str, version: int | None) -> Adapter:
@@ -127,21 +159,7 @@ def set_alias(session: Session, tenant: Tenant, name: str, version: int | None) 
     does not have, 409 for one that is not ready."""
     adapter = live_adapter(session, tenant, name)
     if version is not None:
-        found = session.scalar(
-            select(AdapterVersion).where(
-                AdapterVersion.adapter_id == adapter.id, AdapterVersion.version == version
-            )
-        )
-        if found is None:
-            raise NotFound(
-                f"Adapter {name!r} has no version {version}.", code="adapter_version_not_found"
-            )
-        if found.status != AdapterStatus.READY.value:
-            raise Conflict(
-                f"Version {version} of {name!r} is {found.status}, not ready: only a ready "
-                "version can take the name.",
-                code="adapter_version_not_ready",
-            )
+        ready_numbered_version(session, adapter, version)
     adapter.alias_version = version
     session.flush()
     return adapter

@@ -10,8 +10,9 @@ bound may be ``None``: unbounded), groups them in SQL and returns a ``UsageRepor
 * ``totals``: the same metrics over every record the filter selects.
 
 Grouping keys: ``day`` → ``tenant_id``, ``day`` (a ``date``, UTC); ``adapter`` →
-``tenant_id``, ``adapter`` (its name; ``None`` for the base model; adapters sharing a name,
-such as a deleted one and its successor, share a row); ``request`` → ``tenant_id``,
+``tenant_id``, ``adapter`` (its name, ``owner/name`` for another tenant's shared with it;
+``None`` for the base model; adapters sharing a name, such as a deleted one and its
+successor, share a row); ``request`` → ``tenant_id``,
 ``request_id``, ``created_at``, ``model``, ``adapter``, ``adapter_version`` and
 ``adapter_sha256`` (the version that served it: its number and its weights' digest; ``None``
 for the base model), ``user`` (the end user the request named, OpenAI's ``user``; ``None``
@@ -30,11 +31,11 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import Any, Literal, get_args
 
-from sqlalchemy import Date, Integer, cast, func, literal_column, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Date, Integer, case, cast, func, literal_column, select
+from sqlalchemy.orm import Session, aliased
 from sqlalchemy.sql.elements import ColumnElement
 
-from loramux.platform.db.models import Adapter, AdapterVersion, UsageRecord
+from loramux.platform.db.models import Adapter, AdapterVersion, Tenant, UsageRecord
 
 GroupBy = Literal["day", "adapter", "request"]
 GROUP_BYS: tuple[str, ...] = get_args(GroupBy)
@@ -91,8 +92,18 @@ def _as_date(value: date | str) -> date:
     return value if isinstance(value, date) else date.fromisoformat(value)
 
 
+_ADAPTER_OWNER = aliased(Tenant, name="adapter_owner")
+
+
+def _adapter_name() -> ColumnElement[Any]:
+    """The adapter as the caller named it: its name, or ``owner/name`` for one another
+    tenant shared with it; NULL for the base model."""
+    shared = _ADAPTER_OWNER.name + "/" + Adapter.name
+    return case((Adapter.tenant_id == UsageRecord.tenant_id, Adapter.name), else_=shared)
+
+
 def _key_columns(group_by: str, dialect: str) -> list[ColumnElement[Any]]:
-    adapter = Adapter.name.label("adapter")
+    adapter = _adapter_name().label("adapter")
     if group_by == "day":
         return [UsageRecord.tenant_id, _utc_day(dialect).label("day")]
     if group_by == "adapter":
@@ -128,7 +139,7 @@ def _order_by(group_by: str) -> list[ColumnElement[Any]]:
     if group_by == "day":
         return [UsageRecord.tenant_id, literal_column("day")]
     if group_by == "adapter":
-        return [UsageRecord.tenant_id, Adapter.name.nulls_first()]
+        return [UsageRecord.tenant_id, literal_column("adapter").nulls_first()]
     return [UsageRecord.tenant_id, UsageRecord.created_at, UsageRecord.request_id]
 
 
@@ -164,6 +175,7 @@ def usage_report(
         )
         .select_from(UsageRecord)
         .outerjoin(Adapter, Adapter.id == UsageRecord.adapter_id)
+        .outerjoin(_ADAPTER_OWNER, _ADAPTER_OWNER.id == Adapter.tenant_id)
         .outerjoin(AdapterVersion, AdapterVersion.id == UsageRecord.adapter_version_id)
         .order_by(*_order_by(group_by))
     )

@@ -46,9 +46,9 @@ from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Tenant
 from loramux.platform.db.types import utc_now
 from loramux.platform.errors import NotFound, Unavailable
+from loramux.platform.services.adapter_grants import callable_version
 from loramux.platform.services.adapter_refs import AdapterRef
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
-from loramux.platform.services.adapters import ready_version
 from loramux.platform.services.admission import Admission
 from loramux.platform.services.deadlines import DEADLINE_FINISH, DeadlineExceeded
 from loramux.platform.services.engine_failures import tenant_facing_error
@@ -165,7 +165,8 @@ class InferenceService:
     async def resolve(
         self, session: Session, tenant: Tenant, model: str, runtime: AdapterRuntime
     ) -> Target:
-        """The base model by its id, else the tenant's adapter of that name; 404 otherwise."""
+        """The base model by its id, else the adapter ``model`` names that the tenant may
+        call; 404 otherwise."""
         if model == self._context.base_model.model_id:
             return Target(model=model)
         return await self.adapter_target(session, tenant, model, runtime)
@@ -173,9 +174,10 @@ class InferenceService:
     async def adapter_target(
         self, session: Session, tenant: Tenant, model: str, runtime: AdapterRuntime
     ) -> Target:
-        """The version of the tenant's adapter that ``model`` names (``adapter_refs``)."""
+        """The version of the adapter that ``model`` names (``adapter_refs``): the tenant's
+        own, or another's granted to it (``adapter_grants``)."""
         ref = AdapterRef.parse(model)
-        found = await _in_thread(ready_version, session, tenant.id, ref)
+        found = await _in_thread(callable_version, session, tenant, ref)
         if found is None:
             what = "does not exist" if ref.is_bare else "names no ready version"
             raise NotFound(

@@ -1,7 +1,9 @@
 """OpenAI-compatible ``GET /v1/models``: the base model, plus the caller's ready adapters.
 
-The operator (admin token) sees the base model; a tenant (API key) sees the base model
-and each of its adapters with a ready version, named as the tenant named them.
+The operator (admin token) sees the base model; a tenant (API key) sees the base model,
+each of its adapters with a ready version, named as the tenant named them, then each
+adapter other tenants shared with it that can serve, as ``<owner>/<name>`` (``owned_by``:
+the owner's name).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from loramux.platform.api.deps import AdminOrTenant, ContextDep, SessionDep
-from loramux.platform.services import adapters
+from loramux.platform.services import adapter_grants, adapters
 
 router = APIRouter(tags=["models"])
 
@@ -43,6 +45,16 @@ def list_models(context: ContextDep, session: SessionDep, caller: AdminOrTenant)
                     id=view.adapter.name,
                     created=created,
                     owned_by="tenant",
+                    root=base,
+                    parent=base,
+                )
+            )
+        for shared in adapter_grants.shared_with(session, caller):
+            cards.append(
+                ModelCard(
+                    id=shared.name,
+                    created=int(shared.version.created_at.timestamp()),
+                    owned_by=shared.owner.name,
                     root=base,
                     parent=base,
                 )

@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from loramux.platform.db.models import AdapterVersion
+from loramux.platform.services.adapter_grants import GrantView
 from loramux.platform.services.adapters import AdapterView
 
 
@@ -94,3 +95,45 @@ class VersionList(BaseModel):
     object: str = "list"
     alias_version: int | None
     data: list[VersionOut]
+
+
+class GrantIn(BaseModel):
+    """``PUT /v1/adapters/{name}/grants/{grantee}``: which versions the grantee may call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        le=VERSION_MAX,
+        description="One ready version alone (the bare `owner/name` then reaches it); null "
+        "or absent: every version, the bare name reaching what the owner's does.",
+    )
+
+
+class GrantOut(BaseModel):
+    """Leave for ``grantee`` to call the adapter as ``<owner>/<name>``."""
+
+    object: str = "adapter.grant"
+    adapter: str
+    grantee: str = Field(description="The tenant granted, by name.")
+    version: int | None = Field(description="The one version granted; null: every version.")
+    model: str = Field(description="What the grantee sends as `model`.")
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, owner_name: str, adapter_name: str, view: GrantView) -> GrantOut:
+        return cls(
+            adapter=adapter_name,
+            grantee=view.grantee.name,
+            version=view.grant.version,
+            model=f"{owner_name}/{adapter_name}",
+            created_at=view.grant.created_at,
+            updated_at=view.grant.updated_at,
+        )
+
+
+class GrantList(BaseModel):
+    object: str = "list"
+    data: list[GrantOut]

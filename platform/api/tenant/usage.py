@@ -1,4 +1,5 @@
-"""Usage and billing export: ``GET /admin/usage`` (operators) and ``GET /v1/usage`` (tenants).
+"""Usage and billing export: ``GET /admin/usage`` (operators) and ``GET /v1/usage`` (tenants),
+and ``GET /v1/usage/shared`` (an owner's view of what grantees ran on its shared adapters).
 
 Both answer ``{"rows": [...], "totals": {...}}`` (or, with ``format=csv``, the same rows as a
 CSV attachment) from ``loramux.platform.services.billing.usage_report``; the period and
@@ -18,10 +19,13 @@ from loramux.platform.api.deps import AdminDep, CurrentTenant, SessionDep
 from loramux.platform.api.tenant.usage_schemas import (
     REPORT_SCHEMAS,
     AdminUsageQuery,
+    PeriodQuery,
+    SharedUsageReport,
     UsageQuery,
     UsageReportOut,
 )
 from loramux.platform.db.models import Tenant
+from loramux.platform.services.adapter_grants import SHARED_USAGE_METRICS, shared_usage
 from loramux.platform.services.billing import UsageReport, to_csv, usage_report
 from loramux.platform.services.tenants import tenant_not_found
 
@@ -77,3 +81,15 @@ def tenant_usage(
         session, tenant_id=tenant.id, start=query.start, end=query.end, group_by=query.group_by
     )
     return _render(report, query)
+
+
+@router.get("/v1/usage/shared")
+def shared_adapter_usage(
+    tenant: CurrentTenant, session: SessionDep, query: Annotated[PeriodQuery, Query()]
+) -> SharedUsageReport:
+    """What other tenants ran on the caller's shared adapters, per adapter and grantee:
+    requests and tokens (never their prompts or what they paid). Their usage is billed to
+    them, at their prices."""
+    rows = shared_usage(session, tenant, start=query.start, end=query.end)
+    totals = {name: sum(row[name] for row in rows) for name in SHARED_USAGE_METRICS}
+    return SharedUsageReport.model_validate({"rows": rows, "totals": totals})

@@ -47,8 +47,8 @@ def parse_instant(value: Any) -> Any:
     return parsed
 
 
-class UsageQuery(BaseModel):
-    """``GET /v1/usage``: the calling tenant's usage over a period."""
+class PeriodQuery(BaseModel):
+    """A period: ``start <= created_at < end``, either bound optional."""
 
     start: datetime | None = Field(
         default=None, description="Inclusive start: ISO 8601 date or datetime, UTC by default."
@@ -56,8 +56,6 @@ class UsageQuery(BaseModel):
     end: datetime | None = Field(
         default=None, description="Exclusive end: ISO 8601 date or datetime, UTC by default."
     )
-    group_by: GroupBy = Field(default="day", description="Rows per `day`, `adapter` or `request`.")
-    format: Literal["json", "csv"] = Field(default="json", description="`json` or `csv`.")
 
     @field_validator("start", "end", mode="before")
     @classmethod
@@ -65,12 +63,19 @@ class UsageQuery(BaseModel):
         return parse_instant(value)
 
     @model_validator(mode="after")
-    def check_period(self) -> UsageQuery:
+    def check_period(self) -> PeriodQuery:
         if self.start is not None and self.end is not None and self.start > self.end:
             raise ValueError(
                 f"start ({self.start.isoformat()}) is after end ({self.end.isoformat()})"
             )
         return self
+
+
+class UsageQuery(PeriodQuery):
+    """``GET /v1/usage``: the calling tenant's usage over a period."""
+
+    group_by: GroupBy = Field(default="day", description="Rows per `day`, `adapter` or `request`.")
+    format: Literal["json", "csv"] = Field(default="json", description="`json` or `csv`.")
 
 
 class AdminUsageQuery(UsageQuery):
@@ -80,6 +85,11 @@ class AdminUsageQuery(UsageQuery):
 
 
 # --- responses -------------------------------------------------------------------------------
+
+ADAPTER_DESCRIPTION = (
+    "Adapter name (`owner/name` for one another tenant shared with this one); null for the "
+    "base model."
+)
 
 
 class UsageTotals(BaseModel):
@@ -103,7 +113,7 @@ class _DayKeys(BaseModel):
 
 class _AdapterKeys(BaseModel):
     tenant_id: str
-    adapter: str | None = Field(description="Adapter name; null for the base model.")
+    adapter: str | None = Field(description=ADAPTER_DESCRIPTION)
 
 
 class _RequestKeys(BaseModel):
@@ -111,7 +121,7 @@ class _RequestKeys(BaseModel):
     request_id: str
     created_at: datetime = Field(description="When the request was recorded (UTC).")
     model: str
-    adapter: str | None = Field(description="Adapter name; null for the base model.")
+    adapter: str | None = Field(description=ADAPTER_DESCRIPTION)
     adapter_version: int | None = Field(
         description="The adapter version that served it; null for the base model."
     )
@@ -159,3 +169,29 @@ REPORT_SCHEMAS: dict[str, type[DayUsageReport | AdapterUsageReport | RequestUsag
     "adapter": AdapterUsageReport,
     "request": RequestUsageReport,
 }
+
+
+class SharedUsageTotals(BaseModel):
+    """What grantees ran on the owner's adapters: counts and tokens, never their prompts
+    nor what they paid (each pays at its own prices)."""
+
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+class _SharedKeys(BaseModel):
+    adapter: str = Field(description="The owner's adapter name.")
+    grantee: str = Field(description="The tenant that called it.")
+
+
+class SharedUsageRow(SharedUsageTotals, _SharedKeys):
+    """One grantee's use of one of the owner's adapters."""
+
+
+class SharedUsageReport(BaseModel):
+    """``GET /v1/usage/shared``: other tenants' use of the caller's shared adapters."""
+
+    rows: list[SharedUsageRow]
+    totals: SharedUsageTotals

@@ -133,6 +133,22 @@ def usage_rows(server, context, tenant_id: str) -> list[dict]:
     return report.json()["rows"]
 
 
+def upload_adapter(server, client: openai.OpenAI, name: str, folder) -> dict:
+    """Upload the PEFT folder as ``client``'s tenant's adapter ``name`` over HTTP: the new
+    ready version's body."""
+    files = [("files", (f, (folder / f).read_bytes())) for f in (CONFIG_FILE, WEIGHTS_FILE)]
+    response = httpx.post(
+        f"{server.url}/v1/adapters",
+        data={"name": name},
+        files=files,
+        headers={"Authorization": f"Bearer {client.api_key}"},
+        timeout=60,
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["status"] == "ready"
+    return response.json()
+
+
 def assert_openai_error(response, status: int) -> dict:
     """The response is ``status`` with an OpenAI-style error body; returns the error."""
     assert response.status_code == status, response.text

@@ -14,26 +14,12 @@ import openai
 import pytest
 from sqlalchemy import select
 
+from loramux.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from loramux.platform.db.models import Adapter, AdapterStatus, UsageRecord
-from tests.platform.api.conftest import assert_openai_error
+from tests.platform.api.conftest import assert_openai_error, upload_adapter
 from tests.platform.db.factories import add_adapter_version
 
 PROMPT = "Versions of one adapter answer the same prompt differently: "
-FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def _upload(server, client: openai.OpenAI, name: str, folder) -> dict:
-    files = [("files", (f, (folder / f).read_bytes())) for f in FILES]
-    response = httpx.post(
-        f"{server.url}/v1/adapters",
-        data={"name": name},
-        files=files,
-        headers={"Authorization": f"Bearer {client.api_key}"},
-        timeout=60,
-    )
-    assert response.status_code == 201, response.text
-    assert response.json()["status"] == "ready"
-    return response.json()
 
 
 def _complete(client: openai.OpenAI, model: str, prompt: str = PROMPT):
@@ -46,9 +32,11 @@ def two_versions(make_client, server, context, make_adapter):
     gave as the newest (before the second existed, and after)."""
     client, tenant_id = make_client()
     model_dir = context.base_model.path
-    first = _upload(server, client, "bot", make_adapter(model_dir, rank=4, seed=11, std=0.3))
+    first = upload_adapter(server, client, "bot", make_adapter(model_dir, rank=4, seed=11, std=0.3))
     text_1 = _complete(client, "bot").choices[0].text
-    second = _upload(server, client, "bot", make_adapter(model_dir, rank=4, seed=12, std=0.3))
+    second = upload_adapter(
+        server, client, "bot", make_adapter(model_dir, rank=4, seed=12, std=0.3)
+    )
     text_2 = _complete(client, "bot").choices[0].text
     assert (first["version"], second["version"]) == (1, 2)
     assert text_1 != text_2  # the versions' weights differ enough to tell them apart
@@ -130,11 +118,11 @@ def test_a_new_version_never_reuses_the_old_versions_cached_prompt(
     client, _ = make_client()
     model_dir = context.base_model.path
     prompt = PROMPT * 6  # several full KV blocks
-    _upload(server, client, "cached", make_adapter(model_dir, rank=4, seed=21))
+    upload_adapter(server, client, "cached", make_adapter(model_dir, rank=4, seed=21))
     _complete(client, "cached", prompt)
     again = _complete(client, "cached", prompt)
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same version hits
-    _upload(server, client, "cached", make_adapter(model_dir, rank=4, seed=22))
+    upload_adapter(server, client, "cached", make_adapter(model_dir, rank=4, seed=22))
     fresh = _complete(client, "cached", prompt)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     # And the old version, named, still finds its own blocks.
@@ -216,7 +204,7 @@ def test_the_same_bytes_again_are_the_same_version(two_versions, server, context
     auth = {"Authorization": f"Bearer {client.api_key}"}
     stored = sorted(p.name for p in context.store.root.rglob("*") if p.is_file())
     folder = make_adapter(context.base_model.path, rank=4, seed=11, std=0.3)  # version 1's
-    files = [("files", (f, (folder / f).read_bytes())) for f in FILES]
+    files = [("files", (f, (folder / f).read_bytes())) for f in (CONFIG_FILE, WEIGHTS_FILE)]
     again = httpx.post(
         f"{server.url}/v1/adapters", data={"name": "bot"}, files=files, headers=auth, timeout=60
     )

@@ -42,15 +42,16 @@ not UTF-8 and one nested too deep to parse. docs/api.md: a NUL is a 404 in the p
 
 Real values. Random strings name nothing, so most cases would only ever reach a 404: a
 string that names a resource often gets a real one instead (``REAL_VALUE_SHARE``): a real
-tenant or key id for the operator, the tenant's ready adapter or the base model for the
-tenant. The tenant has generous rate limits (the fuzz is not about 429s), prices and usage.
+tenant or key id for the operator; for the tenant, its ready adapter, the base model, the
+adapter another tenant shares with it (``fuzz-owner/...``) and the tenant it shares its own
+with (the path's ``grantee``). The tenant has generous rate limits (the fuzz is not about 429s), prices and usage.
 
 Destructive operations. The operator's ``DELETE /admin/tenants/{id}`` and ``DELETE
 /admin/api-keys/{id}`` only ever get the ids of a throwaway tenant and its key (the tenant
 with usage is never offered to them); when one is deleted, a new throwaway takes its place
 at once. The tenant's ``DELETE /v1/adapters/{name}`` may delete its adapter: it is uploaded
-again at once, so later cases find it. Each test makes its own tenants, so the two roles
-never see each other's state.
+(and shared) again at once, so later cases find it; a revoked grant is granted again. Each
+test makes its own tenants, so the two roles never see each other's state.
 
 Failures do not stop the run: every one is collected and the test fails at the end with the
 first of each kind (operation, check, status; a curl command; the server's answer; uvicorn's
@@ -111,6 +112,8 @@ FOREIGN_EXAMPLES = 5  # per generation mode, per operation of the other role
 CONTEXT_TOKENS = 128
 REQUEST_TIMEOUT_S = 30  # a request that hangs is a failure, not a hung run
 INJECT_SHARE = 0.25  # the share of cases given one more bad character
+GRANTEE = "fuzz-grantee"  # a tenant the fuzzed tenant shares its adapter with
+OWNER = "fuzz-owner"  # a tenant that shares its adapter with the fuzzed tenant
 REAL_VALUE_SHARE = 0.75  # how often a string that can name a resource names a real one
 
 NUL = "\x00"
@@ -298,17 +301,34 @@ def operator_role(server: Server) -> Role:
 
 def tenant_role(server: Server) -> Role:
     _, key = server.rich_tenant("fuzz-tenant")
+    # Sharing both ways: the tenant grants its adapter to one tenant, and calls another's.
+    server.new_tenant(GRANTEE)
+    _, owner_key, _ = server.new_tenant(OWNER)
+    server.upload_adapter(owner_key)
+    grant = f"/v1/adapters/{ADAPTER_NAME}/grants/fuzz-tenant"
+    assert server.call("PUT", grant, owner_key, json={}).status_code == 200
+
+    def grant_to_grantee() -> None:
+        path = f"/v1/adapters/{ADAPTER_NAME}/grants/{GRANTEE}"
+        assert server.call("PUT", path, key, json={}).status_code == 200
 
     def known(method: str, location: str, name: str) -> list[str]:
         if location == "path" and name == "name":
             return [ADAPTER_NAME]
+        if location == "path" and name == "grantee":
+            return [GRANTEE]
         if location == "body" and name == "model":
-            return [server.model_id, ADAPTER_NAME]
+            return [server.model_id, ADAPTER_NAME, f"{OWNER}/{ADAPTER_NAME}"]
         return []
 
     def restore(path: str) -> None:
         if path == "/v1/adapters/{name}":
             server.upload_adapter(key)
+            grant_to_grantee()
+        elif path == "/v1/adapters/{name}/grants/{grantee}":
+            grant_to_grantee()
+
+    grant_to_grantee()
 
     return Role(
         "tenant",

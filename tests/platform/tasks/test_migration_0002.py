@@ -10,7 +10,7 @@ from loramux.platform.db.migrate import current, downgrade, upgrade
 from loramux.platform.db.models import NAMING_CONVENTION, Base
 from loramux.platform.db.session import create_engine_for
 
-LATER_TABLES = {"usage_daily"}  # added by revisions after 0002
+LATER_TABLES = {"usage_daily", "adapter_grants"}  # added by revisions after 0002
 # Columns and indexes later revisions add to 0002's tables: what the models have beyond it.
 LATER_ADDITIONS = {
     ("add_column", "adapter_versions", "lease_owner"),  # 0005
