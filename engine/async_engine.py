@@ -137,11 +137,17 @@ class _EngineLoop:
 
     # --- commands (engine thread) ----------------------------------------------------
     def add_request(
-        self, stream: _Stream, request_id: str, prompt, params, adapter, priority, tenant
+        self, stream: _Stream, request_id: str, prompt, params, adapter, priority, tenant, mix
     ) -> None:
         try:
             self.engine.add_request(
-                request_id, prompt, params, adapter=adapter, priority=priority, tenant=tenant
+                request_id,
+                prompt,
+                params,
+                adapter=adapter,
+                priority=priority,
+                tenant=tenant,
+                mix=mix,
             )
         finally:
             self.engine.step_interrupt.taken(priority)  # announced by generate()
@@ -341,6 +347,7 @@ class AsyncEngine:
         priority: int = 0,
         tenant: str | None = None,
         request_id: str | None = None,
+        mix: Seq[tuple[str, float]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request: an output per step that gave it tokens, the last finished
         (a prompt-only request, ``max_tokens=0``, gets just its final output).
@@ -360,7 +367,15 @@ class AsyncEngine:
         finished = False
         try:
             add = partial(
-                loop.add_request, stream, request_id, prompt, params, adapter, priority, tenant
+                loop.add_request,
+                stream,
+                request_id,
+                prompt,
+                params,
+                adapter,
+                priority,
+                tenant,
+                mix,
             )
             # Before it queues behind the running step: a higher priority cuts that step short.
             self.engine.note_arrival(priority)

@@ -33,6 +33,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.errors import EngineError, UnknownAdapter
 from loramux.engine.executor import Devices
 from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.lora.mix import LoRAMix
 from loramux.engine.lora.source import AdapterSource
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.outputs import RequestOutput
@@ -93,7 +94,9 @@ class Engine:
     def remove_adapter(self, name: str) -> None:
         """Unregister ``name``, freeing its device rows and host memory."""
         request = self.residency.get(name)
-        users = 0 if request is None else sum(s.lora == request for s in self._requests.values())
+        users = (
+            0 if request is None else sum(request in s.adapters for s in self._requests.values())
+        )
         self.residency.remove(name, users)
 
     def close(self) -> None:
@@ -132,24 +135,37 @@ class Engine:
         adapter: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        mix: Seq[tuple[str, float]] | None = None,
     ) -> None:
-        """Queue a request. Everything is checked before anything changes."""
+        """Queue a request, on the base model, one ``adapter`` or a ``mix`` of adapters
+        (names and weights: ``lora/mix.py``). Everything is checked before anything
+        changes."""
         if request_id in self._requests:
             raise EngineError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise EngineError("params must be a SamplingParams")
-        lora = None
-        if adapter is not None:
-            lora = self.residency.get(adapter)
-            if lora is None:
-                raise UnknownAdapter(f"unknown adapter {adapter!r}; add_adapter() it first")
+        if adapter is not None and mix is not None:
+            raise EngineError("a request names one adapter or a mix of them, not both")
+        lora = None if adapter is None else self._registered(adapter)
+        lora_mix = None
+        if mix is not None:
+            try:
+                lora_mix = LoRAMix(tuple((self._registered(n), float(w)) for n, w in mix))
+            except (TypeError, ValueError) as exc:
+                raise EngineError(f"mix: {exc}") from None
         seq = self.requests.make(
-            request_id, prompt, params, lora=lora, priority=priority, tenant=tenant
+            request_id, prompt, params, lora=lora, mix=lora_mix, priority=priority, tenant=tenant
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
-        if lora is not None:
-            self.residency.note_request(lora)
+        for used in seq.adapters:
+            self.residency.note_request(used)
+
+    def _registered(self, name: str) -> LoRARequest:
+        lora = self.residency.get(name)
+        if lora is None:
+            raise UnknownAdapter(f"unknown adapter {name!r}; add_adapter() it first")
+        return lora
 
     def compile_structured(
         self, spec: StructuredSpec, tenant: str | None = None
@@ -208,6 +224,7 @@ class Engine:
             scheduler.fair.weights,
         )
         outputs += self._fail_waiting(never, "cannot be served", ErrorKind.ADAPTER_TOO_LARGE)
+        outputs += self._fail_unmixable()
         if self.speculator is not None:
             self.speculator.propose(scheduler.running)
         plan = scheduler.schedule()
@@ -253,7 +270,8 @@ class Engine:
         outputs = []
         for request_id, (kind, reason) in step.failed.items():
             seq = self._forget(request_id)
-            what = "the base model" if seq.lora is None else f"adapter {seq.lora.name!r}"
+            label = seq.adapter_label
+            what = "the base model" if label is None else f"adapter {label!r}"
             self.scheduler.fail(seq, f"{what} failed in the engine step: {reason}", kind)
             outputs.append(RequestOutput.of(seq))
         return outputs
@@ -267,13 +285,31 @@ class Engine:
             return []
         outputs = []
         for seq in list(self.scheduler.waiting):
-            error = errors.get(seq.adapter_id) if seq.adapter_id is not None else None
-            if error is None:
+            failed = [(a, errors[a.adapter_id]) for a in seq.adapters if a.adapter_id in errors]
+            if not failed:
                 continue
-            self.scheduler.fail(seq, f"adapter {seq.lora.name!r} {what}: {error}", kind)
-            self._forget(seq.request_id)
-            outputs.append(RequestOutput.of(seq))
+            lora, error = failed[0]
+            outputs.append(self._end_waiting(seq, f"adapter {lora.name!r} {what}: {error}", kind))
         return outputs
+
+    def _fail_unmixable(self) -> list[RequestOutput]:
+        """End the waiting mixes with a part on the device that is not plain LoRA (DoRA,
+        biases, token rows, experts: ``lora/mix.py``), before they are scheduled."""
+        outputs = []
+        for seq in [s for s in self.scheduler.waiting if s.mix is not None]:
+            why = [(a, self.residency.not_mixable(a.adapter_id)) for a in seq.adapters]
+            refused = [(a, reason) for a, reason in why if reason is not None]
+            if not refused:
+                continue
+            lora, reason = refused[0]
+            message = f"adapter {lora.name!r} cannot be part of a mix: {reason}"
+            outputs.append(self._end_waiting(seq, message, ErrorKind.NOT_MIXABLE))
+        return outputs
+
+    def _end_waiting(self, seq: Sequence, message: str, kind: ErrorKind) -> RequestOutput:
+        self.scheduler.fail(seq, message, kind)
+        self._forget(seq.request_id)
+        return RequestOutput.of(seq)
 
     # --- convenience -------------------------------------------------------------
     def generate(

@@ -154,22 +154,22 @@ def _sub_plan(part: list[ScheduledSequence]) -> SchedulerOutput:
     return SchedulerOutput(scheduled=part, num_batched_tokens=sum(i.num_tokens for i in part))
 
 
-def _adapter_key(plan: SchedulerOutput, request_id: str) -> int | None:
+def _adapter_key(plan: SchedulerOutput, request_id: str):
     for item in plan.scheduled:
         if item.seq.request_id == request_id:
-            return item.seq.adapter_id
+            return item.seq.lora_key
     raise KeyError(request_id)
 
 
 def _one_adapter(part: list[ScheduledSequence]) -> bool:
-    return len({item.seq.adapter_id for item in part}) == 1
+    return len({item.seq.lora_key for item in part}) == 1
 
 
 def _adapter_groups(scheduled: list[ScheduledSequence]) -> list[list[ScheduledSequence]]:
     """The batch's runs of one adapter each, in batch order."""
     groups: list[list[ScheduledSequence]] = []
     for item in scheduled:
-        if groups and groups[-1][0].seq.adapter_id == item.seq.adapter_id:
+        if groups and groups[-1][0].seq.lora_key == item.seq.lora_key:
             groups[-1].append(item)
         else:
             groups.append([item])

@@ -29,8 +29,9 @@ TENANT_GAUGES_EVERY_S = 1.0
 
 
 def adapter_label(seq: Sequence) -> str:
-    """The metrics' adapter label: its name, or the empty string for the base model."""
-    return "" if seq.lora is None else seq.lora.name
+    """The metrics' adapter label: its name (a mix's names, ``a+b``: weights would make
+    labels without end), or the empty string for the base model."""
+    return "+".join(lora.name for lora in seq.adapters)
 
 
 class StepObserver:

@@ -47,7 +47,7 @@ class RequestOutput:
             error_kind=None if seq.error_kind is None else seq.error_kind.value,
             logprobs=list(seq.output_logprobs),
             prompt_logprobs=_prompt_logprobs(seq, delta_ids),
-            adapter=None if seq.lora is None else seq.lora.name,
+            adapter=seq.adapter_label,
             metrics=seq.metrics,
         )
 

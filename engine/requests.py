@@ -15,6 +15,7 @@ from loramux.engine.clock import Clock, WallClock
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.errors import EngineError
 from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.lora.mix import LoRAMix
 from loramux.engine.sampler import make_generator
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import Sequence
@@ -55,6 +56,7 @@ class RequestFactory:
         lora: LoRARequest | None,
         priority: int,
         tenant: str | None,
+        mix: LoRAMix | None = None,
     ) -> Sequence:
         """The request's sequence; ``EngineError`` naming the problem, with nothing made.
         (``Engine.add_request`` has checked the id, that ``params`` is a SamplingParams
@@ -74,13 +76,14 @@ class RequestFactory:
             generator = make_generator(params.seed, self.device)
         speculation = None
         if self.speculator is not None:
-            key = (tenant, None if lora is None else lora.adapter_id)
+            key = (tenant, mix.key if mix is not None else lora and lora.adapter_id)
             speculation = self.speculator.start(params, key)
         return Sequence(
             request_id,
             prompt_ids,
             params,
             lora=lora,
+            mix=mix,
             priority=priority,
             tenant=tenant,
             detokenizer=IncrementalDetokenizer(

@@ -192,8 +192,7 @@ class _StepDraft:
         if prefill:
             self.prompt_tokens += item.num_tokens
             self._prefills.add(item.seq.request_id)
-        if item.seq.adapter_id is not None:
-            self.adapters.add(item.seq.adapter_id)
+        self.adapters.update(item.seq.adapter_ids)
 
     def drop(self, seq: Sequence) -> None:
         """``seq`` was preempted after it was scheduled: its tokens go back to the budgets."""
@@ -208,6 +207,15 @@ class _StepDraft:
 # A newcomer's step (policy 9) takes at most this fraction (1/N) of the prompt budget,
 # or what the newcomers need if that is more.
 NEWCOMER_STEP_SHARE = 4
+
+
+def _adapter_order(seq: Sequence) -> tuple:
+    """Rows of one adapter (or mix) together, the base model's first, so that the runner
+    forms LoRA segments."""
+    key = seq.lora_key
+    if key is None:
+        return (0,)
+    return (1, key) if isinstance(key, int) else (2, key)
 
 
 def _preemption_order(seq: Sequence) -> tuple[int, float]:
@@ -339,7 +347,7 @@ class Scheduler:
         queue = [s for s in self.running if urgent is None or s.priority >= urgent]
         # Every running sequence holds its adapter, in the step or not (sitting out, or left
         # for want of budget): the cap counts what runs now and next.
-        step.adapters.update(s.adapter_id for s in self.running if s.adapter_id is not None)
+        step.adapters.update(a for s in self.running for a in s.adapter_ids)
         decodes = [s for s in queue if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in queue if s.num_uncomputed_tokens > 1]
         self._schedule_running(decodes, [*decodes, *prefilling], step)
@@ -352,7 +360,7 @@ class Scheduler:
 
         # Group by adapter (base model first) so the runner can form LoRA segments.
         scheduled = step.scheduled
-        scheduled.sort(key=lambda item: -1 if item.seq.adapter_id is None else item.seq.adapter_id)
+        scheduled.sort(key=lambda item: _adapter_order(item.seq))
         tokens = sum(item.num_query_tokens for item in scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
@@ -448,11 +456,12 @@ class Scheduler:
                 continue
             if seq.tenant in stopped_tenants:
                 continue
-            if seq.adapter_id is not None and not self.adapters.is_ready(seq.adapter_id):
-                if seq.adapter_blocked_since is None and self.adapters.waits_for_kv(seq.adapter_id):
+            if not self._adapters_ready(seq):
+                waits = any(self.adapters.waits_for_kv(a) for a in seq.adapter_ids)
+                if seq.adapter_blocked_since is None and waits:
                     seq.adapter_blocked_since = self.step_count  # the guard bounds its wait
                 continue
-            if seq.adapter_id is not None and not self._adapter_fits(seq.adapter_id, step.adapters):
+            if not self._adapters_fit(seq.adapter_ids, step.adapters):
                 if seq.adapter_blocked_since is None:
                     seq.adapter_blocked_since = self.step_count
                 continue
@@ -494,7 +503,7 @@ class Scheduler:
             and s.request_id not in self._urgent_seen
             and s.metrics.first_scheduled_time is None
             and s.adapter_blocked_since is None
-            and (s.adapter_id is None or self.adapters.is_ready(s.adapter_id))
+            and self._adapters_ready(s)
         ]
         if not urgent:
             return None
@@ -537,9 +546,13 @@ class Scheduler:
             seq.metrics.arrival_time,
         )
 
-    def _adapter_fits(self, adapter_id: int, adapters: set[int]) -> bool:
+    def _adapters_ready(self, seq: Sequence) -> bool:
+        return all(self.adapters.is_ready(a) for a in seq.adapter_ids)
+
+    def _adapters_fit(self, adapter_ids: tuple[int, ...], adapters: set[int]) -> bool:
         cap = self.limits.max_adapters_per_step
-        return cap is None or adapter_id in adapters or len(adapters) < cap
+        new = set(adapter_ids) - adapters
+        return cap is None or not new or len(adapters) + len(new) <= cap
 
     def _starving_sequence(self) -> Sequence | None:
         blocked = [s for s in self.waiting if s.adapter_blocked_since is not None]

@@ -11,6 +11,7 @@ import torch
 
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.lora.adapter import LoRARequest
+from loramux.engine.lora.mix import LoRAMix, MixKey
 from loramux.engine.sampler import TokenLogprobs
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.speculative.speculator import RequestSpeculation
@@ -38,6 +39,7 @@ class ErrorKind(enum.StrEnum):
     STEP_FAILED = "step_failed"  # the step raised for this request alone
     NON_FINITE = "non_finite"  # the model computed NaN or infinity for this request
     GRAMMAR_FAILED = "grammar_failed"  # its grammar refused a sampled token (an engine bug)
+    NOT_MIXABLE = "not_mixable"  # a mix's adapter is not plain LoRA (lora/mix.py)
 
 
 @dataclass
@@ -93,7 +95,10 @@ class Sequence:
         speculation: RequestSpeculation | None = None,
         arrival_time: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        mix: LoRAMix | None = None,
     ):
+        if lora is not None and mix is not None:
+            raise ValueError("a request uses one adapter or a mix of them, not both")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -107,6 +112,7 @@ class Sequence:
         )
         self.params = params
         self.lora = lora
+        self.mix = mix  # several adapters, weighted (lora/mix.py); then ``lora`` is None
         self.priority = priority
         self.tenant = tenant
         self.detokenizer = detokenizer
@@ -165,13 +171,39 @@ class Sequence:
 
     @property
     def adapter_id(self) -> int | None:
+        """Its one adapter's id; None for the base model and for a mix."""
         return None if self.lora is None else self.lora.adapter_id
 
     @property
+    def adapters(self) -> tuple[LoRARequest, ...]:
+        """Every adapter it uses: none, its one, or its mix's parts."""
+        if self.mix is not None:
+            return self.mix.adapters
+        return () if self.lora is None else (self.lora,)
+
+    @property
+    def adapter_ids(self) -> tuple[int, ...]:
+        """What must be on the device before it runs."""
+        return tuple(lora.adapter_id for lora in self.adapters)
+
+    @property
+    def lora_key(self) -> int | MixKey | None:
+        """What its rows use in a step: its adapter's id, its mix's key, or None."""
+        return self.mix.key if self.mix is not None else self.adapter_id
+
+    @property
+    def adapter_label(self) -> str | None:
+        """Its adapter's name, its mix as ``a*0.7+b*0.3``, or None for the base model."""
+        if self.mix is not None:
+            return self.mix.label
+        return None if self.lora is None else self.lora.name
+
+    @property
     def cache_salt(self) -> tuple:
-        # Identical prompts on different adapters, or from different tenants, never
-        # share KV blocks: both go into every block hash.
-        return (self.adapter_id, self.tenant)
+        # Identical prompts on different adapters (or mixes, or weights), or from different
+        # tenants, never share KV blocks: both go into every block hash.
+        adapters = self.mix.salt if self.mix is not None else self.adapter_id
+        return (adapters, self.tenant)
 
     @property
     def is_finished(self) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loramux.engine.lora.mix import AdapterSpans
 from loramux.engine.sampler import SamplingRow
 from loramux.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loramux.engine.sequence import Sequence
@@ -35,8 +36,6 @@ from loramux.engine.speculative.verify import VerifyGroup
 from loramux.kernels.lora_batch import LoRATable
 
 PROMPT_LOGPROB_ROWS = 256  # LM-head rows per prompt-logprob pass
-
-AdapterSpans = list[tuple[int, int, int | None]]  # rows [start, end) use adapter id (or None)
 
 
 @dataclass(frozen=True)
@@ -179,10 +178,10 @@ def build_step_batch(
         tables.append(block_table(seq.request_id))
         context_lens.append(end + len(drafts))
         query_lens.append(item.num_query_tokens)
-        if spans and spans[-1][2] == seq.adapter_id:
-            spans[-1] = (spans[-1][0], len(input_ids), seq.adapter_id)
+        if spans and spans[-1][2] == seq.lora_key:
+            spans[-1] = (spans[-1][0], len(input_ids), seq.lora_key)
         else:
-            spans.append((first, len(input_ids), seq.adapter_id))
+            spans.append((first, len(input_ids), seq.lora_key))
         if item.samples and drafts:
             verifying.index.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
             verifying.sequences.append(seq)

@@ -192,6 +192,10 @@ class LoRATable:
     # Per adapter, its embedding and head rows (the engine's ``lora/tokens.AdapterTokens``,
     # None for one without); None: no adapter of the step has any. The LoRA ops never read it.
     tokens: list | None = None
+    # Further passes over the same tokens and adapter table (requests composing several
+    # adapters: the engine's ``lora/mix.py``), each a table of its own; the LoRA ops read
+    # one table, the engine runs one per pass.
+    more_passes: tuple[LoRATable, ...] = ()
 
     @property
     def max_rank(self) -> int:
@@ -199,13 +203,14 @@ class LoRATable:
 
     @property
     def plain(self) -> bool:
-        """Whether the LoRA ops are all the step's adapters need (no DoRA, LoRA bias or
-        token rows)."""
+        """Whether one pass of the LoRA ops is all the step's adapters need (no DoRA, LoRA
+        bias, token rows or further passes)."""
         return (
             self.dora_rows is None
             and self.bias_rows is None
             and self.tokens is None
             and self.expert_ranks is None
+            and not self.more_passes
         )
 
     def first_rows(self) -> list[int]:

@@ -158,6 +158,11 @@ class Settings(BaseSettings):
         "Largest LoRA rank an uploaded adapter may have; also the engine's "
         "largest servable rank (EngineConfig.max_lora_rank): one setting for both.",
     )
+    max_mixed_adapters: int = positive(
+        4,
+        "Most adapters one request may compose, weighted (`adapters`, or a `model` such "
+        "as `a*0.7+b*0.3`); each is one more pass of the LoRA ops in the steps it joins.",
+    )
 
     # --- slow clients ------------------------------------------------------------
     request_body_timeout_s: float = positive(

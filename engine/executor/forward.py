@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from loramux.engine.lora.backend import KernelBackend
+from loramux.engine.lora.mix import SummedStepLoRA
 from loramux.engine.lora.output_terms import StepOutputTerms
 from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
@@ -52,6 +53,9 @@ def forward_step(
         lora = backend.lora_step(inputs.lora, pools)
         lora.terms = StepOutputTerms.for_step(inputs.lora, pools, device)
         lora.experts = backend.expert_lora_step(inputs.lora, lora, pools, device)
+        if inputs.lora.more_passes:  # mixes' further parts (lora/mix.py)
+            more = [backend.lora_step(table, pools) for table in inputs.lora.more_passes]
+            lora = SummedStepLoRA(lora, more)
     input_tensor = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
     return model(input_tensor, attention, kv_caches, lora, interrupt, tokens)
 

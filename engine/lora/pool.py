@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from loramux.engine.lora.adapter import LoRAWeights
+from loramux.engine.lora.mix import AdapterSpans, adapter_ids_of, not_mixable, split_passes
 from loramux.engine.lora.tokens import AdapterTokens, TableSlots, table_slots
 from loramux.engine.memory.arena import AdapterRows, adapter_rows
 from loramux.engine.memory.kv_cache import KVCacheManager
@@ -337,36 +338,42 @@ class LoRAPool:
         return self._kv.limit - before
 
     # --- step metadata ---------------------------------------------------------
-    def step_table(self, spans: list[tuple[int, int, int | None]]) -> LoRATable | None:
+    def step_table(self, spans: AdapterSpans) -> LoRATable | None:
         """The step's adapters as a host table (None without any): tokens ``[start, end)``
-        of each span use adapter id ``a`` (or None). Each call is a new step for LRU
+        of each span use adapter id ``a``, a mix of adapters (``lora/mix.py``: its
+        further parts in ``more_passes``), or None. Each call is a new step for LRU
         recency, in which the spans' adapters are used. The kernel backend turns the table
         into its own metadata; the static decode path copies it into its buffers."""
         return self._kernel_table(spans) if self._mark_used(spans) else None
 
-    def _mark_used(self, spans: list[tuple[int, int, int | None]]) -> list:
-        """Start a step for LRU recency; its spans' (start, end, resident adapter)."""
-        used = [(s, e, self._resident[a]) for s, e, a in spans if a is not None and e > s]
+    def _mark_used(self, spans: AdapterSpans) -> list[int]:
+        """Start a step for LRU recency; the adapter ids its spans use."""
+        used = [a for s, e, key in spans if key is not None and e > s for a in adapter_ids_of(key)]
         self._step += 1
-        for _, _, resident in used:
-            self._last_use[resident.adapter_id] = self._step
+        for adapter_id in used:
+            self._require(adapter_id)
+            self._last_use[adapter_id] = self._step
         return used
 
-    def _kernel_table(self, spans: list[tuple[int, int, int | None]]) -> LoRATable:
-        """The step as one table whose slices are ``LORA_TARGETS`` in order."""
-        table: dict[int, int] = {}  # adapter id -> index in the step's table
-        indexed = []
-        for start, end, adapter_id in spans:
-            index = None if adapter_id is None else table.setdefault(adapter_id, len(table))
-            indexed.append((start, end, index))
-        residents = [self._resident[adapter_id] for adapter_id in table]
+    def _kernel_table(self, spans: AdapterSpans) -> LoRATable:
+        """The step as tables whose slices are ``LORA_TARGETS`` in order: one per pass,
+        over one adapter table of (adapter, weight) entries."""
+        entries, passes = split_passes(spans)
+        residents = [self._resident[adapter_id] for adapter_id, _ in entries]
         modules = [[r.modules.get(m, (0, 0.0)) for r in residents] for m in LORA_TARGETS]
+        weights = [weight for _, weight in entries]
+        table = {
+            "adapter_rows": [r.rows.tolist() for r in residents],
+            "ranks": [[rank for rank, _ in per_adapter] for per_adapter in modules],
+            "scales": [
+                [scale * w for (_, scale), w in zip(per_adapter, weights, strict=True)]
+                for per_adapter in modules
+            ],
+            "num_tokens": spans[-1][1] if spans else 0,
+        }
         return LoRATable(
-            spans=indexed,
-            adapter_rows=[r.rows.tolist() for r in residents],
-            ranks=[[rank for rank, _ in per_adapter] for per_adapter in modules],
-            scales=[[scale for _, scale in per_adapter] for per_adapter in modules],
-            num_tokens=spans[-1][1] if spans else 0,
+            spans=passes[0],
+            **table,
             dora_rows=(
                 [r.dora_row for r in residents]
                 if any(r.dora_offset is not None for r in residents)
@@ -385,7 +392,12 @@ class LoRAPool:
             tokens=[r.tokens() for r in residents]
             if any(r.token_rows for r in residents)
             else None,
+            more_passes=tuple(LoRATable(spans=more, **table) for more in passes[1:]),
         )
+
+    def not_mixable(self, adapter_id: int) -> str | None:
+        """Why the resident adapter cannot be part of a mix (``lora/mix.py``), if not."""
+        return not_mixable(self._resident[adapter_id])
 
     # --- internals -------------------------------------------------------------
     def _require(self, adapter_id: int) -> None:

@@ -203,7 +203,7 @@ class AdapterResidency:
         limit = None if blocked is None else self.pool.kv_limit_needed(blocked[1])
         first = None
         if limit is not None:
-            first = next((s for s in waiting if s.adapter_id == blocked[0]), None)
+            first = next((s for s in waiting if blocked[0] in s.adapter_ids), None)
         if first is None:
             self.kv.release_hold()
             self._room = None
@@ -224,7 +224,7 @@ class AdapterResidency:
         size = self.kv.block_size
         needed = sum(1 for seq in running if seq.num_computed_tokens % size == 0)
         for seq in waiting:
-            if seq.adapter_id is None or self.pool.is_resident(seq.adapter_id):
+            if all(self.pool.is_resident(a) for a in seq.adapter_ids):
                 needed += -(-seq.num_tokens // size)
                 break
         short = needed - self.kv.num_free_blocks
@@ -235,6 +235,11 @@ class AdapterResidency:
     def is_ready(self, adapter_id: int) -> bool:
         return self.pool.is_resident(adapter_id)
 
+    def not_mixable(self, adapter_id: int) -> str | None:
+        """Why the adapter cannot be part of a mix, once it is on the device (None before,
+        and for plain LoRA)."""
+        return self.pool.not_mixable(adapter_id) if self.pool.is_resident(adapter_id) else None
+
     def room_wanted(self) -> AdapterRoom | None:
         return self._room
 
@@ -244,7 +249,7 @@ class AdapterResidency:
     # --- after scheduling ----------------------------------------------------------------
     def pin_running(self, running: Iterable[Sequence]) -> None:
         """Pin exactly the running requests' adapters (finished ones hold theirs no more)."""
-        self.tiers.pin_running(s.adapter_id for s in running if s.adapter_id is not None)
+        self.tiers.pin_running(a for s in running for a in s.adapter_ids)
 
     def observe(self, preemptions: int) -> None:
         """Feed the watch this step's counts (the thrash warning reads them)."""

@@ -79,6 +79,7 @@ class AdapterTiers:
         self._by_name: dict[str, RegisteredAdapter] = {}
         self._by_id: dict[int, RegisteredAdapter] = {}
         self._prepared: set[int] = set()  # held on the device for this step's admissions
+        self._pass_full = False  # in prepare: an adapter found no room, later ones wait
         self._pinned: set[int] = set()  # used by running requests
         # The first adapter of the last prepare() that was in RAM but found no device room:
         # (adapter id, rows it needs), or None.
@@ -219,61 +220,73 @@ class AdapterTiers:
         their requests must fail, not wait forever.
         """
         never: dict[int, str] = {}
-        full = False
+        self._pass_full = False
         self.blocked_for_room = None
         self.short_of_kv = None
         staged: set[int] = set()
         for seq in candidates:
-            adapter_id = seq.adapter_id
-            if adapter_id is None or adapter_id in staged:
+            # A mix (lora/mix.py) is promised its blocks once all its parts are staged.
+            if all(self._stage(a, seq, promise, never, staged) for a in seq.adapter_ids):
                 promise.promise(seq)
-                continue
-            if adapter_id not in self._by_id:
-                continue
-            if self.pool.is_resident(adapter_id):
-                self.pool.touch(adapter_id)
-            elif full:
-                continue
-            else:
-                weights = self.host.get(adapter_id)
-                if weights is None:
-                    if adapter_id not in self.loader.pending() and not self._failed(adapter_id):
-                        self._load(adapter_id)  # evicted from RAM while it waited
-                    continue
-                try:
-                    self.check_fits_device(
-                        self._by_id[adapter_id].request.name, self.pool.rows_for(weights)
-                    )
-                except PoolFull as exc:
-                    never[adapter_id] = str(exc)
-                    continue
-                floor = promise.kv_floor(seq)
-                self.host.pin(adapter_id)
-                try:
-                    resident = self.pool.try_load(adapter_id, weights, kv_floor=floor)
-                finally:
-                    self.host.unpin(adapter_id)
-                if resident is None:
-                    full = True  # later ones wait too
-                    if self._promised_away(self.pool.rows_for(weights), floor):
-                        self.short_of_kv = adapter_id
-                    else:
-                        self.blocked_for_room = (adapter_id, self.pool.rows_for(weights))
-                    continue
-                if adapter_id in self._evicted:
-                    self._evicted.discard(adapter_id)
-                    self.reloads += 1
-                    self.metrics.adapter_reloads.inc()
-            self.pool.pin(adapter_id)
-            self._prepared.add(adapter_id)
-            staged.add(adapter_id)
-            promise.promise(seq)
         if self.blocked_for_room is not None or self.short_of_kv is not None:
             # Its requests (and those of any adapter after it) sit out this step.
             self.room_wait_steps += 1
             self.metrics.adapter_room_wait_steps.inc()
         self._update_gauges()
         return never
+
+    def _stage(
+        self,
+        adapter_id: int,
+        seq: Sequence,
+        promise: KVPromise,
+        never: dict[int, str],
+        staged: set[int],
+    ) -> bool:
+        """Make one of ``seq``'s adapters resident and pinned for the pass, if it can be
+        now (see ``prepare``); whether it is."""
+        if adapter_id in staged:
+            return True
+        if adapter_id not in self._by_id:
+            return False
+        if self.pool.is_resident(adapter_id):
+            self.pool.touch(adapter_id)
+        elif self._pass_full:
+            return False
+        else:
+            weights = self.host.get(adapter_id)
+            if weights is None:
+                if adapter_id not in self.loader.pending() and not self._failed(adapter_id):
+                    self._load(adapter_id)  # evicted from RAM while it waited
+                return False
+            try:
+                self.check_fits_device(
+                    self._by_id[adapter_id].request.name, self.pool.rows_for(weights)
+                )
+            except PoolFull as exc:
+                never[adapter_id] = str(exc)
+                return False
+            floor = promise.kv_floor(seq)
+            self.host.pin(adapter_id)
+            try:
+                resident = self.pool.try_load(adapter_id, weights, kv_floor=floor)
+            finally:
+                self.host.unpin(adapter_id)
+            if resident is None:
+                self._pass_full = True  # later ones wait too
+                if self._promised_away(self.pool.rows_for(weights), floor):
+                    self.short_of_kv = adapter_id
+                else:
+                    self.blocked_for_room = (adapter_id, self.pool.rows_for(weights))
+                return False
+            if adapter_id in self._evicted:
+                self._evicted.discard(adapter_id)
+                self.reloads += 1
+                self.metrics.adapter_reloads.inc()
+        self.pool.pin(adapter_id)
+        self._prepared.add(adapter_id)
+        staged.add(adapter_id)
+        return True
 
     def _promised_away(self, rows: int, kv_floor: int) -> bool:
         """Whether an adapter of ``rows`` found no room because the KV it would take is

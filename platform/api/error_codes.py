@@ -67,6 +67,14 @@ ERROR_CODES: dict[str, ErrorCode] = {
         "`owner/name`).",
     ),
     "invalid_grant": ErrorCode(400, "A tenant cannot grant its own adapter to itself."),
+    "invalid_adapters": ErrorCode(
+        400,
+        "A composition of adapters is malformed: its form, too many parts, a version twice "
+        "or a weight out of range.",
+    ),
+    "adapter_not_composable": ErrorCode(
+        400, "An adapter of the composition is not plain LoRA (DoRA, biases, token rows)."
+    ),
     "invalid_period": ErrorCode(
         400, "A billing period is backwards, over 31 days or in the future (or, to roll up, open)."
     ),

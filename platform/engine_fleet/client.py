@@ -31,6 +31,16 @@ class EngineRequest:
     adapter: str | None = None  # the engine's name of the adapter version; None: the base
     priority: int = 0  # the tenant's priority class
     tenant: str | None = None  # whose fair share it counts against
+    # Several adapters weighted (engine names and weights; the engine's lora/mix.py), in
+    # place of ``adapter``
+    mix: tuple[tuple[str, float], ...] | None = None
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The engine names of every adapter it uses."""
+        if self.mix is not None:
+            return tuple(name for name, _ in self.mix)
+        return () if self.adapter is None else (self.adapter,)
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,7 @@ class LocalEngine(AsyncEngine):
             priority=request.priority,
             tenant=request.tenant,
             request_id=request.request_id,
+            mix=request.mix,
         )
 
     def capacity(self) -> int:

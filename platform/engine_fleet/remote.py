@@ -109,6 +109,7 @@ class RemoteEngine:
             "adapter": request.adapter,
             "priority": request.priority,
             "tenant": request.tenant,
+            "mix": None if request.mix is None else [list(part) for part in request.mix],
         }
         finished = answered = False
         try:

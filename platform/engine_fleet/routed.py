@@ -224,14 +224,19 @@ class RoutedEngines:
         self._check_boot(record)
         return self._assigned[record.engine_id]
 
-    async def _prepare(self, record: EngineRecord, adapter: str | None) -> None:
+    async def _prepare(self, record: EngineRecord, adapters: tuple[str, ...]) -> None:
         """Send the engine what the request needs that it may not have yet."""
-        remote, sent = self._remote(record), self._sent_to(record)
+        remote = self._remote(record)
         if record.engine_id not in self._tenants_synced:
             for tenant, scheduling in list(self._tenants.items()):
                 await remote.set_tenant(tenant, **scheduling)
             self._tenants_synced.add(record.engine_id)
-        if adapter is None or adapter in sent:
+        for adapter in adapters:
+            await self._register(record, remote, adapter)
+
+    async def _register(self, record: EngineRecord, remote: RemoteEngine, adapter: str) -> None:
+        sent = self._sent_to(record)
+        if adapter in sent:
             return
         lock = self._registering.setdefault((record.engine_id, adapter), asyncio.Lock())
         async with lock:  # one registration per engine and adapter, however many requests
@@ -253,7 +258,9 @@ class RoutedEngines:
         first did not answer or went away before the request's first output (nothing had
         reached the caller), or after re-registering the adapter with an engine that had
         forgotten it (it restarted). An engine lost after an output fails the request."""
-        request_id, adapter = request.request_id, request.adapter
+        # A mix is routed by its first adapter (the engine holding it gets the others).
+        request_id, adapters = request.request_id, request.adapters
+        adapter = adapters[0] if adapters else None
         excluded: set[str] = set()
         reregistered = delivered = False
         while True:
@@ -266,7 +273,7 @@ class RoutedEngines:
             self._inflight[record.engine_id] += 1
             self._running_on[request_id] = record
             try:
-                await self._prepare(record, adapter)
+                await self._prepare(record, adapters)
                 stream = self._remote(record).stream(request)
                 async with aclosing(stream):
                     async for out in stream:
@@ -293,7 +300,7 @@ class RoutedEngines:
             except AdapterNotRegistered:
                 if reregistered or adapter is None:
                     raise
-                self._sent_to(record).discard(adapter)
+                self._sent_to(record).difference_update(adapters)
                 reregistered = True
                 self.metrics.retries.labels("adapter_reregistered").inc()
             finally:

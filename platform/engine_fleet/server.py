@@ -199,6 +199,7 @@ class GenerateBody(_Body):
     adapter: str | None = None
     priority: int = 0
     tenant: str | None = None
+    mix: list[tuple[str, float]] | None = None  # adapters' names and weights
 
 
 class AdapterBody(_Body):
@@ -267,6 +268,7 @@ async def generate(body: GenerateBody, host: HostDep) -> Response:
         priority=body.priority,
         tenant=body.tenant,
         request_id=body.request_id,
+        mix=body.mix,
     )
     try:  # the first output answers whether the engine took the request
         first = await anext(stream)

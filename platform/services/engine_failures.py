@@ -43,6 +43,13 @@ def tenant_facing_error(model: str, out: RequestOutput) -> EngineRequestFailed:
             "adapter's weights or ask your operator.",
             "adapter_failed",
         )
+    if kind == ErrorKind.NOT_MIXABLE:
+        return EngineRequestFailed(
+            f"an adapter of {model!r} is not plain LoRA (DoRA, LoRA biases, its own "
+            "embedding or head rows, or LoRA on experts), so it cannot be composed; call "
+            "it alone",
+            "adapter_not_composable",
+        )
     if kind == ErrorKind.ADAPTER_TOO_LARGE:
         return EngineRequestFailed(
             f"adapter {model!r} is too large for this deployment's device memory; "

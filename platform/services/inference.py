@@ -45,8 +45,9 @@ from loramux.engine import FinishReason, RequestOutput
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import Tenant
 from loramux.platform.db.types import utc_now
-from loramux.platform.errors import NotFound, Unavailable
+from loramux.platform.errors import Invalid, NotFound, Unavailable
 from loramux.platform.services.adapter_grants import callable_version
+from loramux.platform.services.adapter_mix import MixPart, check_parts, parse_mixed_model
 from loramux.platform.services.adapter_refs import AdapterRef
 from loramux.platform.services.adapter_runtime import AdapterNotServable, AdapterRuntime
 from loramux.platform.services.admission import Admission
@@ -163,13 +164,69 @@ class InferenceService:
 
     # --- resolving the model ----------------------------------------------------------
     async def resolve(
-        self, session: Session, tenant: Tenant, model: str, runtime: AdapterRuntime
+        self,
+        session: Session,
+        tenant: Tenant,
+        model: str,
+        runtime: AdapterRuntime,
+        adapters: list[MixPart] | None = None,
     ) -> Target:
-        """The base model by its id, else the adapter ``model`` names that the tenant may
-        call; 404 otherwise."""
-        if model == self._context.base_model.model_id:
+        """The base model by its id, a composition of adapters (``adapters``, with
+        ``model`` the base model's id; or ``model`` in ``adapter_mix``'s form), else the
+        adapter ``model`` names that the tenant may call; 404 otherwise."""
+        base = self._context.base_model.model_id
+        if adapters is not None:
+            if model != base:
+                raise Invalid(
+                    f"With `adapters`, `model` names the base model ({base!r}), to which "
+                    f"they are added; got {model!r}.",
+                    code="invalid_model",
+                )
+            return await self.mix_target(session, tenant, adapters, runtime)
+        if model == base:
             return Target(model=model)
+        parts = parse_mixed_model(model)
+        if parts is not None:
+            return await self.mix_target(session, tenant, parts, runtime)
         return await self.adapter_target(session, tenant, model, runtime)
+
+    async def mix_target(
+        self, session: Session, tenant: Tenant, parts: list[MixPart], runtime: AdapterRuntime
+    ) -> Target:
+        """Several adapters the tenant may call, weighted (``adapter_mix``): each part's
+        version, on the engine. Its ``model`` names each version served."""
+        check_parts(parts, self._context.settings.max_mixed_adapters)
+        found = []
+        for part in parts:
+            ref = AdapterRef.parse(part.ref)
+            callable_ = await _in_thread(callable_version, session, tenant, ref)
+            if callable_ is None:
+                raise NotFound(
+                    f"The adapter {part.ref!r} of this composition does not exist or you "
+                    "do not have access to it.",
+                    code="model_not_found",
+                )
+            found.append((ref, callable_[1], part.weight))
+        if len({version.id for _, version, _ in found}) < len(found):
+            raise Invalid(
+                "The composition names one adapter version twice: give each once, with "
+                "the sum of its weights.",
+                code="invalid_adapters",
+            )
+        mix, labels = [], []
+        for ref, version, weight in found:
+            mix.append((await self._engine_name(runtime, version, str(ref)), weight))
+            owned = ref.name if ref.owner is None else f"{ref.owner}/{ref.name}"
+            labels.append(f"{owned}@{version.version}*{weight:g}")
+        return Target("+".join(labels), mix=tuple(mix))
+
+    async def _engine_name(self, runtime: AdapterRuntime, version, model: str) -> str:
+        try:
+            return await runtime.ensure_loaded(version)
+        except AdapterNotServable as exc:
+            raise Unavailable(
+                f"Adapter {model!r} cannot be served: {exc}", code="adapter_unavailable"
+            ) from exc
 
     async def adapter_target(
         self, session: Session, tenant: Tenant, model: str, runtime: AdapterRuntime
@@ -185,12 +242,7 @@ class InferenceService:
                 code="model_not_found",
             )
         adapter, version = found
-        try:
-            engine_name = await runtime.ensure_loaded(version)
-        except AdapterNotServable as exc:
-            raise Unavailable(
-                f"Adapter {model!r} cannot be served: {exc}", code="adapter_unavailable"
-            ) from exc
+        engine_name = await self._engine_name(runtime, version, model)
         return Target(model, engine_name, adapter.id, version.id)
 
     # --- building a job ---------------------------------------------------------------

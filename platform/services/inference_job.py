@@ -58,12 +58,14 @@ class Caller:
 
 @dataclass(frozen=True)
 class Target:
-    """What serves the request: the base model (no adapter) or one adapter version."""
+    """What serves the request: the base model (no adapter), one adapter version, or
+    several weighted (``mix``: each version's engine name and its weight)."""
 
-    model: str  # the name the client used; echoed back and metered
+    model: str  # the name the client used (a mix's: its parts' versions); echoed, metered
     engine_adapter: str | None = None
     adapter_id: str | None = None
     adapter_version_id: str | None = None
+    mix: tuple[tuple[str, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Job:
             prompt=self.prompt_of(index).source,
             params=self.params[index],
             adapter=self.target.engine_adapter,
+            mix=self.target.mix,
             priority=self.caller.priority,
             tenant=self.caller.tenant_id,
         )

@@ -23,6 +23,29 @@ def reference_model(model_dir: Path, adapter_dir: Path | None, dtype=torch.float
     return _load(str(model_dir), None if adapter_dir is None else str(adapter_dir), dtype)
 
 
+@cache
+def _load_mix(model_dir: str, parts: tuple[tuple[str, float], ...], dtype: torch.dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    names = [f"part{i}" for i in range(len(parts))]
+    model = PeftModel.from_pretrained(model, parts[0][0], adapter_name=names[0])
+    for name, (adapter_dir, _) in zip(names[1:], parts[1:], strict=True):
+        model.load_adapter(adapter_dir, adapter_name=name)
+    weights = [weight for _, weight in parts]
+    model.add_weighted_adapter(names, weights, "mix", combination_type="cat")
+    model.set_adapter("mix")
+    return model.eval()
+
+
+def mixed_reference_model(model_dir: Path, parts, dtype=torch.float32):
+    """transformers + PEFT with ``parts`` ((adapter dir, weight), ...) combined by
+    ``add_weighted_adapter(..., combination_type="cat")``: the weighted sum of their deltas."""
+    key = tuple((str(adapter_dir), float(weight)) for adapter_dir, weight in parts)
+    return _load_mix(str(model_dir), key, dtype)
+
+
 def fake_quantized_cache(kv_cache_dtype: str):
     """transformers' own KV cache, storing each new key and value as an engine with
     ``kv_cache_dtype`` reads it back (``kernels/kv_quant.fake_quantize_kv``: per token and
@@ -53,10 +76,15 @@ def greedy_tokens(
     eos_ids: frozenset[int] = frozenset(),
     dtype=torch.float32,
     kv_cache_dtype: str = "auto",
+    mix=None,
 ) -> list[int]:
     """Greedy tokens for one request run alone, with transformers' own KV cache (holding
-    what an engine's quantized cache would for ``kv_cache_dtype``)."""
-    model = reference_model(model_dir, adapter_dir, dtype)
+    what an engine's quantized cache would for ``kv_cache_dtype``); with ``mix`` ((adapter
+    dir, weight), ...), on PEFT's weighted combination of those adapters instead."""
+    if mix is not None:
+        model = mixed_reference_model(model_dir, mix, dtype)
+    else:
+        model = reference_model(model_dir, adapter_dir, dtype)
     ids = torch.tensor([prompt_ids])
     out = model(input_ids=ids, use_cache=True, past_key_values=fake_quantized_cache(kv_cache_dtype))
     tokens: list[int] = []

@@ -15,7 +15,7 @@ def plan_of(*adapters, generators=None) -> SchedulerOutput:
     generators = generators or {}
     scheduled = [
         ScheduledSequence(
-            SimpleNamespace(request_id=f"r{i}", adapter_id=a, generator=generators.get(i)),
+            SimpleNamespace(request_id=f"r{i}", lora_key=a, generator=generators.get(i)),
             num_tokens=1,
             samples=True,
         )

@@ -60,7 +60,7 @@ async def create_chat_completion(
 ):
     """A chat completion: the messages rendered with the base model's chat template."""
     check_no_priority(body.priority)
-    target = await service.resolve(session, tenant, body.model, runtime)
+    target = await service.resolve(session, tenant, body.model, runtime, body.mix_parts())
     structured, tools = await _chat_specs(body)
     inference = chat_request(body, template_messages(body.messages, tools), structured)
     job = await service.prepare(session, tenant, target, inference)

@@ -60,7 +60,7 @@ async def create_completion(
     runtime: AdapterRuntimeDep,
 ):
     """A text completion from the base model or one of the caller's adapters (``model``)."""
-    target = await service.resolve(session, tenant, body.model, runtime)
+    target = await service.resolve(session, tenant, body.model, runtime, body.mix_parts())
     return await _complete(request, service, session, tenant, target, body)
 
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from loramux.platform.api.openai.params import Prompts
+from loramux.platform.services.adapter_mix import MAX_ABS_WEIGHT, MixPart
 
 MAX_N = 16  # choices per request
 SPECULATIVE_DESCRIPTION = (
@@ -35,6 +36,36 @@ SPECULATIVE_DESCRIPTION = (
     "emitted tokens are billed; false opts out, e.g. to measure the plain decoding speed. "
     "Requests with structured outputs never speculate."
 )
+
+
+ADAPTERS_DESCRIPTION = (
+    "loramux extension: compose these adapters, each delta times its weight (PEFT's "
+    "add_weighted_adapter with combination_type cat), with `model` naming the base model. "
+    "Each `name` names an adapter as `model` would alone (`name`, `name@3`, "
+    "`owner/name`...). Clients that can set only `model` send it as `a*0.7+b*0.3`."
+)
+
+
+class AdapterPart(BaseModel):
+    """One adapter of a composition and its weight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=400)
+    weight: float = Field(ge=-MAX_ABS_WEIGHT, le=MAX_ABS_WEIGHT, allow_inf_nan=False)
+
+
+class Composable(BaseModel):
+    """A request whose ``model`` may be composed of adapters (``services/adapter_mix.py``)."""
+
+    adapters: list[AdapterPart] | None = Field(
+        default=None, min_length=1, max_length=64, description=ADAPTERS_DESCRIPTION
+    )
+
+    def mix_parts(self) -> list[MixPart] | None:
+        if self.adapters is None:
+            return None
+        return [MixPart(part.name, part.weight) for part in self.adapters]
 
 
 class StreamOptions(BaseModel):
@@ -100,7 +131,7 @@ class AdapterCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
 
-class CompletionRequest(AdapterCompletionRequest):
+class CompletionRequest(AdapterCompletionRequest, Composable):
     """``POST /v1/completions``."""
 
     model: str
@@ -131,7 +162,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.text}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, Composable):
     """``POST /v1/chat/completions``."""
 
     model: str

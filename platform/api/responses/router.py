@@ -75,7 +75,7 @@ async def create_response(
 ):
     """A model response (text in, text out) from the base model or one of the caller's
     adapters (``model``)."""
-    target = await service.resolve(session, tenant, body.model, runtime)
+    target = await service.resolve(session, tenant, body.model, runtime, body.mix_parts())
     return await _answer(request, service, session, tenant, target, body)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from loramux.platform.api.openai.schemas import SamplingFields
+from loramux.platform.api.openai.schemas import Composable, SamplingFields
 
 
 class InputMessage(BaseModel):
@@ -60,7 +60,7 @@ class AdapterResponseRequest(SamplingFields):
     text: dict[str, Any] | None = None
 
 
-class ResponseRequest(AdapterResponseRequest):
+class ResponseRequest(AdapterResponseRequest, Composable):
     """``POST /v1/responses``: ``model`` names the base model or one of the caller's
     adapters."""
 

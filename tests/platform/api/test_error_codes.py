@@ -95,7 +95,7 @@ def test_pass_through_sites_are_the_known_ones():
 def test_engine_failure_codes_are_in_the_table():
     source = (ROOT / "platform/services/engine_failures.py").read_text()
     codes = set(re.findall(r'"(adapter_[a-z_]+)",\n', source))
-    assert codes == {"adapter_failed", "adapter_unavailable"}
+    assert codes == {"adapter_failed", "adapter_unavailable", "adapter_not_composable"}
     assert codes <= ERROR_CODES.keys()
 
 
