@@ -178,8 +178,8 @@ class _EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop_requested:
-                self._run_commands(block=not self.engine.has_unfinished_requests())
-                if not self._stop_requested and self.engine.has_unfinished_requests():
+                self._run_commands(block=not self.engine.has_work())
+                if not self._stop_requested and self.engine.has_work():
                     self._step()
         finally:
             self._shutdown()
@@ -412,6 +412,12 @@ class AsyncEngine:
 
     async def adapter_residency(self) -> dict[str, str]:
         return await self._call(self.engine.adapter_residency)
+
+    async def keep_adapter(self, name: str, keep: bool = True) -> None:
+        await self._call(self.engine.keep_adapter, name, keep)
+
+    async def pinned_adapters(self) -> dict[str, str]:
+        return await self._call(self.engine.pinned_adapters)
 
     async def list_adapters(self) -> list[str]:
         return await self._call(self.engine.list_adapters)

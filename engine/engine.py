@@ -106,6 +106,15 @@ class Engine:
         self.residency.close()
         self.devices.close()
 
+    def keep_adapter(self, name: str, keep: bool = True) -> None:
+        """Pin the adapter ``name`` on the device whether requests use it or not (never
+        evicted), or unpin it; ``pinned_adapters`` says whether each pin is honoured."""
+        self.residency.keep(name, keep)
+
+    def pinned_adapters(self) -> dict[str, str]:
+        """Each pinned adapter -> ``pinned`` when on the device, else why not yet."""
+        return self.residency.pin_states()
+
     def list_adapters(self) -> list[str]:
         return self.residency.names()
 
@@ -193,6 +202,10 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to run, or pins to put on the device."""
+        return bool(self._requests) or self.residency.pins_pending()
 
     @property
     def num_preemptions(self) -> int:

@@ -175,6 +175,7 @@ class StepObserver:
             device=device,
             host=host,
             adapter_residency=residency.residency(),
+            pinned_adapters=residency.pin_states(),
             ttft=ttft,
             itl=itl,
             window_s=self.latencies.window_s,

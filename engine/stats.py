@@ -152,6 +152,8 @@ class EngineStats:
     share_window_s: float = DEFAULT_SHARE_WINDOW_S  # how far back ``share`` looks
     # Speculative decoding: the method ("off", "ngram", "draft"), the most proposals a
     # request verifies per step, and per adapter what was proposed, accepted and emitted.
+    # Adapters pinned on the device (Engine.keep_adapter) -> "pinned", or why not yet.
+    pinned_adapters: dict[str, str] = field(default_factory=dict)
     speculative_method: str = "off"
     num_speculative_tokens: int = 0
     speculation: dict[str, SpeculationStats] = field(default_factory=dict)

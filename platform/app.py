@@ -21,6 +21,7 @@ from loramux.platform.api.middleware.input_guard import InputGuardMiddleware
 from loramux.platform.api.openapi_errors import install_error_docs
 from loramux.platform.api.ops.metrics import HTTPMetricsMiddleware, PlatformMetrics
 from loramux.platform.context import PlatformContext
+from loramux.platform.services.adapter_pins import stored_pins
 from loramux.platform.services.adapter_runtime import AdapterRuntime
 from loramux.platform.services.load_shedding import (
     LoadControl,
@@ -65,6 +66,9 @@ def create_app(
             if context.engine is not None:
                 # The engine holds tenant shares in memory only: restore the stored ones.
                 await push_all_scheduling(context.sessions, context.engine)
+                # ...and the pins, which the engines hold in memory only too.
+                pinned = await run_in_threadpool(stored_pins, context.sessions)
+                await app.state.adapter_runtime.restore_pins(pinned)
             await journal.start()  # running requests' usage survives a crash
             yield
         finally:

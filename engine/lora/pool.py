@@ -156,6 +156,11 @@ class LoRAPool:
         return self._arena.token_slabs(first_row, rows)
 
     # --- accounting ------------------------------------------------------------
+    def rows_of(self, adapter_id: int) -> int:
+        """The rank-rows the resident adapter holds."""
+        self._require(adapter_id)
+        return self._resident[adapter_id].num_rows
+
     def rows_for(self, weights: LoRAWeights) -> int:
         """The rank-rows ``weights`` take on the device: its rank, DoRA's row, the rows of
         its embedding and head tables."""

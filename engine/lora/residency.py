@@ -148,6 +148,19 @@ class AdapterResidency:
         """Adapter name -> the tier holding it: device, host, loading, store or failed."""
         return self.tiers.residency()
 
+    def keep(self, name: str, keep: bool = True) -> None:
+        """Pin ``name`` on the device, or unpin it (``AdapterTiers.keep``)."""
+        lora = self.tiers.get(name)
+        if lora is None:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded")
+        self.tiers.keep(lora.adapter_id, keep)
+
+    def pin_states(self) -> dict[str, str]:
+        return self.tiers.pin_states()
+
+    def pins_pending(self) -> bool:
+        return self.tiers.pins_pending()
+
     def note_request(self, lora: LoRARequest) -> None:
         """A request for ``lora`` arrived: counted per tier, a cold adapter starts loading."""
         self.tiers.note_request(lora.adapter_id)

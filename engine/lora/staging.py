@@ -85,6 +85,12 @@ class KVPromise:
         protected = round(protected)
         return self.kv.num_held_blocks + protected + self.staged + self.blocks_for(seq)
 
+    def kv_floor_all(self) -> int:
+        """The lowest KV limit at which every promise stays KV's (a pinned adapter's
+        room): held blocks, every running request's at its longest, the candidates'."""
+        running = round(sum(self._groups.values()))
+        return self.kv.num_held_blocks + running + self.staged
+
     def promise(self, seq: Sequence) -> None:
         """``seq`` will be admitted (its adapter is on the device): its blocks are promised."""
         self.staged += self.blocks_for(seq)

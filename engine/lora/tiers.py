@@ -57,6 +57,15 @@ class Tier(enum.StrEnum):
     FAILED = "failed"  # its last load failed; the next request retries
 
 
+# How a kept adapter's pin stands (``AdapterTiers.pin_states``); other states say why not.
+PIN_HONOURED = "pinned"
+PIN_LOADING = "loading"
+PIN_WAITING = "waiting for device memory no request is promised"
+# The most of the adapter rows pinned adapters may hold together: the rest stays for the
+# adapters requests bring, however many pins tenants ask for.
+MAX_PINNED_SHARE = 0.5
+
+
 @dataclass
 class RegisteredAdapter:
     request: LoRARequest
@@ -81,6 +90,9 @@ class AdapterTiers:
         self._prepared: set[int] = set()  # held on the device for this step's admissions
         self._pass_full = False  # in prepare: an adapter found no room, later ones wait
         self._pinned: set[int] = set()  # used by running requests
+        # Kept on the device whether requests use them or not (``keep``): adapter id -> how
+        # its pin stands (``PIN_*``, or why it is not honoured).
+        self._kept: dict[int, str] = {}
         # The first adapter of the last prepare() that was in RAM but found no device room:
         # (adapter id, rows it needs), or None.
         self.blocked_for_room: tuple[int, int] | None = None
@@ -106,6 +118,7 @@ class AdapterTiers:
         entry = self._by_name.pop(name)
         adapter_id = entry.request.adapter_id
         del self._by_id[adapter_id]
+        self._kept.pop(adapter_id, None)
         self._evicted.discard(adapter_id)
         # No request uses it (the caller checked), so holds from the last step are stale.
         for holds in (self._pinned, self._prepared):
@@ -228,6 +241,8 @@ class AdapterTiers:
             # A mix (lora/mix.py) is promised its blocks once all its parts are staged.
             if all(self._stage(a, seq, promise, never, staged) for a in seq.adapter_ids):
                 promise.promise(seq)
+        for adapter_id in self._kept:  # after the requests: a pin takes no promised memory
+            self._kept[adapter_id] = self._stage_kept(adapter_id, promise, staged)
         if self.blocked_for_room is not None or self.short_of_kv is not None:
             # Its requests (and those of any adapter after it) sit out this step.
             self.room_wait_steps += 1
@@ -267,26 +282,93 @@ class AdapterTiers:
                 never[adapter_id] = str(exc)
                 return False
             floor = promise.kv_floor(seq)
-            self.host.pin(adapter_id)
-            try:
-                resident = self.pool.try_load(adapter_id, weights, kv_floor=floor)
-            finally:
-                self.host.unpin(adapter_id)
-            if resident is None:
+            if not self._onto_device(adapter_id, weights, floor):
                 self._pass_full = True  # later ones wait too
                 if self._promised_away(self.pool.rows_for(weights), floor):
                     self.short_of_kv = adapter_id
                 else:
                     self.blocked_for_room = (adapter_id, self.pool.rows_for(weights))
                 return False
-            if adapter_id in self._evicted:
-                self._evicted.discard(adapter_id)
-                self.reloads += 1
-                self.metrics.adapter_reloads.inc()
+        self._hold_for_step(adapter_id, staged)
+        return True
+
+    def _onto_device(self, adapter_id: int, weights, kv_floor: int) -> bool:
+        """Load the adapter's host weights onto the device, KV's limit staying at or above
+        ``kv_floor``; whether it found room (a re-load is counted)."""
+        self.host.pin(adapter_id)
+        try:
+            resident = self.pool.try_load(adapter_id, weights, kv_floor=kv_floor)
+        finally:
+            self.host.unpin(adapter_id)
+        if resident is None:
+            return False
+        if adapter_id in self._evicted:
+            self._evicted.discard(adapter_id)
+            self.reloads += 1
+            self.metrics.adapter_reloads.inc()
+        return True
+
+    def _hold_for_step(self, adapter_id: int, staged: set[int]) -> None:
+        """Pinned until ``pin_running``: no later adapter of the pass evicts it."""
         self.pool.pin(adapter_id)
         self._prepared.add(adapter_id)
         staged.add(adapter_id)
-        return True
+
+    # --- pins: adapters kept on the device ------------------------------------------------
+    def keep(self, adapter_id: int, keep: bool = True) -> None:
+        """Keep the adapter on the device whether requests use it or not (``keep``), or no
+        longer. A pin is honoured from the next step that finds room no request is
+        promised, within ``MAX_PINNED_SHARE`` of the adapter rows; ``pin_states`` says how
+        each stands. A kept adapter is never evicted."""
+        if not keep:
+            self._kept.pop(adapter_id, None)
+            return
+        if self._kept.get(adapter_id) != PIN_HONOURED:  # new, or tried again after a failure
+            self._kept[adapter_id] = PIN_LOADING
+            self.note_request(adapter_id)  # starts its load if it is cold
+
+    def pins_pending(self) -> bool:
+        """Whether a pin waits for a step to put it on the device (loading, or waiting for
+        memory): an idle engine steps until none does."""
+        return any(state in (PIN_LOADING, PIN_WAITING) for state in self._kept.values())
+
+    def pin_states(self) -> dict[str, str]:
+        """Each kept adapter's name -> ``pinned``, or why its pin is not honoured yet."""
+        return {self._by_id[a].request.name: state for a, state in sorted(self._kept.items())}
+
+    def _stage_kept(self, adapter_id: int, promise: KVPromise, staged: set[int]) -> str:
+        """Put a kept adapter on the device if it is not, in memory no request is promised
+        and within the pins' share; how its pin stands."""
+        entry = self._by_id[adapter_id]
+        if self.pool.is_resident(adapter_id):
+            self.pool.touch(adapter_id)
+            return PIN_HONOURED
+        if entry.failure is not None:
+            return f"failed: {entry.failure}"
+        weights = self.host.get(adapter_id)
+        if weights is None:
+            if adapter_id not in self.loader.pending():
+                self._load(adapter_id)  # evicted from RAM while it waited
+            return PIN_LOADING
+        rows = self.pool.rows_for(weights)
+        try:
+            self.check_fits_device(entry.request.name, rows)
+        except PoolFull as exc:
+            return f"too large: {exc}"
+        kept_rows = sum(
+            self.pool.rows_of(a) for a in self._kept if a != adapter_id and self.pool.is_resident(a)
+        )
+        share = int(self.pool.capacity * MAX_PINNED_SHARE)
+        if kept_rows + rows > share:
+            return (
+                f"over the pins' share: it needs {rows} adapter rows, pinned adapters hold "
+                f"{kept_rows} of the {share} pins may take ({MAX_PINNED_SHARE:.0%} of "
+                f"{self.pool.capacity})"
+            )
+        if not self._onto_device(adapter_id, weights, promise.kv_floor_all()):
+            return PIN_WAITING
+        self._hold_for_step(adapter_id, staged)
+        return PIN_HONOURED
 
     def _promised_away(self, rows: int, kv_floor: int) -> bool:
         """Whether an adapter of ``rows`` found no room because the KV it would take is
@@ -301,8 +383,10 @@ class AdapterTiers:
         return self._by_id[adapter_id].failure is not None
 
     def pin_running(self, running_adapter_ids: Iterable[int]) -> None:
-        """Pin exactly the adapters of running requests (and release this step's holds)."""
+        """Pin exactly the adapters of running requests and the kept ones on the device
+        (and release this step's holds)."""
         wanted = set(running_adapter_ids)
+        wanted.update(a for a in self._kept if self.pool.is_resident(a))
         for adapter_id in self._prepared:
             self.pool.unpin(adapter_id)
         self._prepared = set()

@@ -90,6 +90,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "adapter_version_not_found": ErrorCode(404, "The adapter has no version of that number."),
     "grantee_not_found": ErrorCode(404, "No live tenant of that name to grant the adapter to."),
     "grant_not_found": ErrorCode(404, "The adapter is not granted to that tenant."),
+    "pin_not_found": ErrorCode(404, "The adapter has no pinned version."),
     "api_key_not_found": ErrorCode(404, "No API key with that id."),
     "tenant_not_found": ErrorCode(404, "No tenant with that id."),
     "export_not_found": ErrorCode(404, "No billing export with that id."),
@@ -102,6 +103,10 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "adapter_version_not_ready": ErrorCode(
         409, "The version is not ready, so it cannot take the name or a grant."
     ),
+    "pin_quota_exceeded": ErrorCode(
+        409, "Pinning the version would pass the tenant's pin quota (bytes)."
+    ),
+    "pinned_by_operator": ErrorCode(409, "An operator pinned the adapter; only one can lift it."),
     "adapter_upload_conflict": ErrorCode(
         409, "Too many uploads of one adapter at once; nothing was kept, try again."
     ),

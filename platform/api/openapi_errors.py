@@ -65,6 +65,10 @@ ROUTE_STATUSES: dict[tuple[str, str], frozenset[int]] = {
     ("POST", "/v1/adapters"): frozenset({400, 409, 503}),
     ("PUT", "/v1/adapters/{name}/alias"): frozenset({409}),  # the version is not ready
     ("PUT", "/v1/adapters/{name}/grants/{grantee}"): frozenset({409}),  # version not ready
+    # the version is not ready; over the pin quota; an operator's pin
+    ("PUT", "/v1/adapters/{name}/pin"): frozenset({409}),
+    ("DELETE", "/v1/adapters/{name}/pin"): frozenset({409}),  # an operator's pin
+    ("PUT", "/admin/adapters/{adapter_id}/pin"): frozenset({409}),  # the version is not ready
     ("GET", "/admin/adapters"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/usage"): frozenset({404}),  # unknown tenant_id
     ("GET", "/admin/engine"): frozenset({503}),  # no engine can report

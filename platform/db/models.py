@@ -114,6 +114,9 @@ class Tenant(Base):
             "max_queued_requests IS NULL OR max_queued_requests > 0",
             name="max_queued_requests_positive",
         ),
+        CheckConstraint(
+            "pin_quota_bytes IS NULL OR pin_quota_bytes >= 0", name="pin_quota_non_negative"
+        ),
     )
 
     id: Mapped[str] = _id_column()
@@ -127,6 +130,9 @@ class Tenant(Base):
     # limit (None: the server's per-tenant one); see services/deadlines.py, load_shedding.py.
     request_timeout_s: Mapped[float | None] = mapped_column(Float)
     max_queued_requests: Mapped[int | None] = mapped_column(Integer)
+    # Bytes of adapter weights the tenant may pin on the device (set by an operator);
+    # None: none.
+    pin_quota_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = _created_at_column()
     updated_at: Mapped[datetime] = _updated_at_column()
     deleted_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
@@ -251,6 +257,9 @@ class AdapterVersion(Base):
         CheckConstraint("version >= 1", name="version_positive"),
         CheckConstraint("rank IS NULL OR rank > 0", name="rank_positive"),
         CheckConstraint("size_bytes IS NULL OR size_bytes >= 0", name="size_non_negative"),
+        CheckConstraint(
+            "pinned_by IS NULL OR pinned_by IN ('tenant', 'operator')", name="pinned_by_known"
+        ),
         # The sweep looks for the few unfinished versions among many finished ones.
         Index("ix_adapter_versions_status", "status"),
     )
@@ -272,6 +281,9 @@ class AdapterVersion(Base):
     base_model: Mapped[str] = mapped_column(String(NAME_LENGTH))
     lease_owner: Mapped[str | None] = mapped_column(String(LEASE_OWNER_LENGTH))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime())
+    # Pinned on the engines' devices (never evicted), by its tenant (counted against the
+    # tenant's pin_quota_bytes) or by an operator; None: not pinned.
+    pinned_by: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime] = _created_at_column()
     updated_at: Mapped[datetime] = _updated_at_column()
 

@@ -143,6 +143,7 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         device=_merge_tier([p.device for p in parts]),
         host=_merge_tier([p.host for p in parts]),
         adapter_residency=fastest_tiers([p.adapter_residency for p in parts]),
+        pinned_adapters=merge_pin_states([p.pinned_adapters for p in parts]),
         residency=_merge_residency([p.residency for p in parts]),
         memory=_merge_memory([p.memory for p in parts if p.memory is not None]),
         ttft=_worst([p.ttft for p in parts]),
@@ -159,6 +160,23 @@ def merge_stats(parts: list[EngineStats]) -> EngineStats:
         lora_launches_per_decode_step=_most([p.lora_launches_per_decode_step for p in parts]),
         lora_launches_per_layer=_most([p.lora_launches_per_layer for p in parts]),
     )
+
+
+def merge_pin_states(parts: list[dict[str, str]]) -> dict[str, str]:
+    """Each pinned adapter -> ``pinned`` when every engine that pins it holds it, else the
+    first engine's reason and how many of them hold it."""
+    merged: dict[str, str] = {}
+    for name in sorted({name for part in parts for name in part}):
+        states = [part[name] for part in parts if name in part]
+        not_held = [state for state in states if state != "pinned"]
+        merged[name] = (
+            "pinned"
+            if not not_held
+            else f"pinned on {len(states) - len(not_held)} of {len(states)} engines; {not_held[0]}"
+            if len(states) > 1
+            else not_held[0]
+        )
+    return merged
 
 
 def _most(values):

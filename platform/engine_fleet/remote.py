@@ -171,6 +171,13 @@ class RemoteEngine:
         if response.status_code != 204:
             raise _refusal(response)
 
+    async def keep_adapter(self, name: str, keep: bool = True) -> None:
+        """Pin ``name`` on the engine's device, or unpin it: :class:`AdapterNotRegistered`
+        if the engine does not have it."""
+        response = await self._call("PUT", f"/adapters/{name}/keep", {"keep": keep})
+        if response.status_code != 204:
+            raise _refusal(response)
+
     async def remove_adapter(self, name: str) -> None:
         """Unregister ``name``: :class:`AdapterNotRegistered` (an ``UnknownAdapter``) if the
         engine does not have it, ``AdapterInUse`` while requests use it."""
@@ -190,6 +197,9 @@ class RemoteEngine:
 
     async def stats(self) -> EngineStats:
         return stats_from_json((await self._call("GET", "/stats")).json())
+
+    async def pinned_adapters(self) -> dict[str, str]:
+        return (await self.stats()).pinned_adapters
 
     async def residency(self) -> dict[str, str]:
         return dict((await self._call("GET", "/residency")).json())

@@ -35,7 +35,7 @@ from prometheus_client import Counter as PromCounter
 
 from loramux.engine import EngineStats, RequestOutput
 from loramux.platform.engine_fleet.client import EngineReport, EngineRequest
-from loramux.platform.engine_fleet.merge import fastest_tiers, merge_stats
+from loramux.platform.engine_fleet.merge import fastest_tiers, merge_pin_states, merge_stats
 from loramux.platform.engine_fleet.registry import EngineRecord, EngineRegistry
 from loramux.platform.engine_fleet.remote import (
     AdapterNotRegistered,
@@ -105,6 +105,8 @@ class RoutedEngines:
         self._registering: dict[tuple[str, str], asyncio.Lock] = {}
         self._tenants_synced: set[str] = set()  # engines holding every tenant's scheduling
         self._adapters: dict[str, StoredAdapter] = {}  # adapter name -> its store objects
+        self._kept: set[str] = set()  # adapters pinned on every engine
+        self._kept_on: dict[str, set[str]] = {}  # engine id -> pins it has taken
         self._tenants: dict[str, dict] = {}  # tenant -> {"weight": w, "priority": p}
         self.routed: Counter[tuple[str, str | None]] = Counter()  # (engine, adapter) -> count
         # Requests with an adapter, by how they were routed: "affine" to an engine holding
@@ -149,6 +151,7 @@ class RoutedEngines:
             await asyncio.sleep(self._registry.heartbeat_s / 2)
             try:
                 await self.refresh()
+                await self._sync_pins()
             except Exception:  # Redis blip: route from the last records meanwhile
                 logger.exception("reading the engine registry failed")
 
@@ -214,6 +217,7 @@ class RoutedEngines:
             self._boots[record.engine_id] = record.boot_id
             self._sent[record.engine_id] = set()
             self._assigned[record.engine_id] = set()
+            self._kept_on[record.engine_id] = set()
             self._tenants_synced.discard(record.engine_id)
 
     def _sent_to(self, record: EngineRecord) -> set[str]:
@@ -330,7 +334,47 @@ class RoutedEngines:
                 with contextlib.suppress(EngineUnavailable, AdapterNotRegistered):
                     await self._remote(record).remove_adapter(name)
                 sent.discard(name)
+            self._kept_on.get(record.engine_id, set()).discard(name)
         self._adapters.pop(name, None)
+        self._kept.discard(name)
+
+    async def keep_adapter(self, name: str, keep: bool = True) -> None:
+        """Pin ``name`` on every engine (registering it where it was not sent), or unpin
+        it; an engine that cannot be reached now, or that starts later, gets the pin at the
+        next registry read (``_sync_pins``)."""
+        if keep:
+            self._kept.add(name)
+        else:
+            self._kept.discard(name)
+        for record in self._serving():
+            await self._send_pin(record, name, keep)
+
+    async def _send_pin(self, record: EngineRecord, name: str, keep: bool) -> None:
+        kept_on = self._kept_on.setdefault(record.engine_id, set())
+        remote = self._remote(record)
+        try:
+            if keep:
+                await self._register(record, remote, name)
+            await remote.keep_adapter(name, keep)
+        except (EngineUnavailable, AdapterNotRegistered):
+            kept_on.discard(name)  # sent again at the next registry read
+            self._sent_to(record).discard(name)
+            return
+        if keep:
+            kept_on.add(name)
+        else:
+            kept_on.discard(name)
+
+    async def _sync_pins(self) -> None:
+        """Send each live engine the pins it lacks (a new or restarted one)."""
+        for record in self._serving():
+            self._check_boot(record)
+            for name in self._kept - self._kept_on.get(record.engine_id, set()):
+                await self._send_pin(record, name, True)
+
+    async def pinned_adapters(self) -> dict[str, str]:
+        """Each pinned adapter's state on the engines (``merge.merge_pin_states``)."""
+        return merge_pin_states(await self._gather(lambda remote: remote.pinned_adapters()))
 
     async def set_tenant_weight(self, tenant: str | None, weight: float) -> None:
         await self._set_tenant(tenant, weight=weight)

@@ -202,6 +202,10 @@ class GenerateBody(_Body):
     mix: list[tuple[str, float]] | None = None  # adapters' names and weights
 
 
+class KeepBody(_Body):
+    keep: bool
+
+
 class AdapterBody(_Body):
     config_key: str
     weights_key: str
@@ -327,6 +331,15 @@ async def remove_adapter(name: str, host: HostDep) -> Response:
         return _error(404, str(exc), "unknown_adapter")
     except EngineError as exc:  # AdapterInUse, its only other refusal
         return _error(409, str(exc), "adapter_in_use")
+    return Response(status_code=204)
+
+
+@internal.put("/adapters/{name}/keep", response_model=None)
+async def keep_adapter(name: str, body: KeepBody, host: HostDep) -> Response:
+    try:
+        await host.engine.keep_adapter(name, body.keep)
+    except UnknownAdapter as exc:
+        return _error(404, str(exc), "unknown_adapter")
     return Response(status_code=204)
 
 

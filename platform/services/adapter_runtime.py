@@ -20,12 +20,16 @@ leave one more registration behind for good.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 
 from loramux.engine import EngineError, UnknownAdapter
 from loramux.platform.context import PlatformContext
 from loramux.platform.db.models import AdapterStatus, AdapterVersion
 from loramux.platform.engine_fleet.stored_adapter import StoredAdapter
+
+logger = logging.getLogger(__name__)
 
 REMOVAL_RETRY_S = 0.5  # how often a deleted adapter still in use is tried again
 # How long a superseded version stays registered: longer than a request takes from
@@ -54,6 +58,7 @@ class AdapterRuntime:
         self._retiring: set[str] = set()  # superseded: still registered, removal pending
         self._asked_at: dict[str, float] = {}  # engine name -> when a request last asked
         self._pending_removals: set[asyncio.Task] = set()  # deletes waiting for requests
+        self._kept: set[str] = set()  # pinned on the engines: never retired
 
     @staticmethod
     def engine_name(version: AdapterVersion) -> str:
@@ -94,7 +99,7 @@ class AdapterRuntime:
         mine = [n for n, a in self._adapter_of.items() if a == adapter_id]
         newest = max(mine, key=self._number_of.__getitem__)
         for old in mine:
-            if old != newest:
+            if old != newest and old not in self._kept:
                 self._forget(old)
                 self._retiring.add(old)
                 self._remove_later(engine, old, delay=SUPERSEDED_GRACE_S, unasked=True)
@@ -117,11 +122,46 @@ class AdapterRuntime:
         task.add_done_callback(lambda _: self._retiring.discard(name))
         task.add_done_callback(lambda _: self._asked_at.pop(name, None))
 
+    # --- pins ---------------------------------------------------------------------------
+    async def pin(self, version: AdapterVersion) -> str:
+        """Register ``version`` and have the engines keep it on the device (never evicted,
+        never retired); its engine name."""
+        name = await self.ensure_loaded(version)
+        self._kept.add(name)
+        await self._context.engine.keep_adapter(name, True)
+        return name
+
+    async def unpin(self, version: AdapterVersion) -> None:
+        """Let the engines evict ``version`` again (and retire it, if it is superseded)."""
+        engine, name = self._context.engine, self.engine_name(version)
+        if engine is None or name not in self._kept:
+            return
+        self._kept.discard(name)
+        with contextlib.suppress(UnknownAdapter):
+            await engine.keep_adapter(name, False)
+        if name in self._loaded:
+            self._retire_superseded(engine, version.adapter_id)
+
+    async def pin_states(self) -> dict[str, str]:
+        """Engine name -> how its pin stands on the engines (``pinned``, or why not)."""
+        engine = self._context.engine
+        return {} if engine is None else await engine.pinned_adapters()
+
+    async def restore_pins(self, versions: list[AdapterVersion]) -> None:
+        """Pin ``versions`` (the stored pins) on engines that start without them; one that
+        cannot be registered is logged and left: its page says it is not held."""
+        for version in versions:
+            try:
+                await self.pin(version)
+            except (AdapterNotServable, EngineError) as exc:
+                logger.warning("pinned adapter version %s not restored: %s", version.id, exc)
+
     async def unload(self, version: AdapterVersion) -> None:
         """Unregister ``version`` from the engine, freeing its memory; if requests still use
         it, once they have ended (no new request can reach a deleted adapter)."""
         engine = self._context.engine
         name = self.engine_name(version)
+        self._kept.discard(name)
         if engine is not None and name in self._loaded:
             self._forget(name)
             self._asked_at.pop(name, None)

@@ -74,6 +74,19 @@ def live_adapter(session: Session, tenant: Tenant, name: str) -> Adapter:
     return adapter
 
 
+def live_adapter_by_id(session: Session, adapter_id: str) -> tuple[Adapter, Tenant]:
+    """A live adapter of a live tenant by its id, with the tenant (operators' routes); 404
+    otherwise."""
+    found = session.execute(
+        select(Adapter, Tenant)
+        .join(Tenant, Adapter.tenant_id == Tenant.id)
+        .where(Adapter.id == adapter_id, Adapter.deleted_at.is_(None), Tenant.deleted_at.is_(None))
+    ).first()
+    if found is None:
+        raise NotFound(f"No adapter with id {adapter_id!r}.", code="adapter_not_found")
+    return found[0], found[1]
+
+
 def latest_version(
     session: Session, adapter: Adapter, *, ready: bool = False
 ) -> AdapterVersion | None:

@@ -40,6 +40,7 @@ SETTINGS_NAMED_ALIKE = (
     "tokens_per_minute",
     "request_timeout_s",
     "max_queued_requests",
+    "pin_quota_bytes",
 )
 # Tenant columns ``update_tenant`` may set (prices go through ``PriceChange``).
 TENANT_SETTINGS = frozenset({*SETTINGS_NAMED_ALIKE, "monthly_budget_micro_usd"})
@@ -132,6 +133,7 @@ class NewTenant:
     monthly_budget_micro_usd: int | None = None
     request_timeout_s: float | None = None  # None: the server's maximum
     max_queued_requests: int | None = None  # None: the server's per-tenant limit
+    pin_quota_bytes: int | None = None  # None: it may pin nothing
     price: PriceSpec = field(default_factory=PriceSpec)
 
 

@@ -174,6 +174,7 @@ def _full_stats() -> EngineStats:
         device=TierStats(adapters=("a",), bytes=100, capacity_bytes=1000),
         host=TierStats(adapters=("a", "b"), bytes=200, capacity_bytes=2000),
         adapter_residency={"a": "device", "b": "host", "c": "store"},
+        pinned_adapters={"a": "pinned", "b": "loading"},
         ttft=LatencySummary(samples=3, p50=0.1, p90=0.2, p99=None),
         itl=LatencySummary(samples=0, p50=None, p90=None, p99=None),
         window_s=120.0,

@@ -43,6 +43,11 @@ class EngineAdapterOut(BaseModel):
     tenant_name: str | None
     adapter: str | None
     version: int | None
+    pin: str | None = Field(
+        default=None,
+        description="Pinned on the device: `pinned`, or why the engines do not hold it yet; "
+        "null: not pinned.",
+    )
 
 
 class TierOut(BaseModel):
@@ -240,7 +245,7 @@ class EngineSnapshotOut(BaseModel):
         engines: list[EngineReport],
     ) -> EngineSnapshotOut:
         adapters = {
-            name: _adapter(name, tier, labels.get(name))
+            name: _adapter(name, tier, labels.get(name), stats.pinned_adapters.get(name))
             for name, tier in stats.adapter_residency.items()
         }
         return cls(
@@ -277,8 +282,8 @@ class EngineSnapshotOut(BaseModel):
         )
 
 
-def _adapter(name: str, tier: str, label: VersionLabel | None) -> EngineAdapterOut:
-    return EngineAdapterOut(engine_name=name, tier=tier, **label_fields(label))
+def _adapter(name: str, tier: str, label: VersionLabel | None, pin: str | None) -> EngineAdapterOut:
+    return EngineAdapterOut(engine_name=name, tier=tier, pin=pin, **label_fields(label))
 
 
 def _tier(tier: TierStats, adapters: dict[str, EngineAdapterOut]) -> TierOut:

@@ -58,6 +58,15 @@ TimeoutSeconds = Annotated[
         "maximum still applies; a request's `timeout` can only shorten it).",
     ),
 ]
+PinQuota = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=2**53,  # exact in a JSON number (a double), and 8 PiB is beyond any device
+        description="Bytes of adapter weights the tenant may pin on the device (its "
+        "versions' weights files); empty: none.",
+    ),
+]
 QueueLimit = Annotated[
     int,
     Field(

@@ -22,6 +22,7 @@ from pydantic.json_schema import SkipJsonSchema
 from loramux.platform.api.admin.fields import (
     Name,
     PerMinute,
+    PinQuota,
     Priority,
     QueueLimit,
     TimeoutSeconds,
@@ -66,6 +67,7 @@ class TenantCreate(_Request):
     monthly_budget_usd: Usd | None = None
     request_timeout_s: TimeoutSeconds | None = None
     max_queued_requests: QueueLimit | None = None
+    pin_quota_bytes: PinQuota | None = None
     input_price_per_mtok: Usd = 0.0
     cached_input_price_per_mtok: Usd | None = None
     output_price_per_mtok: Usd = 0.0
@@ -120,6 +122,7 @@ class TenantUpdate(_Request):
     monthly_budget_usd: Usd | None = None
     request_timeout_s: TimeoutSeconds | None = None
     max_queued_requests: QueueLimit | None = None
+    pin_quota_bytes: PinQuota | None = None
     input_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
     cached_input_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
     output_price_per_mtok: Usd | SkipJsonSchema[None] = _not_sent()
@@ -166,6 +169,7 @@ class TenantOut(BaseModel):
     monthly_budget_usd: float | None
     request_timeout_s: float | None  # null: the server's maximum applies
     max_queued_requests: int | None  # null: the server's per-tenant limit applies
+    pin_quota_bytes: int | None  # null: it may pin no adapter on the device
     input_price_per_mtok: float | None
     cached_input_price_per_mtok: float | None
     output_price_per_mtok: float | None

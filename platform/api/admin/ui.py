@@ -80,6 +80,7 @@ PAGES = {
     "operator/billing": Page("operator/billing.html", "Billing exports", "operator", "billing"),
     "operator/engine": Page("operator/engine.html", "Engine", "operator", "engine"),
     "tenant/adapters": Page("tenant/adapters.html", "Adapters", "tenant", "adapters"),
+    "tenant/adapter": Page("tenant/adapter.html", "Adapter", "tenant", "adapters"),
     "tenant/playground": Page("tenant/playground.html", "Playground", "tenant", "playground"),
     "tenant/usage": Page("tenant/usage.html", "Usage", "tenant", "usage"),
 }
@@ -182,9 +183,14 @@ def tenant_page(request: Request, tenant_id: str) -> HTMLResponse:
     return _render(request, "operator/tenant", tenant_id=tenant_id)
 
 
+@router.get("/ui/tenant/adapters/{adapter_name}")
+def adapter_page(request: Request, adapter_name: str) -> HTMLResponse:
+    return _render(request, "tenant/adapter", adapter_name=adapter_name)
+
+
 @router.get("/ui/{role}/{name}")
 def role_page(request: Request, role: str, name: str) -> HTMLResponse:
     key = f"{role}/{name}"
-    if key not in PAGES or key == "operator/tenant":
+    if key not in PAGES or key in ("operator/tenant", "tenant/adapter"):
         raise APIError(404, f"No UI page /ui/{key}.", code="not_found")
     return _render(request, key)

@@ -137,3 +137,33 @@ class GrantOut(BaseModel):
 class GrantList(BaseModel):
     object: str = "list"
     data: list[GrantOut]
+
+
+class PinIn(BaseModel):
+    """``PUT /v1/adapters/{name}/pin``: which version to keep on the device."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        le=VERSION_MAX,
+        description="A ready version's number; null or absent: the one the bare name reaches now.",
+    )
+
+
+class PinOut(BaseModel):
+    """The adapter's pinned version and how the engines hold it, with the tenant's quota."""
+
+    object: str = "adapter.pin"
+    adapter: str
+    version: int | None = Field(description="The pinned version; null: none.")
+    pinned_by: str | None = Field(description="`tenant` or `operator`; null: not pinned.")
+    size_bytes: int | None = Field(description="Its weights' bytes, counted against the quota.")
+    state: str | None = Field(
+        description="`pinned` when every engine holds it on the device, else why not yet "
+        "(loading, waiting for memory no request is promised, over the engines' share for "
+        "pins); null: not pinned."
+    )
+    quota_bytes: int = Field(description="Bytes the tenant may pin (set by an operator).")
+    pinned_bytes: int = Field(description="Bytes the tenant's own pins hold now.")

@@ -42,7 +42,7 @@ not UTF-8 and one nested too deep to parse. docs/api.md: a NUL is a 404 in the p
 
 Real values. Random strings name nothing, so most cases would only ever reach a 404: a
 string that names a resource often gets a real one instead (``REAL_VALUE_SHARE``): a real
-tenant or key id for the operator; for the tenant, its ready adapter, the base model, the
+tenant, key or adapter id for the operator; for the tenant, its ready adapter, the base model, the
 adapter another tenant shares with it (``fuzz-owner/...``) and the tenant it shares its own
 with (the path's ``grantee``). The tenant has generous rate limits (the fuzz is not about 429s), prices and usage.
 
@@ -178,13 +178,15 @@ class Server:
         assert response.json()["status"] == "ready", response.text
 
     def rich_tenant(self, name: str) -> tuple[str, str]:
-        """A tenant with generous limits, prices, a ready adapter and usage: (id, key)."""
+        """A tenant with generous limits, prices, a pin quota, a ready adapter and usage:
+        (id, key)."""
         tenant_id, key, _ = self.new_tenant(
             name,
             requests_per_minute=1_000_000,
             tokens_per_minute=100_000_000,
             input_price_per_mtok=1.5,
             output_price_per_mtok=2.0,
+            pin_quota_bytes=1 << 30,  # so that a tenant's pin can be accepted
         )
         self.upload_adapter(key)
         for model in (self.model_id, ADAPTER_NAME):
@@ -262,6 +264,8 @@ class Role:
 
 def operator_role(server: Server) -> Role:
     rich_id, _ = server.rich_tenant("fuzz-rich")
+    adapters = server.admin("GET", f"/admin/adapters?tenant_id={rich_id}", 200)["data"]
+    adapter_id = adapters[0]["id"]  # for the operator's pins
     # A billing export of today (with the rich tenant's usage), for the download route.
     export = server.admin("POST", "/admin/billing/exports", 201, json={"day": _utc_today()})
     throwaway: dict[str, str] = {}
@@ -280,6 +284,8 @@ def operator_role(server: Server) -> Role:
             return [throwaway["key"]]
         if name == "export_id" and location == "path":
             return [export["id"]]
+        if name == "adapter_id" and location == "path":
+            return [adapter_id]
         return []
 
     def restore(path: str) -> None:

@@ -26,6 +26,7 @@ PAGE_PATHS = [
     "/ui/operator/billing",
     "/ui/operator/engine",
     "/ui/tenant/adapters",
+    "/ui/tenant/adapters/some-adapter",
     "/ui/tenant/playground",
     "/ui/tenant/usage",
 ]
@@ -72,6 +73,11 @@ def test_pages_render_with_their_files_and_a_strict_policy(client, path):
 def test_tenant_page_carries_its_id_escaped(client):
     html = client.get('/ui/operator/tenants/a"b<c').text
     assert 'data-tenant-id="a&#34;b&lt;c"' in html
+
+
+def test_adapter_page_carries_its_name_escaped(client):
+    html = client.get("/ui/tenant/adapters/a%22b%3Cc").text
+    assert 'data-adapter-name="a&#34;b&lt;c"' in html
 
 
 def test_static_files_have_types_etags_and_revalidate(client):

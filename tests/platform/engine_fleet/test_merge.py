@@ -16,7 +16,7 @@ from loramux.engine import (
     TierStats,
 )
 from loramux.engine.tenant_share import with_shares
-from loramux.platform.engine_fleet.merge import merge_stats
+from loramux.platform.engine_fleet.merge import merge_pin_states, merge_stats
 
 NO_LATENCY = LatencySummary(samples=0, p50=None, p90=None, p99=None)
 NO_TIER = TierStats(adapters=(), bytes=0, capacity_bytes=100)
@@ -170,3 +170,18 @@ def test_lora_launches_are_the_costliest_engines():
     merged = merge_stats([a, b, _engine()])
     assert (merged.lora_launches_per_decode_step, merged.lora_launches_per_layer) == (448, 14.0)
     assert merge_stats([_engine(), _engine()]).lora_launches_per_layer is None
+
+
+def test_pin_states_merge_to_pinned_only_where_every_engine_holds_the_pin():
+    merged = merge_pin_states(
+        [
+            {"a": "pinned", "b": "pinned", "c": "loading"},
+            {"a": "pinned", "b": "waiting for device memory no request is promised"},
+        ]
+    )
+    assert merged == {
+        "a": "pinned",
+        "b": "pinned on 1 of 2 engines; waiting for device memory no request is promised",
+        "c": "loading",
+    }
+    assert merge_pin_states([{}, {}]) == {}

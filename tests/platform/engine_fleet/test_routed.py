@@ -527,3 +527,41 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it_on_the_engine(cluster
             assert totals["requests"] == 1
     finally:
         context.sessions.kw["bind"].dispose()
+
+
+def test_a_pin_reaches_every_engine_without_a_request(cluster):
+    """Pinned with no request for it: every engine registers the adapter and holds it on
+    the device; unpinned, none holds it pinned."""
+
+    async def pins(client) -> dict:
+        reports = await client.engine_reports()
+        return {report.engine_id: report.stats.pinned_adapters for report in reports}
+
+    async def until(client, wanted: dict) -> dict:
+        for _ in range(300):
+            seen = await pins(client)
+            if seen == wanted:
+                return seen
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"pins never became {wanted}: {seen}")
+
+    async def go():
+        client = cluster.client()
+        await client.start()
+        try:
+            await client.register_stored_adapter("v7", cluster.adapters["v7"])
+            await client.keep_adapter("v7")
+            held = await until(client, {e: {"v7": "pinned"} for e in cluster.hosts})
+            merged = await client.pinned_adapters()
+            residency = await client.adapter_residency()
+            await client.keep_adapter("v7", keep=False)
+            released = await until(client, {e: {} for e in cluster.hosts})
+            await client.remove_adapter("v7")
+            return held, merged, residency, released
+        finally:
+            await client.stop()
+
+    held, merged, residency, released = run_within(go())
+    assert held == {"engine-a": {"v7": "pinned"}, "engine-b": {"v7": "pinned"}}
+    assert merged == {"v7": "pinned"} and residency["v7"] == "device"
+    assert released == {"engine-a": {}, "engine-b": {}}

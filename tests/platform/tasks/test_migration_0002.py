@@ -27,6 +27,8 @@ LATER_ADDITIONS = {
     ("add_column", "tenants", "max_queued_requests"),  # 0007
     ("add_column", "usage_records", "end_user"),  # 0008
     ("add_column", "adapters", "alias_version"),  # 0009
+    ("add_column", "adapter_versions", "pinned_by"),  # 0011
+    ("add_column", "tenants", "pin_quota_bytes"),  # 0011
 }
 
 

@@ -1,6 +1,6 @@
-"""The operator sets a tenant's default request deadline and queue limit on its page; the
-tenant's next request is held to it over HTTP, and clearing the field gives the server's
-setting back."""
+"""The operator sets a tenant's default request deadline, queue limit and pin quota on its
+page; the tenant's next request is held to it over HTTP, and clearing the field gives the
+server's setting back."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def test_the_operator_sets_a_tenants_deadline_and_queue_limit(page, ui_platform,
 
     page.fill("#request_timeout_s", "0.5")
     page.fill("#max_queued_requests", "3")
+    page.fill("#pin_quota_bytes", "104857600")  # 100 MiB of adapters it may pin
     click_and_wait_for_toast(page, "#save-limits", "Saved limits, budget and deadline")
     shots(page, "tenant-deadline-set")
     stored = _tenant(ui_platform, tenant.id)
     assert (stored["request_timeout_s"], stored["max_queued_requests"]) == (0.5, 3)
+    assert stored["pin_quota_bytes"] == 104857600
 
     response = _long_completion(ui_platform, tenant)
     assert response.status_code == 504, response.text

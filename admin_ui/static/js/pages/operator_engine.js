@@ -44,7 +44,14 @@ function showTier(box, tier, emptyText) {
     ? h(
         "ul",
         { class: "tier-list" },
-        tier.adapters.map((a) => h("li", { class: "chip", title: a.engine_name }, adapterLabel(a))),
+        tier.adapters.map((a) =>
+          h(
+            "li",
+            { class: "chip", title: a.pin ? `${a.engine_name}: ${a.pin}` : a.engine_name },
+            adapterLabel(a),
+            a.pin ? h("strong", {}, a.pin === "pinned" ? " · pinned" : " · pin pending") : "",
+          ),
+        ),
       )
     : h("p", { class: "hint" }, emptyText);
   fill(box, summary, meter, chips);

@@ -17,6 +17,7 @@ const LIMITS = [
   "monthly_budget_usd",
   "request_timeout_s",
   "max_queued_requests",
+  "pin_quota_bytes",
 ];
 
 function showTenant(tenant) {

@@ -38,7 +38,15 @@ function row(adapter) {
   return h(
     "tr",
     { dataset: { adapter: adapter.name } },
-    h("td", {}, h("strong", {}, adapter.name)),
+    h(
+      "td",
+      {},
+      h(
+        "a",
+        { href: `/ui/tenant/adapters/${encodeURIComponent(adapter.name)}` },
+        h("strong", {}, adapter.name),
+      ),
+    ),
     ...adapterCells(adapter),
     h("td", { class: "num" }, remove),
   );
