@@ -10,9 +10,9 @@ bound may be ``None``: unbounded), groups them in SQL and returns a ``UsageRepor
 * ``totals``: the same metrics over every record the filter selects.
 
 Grouping keys: ``day`` → ``tenant_id``, ``day`` (a ``date``, UTC); ``adapter`` →
-``tenant_id``, ``adapter`` (its name, ``owner/name`` for another tenant's shared with it;
-``None`` for the base model; adapters sharing a name, such as a deleted one and its
-successor, share a row); ``request`` → ``tenant_id``,
+``tenant_id``, ``adapter`` (its name, ``owner/name`` for another tenant's shared with it,
+a composition's ``model`` such as ``a@1*0.7+b@2*0.3``; ``None`` for the base model;
+adapters sharing a name, such as a deleted one and its successor, share a row); ``request`` → ``tenant_id``,
 ``request_id``, ``created_at``, ``model``, ``adapter``, ``adapter_version`` and
 ``adapter_sha256`` (the version that served it: its number and its weights' digest; ``None``
 for the base model), ``user`` (the end user the request named, OpenAI's ``user``; ``None``
@@ -96,10 +96,16 @@ _ADAPTER_OWNER = aliased(Tenant, name="adapter_owner")
 
 
 def _adapter_name() -> ColumnElement[Any]:
-    """The adapter as the caller named it: its name, or ``owner/name`` for one another
-    tenant shared with it; NULL for the base model."""
+    """The adapter as the caller named it: its name, ``owner/name`` for one another tenant
+    shared with it, a composition's versions and weights (its ``model``, the one kind that
+    holds a ``*``: ``adapter_mix``); NULL for the base model."""
     shared = _ADAPTER_OWNER.name + "/" + Adapter.name
-    return case((Adapter.tenant_id == UsageRecord.tenant_id, Adapter.name), else_=shared)
+    composed = UsageRecord.adapter_id.is_(None) & UsageRecord.model.contains("*", autoescape=True)
+    return case(
+        (composed, UsageRecord.model),
+        (Adapter.tenant_id == UsageRecord.tenant_id, Adapter.name),
+        else_=shared,
+    )
 
 
 def _key_columns(group_by: str, dialect: str) -> list[ColumnElement[Any]]:

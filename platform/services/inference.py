@@ -66,6 +66,7 @@ from loramux.platform.services.running import RunningRequests
 from loramux.platform.services.usage_journal import UsageJournal
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("loramux.requests")  # a line per request served
 
 T = TypeVar("T")
 
@@ -129,6 +130,25 @@ class _Merge:
         finally:
             for pump in self.pumps:
                 pump.cancel()
+
+
+def _log_request(event: UsageEvent, target: Target) -> None:
+    """One line per request, as its usage record holds it, with the digest of the adapter
+    weights that served it (never its prompt or its text)."""
+    request_log.info(
+        "request %s tenant=%s model=%r adapter_version=%s sha256=%s prompt_tokens=%d "
+        "cached_prompt_tokens=%d completion_tokens=%d finish=%s latency_ms=%d",
+        event.request_id,
+        event.tenant_id,
+        event.model,
+        event.adapter_version_id or "-",
+        target.adapter_sha256 or "-",
+        event.prompt_tokens,
+        event.cached_prompt_tokens,
+        event.completion_tokens,
+        event.finish_reason,
+        event.latency_ms,
+    )
 
 
 class InferenceService:
@@ -218,7 +238,8 @@ class InferenceService:
             mix.append((await self._engine_name(runtime, version, str(ref)), weight))
             owned = ref.name if ref.owner is None else f"{ref.owner}/{ref.name}"
             labels.append(f"{owned}@{version.version}*{weight:g}")
-        return Target("+".join(labels), mix=tuple(mix))
+        digests = "+".join(version.sha256 or "" for _, version, _ in found)
+        return Target("+".join(labels), mix=tuple(mix), adapter_sha256=digests)
 
     async def _engine_name(self, runtime: AdapterRuntime, version, model: str) -> str:
         try:
@@ -243,7 +264,7 @@ class InferenceService:
             )
         adapter, version = found
         engine_name = await self._engine_name(runtime, version, model)
-        return Target(model, engine_name, adapter.id, version.id)
+        return Target(model, engine_name, adapter.id, version.id, adapter_sha256=version.sha256)
 
     # --- building a job ---------------------------------------------------------------
     async def prepare(
@@ -459,9 +480,11 @@ class InferenceService:
             logger.warning("usage of %s waits for the database: %s", job.request_id, exc)
             event = dataclasses.replace(event, created_at=utc_now())
             self._journal.write_later(event, job.holds.settle_later(used))
+            _log_request(event, job.target)
             return
         except BaseException:
             job.holds.settle(used)
             raise
         tally.usage = Usage.of(record) if record is not None else Usage()
         job.holds.settle(used)
+        _log_request(event, job.target)

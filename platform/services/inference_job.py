@@ -66,6 +66,8 @@ class Target:
     adapter_id: str | None = None
     adapter_version_id: str | None = None
     mix: tuple[tuple[str, float], ...] | None = None
+    # The weights' SHA-256 of the version served (a mix's, joined by "+"): request logs
+    adapter_sha256: str | None = None
 
 
 @dataclass(frozen=True)

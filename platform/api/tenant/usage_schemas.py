@@ -87,8 +87,8 @@ class AdminUsageQuery(UsageQuery):
 # --- responses -------------------------------------------------------------------------------
 
 ADAPTER_DESCRIPTION = (
-    "Adapter name (`owner/name` for one another tenant shared with this one); null for the "
-    "base model."
+    "Adapter name (`owner/name` for one another tenant shared with this one; a composition "
+    "as its versions and weights, `a@1*0.7+b@2*0.3`); null for the base model."
 )
 
 

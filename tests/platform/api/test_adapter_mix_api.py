@@ -70,7 +70,7 @@ def test_a_composed_request_gives_pefts_weighted_combination(composing, context,
             answer.usage.prompt_tokens,
             answer.usage.completion_tokens,
         )
-        assert row["adapter"] is None and row["tenant_id"] == tenant_id
+        assert row["adapter"] == row["model"] and row["tenant_id"] == tenant_id
     # Chat takes the same field.
     chat = client.chat.completions.create(
         model=base,

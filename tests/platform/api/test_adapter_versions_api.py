@@ -6,6 +6,7 @@ cached KV of the old one under the same name."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -43,8 +44,9 @@ def two_versions(make_client, server, context, make_adapter):
     return client, tenant_id, first, second, text_1, text_2
 
 
-def test_each_version_answers_by_number_and_by_digest(two_versions, context, server):
+def test_each_version_answers_by_number_and_by_digest(two_versions, context, server, caplog):
     client, tenant_id, first, second, text_1, text_2 = two_versions
+    caplog.set_level(logging.INFO, logger="loramux.requests")
     named = {
         "bot": text_2,
         "bot@1": text_1,
@@ -79,6 +81,12 @@ def test_each_version_answers_by_number_and_by_digest(two_versions, context, ser
     assert usage.status_code == 200, usage.text
     rows = {(r["model"], r["adapter_version"], r["adapter_sha256"]) for r in usage.json()["rows"]}
     assert ("bot@1", 1, first["sha256"]) in rows and ("bot@2", 2, second["sha256"]) in rows
+    # ...and so does the request log, a line per request, with no prompt or text in it.
+    lines = [r.getMessage() for r in caplog.records if r.name == "loramux.requests"]
+    by_model = {line.split("model=")[1].split(" ")[0].strip("'"): line for line in lines}
+    assert f"sha256={first['sha256']} " in by_model["bot@1"]
+    assert f"adapter_version={version_2} sha256={second['sha256']} " in by_model["bot@2"]
+    assert text_1.strip() and not any(PROMPT.strip() in ln or text_1 in ln for ln in lines)
 
 
 def test_a_version_in_a_form_not_read_is_a_400_naming_the_forms(two_versions):

@@ -101,3 +101,13 @@ def test_a_tenant_moves_pins_and_shares_its_adapter_on_its_page(
         timeout=60,
     )
     assert refused.status_code == 404, refused.text
+
+    # The operator's engine page marks the pinned version on the device.
+    page.click("#sign-out")
+    page.wait_for_url("**/ui/signin?signed_out=1")
+    sign_in(page, ui_platform, ui_platform.context.admin_token, "/ui/operator/tenants", shots)
+    page.goto(f"{ui_platform.url}/ui/operator/engine")
+    wait_loaded(page)
+    chip = page.locator("#device-tier .chip", has_text="/ helper v2")
+    assert chip.text_content().endswith("· pinned"), chip.text_content()
+    shots(page, "engine-pinned")
