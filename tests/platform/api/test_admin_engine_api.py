@@ -182,6 +182,7 @@ def test_after_requests_names_adapters_tenants_and_latency(
             "tenant_name": "acme",
             "adapter": "support",
             "version": 1,
+            "pin": None,  # not pinned
         }
     ]
     assert body["device"]["count"] == 1 and body["device"]["bytes"] > 0
