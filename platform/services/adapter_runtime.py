@@ -115,7 +115,9 @@ class AdapterRuntime:
         has asked for it for ``delay``)."""
         asked_at = self._asked_at.get if unasked else None
         task = asyncio.create_task(
-            self._remove_when_idle(engine, name, delay=delay, asked_at=asked_at)
+            self._remove_when_idle(
+                engine, name, delay=delay, asked_at=asked_at, kept=self._kept.__contains__
+            )
         )
         self._pending_removals.add(task)
         task.add_done_callback(self._pending_removals.discard)
@@ -128,6 +130,10 @@ class AdapterRuntime:
         never retired); its engine name."""
         name = await self.ensure_loaded(version)
         self._kept.add(name)
+        if name in self._retiring:  # superseded, its removal pending: registered it stays
+            self._loaded.add(name)
+            self._adapter_of[name] = version.adapter_id
+            self._number_of[name] = version.version
         await self._context.engine.keep_adapter(name, True)
         return name
 
@@ -171,9 +177,13 @@ class AdapterRuntime:
                 self._remove_later(engine, name, delay=REMOVAL_RETRY_S)
 
     @staticmethod
-    async def _remove_when_idle(engine, name: str, *, delay: float, asked_at=None) -> None:
+    async def _remove_when_idle(
+        engine, name: str, *, delay: float, asked_at=None, kept=lambda _: False
+    ) -> None:
         await asyncio.sleep(delay)
         while True:
+            if kept(name):  # pinned meanwhile: it stays
+                return
             if asked_at is not None:
                 quiet = time.monotonic() - asked_at(name, 0.0)
                 if quiet < delay:  # asked for again: wait until it has been quiet as long

@@ -260,6 +260,32 @@ def test_an_older_version_still_asked_for_stays_and_never_retires_the_newest(
     )
 
 
+def test_a_pinned_superseded_version_stays_past_its_grace_until_unpinned(
+    client, context, auth, good_adapter, other_adapter, monkeypatch
+):
+    """A tenant pins its version 1 while version 2 is the newest: the pin keeps it
+    registered (and on the device) past the superseded versions' grace; unpinned, it
+    leaves like any superseded version."""
+    monkeypatch.setattr(adapter_runtime, "SUPERSEDED_GRACE_S", 0.5)
+    runtime = client.app.state.adapter_runtime
+    for files in (good_adapter, other_adapter):
+        assert _upload(client, auth, "bot", _files(files)).status_code == 201
+    with context.sessions() as session:
+        old, new = session.scalars(select(AdapterVersion).order_by(AdapterVersion.version)).all()
+    client.portal.call(runtime.ensure_loaded, old)
+    client.portal.call(runtime.ensure_loaded, new)  # version 1 is retiring now
+    client.portal.call(runtime.pin, old)
+    time.sleep(1.5)  # three graces
+    assert set(client.portal.call(context.engine.list_adapters)) == {old.id, new.id}
+    assert client.portal.call(runtime.pin_states) == {old.id: "pinned"}
+    client.portal.call(runtime.unpin, old)
+    eventually(
+        lambda: client.portal.call(context.engine.list_adapters) == [new.id],
+        "the unpinned old version to leave",
+        timeout_s=30,
+    )
+
+
 # --- hostile and broken uploads --------------------------------------------------------------
 
 
