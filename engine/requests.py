@@ -76,7 +76,8 @@ class RequestFactory:
             generator = make_generator(params.seed, self.device)
         speculation = None
         if self.speculator is not None:
-            key = (tenant, mix.key if mix is not None else lora and lora.adapter_id)
+            adapters = mix.key if mix is not None else None if lora is None else lora.adapter_id
+            key = (tenant, adapters)
             speculation = self.speculator.start(params, key)
         return Sequence(
             request_id,

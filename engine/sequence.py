@@ -113,6 +113,18 @@ class Sequence:
         self.params = params
         self.lora = lora
         self.mix = mix  # several adapters, weighted (lora/mix.py); then ``lora`` is None
+        # What the scheduler, residency and the step batch read of them every step, made
+        # once (a request's adapters never change):
+        # every adapter it uses (none, its one, or its mix's parts)...
+        self.adapters: tuple[LoRARequest, ...] = (
+            mix.adapters if mix is not None else () if lora is None else (lora,)
+        )
+        # ...what must be on the device before it runs...
+        self.adapter_ids: tuple[int, ...] = tuple(a.adapter_id for a in self.adapters)
+        # ...and what its rows use in a step: its adapter's id, its mix's key, or None.
+        self.lora_key: int | MixKey | None = (
+            mix.key if mix is not None else None if lora is None else lora.adapter_id
+        )
         self.priority = priority
         self.tenant = tenant
         self.detokenizer = detokenizer
@@ -173,23 +185,6 @@ class Sequence:
     def adapter_id(self) -> int | None:
         """Its one adapter's id; None for the base model and for a mix."""
         return None if self.lora is None else self.lora.adapter_id
-
-    @property
-    def adapters(self) -> tuple[LoRARequest, ...]:
-        """Every adapter it uses: none, its one, or its mix's parts."""
-        if self.mix is not None:
-            return self.mix.adapters
-        return () if self.lora is None else (self.lora,)
-
-    @property
-    def adapter_ids(self) -> tuple[int, ...]:
-        """What must be on the device before it runs."""
-        return tuple(lora.adapter_id for lora in self.adapters)
-
-    @property
-    def lora_key(self) -> int | MixKey | None:
-        """What its rows use in a step: its adapter's id, its mix's key, or None."""
-        return self.mix.key if self.mix is not None else self.adapter_id
 
     @property
     def adapter_label(self) -> str | None:

@@ -21,6 +21,7 @@ on a mixture's experts are not weighted sums of deltas (``not_mixable`` says whi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -53,16 +54,17 @@ class LoRAMix:
                     f"±{MAX_ABS_WEIGHT:g}"
                 )
 
-    @property
+    # Read every step for each request that uses the mix: made once.
+    @functools.cached_property
     def adapters(self) -> tuple[LoRARequest, ...]:
         return tuple(lora for lora, _ in self.parts)
 
-    @property
+    @functools.cached_property
     def key(self) -> MixKey:
-        """What the step's spans, the prefix cache and speculation know it by."""
+        """What the step's spans and speculation know it by."""
         return tuple((lora.adapter_id, weight) for lora, weight in self.parts)
 
-    @property
+    @functools.cached_property
     def salt(self) -> tuple:
         """Its key as the prefix cache hashes it (each weight exactly, as hex)."""
         return tuple((lora.adapter_id, float(weight).hex()) for lora, weight in self.parts)

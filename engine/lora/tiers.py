@@ -88,7 +88,6 @@ class AdapterTiers:
         self._by_name: dict[str, RegisteredAdapter] = {}
         self._by_id: dict[int, RegisteredAdapter] = {}
         self._prepared: set[int] = set()  # held on the device for this step's admissions
-        self._pass_full = False  # in prepare: an adapter found no room, later ones wait
         self._pinned: set[int] = set()  # used by running requests
         # Kept on the device whether requests use them or not (``keep``): adapter id -> how
         # its pin stands (``PIN_*``, or why it is not honoured).
@@ -233,7 +232,6 @@ class AdapterTiers:
         their requests must fail, not wait forever.
         """
         never: dict[int, str] = {}
-        self._pass_full = False
         self.blocked_for_room = None
         self.short_of_kv = None
         staged: set[int] = set()
@@ -266,7 +264,7 @@ class AdapterTiers:
             return False
         if self.pool.is_resident(adapter_id):
             self.pool.touch(adapter_id)
-        elif self._pass_full:
+        elif self._pass_full:  # an adapter before it found no room: later ones wait too
             return False
         else:
             weights = self.host.get(adapter_id)
@@ -283,7 +281,6 @@ class AdapterTiers:
                 return False
             floor = promise.kv_floor(seq)
             if not self._onto_device(adapter_id, weights, floor):
-                self._pass_full = True  # later ones wait too
                 if self._promised_away(self.pool.rows_for(weights), floor):
                     self.short_of_kv = adapter_id
                 else:
@@ -291,6 +288,11 @@ class AdapterTiers:
                 return False
         self._hold_for_step(adapter_id, staged)
         return True
+
+    @property
+    def _pass_full(self) -> bool:
+        """Whether an adapter of this ``prepare`` pass found no device room."""
+        return self.blocked_for_room is not None or self.short_of_kv is not None
 
     def _onto_device(self, adapter_id: int, weights, kv_floor: int) -> bool:
         """Load the adapter's host weights onto the device, KV's limit staying at or above

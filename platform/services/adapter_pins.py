@@ -47,17 +47,18 @@ def _target(session: Session, adapter: Adapter, version: int | None) -> AdapterV
 
 def tenant_pinned_bytes(session: Session, tenant_id: str, other_than: str | None) -> int:
     """Bytes of the tenant's own pins (but for adapter ``other_than``'s)."""
-    total = session.scalar(
+    query = (
         select(func.coalesce(func.sum(AdapterVersion.size_bytes), 0))
         .join(Adapter, AdapterVersion.adapter_id == Adapter.id)
         .where(
             Adapter.tenant_id == tenant_id,
             Adapter.deleted_at.is_(None),
-            Adapter.id != (other_than or ""),
             AdapterVersion.pinned_by == "tenant",
         )
     )
-    return int(total or 0)
+    if other_than is not None:
+        query = query.where(Adapter.id != other_than)
+    return int(session.scalar(query))
 
 
 def pin(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,6 +58,8 @@ class AdapterList(BaseModel):
 
 
 VERSION_MAX = 2**31 - 1  # the database's INTEGER
+# A version number a request body names (the alias, a grant, a pin).
+VersionNumber = Annotated[int, Field(ge=1, le=VERSION_MAX)]
 
 
 class AliasIn(BaseModel):
@@ -64,9 +67,7 @@ class AliasIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    version: int | None = Field(
-        ge=1,
-        le=VERSION_MAX,
+    version: VersionNumber | None = Field(
         description="A ready version's number; null: follow the newest ready version.",
     )
 
@@ -102,10 +103,8 @@ class GrantIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    version: int | None = Field(
+    version: VersionNumber | None = Field(
         default=None,
-        ge=1,
-        le=VERSION_MAX,
         description="One ready version alone (the bare `owner/name` then reaches it); null "
         "or absent: every version, the bare name reaching what the owner's does.",
     )
@@ -144,10 +143,8 @@ class PinIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    version: int | None = Field(
+    version: VersionNumber | None = Field(
         default=None,
-        ge=1,
-        le=VERSION_MAX,
         description="A ready version's number; null or absent: the one the bare name reaches now.",
     )
 

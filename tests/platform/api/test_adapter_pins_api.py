@@ -173,14 +173,15 @@ def test_an_operators_pin_and_what_others_reach(small_device, make_adapter, tiny
         answer = _call(owner, method, "/v1/adapters/kept/pin", server, json={})
         assert assert_openai_error(answer, 409)["code"] == "pinned_by_operator", method
     # Another tenant reaches nothing of it, however it names it.
-    for method, path in (
-        ("GET", "/v1/adapters/kept/pin"),
-        ("PUT", "/v1/adapters/kept/pin"),
-        ("DELETE", "/v1/adapters/kept/pin"),
-        ("PUT", f"/admin/adapters/{adapter['id']}/pin"),
+    for method, path, status, code in (
+        ("GET", "/v1/adapters/kept/pin", 404, "adapter_not_found"),
+        ("PUT", "/v1/adapters/kept/pin", 404, "adapter_not_found"),
+        ("DELETE", "/v1/adapters/kept/pin", 404, "adapter_not_found"),
+        ("PUT", f"/admin/adapters/{adapter['id']}/pin", 401, "invalid_api_key"),
+        ("DELETE", f"/admin/adapters/{adapter['id']}/pin", 401, "invalid_api_key"),
     ):
         answer = _call(stranger, method, path, server, json={})
-        assert answer.status_code in (401, 404), (method, path, answer.text)
+        assert assert_openai_error(answer, status)["code"] == code, (method, path)
     # Refusals name the problem.
     for body, status, code in (
         ({"version": 2}, 404, "adapter_version_not_found"),

@@ -236,6 +236,14 @@ def test_a_superseded_version_leaves_the_engine_after_its_grace(
     )
 
 
+def _two_versions(client, context, auth, first, second) -> list[AdapterVersion]:
+    """Versions 1 and 2 of the adapter ``bot``, uploaded from ``first`` then ``second``."""
+    for files in (first, second):
+        assert _upload(client, auth, "bot", _files(files)).status_code == 201
+    with context.sessions() as session:
+        return session.scalars(select(AdapterVersion).order_by(AdapterVersion.version)).all()
+
+
 def test_an_older_version_still_asked_for_stays_and_never_retires_the_newest(
     client, context, auth, good_adapter, other_adapter, monkeypatch
 ):
@@ -243,10 +251,7 @@ def test_an_older_version_still_asked_for_stays_and_never_retires_the_newest(
     registered; registering it does not retire the newest; unasked, it leaves."""
     monkeypatch.setattr(adapter_runtime, "SUPERSEDED_GRACE_S", 1.0)
     runtime = client.app.state.adapter_runtime
-    for files in (good_adapter, other_adapter):
-        assert _upload(client, auth, "bot", _files(files)).status_code == 201
-    with context.sessions() as session:
-        old, new = session.scalars(select(AdapterVersion).order_by(AdapterVersion.version)).all()
+    old, new = _two_versions(client, context, auth, good_adapter, other_adapter)
     client.portal.call(runtime.ensure_loaded, new)
     client.portal.call(runtime.ensure_loaded, old)  # as `bot@1` would
     for _ in range(8):  # 2.4 s of requests for the old version: past its grace
@@ -268,10 +273,7 @@ def test_a_pinned_superseded_version_stays_past_its_grace_until_unpinned(
     leaves like any superseded version."""
     monkeypatch.setattr(adapter_runtime, "SUPERSEDED_GRACE_S", 0.5)
     runtime = client.app.state.adapter_runtime
-    for files in (good_adapter, other_adapter):
-        assert _upload(client, auth, "bot", _files(files)).status_code == 201
-    with context.sessions() as session:
-        old, new = session.scalars(select(AdapterVersion).order_by(AdapterVersion.version)).all()
+    old, new = _two_versions(client, context, auth, good_adapter, other_adapter)
     client.portal.call(runtime.ensure_loaded, old)
     client.portal.call(runtime.ensure_loaded, new)  # version 1 is retiring now
     client.portal.call(runtime.pin, old)
