@@ -105,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         if value is not None
     }
     settings = Settings(**overrides)
-    show_engine_log()
+    show_log("loramux.engine", "loramux.requests")
     context = build_context(settings, log=lambda msg: print(msg, flush=True))
     print(_banner(context), flush=True)
     app = create_app(context)
@@ -119,18 +119,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_engine_log() -> None:
-    """The engine's log (what its memory budget holds at start, adapters thrashing) on
-    stderr, from INFO up, unless logging is configured already; the rest of the process's
-    logging stays as it was."""
-    log = logging.getLogger("loramux.engine")
-    if log.handlers or logging.getLogger().handlers:
+def show_log(*names: str) -> None:
+    """These loggers on stderr from INFO up (the engine's: what its memory budget holds at
+    start, adapters thrashing; ``loramux.requests``: a line per request served), unless
+    logging is configured already; the rest of the process's logging stays as it was."""
+    if logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    for name in names:
+        log = logging.getLogger(name)
+        if log.handlers:
+            continue
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def serve_options(settings) -> dict:
@@ -164,7 +167,7 @@ def _engine(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    show_engine_log()
+    show_log("loramux.engine")
     host = build_engine_host(settings, log=lambda msg: print(msg, flush=True))
     print(f"loramux engine {host.engine_id} serving {host.model_id} at {host.url}", flush=True)
     app = create_engine_app(host)

@@ -241,3 +241,7 @@ def test_kill_loses_at_most_one_checkpoint_and_sigterm_ends_requests_in_time(dat
     assert streamed.completion_tokens == stream.delivered  # billed == delivered
     assert answered.completion_tokens == plain["body"]["usage"]["completion_tokens"]
     assert streamed.finish_reason == answered.finish_reason == "abort"
+    # Each request served has its line in `loramux serve`'s log (the base model: no digest).
+    logged = (tmp_path / "second.log").read_text(errors="replace")
+    assert f"INFO loramux.requests: request {plain['body']['id']} tenant={tenant_id} " in logged
+    assert "adapter_version=- sha256=- " in logged and "finish=abort" in logged
