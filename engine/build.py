@@ -34,6 +34,7 @@ from loramux.engine.model.config import ModelConfig
 from loramux.engine.model.llama import LlamaForCausalLM
 from loramux.engine.model.loader import load_model
 from loramux.engine.model.quantized import describe_weights
+from loramux.engine.native_decode import native_decode_for
 from loramux.engine.observer import StepObserver
 from loramux.engine.parallel.ranks import start_devices
 from loramux.engine.prefill_budget import PrefillBudget
@@ -319,6 +320,9 @@ def _executor(config, devices, model, arena, pool, backend, plan: MemoryPlan) ->
             backend=backend,
             sampler=Sampler(config.seed),
             static_decode=_static_decode(config, devices, model, arena, pool, backend, plan),
+            native_decode=native_decode_for(
+                model, arena.kv_caches, config.block_size, backend.native_decode
+            ),
         )
 
     return devices.executor(local, pool)

@@ -2,7 +2,7 @@
 
 :func:`load_native_library` compiles a C file with the system's C compiler (``cc``, or
 ``$CC``) into ``$XDG_CACHE_HOME/loramux/native/`` (default ``~/.cache``), named by a hash of
-the source, the flags, the compiler and the CPU's features, so a machine builds it once
+the source (and the headers beside it), the flags, the compiler and the CPU's features, so a machine builds it once
 (about a second) and a changed source or CPU builds anew; the library is written under a
 temporary name and renamed, so a concurrent process never loads half a file. Where no
 compiler works, it returns None with the reason and the engine uses the torch ops.
@@ -39,8 +39,12 @@ def load_native_library(
         ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"the C compiler {compiler!r} does not run: {exc}"
+    # The headers beside it count: a changed shared header builds every library anew.
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu()])
+        b"\0".join(
+            [source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(), _cpu()]
+        )
     ).hexdigest()[:16]
     path = (cache_dir or _default_cache_dir()) / f"{source.stem}-{key}.so"
     if not path.exists():

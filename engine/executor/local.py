@@ -59,6 +59,7 @@ from loramux.engine.lora.tokens import StepTokens
 from loramux.engine.memory.arena import DeviceArena
 from loramux.engine.model.llama import LlamaForCausalLM, LoRAWeightSource
 from loramux.engine.model.loader import load_engine_model
+from loramux.engine.native_decode import NativeDecode
 from loramux.engine.sampler import Sampler, TokenLogprobs, logprobs_of
 from loramux.engine.static_decode import StaticDecode
 from loramux.engine.step_batch import PromptRows, SamplingRows, StepBatch
@@ -80,6 +81,7 @@ class LocalExecutor:
         backend: KernelBackend,
         sampler: Sampler,
         static_decode: StaticDecode | None = None,
+        native_decode: NativeDecode | None = None,
     ):
         self.model = model
         self.block_size = block_size
@@ -94,6 +96,8 @@ class LocalExecutor:
         # Decode-only steps of up to its largest bucket run over its fixed buffers (CUDA
         # graphs on CUDA); every other step builds its tensors afresh.
         self.static_decode = static_decode
+        # On the CPU, decode-only steps without adapters in one native call.
+        self.native_decode = native_decode
         self.interrupt: Callable[[], None] | None = None
         self._mask_filler: MaskFiller | None = None  # built at the first constrained step
 
@@ -122,6 +126,10 @@ class LocalExecutor:
         tokens = step_tokens(self.model, self.lora_weights, batch.forward, self.device)
         if self.runs_static(batch):
             hidden = self.static_decode.run(decode_step(batch.forward))
+        elif self.native_decode is not None and self.native_decode.runs(batch.forward):
+            if self.interrupt is not None:
+                self.interrupt()  # once, before it: the native step has no gaps between layers
+            hidden = self.native_decode.run(batch.forward)
         else:
             hidden = forward_step(
                 self.model,

@@ -73,6 +73,8 @@ class KernelBackend(ABC):
     # LoRA ops must read the step from device tensors, sizing no work on the host.
     static_decode: bool
     lora_launches: LaunchCount
+    # The CPU's native decode forward (kernels/decode_native.py), where this backend has it.
+    native_decode = None
 
     @abstractmethod
     def plan_attention(
@@ -132,10 +134,11 @@ def select_backend(
 
 
 def _native_cpu_ops():
-    """The CPU's native ops for ``auto`` on a float32 CPU engine: LoRA, the quantized matmul
-    and the read of an 8-bit KV cache, each None where it does not build (logged why). All
+    """The CPU's native ops for ``auto`` on a float32 CPU engine: LoRA, the quantized matmul,
+    the read of an 8-bit KV cache and the decode forward (``engine/native_decode.py``), each None where it does not build (logged why). All
     are built here, even those a model may not use (a second or less, once per machine):
     the model is loaded after the backend is chosen."""
+    from loramux.kernels.decode_native import load_native_decode
     from loramux.kernels.kv_native import load_native_kv_gather
     from loramux.kernels.lora_native import load_native_lora
     from loramux.kernels.quant_native import load_native_quant_linear
@@ -145,6 +148,7 @@ def _native_cpu_ops():
         (load_native_lora, "LoRA on the CPU uses the stacked torch ops (slower)"),
         (load_native_quant_linear, "Quantized weights on the CPU use the torch ops (slower)"),
         (load_native_kv_gather, "An 8-bit KV cache on the CPU is read by the torch ops (slower)"),
+        (load_native_decode, "Decode steps on the CPU run the torch forward (slower)"),
     ):
         native, how = load()
         if native is None:

@@ -30,6 +30,7 @@ from loramux.engine.lora.backend import BoundAttention, KernelBackend, LaunchCou
 from loramux.engine.lora.native_lora import NativeStepLoRA
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.engine.model.quantized import QuantLinearOp
+from loramux.kernels.decode_native import NativeDecodeLibrary
 from loramux.kernels.kv_native import NativeKVGather
 from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.lora_native import NativeLoRA
@@ -190,12 +191,15 @@ class TorchBackend(KernelBackend):
         native: NativeLoRA | None = None,
         native_quant: NativeQuantLinear | None = None,
         native_kv: NativeKVGather | None = None,
+        native_decode: NativeDecodeLibrary | None = None,
     ):
         self.device = torch.device(device)
         self.lora_launches = LaunchCount()
         self.native = native
         self.stacks = StackCache()
         self.native_quant = native_quant
+        # Decode-only steps without adapters in one native call (engine/native_decode.py).
+        self.native_decode = native_decode
         # An 8-bit KV cache read natively (one pass over a context's bytes), else by torch.
         self.attend = (
             attend_reference

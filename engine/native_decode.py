@@ -1,0 +1,183 @@
+"""The CPU's lean decode step: decode-only steps without adapters run the decoder's layers in
+one native call (``kernels/csrc/decode_cpu.c``) instead of some twenty torch ops a layer.
+
+At batch 1 a small model's step on the CPU is mostly dispatch: SmolLM2-135M's 30 layers make
+about 600 op calls for a few milliseconds of arithmetic. This is the CPU's counterpart of the
+GPU's static decode path (``static_decode.py``): the same steps (one new token per sequence),
+the same results as the eager forward up to float32 summation order, and the eager forward for
+everything else (prefill chunks, speculative verification, steps with adapters).
+
+It binds to a model it can run exactly: float32 on one CPU, Llama's layer (RMSNorm before
+attention and MLP, RoPE of one kind, SiLU-gated MLP, optional projection biases), no sliding
+window, no QK norm, no mixture of experts, projections packed (int4, int8) or float32, and an
+unquantized KV cache. :func:`native_decode_for` says why it does not bind to another.
+The step runs between the embedding and the final norm, which stay torch's; so do the LM
+head and sampling. A native step is not interruptible between layers (it takes milliseconds).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from loramux.engine.model.llama import LlamaForCausalLM, LlamaMLP
+from loramux.engine.model.quantized import QuantizedLinear
+from loramux.engine.model.rope import RotaryEmbedding
+from loramux.engine.step_batch import ForwardInputs
+from loramux.kernels.decode_native import (
+    DecoderShape,
+    LayerTensors,
+    NativeDecodeLibrary,
+    NativeDecoder,
+)
+
+logger = logging.getLogger(__name__)
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def unsupported(model: nn.Module, kv_caches) -> str | None:
+    """Why the native decode cannot run this model, or None when it can."""
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not the engine's Llama decoder"
+    config = model.config
+    if model.ranks is not None:
+        return "the model is sharded over ranks"
+    if next(model.parameters()).device.type != "cpu":
+        return "the model is not on the CPU"
+    if next(model.parameters()).dtype != torch.float32:
+        return "the model is not float32"
+    for flag, why in (
+        (config.qk_norm, "it norms queries and keys"),
+        (config.gemma_norms, "it has Gemma's norms"),
+        (any(config.moe_layers), "it has a mixture of experts"),
+        (config.hidden_act != "silu", f"its activation is {config.hidden_act}"),
+        (config.num_heads % config.num_kv_heads != 0, "its heads do not share keys evenly"),
+        (
+            any(config.window_of(layer) is not None for layer in range(config.num_layers)),
+            "it has sliding-window layers",
+        ),
+        (len({layer.rope_kind for layer in model.model.layers}) != 1, "its layers mix RoPE kinds"),
+    ):
+        if flag:
+            return why
+    for layer in model.model.layers:
+        if not isinstance(layer.mlp, LlamaMLP):
+            return "a layer's MLP is not Llama's"
+        for name in PROJECTIONS:
+            linear = model.projection(layer.self_attn.layer, name)
+            if not isinstance(linear, QuantizedLinear | nn.Linear):
+                return f"{name} is a {type(linear).__name__}"
+    for keys, values in kv_caches:
+        if not all(isinstance(c, torch.Tensor) and type(c) is torch.Tensor for c in (keys, values)):
+            return "the KV cache is quantized"
+        if keys.dtype != torch.float32 or values.dtype != torch.float32:
+            return "the KV cache is not float32"
+    return None
+
+
+def _projection(linear: nn.Module):
+    if isinstance(linear, QuantizedLinear):
+        return linear.qweight, linear.bias
+    return linear.weight.data, None if linear.bias is None else linear.bias.data
+
+
+class NativeDecode:
+    """Runs decode-only steps without adapters through the native forward."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        decoder: NativeDecoder,
+        block_size: int,
+        threads: Callable[[], int] = torch.get_num_threads,
+    ):
+        self.model = model
+        self.decoder = decoder
+        self.block_size = block_size
+        self.threads = threads  # at each step: the engine's CPU threads follow the free cores
+        self.rotary = RotaryEmbedding(
+            model.config.for_layer_kind(model.model.layers[0].rope_kind), torch.device("cpu")
+        )
+        self.steps_run = 0
+
+    @staticmethod
+    def runs(inputs: ForwardInputs) -> bool:
+        """Whether this step is one it runs: decode-only, no adapter."""
+        return inputs.lora is None and inputs.is_decode_only
+
+    def run(self, inputs: ForwardInputs) -> torch.Tensor:  # hidden states [T, hidden]
+        model, block = self.model, self.block_size
+        lens = inputs.context_lens
+        positions = torch.tensor([n - 1 for n in lens], dtype=torch.long)
+        widest = max(len(table) for table in inputs.block_tables)
+        tables = torch.zeros(len(lens), widest, dtype=torch.int32)
+        for row, table in enumerate(inputs.block_tables):
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots = torch.tensor(
+            [
+                inputs.block_tables[s][(n - 1) // block] * block + (n - 1) % block
+                for s, n in enumerate(lens)
+            ],
+            dtype=torch.long,
+        )
+        x = model.embed(torch.tensor(inputs.input_ids, dtype=torch.long)).contiguous()
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        self.decoder.run(
+            x,
+            cos.contiguous(),
+            sin.contiguous(),
+            slots,
+            tables,
+            torch.tensor(lens, dtype=torch.int32),
+            self.threads(),
+        )
+        self.steps_run += 1
+        return model.model.norm(x)
+
+
+def native_decode_for(
+    model: nn.Module, kv_caches, block_size: int, library: NativeDecodeLibrary | None
+) -> NativeDecode | None:
+    """The native decode over ``model`` and its cache, or None (logged why) where it cannot."""
+    if library is None:
+        return None
+    reason = unsupported(model, kv_caches)
+    if reason is not None:
+        logger.info(
+            "Decode steps run the torch forward: the native decode %s",
+            f"does not take this model: {reason}",
+        )
+        return None
+    config = model.config
+    shape = DecoderShape(
+        hidden=config.hidden_size,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        inter=config.intermediate_size,
+        block_size=block_size,
+        eps=config.rms_norm_eps,
+        scale=model.model.layers[0].self_attn.scale,
+    )
+    layers = []
+    for index, (layer, (keys, values)) in enumerate(
+        zip(model.model.layers, kv_caches, strict=True)
+    ):
+        projections = {
+            name.removesuffix("_proj"): _projection(model.projection(index, name))
+            for name in PROJECTIONS
+        }
+        layers.append(
+            LayerTensors(
+                layer.input_layernorm.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                projections,
+                keys,
+                values,
+            )
+        )
+    return NativeDecode(model, library.bind(shape, layers), block_size)

@@ -1,0 +1,313 @@
+/* The decoder layers of a decode-only step in one call, for the CPU (float32 activations).
+ *
+ * Each of T tokens is one sequence's new token: row t of x is its embedding, its position's RoPE
+ * rows are cos[t], sin[t], its key and value go to flat cache slot slots[t], and it attends to
+ * the lens[t] tokens its block table tables[t] maps (itself included). For every layer:
+ *
+ *     h = rmsnorm(x) * w_in                              (float32, as transformers' Llama)
+ *     q, k, v = h @ Wq^T, h @ Wk^T, h @ Wv^T (+ biases);  q, k rotated (RoPE: x cos + rot(x) sin)
+ *     cache[slots[t]] = k, v
+ *     a = softmax(q . K^T * scale) V                      per head, over the sequence's keys
+ *     x = x + a @ Wo^T
+ *     h = rmsnorm(x) * w_post
+ *     x = x + (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
+ *
+ * which is what engine/model/llama.py computes for such a step (its torch ops in another order
+ * of summation). The projections are packed (quant_rows.h: int4, int8) or float32 rows (kind
+ * 32). A step through torch makes about 20 op calls a layer, each a few microseconds of dispatch
+ * around a few of arithmetic at batch 1; here a step is one call: one OpenMP parallel region
+ * whose threads split each projection's output rows, and each attention's (token, head) pairs,
+ * meeting at a barrier between the stages.
+ *
+ * At one token a packed row is de-quantized in registers as it is multiplied (the same single
+ * rounding of scale * q + min as the definition's); with more, each row is de-quantized once into
+ * the thread's buffer and multiplied by every token's input. No -ffast-math: NaN propagates.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_rows.h"
+
+typedef struct {
+    int64_t kind; /* 4, 8 (packed, quant_rows.h) or 32 (float32 rows) */
+    int64_t group;
+    int64_t n, k;           /* W is [n, k] */
+    const void *q;          /* the packed values, or the float32 rows */
+    const float *scales;    /* [n, k / group] (packed kinds) */
+    const float *mins;      /* [n, k / group] (int4) */
+    const float *bias;      /* [n] or NULL */
+} loramux_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    loramux_weight q, k, v, o, gate, up, down;
+    float *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
+} loramux_layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale;
+    const loramux_layer *layer;
+} loramux_decoder;
+
+/* One chunk of 32 int4 inputs of a row, multiplied by x as it is de-quantized. */
+#if defined(__AVX512F__)
+static inline void int4_chunk_fma(const uint8_t *bytes, __m512 s, __m512 m, const float *x,
+                                  __m512 *acc_low, __m512 *acc_high) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)bytes);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(packed, mask);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    const __m512 w_low = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), m);
+    const __m512 w_high = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), m);
+    *acc_low = _mm512_fmadd_ps(_mm512_loadu_ps(x), w_low, *acc_low);
+    *acc_high = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), w_high, *acc_high);
+}
+#endif
+
+/* x . W[n] for an int4 row, de-quantized in registers. */
+static float dot_int4_row(const loramux_weight *w, int64_t n, const float *x, float *buffer) {
+    const int64_t k_dim = w->k, group = w->group, groups = k_dim / group;
+    const uint8_t *q = (const uint8_t *)w->q + n * (k_dim / 2);
+    const float *scales = w->scales + n * groups, *mins = w->mins + n * groups;
+#if defined(__AVX512F__)
+    (void)buffer;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    int64_t start = 0;
+    for (; start + 2 * INT4_CHUNK <= k_dim; start += 2 * INT4_CHUNK) {
+        const int64_t g0 = start / group, g1 = (start + INT4_CHUNK) / group;
+        int4_chunk_fma(q + start / 2, _mm512_set1_ps(scales[g0]), _mm512_set1_ps(mins[g0]),
+                       x + start, &acc[0], &acc[1]);
+        int4_chunk_fma(q + start / 2 + INT4_CHUNK / 2, _mm512_set1_ps(scales[g1]),
+                       _mm512_set1_ps(mins[g1]), x + start + INT4_CHUNK, &acc[2], &acc[3]);
+    }
+    for (; start < k_dim; start += INT4_CHUNK) {
+        const int64_t g = start / group;
+        int4_chunk_fma(q + start / 2, _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g]),
+                       x + start, &acc[0], &acc[1]);
+    }
+    return _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#else
+    dequantize_row_int4(q, scales, mins, k_dim, group, buffer);
+    return dot1(x, buffer, k_dim);
+#endif
+}
+
+/* y[t * y_stride + n] (+)= x[t] . W[n] + bias[n] for rows [first, end) of W and T tokens;
+ * residual: add to y instead of storing. buffer: k floats of the calling thread. */
+static void project_rows(const loramux_weight *w, int64_t first, int64_t end, const float *x,
+                         int64_t x_stride, int64_t tokens, float *y, int64_t y_stride,
+                         int residual, float *buffer) {
+    for (int64_t n = first; n < end; n++) {
+        const float b = w->bias != NULL ? w->bias[n] : 0.0f;
+        if (tokens == 1 && w->kind == 4) {
+            const float dot = dot_int4_row(w, n, x, buffer) + b;
+            y[n] = residual ? y[n] + dot : dot;
+            continue;
+        }
+        const float *row = (const float *)w->q + n * w->k;
+        if (w->kind != 32) {
+            dequantize_row((int)w->kind, w->q, w->scales, w->mins, n, w->k, w->group, buffer);
+            row = buffer;
+        }
+        int64_t t = 0;
+        for (; t + 4 <= tokens; t += 4) {
+            float dots[4];
+            dot4(x + t * x_stride, x_stride, row, w->k, dots);
+            for (int i = 0; i < 4; i++) {
+                float *out = y + (t + i) * y_stride + n;
+                *out = residual ? *out + (dots[i] + b) : dots[i] + b;
+            }
+        }
+        for (; t < tokens; t++) {
+            float *out = y + t * y_stride + n;
+            const float dot = dot1(x + t * x_stride, row, w->k) + b;
+            *out = residual ? *out + dot : dot;
+        }
+    }
+}
+
+/* A thread's share [first, end) of `count` items, split as evenly as the items allow. */
+static void share_of(int64_t count, int64_t *first, int64_t *end) {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    *first = count * me / threads;
+    *end = count * (me + 1) / threads;
+}
+
+/* Several weights of one input side by side (q, k, v; gate, up): each thread takes its share of
+ * their output rows together, so none waits on a small one. outs[i] column offset offsets[i]. */
+static void project_group(const loramux_weight *const *weights, int count, const float *x,
+                          int64_t x_stride, int64_t tokens, float *y, int64_t y_stride,
+                          const int64_t *offsets, float *buffer) {
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) total += weights[i]->n;
+    int64_t first, end;
+    share_of(total, &first, &end);
+    int64_t base = 0;
+    for (int i = 0; i < count; i++) {
+        const int64_t lo = first > base ? first - base : 0;
+        const int64_t hi = end - base < weights[i]->n ? end - base : weights[i]->n;
+        if (lo < hi)
+            project_rows(weights[i], lo, hi, x, x_stride, tokens, y + offsets[i], y_stride, 0,
+                         buffer);
+        base += weights[i]->n;
+    }
+}
+
+/* out[t] = rmsnorm(x[t]) * weight, as transformers' LlamaRMSNorm in float32. */
+static void rms_norm(const float *x, const float *weight, int64_t tokens, int64_t size, float eps,
+                     float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = x + t * size;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < size; i++) squares += row[i] * row[i];
+        const float inverse = 1.0f / sqrtf(squares / (float)size + eps);
+        for (int64_t i = 0; i < size; i++) out[t * size + i] = weight[i] * (row[i] * inverse);
+    }
+}
+
+/* RoPE of one head in place: x * cos + rotate_half(x) * sin (cos, sin: head_dim floats). */
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim, float *scratch) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) scratch[i] = -x[i + half];
+    for (int64_t i = half; i < dim; i++) scratch[i] = x[i - half];
+    for (int64_t i = 0; i < dim; i++) {
+        const float straight = x[i] * cos[i], turned = scratch[i] * sin[i];
+        x[i] = straight + turned;
+    }
+}
+
+/* A flat cache slot's first float for kv head `head`. */
+static inline int64_t slot_offset(const loramux_decoder *m, int64_t slot, int64_t head) {
+    return (slot * m->kv_heads + head) * m->head_dim;
+}
+
+/* One head of one token: softmax(q . K^T * scale) V over its sequence's `len` keys. */
+static void attend_head(const loramux_decoder *m, const loramux_layer *layer, const float *q,
+                        int64_t kv_head, const int32_t *table, int64_t len, float *scores,
+                        float *out) {
+    const int64_t dim = m->head_dim, block = m->block_size;
+    float top = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t slot = (int64_t)table[p / block] * block + p % block;
+        const float *key = layer->k_cache + slot_offset(m, slot, kv_head);
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < dim; i++) dot += q[i] * key[i];
+        scores[p] = dot * m->scale;
+        top = scores[p] > top ? scores[p] : top;
+    }
+    float total = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        scores[p] = expf(scores[p] - top);
+        total += scores[p];
+    }
+    for (int64_t i = 0; i < dim; i++) out[i] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t slot = (int64_t)table[p / block] * block + p % block;
+        const float *value = layer->v_cache + slot_offset(m, slot, kv_head);
+        const float weight = scores[p] / total;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) out[i] += weight * value[i];
+    }
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* x [T, hidden]: the tokens' embeddings in, the last layer's output out (before the final norm).
+ * Returns 0, or 1 when the work buffers could not be allocated (x is then undefined). */
+int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, const float *cos,
+                          const float *sin, const int64_t *slots, const int32_t *tables,
+                          int64_t table_stride, const int32_t *lens, int threads) {
+    const int64_t hidden = m->hidden, dim = m->head_dim;
+    const int64_t q_size = m->heads * dim, kv_size = m->kv_heads * dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = m->inter;
+    int64_t longest = 1, widest = hidden > inter ? hidden : inter;
+    for (int64_t t = 0; t < tokens; t++) longest = lens[t] > longest ? lens[t] : longest;
+    if (q_size > widest) widest = q_size;
+    /* h [T, hidden], qkv [T, q + 2 kv], attended [T, q], mlp [T, 2 inter] */
+    float *shared = malloc(sizeof(float) * tokens * (hidden + qkv_size + q_size + 2 * inter));
+    if (shared == NULL) return 1;
+    float *h = shared, *qkv = h + tokens * hidden, *attended = qkv + tokens * qkv_size;
+    float *mlp = attended + tokens * q_size;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buffer = aligned_alloc(64, ((widest * sizeof(float) + 63) / 64) * 64);
+        float *scores = malloc(sizeof(float) * (longest + 2 * dim));
+        if (buffer == NULL || scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        for (int64_t l = 0; l < m->layers && !failed; l++) {
+            const loramux_layer *layer = &m->layer[l];
+#pragma omp single
+            rms_norm(x, layer->input_norm, tokens, hidden, m->eps, h);
+            {
+                const loramux_weight *qkv_weights[3] = {&layer->q, &layer->k, &layer->v};
+                const int64_t offsets[3] = {0, q_size, q_size + kv_size};
+                project_group(qkv_weights, 3, h, hidden, tokens, qkv, qkv_size, offsets, buffer);
+            }
+#pragma omp barrier
+            /* Keys rotated and written with the values before any token attends. */
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < tokens * m->kv_heads; item++) {
+                const int64_t t = item / m->kv_heads, head = item % m->kv_heads;
+                float *key = qkv + t * qkv_size + q_size + head * dim;
+                const float *value = key + kv_size;
+                rotate(key, cos + t * dim, sin + t * dim, dim, scores);
+                const int64_t at = slot_offset(m, slots[t], head);
+                memcpy(layer->k_cache + at, key, sizeof(float) * dim);
+                memcpy(layer->v_cache + at, value, sizeof(float) * dim);
+            }
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < tokens * m->heads; item++) {
+                const int64_t t = item / m->heads, head = item % m->heads;
+                float *query = qkv + t * qkv_size + head * dim;
+                rotate(query, cos + t * dim, sin + t * dim, dim, scores);
+                attend_head(m, layer, query, head / (m->heads / m->kv_heads),
+                            tables + t * table_stride, lens[t], scores,
+                            attended + t * q_size + head * dim);
+            }
+            {
+                int64_t first, end;
+                share_of(hidden, &first, &end);
+                project_rows(&layer->o, first, end, attended, q_size, tokens, x, hidden, 1,
+                             buffer);
+            }
+#pragma omp barrier
+#pragma omp single
+            rms_norm(x, layer->post_norm, tokens, hidden, m->eps, h);
+            {
+                const loramux_weight *gate_up[2] = {&layer->gate, &layer->up};
+                const int64_t offsets[2] = {0, inter};
+                project_group(gate_up, 2, h, hidden, tokens, mlp, 2 * inter, offsets, buffer);
+            }
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < tokens * inter; item++) {
+                const int64_t t = item / inter, i = item % inter;
+                float *gate = mlp + t * 2 * inter;
+                gate[i] = silu(gate[i]) * gate[inter + i];
+            }
+            {
+                int64_t first, end;
+                share_of(hidden, &first, &end);
+                project_rows(&layer->down, first, end, mlp, 2 * inter, tokens, x, hidden, 1,
+                             buffer);
+            }
+#pragma omp barrier
+        }
+        free(buffer);
+        free(scores);
+    }
+    free(shared);
+    return failed;
+}
