@@ -321,7 +321,7 @@ def _executor(config, devices, model, arena, pool, backend, plan: MemoryPlan) ->
             sampler=Sampler(config.seed),
             static_decode=_static_decode(config, devices, model, arena, pool, backend, plan),
             native_decode=native_decode_for(
-                model, arena.kv_caches, config.block_size, backend.native_decode
+                model, arena.kv_caches, config.block_size, backend.native_decode, pool
             ),
         )
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from loramux.engine.model.llama import LlamaForCausalLM, LlamaMLP
+from loramux.engine.model.llama import LORA_TARGETS, LlamaForCausalLM, LlamaMLP, LoRAWeightSource
 from loramux.engine.model.quantized import QuantizedLinear
 from loramux.engine.model.rope import RotaryEmbedding
 from loramux.engine.step_batch import ForwardInputs
@@ -32,11 +32,13 @@ from loramux.kernels.decode_native import (
     LayerTensors,
     NativeDecodeLibrary,
     NativeDecoder,
+    StepAdapters,
 )
+from loramux.kernels.lora_batch import LoRATable
 
 logger = logging.getLogger(__name__)
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = LORA_TARGETS
 
 
 def unsupported(model: nn.Module, kv_caches) -> str | None:
@@ -104,10 +106,12 @@ class NativeDecode:
         )
         self.steps_run = 0
 
-    @staticmethod
-    def runs(inputs: ForwardInputs) -> bool:
-        """Whether this step is one it runs: decode-only, no adapter."""
-        return inputs.lora is None and inputs.is_decode_only
+    def runs(self, inputs: ForwardInputs) -> bool:
+        """Whether this step is one it runs: decode-only, its adapters (if any) plain LoRA
+        in one pass (no DoRA, LoRA bias, token rows, experts or composition)."""
+        if not inputs.is_decode_only:
+            return False
+        return inputs.lora is None or (self.decoder.has_adapters and inputs.lora.plain)
 
     def run(self, inputs: ForwardInputs) -> torch.Tensor:  # hidden states [T, hidden]
         model, block = self.model, self.block_size
@@ -134,13 +138,44 @@ class NativeDecode:
             tables,
             torch.tensor(lens, dtype=torch.int32),
             self.threads(),
+            None if inputs.lora is None else step_adapters(inputs.lora),
         )
         self.steps_run += 1
         return model.model.norm(x)
 
 
+def step_adapters(table: LoRATable) -> StepAdapters:
+    """The table's adapters as one row per token (a decode step's token is its sequence)."""
+    first_rows = table.first_rows()
+    tokens = table.num_tokens
+    first_row = torch.full((tokens,), -1, dtype=torch.long)
+    ranks = torch.zeros(tokens, len(LORA_TARGETS), dtype=torch.int32)
+    scales = torch.zeros(tokens, len(LORA_TARGETS), dtype=torch.float32)
+    for start, end, adapter in table.spans:
+        if adapter is None or end == start:
+            continue
+        first_row[start:end] = first_rows[adapter]
+        ranks[start:end] = torch.tensor([r[adapter] for r in table.ranks], dtype=torch.int32)
+        scales[start:end] = torch.tensor([c[adapter] for c in table.scales])
+    return StepAdapters(first_row, ranks, scales, table.max_rank)
+
+
+def _pools(pools: LoRAWeightSource | None, layer: int):
+    """The layer's adapter pool views per module, or None without adapter rows."""
+    if pools is None:
+        return None
+    try:
+        return [(pools.a_pool(layer, m), pools.b_pool(layer, m)) for m in LORA_TARGETS]
+    except KeyError:  # an arena without adapter rows
+        return None
+
+
 def native_decode_for(
-    model: nn.Module, kv_caches, block_size: int, library: NativeDecodeLibrary | None
+    model: nn.Module,
+    kv_caches,
+    block_size: int,
+    library: NativeDecodeLibrary | None,
+    pools: LoRAWeightSource | None = None,
 ) -> NativeDecode | None:
     """The native decode over ``model`` and its cache, or None (logged why) where it cannot."""
     if library is None:
@@ -178,6 +213,7 @@ def native_decode_for(
                 projections,
                 keys,
                 values,
+                _pools(pools, index),
             )
         )
     return NativeDecode(model, library.bind(shape, layers), block_size)

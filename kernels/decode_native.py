@@ -21,6 +21,8 @@ from loramux.kernels.quant_linear import QuantizedWeight
 SOURCE = CSRC / "decode_cpu.c"
 _KIND_BITS = {"int8": 8, "int4": 4}
 _FLOAT_ROWS = 32
+# The projections in the LoRA slices' order (the C file's enum; llama.LORA_TARGETS).
+MODULES = 7
 
 _size, _pointer = ctypes.c_int64, ctypes.c_void_p
 
@@ -45,6 +47,19 @@ class _Layer(ctypes.Structure):
         *((name, _Weight) for name in ("q", "k", "v", "o", "gate", "up", "down")),
         ("k_cache", _pointer),
         ("v_cache", _pointer),
+        ("lora_a", _pointer * MODULES),
+        ("lora_b", _pointer * MODULES),
+        ("a_stride", _size * MODULES),
+        ("b_stride", _size * MODULES),
+    ]
+
+
+class _StepLoRA(ctypes.Structure):
+    _fields_ = [
+        ("first_row", _pointer),
+        ("ranks", _pointer),
+        ("scales", _pointer),
+        ("max_rank", _size),
     ]
 
 
@@ -87,12 +102,33 @@ class LayerTensors:
     projections: dict[str, tuple[QuantizedWeight | torch.Tensor, torch.Tensor | None]]
     k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_dim] float32
     v_cache: torch.Tensor
+    # Per module in LORA_TARGETS' order, the adapter pool's A [rows, in] and B [rows, out]
+    # views (rows strided); None without a pool.
+    lora_pools: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True)
+class StepAdapters:
+    """A step's adapters, one row per token: its adapter's first pool row (-1: none) and its
+    rank and scaling in each module."""
+
+    first_row: torch.Tensor  # [T] int64
+    ranks: torch.Tensor  # [T, 7] int32
+    scales: torch.Tensor  # [T, 7] float32
+    max_rank: int
 
 
 def _float32_cpu(name: str, tensor: torch.Tensor) -> int:
     if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or not tensor.is_contiguous():
         raise ValueError(f"native decode: {name} must be a contiguous float32 CPU tensor")
     return tensor.data_ptr()
+
+
+def _rows(name: str, pool: torch.Tensor) -> int:
+    """A pool view's address: float32 on the CPU, its rows strided, each row contiguous."""
+    if pool.device.type != "cpu" or pool.dtype != torch.float32 or pool.stride(1) != 1:
+        raise ValueError(f"native decode: {name} must be float32 rows on the CPU")
+    return pool.data_ptr()
 
 
 def _weight(name: str, weight: QuantizedWeight | torch.Tensor, bias: torch.Tensor | None):
@@ -123,6 +159,7 @@ class NativeDecoder:
         self._run = library.loramux_decode_layers
         self.shape = shape
         self._layers = (_Layer * len(layers))()
+        self.has_adapters = all(tensors.lora_pools is not None for tensors in layers)
         for slot, tensors in zip(self._layers, layers, strict=True):
             slot.input_norm = _float32_cpu("input norm", tensors.input_norm)
             slot.post_norm = _float32_cpu("post-attention norm", tensors.post_norm)
@@ -130,6 +167,10 @@ class NativeDecoder:
                 setattr(slot, name, _weight(name, weight, bias))
             slot.k_cache = _float32_cpu("the key cache", tensors.k_cache)
             slot.v_cache = _float32_cpu("the value cache", tensors.v_cache)
+            for module, (a, b) in enumerate(tensors.lora_pools or ()):
+                slot.lora_a[module] = _rows(f"module {module}'s A pool", a)
+                slot.lora_b[module] = _rows(f"module {module}'s B pool", b)
+                slot.a_stride[module], slot.b_stride[module] = a.stride(0), b.stride(0)
         self._decoder = _Decoder(
             len(layers),
             shape.hidden,
@@ -152,6 +193,7 @@ class NativeDecoder:
         tables: torch.Tensor,  # [T, blocks] int32: each token's sequence's block table
         lens: torch.Tensor,  # [T] int32: its context length, itself included
         threads: int,
+        adapters: StepAdapters | None = None,
     ) -> None:
         tokens = x.shape[0]
         if not (
@@ -166,6 +208,28 @@ class NativeDecoder:
             and x.dtype == cos.dtype == sin.dtype == torch.float32
         ):
             raise ValueError("native decode: the step's tensors do not fit the decoder")
+        step_lora = None
+        if adapters is not None:
+            if not self.has_adapters:
+                raise ValueError("native decode: a step with adapters, bound without a pool")
+            if not (
+                adapters.first_row.shape == (tokens,)
+                and adapters.ranks.shape == adapters.scales.shape == (tokens, MODULES)
+                and adapters.first_row.dtype == torch.int64
+                and adapters.ranks.dtype == torch.int32
+                and adapters.scales.dtype == torch.float32
+                and adapters.max_rank >= int(adapters.ranks.max())
+                and all(t.is_contiguous() for t in (adapters.ranks, adapters.scales))
+            ):
+                raise ValueError("native decode: the step's adapters do not fit the decoder")
+            step_lora = ctypes.byref(
+                _StepLoRA(
+                    adapters.first_row.data_ptr(),
+                    adapters.ranks.data_ptr(),
+                    adapters.scales.data_ptr(),
+                    max(adapters.max_rank, 1),
+                )
+            )
         status = self._run(
             ctypes.byref(self._decoder),
             tokens,
@@ -176,6 +240,7 @@ class NativeDecoder:
             tables.data_ptr(),
             tables.shape[1],
             lens.data_ptr(),
+            step_lora,
             threads,
         )
         if status != 0:
@@ -197,8 +262,8 @@ def load_native_decode(cache_dir: Path | None = None) -> tuple[NativeDecodeLibra
     if library is None:
         return None, how
     run = library.loramux_decode_layers
-    # decoder, tokens, x, cos, sin, slots, tables, table_stride, lens, threads
+    # decoder, tokens, x, cos, sin, slots, tables, table_stride, lens, lora, threads
     run.argtypes = [_pointer, _size, _pointer, _pointer, _pointer, _pointer, _pointer, _size]
-    run.argtypes += [_pointer, ctypes.c_int]
+    run.argtypes += [_pointer, _pointer, ctypes.c_int]
     run.restype = ctypes.c_int
     return NativeDecodeLibrary(library, Path(library._name)), how

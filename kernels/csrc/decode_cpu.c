@@ -41,11 +41,27 @@ typedef struct {
     const float *bias;      /* [n] or NULL */
 } loramux_weight;
 
+/* The projections in the LoRA slices' order (loramux.engine.model.llama.LORA_TARGETS). */
+enum { Q, K, V, O, GATE, UP, DOWN, MODULES };
+
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     loramux_weight q, k, v, o, gate, up, down;
     float *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    /* The adapter pool's rows of each module (engine/memory/arena.py): A [rows, in] and
+     * B [rows, out], rows *_stride floats apart; NULL without a pool. */
+    const float *lora_a[MODULES], *lora_b[MODULES];
+    int64_t a_stride[MODULES], b_stride[MODULES];
 } loramux_layer;
+
+/* A step's adapters, one per token: its first pool row (-1: none) and, per module, its rank
+ * and scaling (loramux.kernels.lora's definition: out += c * (x A^T) B). */
+typedef struct {
+    const int64_t *first_row; /* [T] */
+    const int32_t *ranks;     /* [T, MODULES] */
+    const float *scales;      /* [T, MODULES] */
+    int64_t max_rank;
+} loramux_step_lora;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size;
@@ -98,37 +114,61 @@ static float dot_int4_row(const loramux_weight *w, int64_t n, const float *x, fl
 #endif
 }
 
+/* Stores or (residual) adds a dot product and the row's bias into an output. */
+static inline void put(float *out, float dot, float bias, int residual) {
+    *out = residual ? *out + (dot + bias) : dot + bias;
+}
+
+/* Row n of W as floats: its float32 row, or de-quantized into `into` (k floats). */
+static inline const float *row_of(const loramux_weight *w, int64_t n, float *into) {
+    if (w->kind == 32) return (const float *)w->q + n * w->k;
+    dequantize_row((int)w->kind, w->q, w->scales, w->mins, n, w->k, w->group, into);
+    return into;
+}
+
 /* y[t * y_stride + n] (+)= x[t] . W[n] + bias[n] for rows [first, end) of W and T tokens;
- * residual: add to y instead of storing. buffer: k floats of the calling thread. */
+ * residual: add to y instead of storing. buffer: 4 k floats of the calling thread. Several
+ * tokens take four rows at a time against four tokens at a time (dot_4x4). */
 static void project_rows(const loramux_weight *w, int64_t first, int64_t end, const float *x,
                          int64_t x_stride, int64_t tokens, float *y, int64_t y_stride,
                          int residual, float *buffer) {
-    for (int64_t n = first; n < end; n++) {
+    const int64_t k = w->k;
+    int64_t n = first;
+    if (tokens >= 4) {
+        for (; n + 4 <= end; n += 4) {
+            const float *rows[4];
+            for (int r = 0; r < 4; r++) rows[r] = row_of(w, n + r, buffer + r * k);
+            int64_t t = 0;
+            for (; t + 4 <= tokens; t += 4) {
+                float dots[16];
+                dot_4x4(rows, x + t * x_stride, x_stride, k, dots);
+                for (int r = 0; r < 4; r++) {
+                    const float b = w->bias != NULL ? w->bias[n + r] : 0.0f;
+                    for (int i = 0; i < 4; i++)
+                        put(y + (t + i) * y_stride + n + r, dots[4 * r + i], b, residual);
+                }
+            }
+            for (; t < tokens; t++)
+                for (int r = 0; r < 4; r++) {
+                    const float b = w->bias != NULL ? w->bias[n + r] : 0.0f;
+                    put(y + t * y_stride + n + r, dot1(x + t * x_stride, rows[r], k), b, residual);
+                }
+        }
+    }
+    for (; n < end; n++) {
         const float b = w->bias != NULL ? w->bias[n] : 0.0f;
         if (tokens == 1 && w->kind == 4) {
-            const float dot = dot_int4_row(w, n, x, buffer) + b;
-            y[n] = residual ? y[n] + dot : dot;
+            put(y + n, dot_int4_row(w, n, x, buffer), b, residual);
             continue;
         }
-        const float *row = (const float *)w->q + n * w->k;
-        if (w->kind != 32) {
-            dequantize_row((int)w->kind, w->q, w->scales, w->mins, n, w->k, w->group, buffer);
-            row = buffer;
-        }
+        const float *row = row_of(w, n, buffer);
         int64_t t = 0;
         for (; t + 4 <= tokens; t += 4) {
             float dots[4];
-            dot4(x + t * x_stride, x_stride, row, w->k, dots);
-            for (int i = 0; i < 4; i++) {
-                float *out = y + (t + i) * y_stride + n;
-                *out = residual ? *out + (dots[i] + b) : dots[i] + b;
-            }
+            dot4(x + t * x_stride, x_stride, row, k, dots);
+            for (int i = 0; i < 4; i++) put(y + (t + i) * y_stride + n, dots[i], b, residual);
         }
-        for (; t < tokens; t++) {
-            float *out = y + t * y_stride + n;
-            const float dot = dot1(x + t * x_stride, row, w->k) + b;
-            *out = residual ? *out + dot : dot;
-        }
+        for (; t < tokens; t++) put(y + t * y_stride + n, dot1(x + t * x_stride, row, k), b, residual);
     }
 }
 
@@ -156,6 +196,59 @@ static void project_group(const loramux_weight *const *weights, int count, const
             project_rows(weights[i], lo, hi, x, x_stride, tokens, y + offsets[i], y_stride, 0,
                          buffer);
         base += weights[i]->n;
+    }
+}
+
+/* LoRA's shrink for the modules `mods` of one input: h[t, i, j] = x[t] . A_mods[i][f_t + j] for
+ * j below the token's rank there. Work items are (token, module, rank row); no barrier. */
+static void lora_shrink(const loramux_layer *layer, const loramux_step_lora *lora, const int *mods,
+                        int count, const float *x, int64_t x_stride, int64_t in_dim,
+                        int64_t tokens, float *h) {
+    const int64_t rank_width = lora->max_rank;
+#pragma omp for schedule(static) nowait
+    for (int64_t item = 0; item < tokens * count * rank_width; item++) {
+        const int64_t t = item / (count * rank_width), i = item / rank_width % count;
+        const int64_t j = item % rank_width, mod = mods[i];
+        if (lora->first_row[t] < 0 || j >= lora->ranks[t * MODULES + mod]) continue;
+        const float *a_row = layer->lora_a[mod] + (lora->first_row[t] + j) * layer->a_stride[mod];
+        const float *x_row = x + t * x_stride;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < in_dim; c++) dot += x_row[c] * a_row[c];
+        h[(t * count + i) * rank_width + j] = dot;
+    }
+}
+
+/* LoRA's expand, after the shrink's barrier: out_i[t] += c * (h[t, i] B_mods[i][f_t ...]) over
+ * this thread's share of the modules' output columns (outputs y_i at column offsets[i]).
+ * acc: the thread's buffer, at least the widest output's floats. */
+static void lora_expand(const loramux_layer *layer, const loramux_step_lora *lora, const int *mods,
+                        const int64_t *widths, int count, const float *h, int64_t tokens,
+                        float *y, int64_t y_stride, const int64_t *offsets, float *acc) {
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) total += widths[i];
+    int64_t first, end;
+    share_of(total, &first, &end);
+    const int64_t rank_width = lora->max_rank;
+    for (int i = 0, base = 0; i < count; base += widths[i], i++) {
+        const int64_t lo = first > base ? first - base : 0;
+        const int64_t hi = end - base < widths[i] ? end - base : widths[i];
+        const int mod = mods[i];
+        for (int64_t t = 0; t < tokens && lo < hi; t++) {
+            const int64_t rank = lora->first_row[t] < 0 ? 0 : lora->ranks[t * MODULES + mod];
+            if (rank == 0) continue;
+            for (int64_t c = lo; c < hi; c++) acc[c - lo] = 0.0f;
+            for (int64_t j = 0; j < rank; j++) {
+                const float hj = h[(t * count + i) * rank_width + j];
+                const float *b_row = layer->lora_b[mod] + (lora->first_row[t] + j) * layer->b_stride[mod];
+#pragma omp simd
+                for (int64_t c = lo; c < hi; c++) acc[c - lo] += hj * b_row[c];
+            }
+            const float scale = lora->scales[t * MODULES + mod];
+            float *out = y + t * y_stride + offsets[i];
+#pragma omp simd
+            for (int64_t c = lo; c < hi; c++) out[c] += scale * acc[c - lo];
+        }
     }
 }
 
@@ -220,26 +313,48 @@ static void attend_head(const loramux_decoder *m, const loramux_layer *layer, co
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* Adds the residual: x[t] += y[t] over this thread's share of the columns. */
+static void add_rows(float *x, const float *y, int64_t tokens, int64_t size) {
+    int64_t first, end;
+    share_of(size, &first, &end);
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t c = first; c < end; c++) x[t * size + c] += y[t * size + c];
+}
+
 /* x [T, hidden]: the tokens' embeddings in, the last layer's output out (before the final norm).
- * Returns 0, or 1 when the work buffers could not be allocated (x is then undefined). */
+ * lora: the step's adapters, or NULL. With adapters, o_proj's and down_proj's outputs take their
+ * deltas before the residual adds them (as the eager forward rounds); without, the projections
+ * add into x directly. Returns 0, or 1 when the work buffers could not be allocated (x is then
+ * undefined). */
 int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, const float *cos,
                           const float *sin, const int64_t *slots, const int32_t *tables,
-                          int64_t table_stride, const int32_t *lens, int threads) {
+                          int64_t table_stride, const int32_t *lens,
+                          const loramux_step_lora *lora, int threads) {
     const int64_t hidden = m->hidden, dim = m->head_dim;
     const int64_t q_size = m->heads * dim, kv_size = m->kv_heads * dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = m->inter;
     int64_t longest = 1, widest = hidden > inter ? hidden : inter;
     for (int64_t t = 0; t < tokens; t++) longest = lens[t] > longest ? lens[t] : longest;
     if (q_size > widest) widest = q_size;
-    /* h [T, hidden], qkv [T, q + 2 kv], attended [T, q], mlp [T, 2 inter] */
-    float *shared = malloc(sizeof(float) * tokens * (hidden + qkv_size + q_size + 2 * inter));
+    const int64_t lora_floats = lora == NULL ? 0 : tokens * 3 * lora->max_rank;
+    /* h [T, hidden], qkv [T, q + 2 kv], attended [T, q], mlp [T, 2 inter], projected [T, hidden],
+     * shrunk [T, 3, R] */
+    float *shared = malloc(sizeof(float) *
+                           (tokens * (2 * hidden + qkv_size + q_size + 2 * inter) + lora_floats));
     if (shared == NULL) return 1;
     float *h = shared, *qkv = h + tokens * hidden, *attended = qkv + tokens * qkv_size;
-    float *mlp = attended + tokens * q_size;
+    float *mlp = attended + tokens * q_size, *projected = mlp + tokens * 2 * inter;
+    float *shrunk = projected + tokens * hidden;
+    static const int qkv_mods[3] = {Q, K, V}, o_mod[1] = {O}, gate_up_mods[2] = {GATE, UP};
+    static const int down_mod[1] = {DOWN};
+    const int64_t qkv_offsets[3] = {0, q_size, q_size + kv_size}, gate_up_offsets[2] = {0, inter};
+    const int64_t no_offset[1] = {0};
+    const int64_t qkv_widths[3] = {q_size, kv_size, kv_size}, gate_up_widths[2] = {inter, inter};
+    const int64_t hidden_width[1] = {hidden};
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *buffer = aligned_alloc(64, ((widest * sizeof(float) + 63) / 64) * 64);
+        float *buffer = aligned_alloc(64, ((4 * widest * sizeof(float) + 63) / 64) * 64);
         float *scores = malloc(sizeof(float) * (longest + 2 * dim));
         if (buffer == NULL || scores == NULL) {
 #pragma omp atomic write
@@ -248,12 +363,19 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
 #pragma omp barrier
         for (int64_t l = 0; l < m->layers && !failed; l++) {
             const loramux_layer *layer = &m->layer[l];
+            int64_t first, end;
 #pragma omp single
             rms_norm(x, layer->input_norm, tokens, hidden, m->eps, h);
             {
                 const loramux_weight *qkv_weights[3] = {&layer->q, &layer->k, &layer->v};
-                const int64_t offsets[3] = {0, q_size, q_size + kv_size};
-                project_group(qkv_weights, 3, h, hidden, tokens, qkv, qkv_size, offsets, buffer);
+                project_group(qkv_weights, 3, h, hidden, tokens, qkv, qkv_size, qkv_offsets,
+                              buffer);
+            }
+            if (lora != NULL) {
+                lora_shrink(layer, lora, qkv_mods, 3, h, hidden, hidden, tokens, shrunk);
+#pragma omp barrier
+                lora_expand(layer, lora, qkv_mods, qkv_widths, 3, shrunk, tokens, qkv, qkv_size,
+                            qkv_offsets, buffer);
             }
 #pragma omp barrier
             /* Keys rotated and written with the values before any token attends. */
@@ -276,19 +398,33 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
                             tables + t * table_stride, lens[t], scores,
                             attended + t * q_size + head * dim);
             }
-            {
-                int64_t first, end;
-                share_of(hidden, &first, &end);
+            share_of(hidden, &first, &end);
+            if (lora == NULL) {
                 project_rows(&layer->o, first, end, attended, q_size, tokens, x, hidden, 1,
                              buffer);
+            } else {
+                project_rows(&layer->o, first, end, attended, q_size, tokens, projected, hidden,
+                             0, buffer);
+                lora_shrink(layer, lora, o_mod, 1, attended, q_size, q_size, tokens, shrunk);
+#pragma omp barrier
+                lora_expand(layer, lora, o_mod, hidden_width, 1, shrunk, tokens, projected,
+                            hidden, no_offset, buffer);
+#pragma omp barrier
+                add_rows(x, projected, tokens, hidden);
             }
 #pragma omp barrier
 #pragma omp single
             rms_norm(x, layer->post_norm, tokens, hidden, m->eps, h);
             {
                 const loramux_weight *gate_up[2] = {&layer->gate, &layer->up};
-                const int64_t offsets[2] = {0, inter};
-                project_group(gate_up, 2, h, hidden, tokens, mlp, 2 * inter, offsets, buffer);
+                project_group(gate_up, 2, h, hidden, tokens, mlp, 2 * inter, gate_up_offsets,
+                              buffer);
+            }
+            if (lora != NULL) {
+                lora_shrink(layer, lora, gate_up_mods, 2, h, hidden, hidden, tokens, shrunk);
+#pragma omp barrier
+                lora_expand(layer, lora, gate_up_mods, gate_up_widths, 2, shrunk, tokens, mlp,
+                            2 * inter, gate_up_offsets, buffer);
             }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -297,11 +433,19 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
                 float *gate = mlp + t * 2 * inter;
                 gate[i] = silu(gate[i]) * gate[inter + i];
             }
-            {
-                int64_t first, end;
-                share_of(hidden, &first, &end);
+            share_of(hidden, &first, &end);
+            if (lora == NULL) {
                 project_rows(&layer->down, first, end, mlp, 2 * inter, tokens, x, hidden, 1,
                              buffer);
+            } else {
+                project_rows(&layer->down, first, end, mlp, 2 * inter, tokens, projected, hidden,
+                             0, buffer);
+                lora_shrink(layer, lora, down_mod, 1, mlp, 2 * inter, inter, tokens, shrunk);
+#pragma omp barrier
+                lora_expand(layer, lora, down_mod, hidden_width, 1, shrunk, tokens, projected,
+                            hidden, no_offset, buffer);
+#pragma omp barrier
+                add_rows(x, projected, tokens, hidden);
             }
 #pragma omp barrier
         }

@@ -112,9 +112,14 @@ def mixed_requests(count: int) -> list[tuple[str, str | None]]:
     ]
 
 
-@pytest.mark.parametrize(("kernels", "lora_op"), [("auto", "native"), ("torch", "stacked")])
-def test_mixed_batch_matches_peft(tiny_model_dir, tiny_adapters, monkeypatch, kernels, lora_op):
-    """With both of the CPU's LoRA ops: the native one (the default) and the torch one."""
+@pytest.mark.parametrize(
+    ("kernels", "lora_op", "decode_launches"), [("auto", "native", 0.0), ("torch", "stacked", 4.0)]
+)
+def test_mixed_batch_matches_peft(
+    tiny_model_dir, tiny_adapters, monkeypatch, kernels, lora_op, decode_launches
+):
+    """With both of the CPU's LoRA paths: the native ones (the default: the native decode
+    step, the native op in prefill) and the torch ones."""
     monkeypatch.setenv(KERNELS_ENV, kernels)
     engine = build_engine(tiny_model_dir, tiny_adapters)
     assert engine.backend.lora_op == lora_op
@@ -127,9 +132,11 @@ def test_mixed_batch_matches_peft(tiny_model_dir, tiny_adapters, monkeypatch, ke
     assert_matches_reference(
         engine, tiny_model_dir, tiny_adapters, requests, [o.token_ids for o in outs], 24
     )
-    # The native op is one call per projection group and layer; the stacked ops one batched
-    # call per group for a decode step (a prefill chunk's long segments take another).
-    assert engine.stats().lora_launches_per_layer == 4.0
+    # The native decode step applies LoRA inside its one call (no op launches of its own);
+    # the stacked ops make one batched call per group and layer for a decode step.
+    assert engine.stats().lora_launches_per_layer == decode_launches
+    native = engine.executor.native_decode
+    assert (native is not None and native.steps_run > 0) == (kernels == "auto")
 
 
 def test_staggered_arrivals_match_peft(tiny_model_dir, tiny_adapters):

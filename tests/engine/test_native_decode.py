@@ -16,11 +16,12 @@ import torch
 
 from loramux.engine.lora.torch_backend import TorchBackend
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import LlamaForCausalLM
+from loramux.engine.model.llama import LORA_TARGETS, LlamaForCausalLM
 from loramux.engine.model.quantized import quantize_model_
 from loramux.engine.native_decode import native_decode_for, unsupported
 from loramux.engine.step_batch import ForwardInputs
 from loramux.kernels.decode_native import load_native_decode
+from loramux.kernels.lora_batch import LoRATable
 from loramux.kernels.quant_native import load_native_quant_linear
 
 CPU = torch.device("cpu")
@@ -160,3 +161,80 @@ def test_it_does_not_take_a_half_precision_cache(library):
     model = _model("int4")
     caches = [(k.half(), v.half()) for k, v in _caches(model)]
     assert unsupported(model, caches) == "the KV cache is not float32"
+
+
+class _Pools:
+    """Adapter rows per (layer, module), as the arena's pool views give them."""
+
+    weights_version = 0
+
+    def __init__(self, model: LlamaForCausalLM, rows: int):
+        generator = torch.Generator().manual_seed(5)
+        config = model.config
+        self.a, self.b = {}, {}
+        for layer in range(config.num_layers):
+            for module in LORA_TARGETS:
+                out_dim, in_dim = config.module_shape(module)[::-1]
+                wide = torch.randn(rows, in_dim + 8, generator=generator) * 0.2
+                self.a[layer, module] = wide[:, :in_dim]  # rows strided, as the arena's
+                self.b[layer, module] = torch.randn(rows, out_dim, generator=generator) * 0.2
+
+    def a_pool(self, layer, module):
+        return self.a[layer, module]
+
+    def b_pool(self, layer, module):
+        return self.b[layer, module]
+
+
+def _table(tokens: int) -> LoRATable:
+    """Adapter 0 (rank 4, every module) on tokens 0 and 3; adapter 1 (rank 8, q, v and down
+    only) on tokens 1 and 4; token 2 and any further ones the base model's."""
+    spans = [(0, 1, 0), (1, 2, 1), (2, 3, None), (3, 4, 0), (4, 5, 1)][:tokens]
+    if tokens > 5:
+        spans.append((5, tokens, None))
+    only = {"q_proj", "v_proj", "down_proj"}
+    return LoRATable(
+        spans=spans,
+        adapter_rows=[list(range(2, 6)), list(range(10, 18))],
+        ranks=[[4, 8 if m in only else 0] for m in LORA_TARGETS],
+        scales=[[0.5, 2.0] for _ in LORA_TARGETS],
+        num_tokens=tokens,
+    )
+
+
+@pytest.mark.parametrize("lengths", [[9], [3, 12, 7, 1, 16]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_with_adapters_matches_the_eager_forward(library, lengths, threads):
+    model = _model("int4")
+    pools = _Pools(model, 20)
+    caches, tables = _prefilled(model, lengths)
+    plain = _decode_inputs(lengths, tables)
+    inputs = ForwardInputs(
+        plain.input_ids, tables, plain.context_lens, plain.query_lens, _table(len(lengths)), []
+    )
+    eager_caches = copy.deepcopy(caches)
+    attention = TorchBackend(CPU).plan_attention(
+        tables, plain.context_lens, [1] * len(lengths), BLOCK, CPU
+    )
+    lora = TorchBackend(CPU).lora_step(inputs.lora, pools)
+    with torch.inference_mode():
+        expected = model(torch.tensor(inputs.input_ids), attention, eager_caches, lora)
+        base = model(torch.tensor(inputs.input_ids), attention, copy.deepcopy(caches))
+    native = native_decode_for(model, caches, BLOCK, library, pools)
+    assert native.runs(inputs)
+    native.threads = lambda: threads
+    got = native.run(inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    adapted = [0, 1, 3, 4][: len(lengths)]
+    assert not torch.allclose(got[adapted], base[adapted], atol=1e-2)  # the adapters count
+    for (keys, _), (eager_keys, _) in zip(caches, eager_caches, strict=True):
+        torch.testing.assert_close(keys, eager_keys, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_with_adapters_needs_the_pool_bound(library):
+    model = _model("int4")
+    caches, tables = _prefilled(model, [4, 5])
+    plain = _decode_inputs([4, 5], tables)
+    inputs = ForwardInputs(plain.input_ids, tables, plain.context_lens, [1, 1], _table(2), [])
+    assert not native_decode_for(model, caches, BLOCK, library).runs(inputs)
+    assert native_decode_for(model, caches, BLOCK, library, _Pools(model, 20)).runs(inputs)
