@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 # Re-install when pyproject.toml changes.
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: run test setup system-deps lint format clean gpu-check
+.PHONY: run test setup system-deps lint format clean gpu-check llama-cpp
 
 run: setup
 	$(VENV)/bin/loramux serve
@@ -46,6 +46,15 @@ $(STAMP): pyproject.toml
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PYTHON) -m loramux.benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# llama.cpp beside loramux, for `loramux bench llama-cpp` and `prefill-cpu`: the `llama-cpp`
+# extra (llama-cpp-python) built from source, a few minutes, with fixed CPU features rather
+# than this machine's (GGML_NATIVE=OFF), as the recorded figures were; no cached wheel, so
+# that these flags are the ones built.
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+llama-cpp: setup
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --quiet --no-cache-dir \
+		--no-binary llama-cpp-python -e '.[llama-cpp]'
 
 system-deps:
 	@bash deploy/system-deps.sh

@@ -38,6 +38,11 @@ STUDIES = {
         _study("fairness-slo", "weighted fair share, priority and deadlines under overload"),
         _study("prefill-flood", "how long one tenant's prompts hold another's first token"),
         _study("prefill-cpu", "the embedded default's prefill speed, against llama.cpp"),
+        _study(
+            "llama-cpp",
+            "the embedded default against llama.cpp on the same GGUF: prefill, batch-1 "
+            "decode, 8 adapters",
+        ),
         _study("speculative", "what n-gram speculation gains where answers copy, and costs"),
         _study("quantized-serve", "loramux serve on the GGUF's 4-bit weights against float32"),
         _study("quant-quality", "perplexity and agreement of each quantized mode against float32"),

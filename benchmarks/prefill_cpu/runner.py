@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +36,9 @@ from loramux.benchmarks.common.files import (
     pyplot,
     save_figure,
 )
+from loramux.benchmarks.common.llama_cpp_python import run_script
 from loramux.benchmarks.common.machine import machine_info, machine_text
+from loramux.benchmarks.common.models import embedded_engine
 from loramux.benchmarks.common.prompts import Prompts
 from loramux.benchmarks.common.report import Markdown, num, write
 
@@ -80,14 +81,10 @@ def run_job(job: dict) -> dict:
     """In a worker: the engine on the embedded GGUF, ``repeats`` prefills of ``length``."""
     import torch
 
-    from loramux.engine import Engine, EngineConfig, SamplingParams
-    from loramux.engine.model.gguf_convert import extract_gguf_metadata
-    from loramux.platform.base_model import embedded_gguf_path
+    from loramux.engine import SamplingParams
 
     torch.set_num_threads(job["threads"])
-    gguf = embedded_gguf_path()
-    meta = extract_gguf_metadata(gguf, Path(job["scratch"]) / "meta", log=lambda *a: None)
-    engine = Engine(EngineConfig(model=str(meta), gguf_file=str(gguf), kv_cache_bytes=KV_BYTES))
+    engine = embedded_engine(Path(job["scratch"]), kv_cache_bytes=KV_BYTES)
     params = SamplingParams(max_tokens=1, temperature=0)
     engine.generate([list(range(100, 164))], params)  # warm-up
     seconds = []
@@ -118,12 +115,9 @@ json.dump({"seconds": seconds, "version": llama_cpp.__version__}, open(sys.argv[
 
 
 def run_llama_cpp(python: Path, job: dict, workdir: Path) -> dict:
-    job_path, result_path, script = workdir / "lc.json", workdir / "lc-out.json", workdir / "lc.py"
-    job_path.write_text(json.dumps(job))
+    script = workdir / "lc.py"
     script.write_text(LLAMA_CPP)
-    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"])}
-    subprocess.run([str(python), str(script), str(job_path), str(result_path)], env=env, check=True)
-    return json.loads(result_path.read_text())
+    return run_script(python, script, job, workdir, job["threads"])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,1 @@
+"""``loramux bench llama-cpp``: the embedded default against llama.cpp on the same GGUF."""
