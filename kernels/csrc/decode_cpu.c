@@ -127,35 +127,14 @@ static inline const float *row_of(const loramux_weight *w, int64_t n, float *int
 }
 
 /* y[t * y_stride + n] (+)= x[t] . W[n] + bias[n] for rows [first, end) of W and T tokens;
- * residual: add to y instead of storing. buffer: 4 k floats of the calling thread. Several
- * tokens take four rows at a time against four tokens at a time (dot_4x4). */
+ * residual: add to y instead of storing. buffer: k floats of the calling thread. (Four rows
+ * against four tokens at a time, each load serving four sums, measured slower at batch 4 to 16:
+ * their rows and inputs outgrow L1.) */
 static void project_rows(const loramux_weight *w, int64_t first, int64_t end, const float *x,
                          int64_t x_stride, int64_t tokens, float *y, int64_t y_stride,
                          int residual, float *buffer) {
     const int64_t k = w->k;
-    int64_t n = first;
-    if (tokens >= 4) {
-        for (; n + 4 <= end; n += 4) {
-            const float *rows[4];
-            for (int r = 0; r < 4; r++) rows[r] = row_of(w, n + r, buffer + r * k);
-            int64_t t = 0;
-            for (; t + 4 <= tokens; t += 4) {
-                float dots[16];
-                dot_4x4(rows, x + t * x_stride, x_stride, k, dots);
-                for (int r = 0; r < 4; r++) {
-                    const float b = w->bias != NULL ? w->bias[n + r] : 0.0f;
-                    for (int i = 0; i < 4; i++)
-                        put(y + (t + i) * y_stride + n + r, dots[4 * r + i], b, residual);
-                }
-            }
-            for (; t < tokens; t++)
-                for (int r = 0; r < 4; r++) {
-                    const float b = w->bias != NULL ? w->bias[n + r] : 0.0f;
-                    put(y + t * y_stride + n + r, dot1(x + t * x_stride, rows[r], k), b, residual);
-                }
-        }
-    }
-    for (; n < end; n++) {
+    for (int64_t n = first; n < end; n++) {
         const float b = w->bias != NULL ? w->bias[n] : 0.0f;
         if (tokens == 1 && w->kind == 4) {
             put(y + n, dot_int4_row(w, n, x, buffer), b, residual);
@@ -354,7 +333,7 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *buffer = aligned_alloc(64, ((4 * widest * sizeof(float) + 63) / 64) * 64);
+        float *buffer = aligned_alloc(64, ((widest * sizeof(float) + 63) / 64) * 64);
         float *scores = malloc(sizeof(float) * (longest + 2 * dim));
         if (buffer == NULL || scores == NULL) {
 #pragma omp atomic write

@@ -116,36 +116,4 @@ static inline void dot4(const float *x, int64_t x_stride, const float *w, int64_
     dots[0] = d0, dots[1] = d1, dots[2] = d2, dots[3] = d3;
 }
 
-/* dots[4 r + i] = x_i . w[r] for four rows w and four tokens x (rows x_stride apart): each load
- * of a w or an x serves four multiply-adds, against dot4's one w for four sums. */
-static inline void dot_4x4(const float *const w[4], const float *x, int64_t x_stride,
-                           int64_t k_dim, float *dots) {
-#if defined(__AVX512F__)
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= k_dim; k += 16) {
-        __m512 xs[4];
-        for (int i = 0; i < 4; i++) xs[i] = _mm512_loadu_ps(x + i * x_stride + k);
-        for (int r = 0; r < 4; r++) {
-            const __m512 wk = _mm512_loadu_ps(w[r] + k);
-            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_fmadd_ps(xs[i], wk, acc[r][i]);
-        }
-    }
-    for (int r = 0; r < 4; r++)
-        for (int i = 0; i < 4; i++) {
-            float dot = _mm512_reduce_add_ps(acc[r][i]);
-            for (int64_t j = k; j < k_dim; j++) dot += x[i * x_stride + j] * w[r][j];
-            dots[4 * r + i] = dot;
-        }
-#else
-    for (int r = 0; r < 4; r++) {
-        float four[4];
-        dot4(x, x_stride, w[r], k_dim, four);
-        for (int i = 0; i < 4; i++) dots[4 * r + i] = four[i];
-    }
-#endif
-}
-
 #endif
