@@ -19,8 +19,8 @@
  * whose threads split each projection's output rows, and each attention's (token, head) pairs,
  * meeting at a barrier between the stages.
  *
- * At one token a packed row is de-quantized in registers as it is multiplied (the same single
- * rounding of scale * q + min as the definition's); with more, each row is de-quantized once into
+ * At one token a packed row is de-quantized in registers as it is multiplied (dot_packed_row:
+ * the same single rounding of scale * q + min as the definition's); with more, each row is de-quantized once into
  * the thread's buffer and multiplied by every token's input. No -ffast-math: NaN propagates.
  */
 #include <math.h>
@@ -69,51 +69,6 @@ typedef struct {
     const loramux_layer *layer;
 } loramux_decoder;
 
-/* One chunk of 32 int4 inputs of a row, multiplied by x as it is de-quantized. */
-#if defined(__AVX512F__)
-static inline void int4_chunk_fma(const uint8_t *bytes, __m512 s, __m512 m, const float *x,
-                                  __m512 *acc_low, __m512 *acc_high) {
-    const __m128i packed = _mm_loadu_si128((const __m128i *)bytes);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(packed, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    const __m512 w_low = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), m);
-    const __m512 w_high = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), m);
-    *acc_low = _mm512_fmadd_ps(_mm512_loadu_ps(x), w_low, *acc_low);
-    *acc_high = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), w_high, *acc_high);
-}
-#endif
-
-/* x . W[n] for an int4 row, de-quantized in registers. */
-static float dot_int4_row(const loramux_weight *w, int64_t n, const float *x, float *buffer) {
-    const int64_t k_dim = w->k, group = w->group, groups = k_dim / group;
-    const uint8_t *q = (const uint8_t *)w->q + n * (k_dim / 2);
-    const float *scales = w->scales + n * groups, *mins = w->mins + n * groups;
-#if defined(__AVX512F__)
-    (void)buffer;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    int64_t start = 0;
-    for (; start + 2 * INT4_CHUNK <= k_dim; start += 2 * INT4_CHUNK) {
-        const int64_t g0 = start / group, g1 = (start + INT4_CHUNK) / group;
-        int4_chunk_fma(q + start / 2, _mm512_set1_ps(scales[g0]), _mm512_set1_ps(mins[g0]),
-                       x + start, &acc[0], &acc[1]);
-        int4_chunk_fma(q + start / 2 + INT4_CHUNK / 2, _mm512_set1_ps(scales[g1]),
-                       _mm512_set1_ps(mins[g1]), x + start + INT4_CHUNK, &acc[2], &acc[3]);
-    }
-    for (; start < k_dim; start += INT4_CHUNK) {
-        const int64_t g = start / group;
-        int4_chunk_fma(q + start / 2, _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g]),
-                       x + start, &acc[0], &acc[1]);
-    }
-    return _mm512_reduce_add_ps(
-        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-#else
-    dequantize_row_int4(q, scales, mins, k_dim, group, buffer);
-    return dot1(x, buffer, k_dim);
-#endif
-}
-
 /* Stores or (residual) adds a dot product and the row's bias into an output. */
 static inline void put(float *out, float dot, float bias, int residual) {
     *out = residual ? *out + (dot + bias) : dot + bias;
@@ -136,8 +91,10 @@ static void project_rows(const loramux_weight *w, int64_t first, int64_t end, co
     const int64_t k = w->k;
     for (int64_t n = first; n < end; n++) {
         const float b = w->bias != NULL ? w->bias[n] : 0.0f;
-        if (tokens == 1 && w->kind == 4) {
-            put(y + n, dot_int4_row(w, n, x, buffer), b, residual);
+        if (tokens == 1 && w->kind != 32) {
+            const float dot = dot_packed_row((int)w->kind, w->q, w->scales, w->mins, n, k, w->group,
+                                             x, buffer);
+            put(y + n, dot, b, residual);
             continue;
         }
         const float *row = row_of(w, n, buffer);
@@ -260,10 +217,11 @@ static inline int64_t slot_offset(const loramux_decoder *m, int64_t slot, int64_
     return (slot * m->kv_heads + head) * m->head_dim;
 }
 
-/* One head of one token: softmax(q . K^T * scale) V over its sequence's `len` keys. */
-static void attend_head(const loramux_decoder *m, const loramux_layer *layer, const float *q,
-                        int64_t kv_head, const int32_t *table, int64_t len, float *scores,
-                        float *out) {
+/* One head of one token: softmax(q . K^T * scale) V over its sequence's `len` keys. The keys
+ * of a block's positions are kv_heads * head_dim floats apart. */
+static void attend_head_generic(const loramux_decoder *m, const loramux_layer *layer,
+                                const float *q, int64_t kv_head, const int32_t *table,
+                                int64_t len, float *scores, float *out) {
     const int64_t dim = m->head_dim, block = m->block_size;
     float top = -INFINITY;
     for (int64_t p = 0; p < len; p++) {
@@ -288,6 +246,94 @@ static void attend_head(const loramux_decoder *m, const loramux_layer *layer, co
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) out[i] += weight * value[i];
     }
+}
+
+#if defined(__AVX512F__)
+/* e^x for x <= 0, sixteen at a time: x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts so
+ * n ln 2 is exact), e^r by its Taylor polynomial to r^7 (relative error below 2^-24 there),
+ * then scaled by 2^n. Below -87.3 (e^x under float's smallest normal) it gives 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 floor_x = _mm512_set1_ps(-87.3f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, floor_x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 poly = _mm512_set1_ps(1.0f / 5040.0f);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(poly, n));
+}
+
+/* The same for a head of CHUNKS * 16 floats, the query and the output held in registers, the
+ * keys and values read block by block. A NaN score propagates: max keeps the NaN out of `top`
+ * but the NaN's own e^x is NaN, and so is the total. */
+#define ATTEND_FIXED(CHUNKS)                                                                      \
+    static void attend_head_##CHUNKS(const loramux_decoder *m, const loramux_layer *layer,       \
+                                     const float *q, int64_t kv_head, const int32_t *table,       \
+                                     int64_t len, float *scores, float *out) {                    \
+        const int64_t block = m->block_size, stride = m->kv_heads * m->head_dim;                 \
+        __m512 query[CHUNKS], acc[CHUNKS];                                                        \
+        for (int c = 0; c < CHUNKS; c++) query[c] = _mm512_loadu_ps(q + 16 * c);                 \
+        float top = -INFINITY;                                                                    \
+        for (int64_t first = 0; first < len; first += block) {                                    \
+            const float *key = layer->k_cache + ((int64_t)table[first / block] * block * m->kv_heads + kv_head) * m->head_dim; \
+            const int64_t count = len - first < block ? len - first : block;                     \
+            for (int64_t i = 0; i < count; i++, key += stride) {                                  \
+                __m512 dot = _mm512_mul_ps(query[0], _mm512_loadu_ps(key));                       \
+                for (int c = 1; c < CHUNKS; c++)                                                  \
+                    dot = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(key + 16 * c), dot);          \
+                const float score = _mm512_reduce_add_ps(dot) * m->scale;                         \
+                scores[first + i] = score;                                                        \
+                top = score > top ? score : top;                                                  \
+            }                                                                                     \
+        }                                                                                         \
+        __m512 totals = _mm512_setzero_ps();                                                      \
+        const __m512 tops = _mm512_set1_ps(top);                                                  \
+        int64_t p = 0;                                                                            \
+        for (; p + 16 <= len; p += 16) {                                                          \
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + p), tops));   \
+            _mm512_storeu_ps(scores + p, e);                                                      \
+            totals = _mm512_add_ps(totals, e);                                                    \
+        }                                                                                         \
+        if (p < len) {                                                                            \
+            const __mmask16 rest = (__mmask16)((1u << (len - p)) - 1);                            \
+            const __m512 e = exp_nonpositive(                                                     \
+                _mm512_sub_ps(_mm512_maskz_loadu_ps(rest, scores + p), tops));                    \
+            _mm512_mask_storeu_ps(scores + p, rest, e);                                           \
+            totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(rest, e));                         \
+        }                                                                                         \
+        const float total = _mm512_reduce_add_ps(totals);                                         \
+        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm512_setzero_ps();                            \
+        for (int64_t first = 0; first < len; first += block) {                                    \
+            const float *value = layer->v_cache + ((int64_t)table[first / block] * block * m->kv_heads + kv_head) * m->head_dim; \
+            const int64_t count = len - first < block ? len - first : block;                     \
+            for (int64_t i = 0; i < count; i++, value += stride) {                                \
+                const __m512 weight = _mm512_set1_ps(scores[first + i] / total);                  \
+                for (int c = 0; c < CHUNKS; c++)                                                  \
+                    acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), acc[c]);    \
+            }                                                                                     \
+        }                                                                                         \
+        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);                 \
+    }
+ATTEND_FIXED(4)
+ATTEND_FIXED(8)
+#endif
+
+static void attend_head(const loramux_decoder *m, const loramux_layer *layer, const float *q,
+                        int64_t kv_head, const int32_t *table, int64_t len, float *scores,
+                        float *out) {
+#if defined(__AVX512F__)
+    if (m->head_dim == 64) return attend_head_4(m, layer, q, kv_head, table, len, scores, out);
+    if (m->head_dim == 128) return attend_head_8(m, layer, q, kv_head, table, len, scores, out);
+#endif
+    attend_head_generic(m, layer, q, kv_head, table, len, scores, out);
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }

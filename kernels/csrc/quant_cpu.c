@@ -45,8 +45,12 @@ int loramux_quant_linear_f32(int kind, const float *x, int64_t x_stride, int64_t
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < n_dim; n++) {
-                dequantize_row(kind, q, scales, mins, n, k_dim, group, w);
                 const float b = bias != NULL ? bias[n] : 0.0f;
+                if (tokens == 1) {  /* de-quantized in registers (an LM head's decode step) */
+                    y[n] = dot_packed_row(kind, q, scales, mins, n, k_dim, group, x, w) + b;
+                    continue;
+                }
+                dequantize_row(kind, q, scales, mins, n, k_dim, group, w);
                 int64_t t = 0;
                 for (; t + 4 <= tokens; t += 4) {
                     float dots[4];

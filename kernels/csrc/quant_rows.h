@@ -116,4 +116,68 @@ static inline void dot4(const float *x, int64_t x_stride, const float *w, int64_
     dots[0] = d0, dots[1] = d1, dots[2] = d2, dots[3] = d3;
 }
 
+/* x . W[n] for a packed row, de-quantized in registers as it is multiplied: each weight is the
+ * definition's (scale * q + min rounded once; int8: scale * q), never stored. buffer: k floats,
+ * used only where the registers cannot do it (no AVX-512; int8 scales for fewer than 16 inputs):
+ * the row is de-quantized there, then dot1.
+ *
+ * int4: a group's sixteen possible weights sit in one register (lut[q] = scale * q + min), and
+ * each 4-bit value picks its weight with a permute, which reads the low 4 bits of each lane: a
+ * byte widened to a lane gives input j in its low nibble and, shifted right by 4, input j + 16. */
+static inline float dot_packed_row(int kind, const void *q, const float *scales, const float *mins,
+                                   int64_t n, int64_t k_dim, int64_t group, const float *x,
+                                   float *buffer) {
+    const int64_t groups = k_dim / group;
+#if defined(__AVX512F__)
+    if (kind == 8 && group % 16 != 0) {  /* a scale per fewer than 16 inputs: de-quantize */
+        dequantize_row(kind, q, scales, mins, n, k_dim, group, buffer);
+        return dot1(x, buffer, k_dim);
+    }
+    scales += n * groups;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    (void)buffer;
+    if (kind == 4) {
+        const uint8_t *row = (const uint8_t *)q + n * (k_dim / 2);
+        mins += n * groups;
+        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t start = 0; start < k_dim; start += INT4_CHUNK) {
+            const int64_t g = start / group;
+            const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), iota,
+                                               _mm512_set1_ps(mins[g]));
+            const __m512i bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + start / 2)));
+            const __m512 low = _mm512_permutexvar_ps(bytes, lut);
+            const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), lut);
+            if ((start / INT4_CHUNK) & 1) {
+                acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start), low, acc2);
+                acc3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start + 16), high, acc3);
+            } else {
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start), low, acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start + 16), high, acc1);
+            }
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1),
+                                                  _mm512_add_ps(acc2, acc3)));
+    }
+    const int8_t *row = (const int8_t *)q + n * k_dim;
+    int64_t k = 0;
+    for (; k + 16 <= k_dim; k += 16) {
+        const __m512 values = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
+        const __m512 weights = _mm512_mul_ps(_mm512_set1_ps(scales[k / group]), values);
+        if ((k / 16) & 1)
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), weights, acc1);
+        else
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), weights, acc0);
+    }
+    float dot = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; k < k_dim; k++) dot += x[k] * (scales[k / group] * (float)row[k]);
+    return dot;
+#else
+    (void)groups;
+    dequantize_row(kind, q, scales, mins, n, k_dim, group, buffer);
+    return dot1(x, buffer, k_dim);
+#endif
+}
+
 #endif

@@ -69,7 +69,12 @@ def _model(quantization: str, **overrides) -> LlamaForCausalLM:
 def _caches(model: LlamaForCausalLM):
     c = model.config
     shape = (BLOCKS, BLOCK, c.num_kv_heads, c.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+    # Stale values everywhere, as in a used arena: only a sequence's own slots may be read.
+    generator = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(c.num_layers)
+    ]
 
 
 def _prefilled(model, lengths: list[int]):
@@ -128,6 +133,27 @@ def test_native_step_matches_the_eager_forward(library, quantization, overrides,
     for (keys, values), (eager_keys, eager_values) in zip(caches, eager_caches, strict=True):
         torch.testing.assert_close(keys, eager_keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(values, eager_values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "heads",
+    [
+        # head_dim 64 and 128: the attention's register paths (16 elsewhere: the generic one)
+        {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1},
+        {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1},
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_heads_match_the_eager_forward(library, heads, threads):
+    # contexts of 2 to 61 keys: whole and partial blocks, whole and partial runs of 16 scores
+    lengths = [1, 15, 16, 33, 60]
+    model = _model("int4", **heads)
+    caches, tables = _prefilled(model, lengths)
+    inputs = _decode_inputs(lengths, tables)
+    expected = _eager(model, copy.deepcopy(caches), inputs)
+    native = native_decode_for(model, caches, BLOCK, library)
+    native.threads = lambda: threads
+    torch.testing.assert_close(native.run(inputs), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_it_runs_only_decode_steps_without_adapters(library):
