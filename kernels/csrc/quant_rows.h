@@ -52,8 +52,10 @@ static inline void dequantize_chunk_int4(const uint8_t *bytes, float scale, floa
 
 static void dequantize_row_int4(const uint8_t *q, const float *scales, const float *mins,
                                 int64_t k_dim, int64_t group, float *w) {
-    for (int64_t start = 0; start < k_dim; start += INT4_CHUNK)
-        dequantize_chunk_int4(q + start / 2, scales[start / group], mins[start / group], w + start);
+    /* group by group: a 64-bit divide a chunk for its group cost more than the chunk */
+    for (int64_t g = 0, start = 0; start < k_dim; g++)
+        for (const int64_t end = start + group; start < end; start += INT4_CHUNK)
+            dequantize_chunk_int4(q + start / 2, scales[g], mins[g], w + start);
 }
 
 static void dequantize_row(int kind, const void *q, const float *scales, const float *mins,
@@ -140,20 +142,23 @@ static inline float dot_packed_row(int kind, const void *q, const float *scales,
         const uint8_t *row = (const uint8_t *)q + n * (k_dim / 2);
         mins += n * groups;
         const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (int64_t start = 0; start < k_dim; start += INT4_CHUNK) {
-            const int64_t g = start / group;
+        /* group by group: no division in the loop (a 64-bit divide a chunk cost more than
+         * the chunk's own work) */
+        for (int64_t g = 0, start = 0; g < groups; g++) {
             const __m512 lut = _mm512_fmadd_ps(_mm512_set1_ps(scales[g]), iota,
                                                _mm512_set1_ps(mins[g]));
-            const __m512i bytes =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + start / 2)));
-            const __m512 low = _mm512_permutexvar_ps(bytes, lut);
-            const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), lut);
-            if ((start / INT4_CHUNK) & 1) {
-                acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start), low, acc2);
-                acc3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start + 16), high, acc3);
-            } else {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start), low, acc0);
-                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start + 16), high, acc1);
+            for (const int64_t end = start + group; start < end; start += INT4_CHUNK) {
+                const __m512i bytes =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + start / 2)));
+                const __m512 low = _mm512_permutexvar_ps(bytes, lut);
+                const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), lut);
+                if ((start / INT4_CHUNK) & 1) {
+                    acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start), low, acc2);
+                    acc3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start + 16), high, acc3);
+                } else {
+                    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start), low, acc0);
+                    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + start + 16), high, acc1);
+                }
             }
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1),
@@ -161,14 +166,17 @@ static inline float dot_packed_row(int kind, const void *q, const float *scales,
     }
     const int8_t *row = (const int8_t *)q + n * k_dim;
     int64_t k = 0;
-    for (; k + 16 <= k_dim; k += 16) {
-        const __m512 values = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
-        const __m512 weights = _mm512_mul_ps(_mm512_set1_ps(scales[k / group]), values);
-        if ((k / 16) & 1)
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), weights, acc1);
-        else
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), weights, acc0);
+    for (int64_t g = 0; g < groups && k + group <= k_dim; g++) {
+        const __m512 scale = _mm512_set1_ps(scales[g]);
+        for (const int64_t end = k + group; k < end; k += 16) {
+            const __m512 values = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k))));
+            const __m512 weights = _mm512_mul_ps(scale, values);
+            if ((k / 16) & 1)
+                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), weights, acc1);
+            else
+                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), weights, acc0);
+        }
     }
     float dot = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     for (; k < k_dim; k++) dot += x[k] * (scales[k / group] * (float)row[k]);
