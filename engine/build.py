@@ -130,8 +130,8 @@ def _build_parts(
         advice=plan.advice(),
         clock=devices.clock,
     )
-    prefill_budget, scheduler = _scheduler(config, kv, residency)
     executor = _executor(config, devices, loaded.model, arena, pool, backend, plan)
+    prefill_budget, scheduler = _scheduler(config, kv, residency, executor.interruptible)
     speculator = _speculator(config, loaded, backend, plan)
     grammars = _grammars(config, loaded)
     observer = StepObserver(
@@ -245,7 +245,7 @@ def _memory(config: EngineConfig, devices: Devices, model, backend, draft):
 
 
 def _scheduler(
-    config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency
+    config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency, interruptible: bool
 ) -> tuple[PrefillBudget, Scheduler]:
     """The scheduler, asking residency about adapters and the prefill budget (prompt tokens
     per step, sized to the step's target time) about prompt tokens."""
@@ -265,6 +265,7 @@ def _scheduler(
         kv,
         adapters=residency,
         prompt_budget=prefill_budget.tokens,
+        solo_steps=interruptible,
     )
     return prefill_budget, scheduler
 

@@ -55,7 +55,7 @@ class StepExecution:
 
     def run(self, plan: SchedulerOutput) -> ExecutedStep | None:
         """The plan's results; None when a higher-priority arrival cut it short."""
-        self.interrupt.begin(max(item.seq.priority for item in plan.scheduled))
+        self.interrupt.begin(max(item.seq.priority for item in plan.scheduled), solo=plan.solo)
         prompt_logprobs: PromptLogprobs = {}
         launches: list[int] = []
         started = self.clock.now()
@@ -69,7 +69,8 @@ class StepExecution:
         if not run.reruns:
             seconds = self.clock.now() - started
             decodes = plan.num_batched_tokens - plan.num_prompt_tokens
-            self.prefill_budget.observe(plan.num_prompt_tokens, decodes, seconds)
+            if not plan.solo:  # a solo step's tokens cost what a big chunk's do, not a budget's
+                self.prefill_budget.observe(plan.num_prompt_tokens, decodes, seconds)
             if self.speculator is not None:
                 self.speculator.observe_step(plan, seconds)
                 self.metrics.spec_proposal_cost.set(self.speculator.proposal_cost)

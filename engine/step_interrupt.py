@@ -13,6 +13,10 @@ values) with the same sampler state; outputs are unchanged, only the partial ste
 is lost (at most one step per urgent arrival). The engine adds the new request, and the
 next plan puts it first (preempting a lower-priority sequence if slots are short).
 
+A *solo* step (the scheduler's policy 10: the engine's only request prefilling, sized by
+tokens alone) is cut short by any arrival, whatever its priority: it was sized on the promise
+that nobody waits on it.
+
 Only eager steps check the flag: a CUDA graph replays without Python in between.
 An arrival is pending until the engine has taken it (``taken``), or for ``PENDING_S`` at
 most, so that a request that never reaches the engine cannot interrupt steps forever.
@@ -35,13 +39,14 @@ class StepInterrupt:
         self._lock = threading.Lock()
         self._flag = threading.Event()
         self._step_priority: int | None = None  # highest priority in the running step
+        self._solo = False  # the running step is solo: any arrival cuts it short
         self._pending: list[tuple[int, float]] = []  # (priority, when) not yet taken
 
     def arrived(self, priority: int) -> None:
         """A request of ``priority`` is on its way to the engine (any thread)."""
         with self._lock:
             self._pending.append((priority, time.monotonic()))
-            if self._step_priority is not None and priority > self._step_priority:
+            if self._step_priority is not None and (self._solo or priority > self._step_priority):
                 self._flag.set()
 
     def taken(self, priority: int) -> None:
@@ -52,19 +57,20 @@ class StepInterrupt:
                     del self._pending[i]
                     break
 
-    def begin(self, step_priority: int) -> None:
-        """A step whose highest priority is ``step_priority`` starts (engine thread)."""
+    def begin(self, step_priority: int, solo: bool = False) -> None:
+        """A step whose highest priority is ``step_priority`` starts (engine thread);
+        ``solo``: any arrival cuts it short."""
         with self._lock:
             oldest = time.monotonic() - PENDING_S
             self._pending = [(p, t) for p, t in self._pending if t >= oldest]
-            self._step_priority = step_priority
+            self._step_priority, self._solo = step_priority, solo
             self._flag.clear()
-            if any(p > step_priority for p, _ in self._pending):
+            if any(solo or p > step_priority for p, _ in self._pending):
                 self._flag.set()  # announced, not added yet: it goes first
 
     def end(self) -> None:
         with self._lock:
-            self._step_priority = None
+            self._step_priority, self._solo = None, False
             self._flag.clear()
 
     def check(self) -> None:

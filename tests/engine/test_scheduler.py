@@ -826,3 +826,37 @@ def test_a_newcomer_s_first_step_is_short_once():
     out = sim.step()
     assert scheduled_tokens(out) == {"victim": 1, "second": 8, "long": 64 - 8}
     assert scheduled_tokens(sim.step())["long"] == 64  # nobody new: whole steps
+
+
+def test_a_lone_prefilling_request_takes_a_solo_step_of_the_token_budget():
+    # Policy 10: alone, a prompt's step is sized by tokens, not by the time budget, and is
+    # marked solo (any arrival cuts it short); with company, the budget holds again.
+    sim = Sim(limits(max_num_batched_tokens=256), num_blocks=1024)
+    sim.sched.prompt_budget = lambda: 32
+    sim.sched.solo_steps = True
+    sim.add("long", prompt_len=600, tenant="a")
+    out = sim.step()
+    assert scheduled_tokens(out) == {"long": 256} and out.solo
+    sim.add("other", prompt_len=8, tenant="b")
+    out = sim.step()
+    assert out.num_prompt_tokens <= 32 and not out.solo
+    while sim.seqs["other"].status is not SequenceStatus.FINISHED:
+        sim.step()
+    out = sim.step()  # alone again
+    assert out.solo and out.num_prompt_tokens == min(256, 600 - sim.computed_before["long"])
+
+
+def test_no_solo_step_without_the_executor_s_consent_or_beside_a_decode():
+    sim = Sim(limits(max_num_batched_tokens=256), num_blocks=1024)
+    sim.sched.prompt_budget = lambda: 32
+    sim.add("long", prompt_len=600)  # solo_steps off: an executor that cannot cut a step
+    out = sim.step()
+    assert scheduled_tokens(out) == {"long": 32} and not out.solo
+    sim.sched.solo_steps = True
+    sim.sched.prompt_budget = lambda: 256  # no time budget below the token one: nothing to lift
+    assert not sim.step().solo
+    short = Sim(limits(max_num_batched_tokens=256), num_blocks=1024)
+    short.sched.prompt_budget, short.sched.solo_steps = (lambda: 32), True
+    short.add("chat", prompt_len=4, max_tokens=8)
+    short.step()
+    assert not short.step().solo  # decoding alone: no prompt tokens, nothing to mark

@@ -114,3 +114,53 @@ def test_an_arrival_from_another_thread_interrupts_a_running_step(tiny_model_dir
     engine.step_interrupt.check = check
     engine.step_interrupt.taken(3)
     assert len(engine.step()) == 1
+
+
+def test_any_arrival_cuts_a_solo_step_short():
+    interrupt = StepInterrupt()
+    interrupt.begin(3, solo=True)
+    interrupt.check()
+    interrupt.arrived(0)  # a lower priority too: the solo step promised nobody waits
+    try:
+        interrupt.check()
+        raise AssertionError("an arrival must cut a solo step short")
+    except StepInterrupted:
+        pass
+    interrupt.end()
+    interrupt.begin(3, solo=True)  # announced, not yet added: the next solo step stops at once
+    try:
+        interrupt.check()
+        raise AssertionError("a pending arrival must cut a solo step short")
+    except StepInterrupted:
+        pass
+    interrupt.end()
+    interrupt.taken(0)
+    interrupt.begin(3)  # not solo: the same arrival waits
+    interrupt.arrived(0)
+    interrupt.check()
+
+
+def test_a_lone_prompt_s_solo_step_gives_way_to_any_arrival(tiny_model_dir):
+    # A time budget of a microsecond keeps company-steps at the smallest chunk; alone, the
+    # prompt's first step takes the whole token budget (solo). A same-priority arrival
+    # announced during the next one cuts it short; the newcomer shares the step after, and
+    # both requests still give transformers' tokens.
+    engine = build_engine(tiny_model_dir, prefill_step_target_s=1e-6, max_num_batched_tokens=64)
+    engine.scheduler.prompt_budget = lambda: 4  # the time budget's floor, whatever is measured
+    long_prompt = " ".join(PROMPTS) * 3
+    engine.add_request("long", long_prompt, PARAMS[0], priority=0)
+    engine.step()
+    long_seq = next(s for s in engine.scheduler.running if s.request_id == "long")
+    assert long_seq.num_computed_tokens == 64  # solo: the token budget, not the 4 of the time
+    engine.note_arrival(0)
+    assert engine.step() == []  # cut short for the same priority: the step was solo
+    assert engine.metrics.steps_interrupted._value.get() == 1
+    engine.add_request("short", PROMPTS[1], PARAMS[0], priority=0)
+    engine.step_interrupt.taken(0)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.delta_token_ids)
+    for rid, prompt in (("long", long_prompt), ("short", PROMPTS[1])):
+        ids = engine.tokenizer(prompt)["input_ids"]
+        assert tokens[rid] == greedy_tokens(tiny_model_dir, None, ids, 12), rid
