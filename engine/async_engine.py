@@ -377,7 +377,8 @@ class AsyncEngine:
                 tenant,
                 mix,
             )
-            # Before it queues behind the running step: a higher priority cuts that step short.
+            # Before it queues behind the running step: a higher priority cuts that step short,
+            # and so does any arrival during a lone prompt's solo step (scheduler policy 10).
             self.engine.note_arrival(priority)
             await asyncio.wrap_future(loop.submit(add))
             while not finished:

@@ -31,7 +31,7 @@ from loramux.engine.memory.kv_cache import KVCacheManager
 from loramux.engine.memory.plan import MemoryPlan, plan_memory, requested_context
 from loramux.engine.metrics import EngineMetrics
 from loramux.engine.model.config import ModelConfig
-from loramux.engine.model.llama import LlamaForCausalLM
+from loramux.engine.model.llama import LlamaForCausalLM, install_native_rows
 from loramux.engine.model.loader import load_model
 from loramux.engine.model.quantized import describe_weights
 from loramux.engine.native_decode import native_decode_for
@@ -275,6 +275,8 @@ def _load_models(config: EngineConfig, devices: Devices, backend: KernelBackend)
     tokens, and the draft model, checked against it."""
     # The backend's kernels run the quantized matmuls.
     model = devices.load_model(config, quant_op=backend.quant_linear)
+    if backend.native_rows is not None:
+        install_native_rows(model, backend.native_rows)
     whole = model.config if devices.shard is None else devices.shard.config
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     eos = frozenset(whole.eos_token_ids) | (

@@ -73,8 +73,10 @@ class KernelBackend(ABC):
     # LoRA ops must read the step from device tensors, sizing no work on the host.
     static_decode: bool
     lora_launches: LaunchCount
-    # The CPU's native decode forward (kernels/decode_native.py), where this backend has it.
+    # The CPU's native decode forward (kernels/decode_native.py) and row ops of long steps
+    # (kernels/rows_native.py), where this backend has them.
     native_decode = None
+    native_rows = None
 
     @abstractmethod
     def plan_attention(
@@ -135,13 +137,15 @@ def select_backend(
 
 def _native_cpu_ops():
     """The CPU's native ops for ``auto`` on a float32 CPU engine: LoRA, the quantized matmul,
-    the read of an 8-bit KV cache and the decode forward (``engine/native_decode.py``), each None where it does not build (logged why). All
+    the read of an 8-bit KV cache, the decode forward (``engine/native_decode.py``) and the
+    row ops of long steps, each None where it does not build (logged why). All
     are built here, even those a model may not use (a second or less, once per machine):
     the model is loaded after the backend is chosen."""
     from loramux.kernels.decode_native import load_native_decode
     from loramux.kernels.kv_native import load_native_kv_gather
     from loramux.kernels.lora_native import load_native_lora
     from loramux.kernels.quant_native import load_native_quant_linear
+    from loramux.kernels.rows_native import load_native_rows
 
     ops = []
     for load, fallback in (
@@ -149,6 +153,7 @@ def _native_cpu_ops():
         (load_native_quant_linear, "Quantized weights on the CPU use the torch ops (slower)"),
         (load_native_kv_gather, "An 8-bit KV cache on the CPU is read by the torch ops (slower)"),
         (load_native_decode, "Decode steps on the CPU run the torch forward (slower)"),
+        (load_native_rows, "Norms and activations of prefill steps use the torch ops (slower)"),
     ):
         native, how = load()
         if native is None:

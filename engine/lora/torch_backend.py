@@ -44,6 +44,7 @@ from loramux.kernels.lora_torch import (
 from loramux.kernels.paged_attention import attend_reference, plan_attention
 from loramux.kernels.quant_linear import quant_linear_torch
 from loramux.kernels.quant_native import NativeQuantLinear
+from loramux.kernels.rows_native import NativeRows
 
 # A segment of at most this many tokens joins the batched matmuls over the stacks (padded
 # to the adapter with most such tokens); a longer one (a prefill chunk) takes its own.
@@ -192,6 +193,7 @@ class TorchBackend(KernelBackend):
         native_quant: NativeQuantLinear | None = None,
         native_kv: NativeKVGather | None = None,
         native_decode: NativeDecodeLibrary | None = None,
+        native_rows: NativeRows | None = None,
     ):
         self.device = torch.device(device)
         self.lora_launches = LaunchCount()
@@ -200,6 +202,7 @@ class TorchBackend(KernelBackend):
         self.native_quant = native_quant
         # Decode-only steps without adapters in one native call (engine/native_decode.py).
         self.native_decode = native_decode
+        self.native_rows = native_rows  # prefill chunks' norms and activations
         # An 8-bit KV cache read natively (one pass over a context's bytes), else by torch.
         self.attend = (
             attend_reference

@@ -130,8 +130,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # The CPU's native row ops (kernels/rows_native.py) for long steps, where installed.
+        self.native = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2 and x.shape[0] >= NATIVE_MIN_ROWS:
+            return self.native.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -152,6 +156,10 @@ def make_norm(config: ModelConfig, size: int) -> RMSNorm:
     norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
     return norm(size, config.rms_norm_eps)
 
+
+# Rows from which a float32 CPU step takes the native row ops (RMSNorm, SiLU times up) where
+# installed (install_native_rows); fewer rows are torch's, whose dispatch is then the cost.
+NATIVE_MIN_ROWS = 64
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -219,11 +227,17 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
+        self.native = None  # the CPU's native row ops for long steps, where installed
         self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, lora):
         gate, up = _project(x, (self.gate_proj, self.up_proj), self.layer, GATE_UP, lora)
-        out = _project(self.act(gate) * up, (self.down_proj,), self.layer, DOWN, lora)[0]
+        if self.native is not None and self.silu and gate.shape[0] >= NATIVE_MIN_ROWS:
+            hidden = self.native.silu_mul(gate, up)
+        else:
+            hidden = self.act(gate) * up
+        out = _project(hidden, (self.down_proj,), self.layer, DOWN, lora)[0]
         return _summed(out, self.ranks)
 
 
@@ -255,6 +269,14 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(
             self.mlp(self.pre_feedforward_layernorm(x), lora)
         )
+
+
+def install_native_rows(model: nn.Module, native) -> None:
+    """Hand the CPU's native row ops (``kernels/rows_native.NativeRows``) to the model's
+    Llama norms and SiLU MLPs (not Gemma's norms, whose maths differs)."""
+    for module in model.modules():
+        if type(module) is RMSNorm or isinstance(module, LlamaMLP):
+            module.native = native
 
 
 # Fewer rows than this (but more than one) go through the LM head padded (compute_logits).
