@@ -1,5 +1,5 @@
-"""The CPU's native row-wise ops of long steps (``csrc/rows_cpu.c``): RMSNorm and SiLU times
-up, one pass each over a prefill chunk's activations. The C file gives the maths; the torch
+"""The CPU's native row-wise ops of long steps (``csrc/rows_cpu.c``): RMSNorm, SiLU times up
+and RoPE, one pass each over a prefill chunk's activations. The C file gives the maths; the torch
 code they stand in for (``engine/model/llama.py``'s ``RMSNorm`` and ``LlamaMLP``) is their
 reference. :func:`install_native_rows` hands them to a model's modules."""
 
@@ -60,6 +60,27 @@ class NativeRows:
         )  # fmt: skip
         return out
 
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` in place, ``x`` ``[rows, heads, dim]`` (each
+        head contiguous), ``cos``, ``sin`` ``[rows, dim]``; returns ``x``."""
+        rows, heads, dim = x.shape
+        if not (
+            x.device.type == "cpu"
+            and x.dtype == cos.dtype == sin.dtype == torch.float32
+            and x.stride(2) == 1
+            and cos.shape == sin.shape == (rows, dim)
+            and cos.stride() == sin.stride()
+            and cos.stride(1) == 1
+            and dim % 2 == 0
+            and dim <= 512
+        ):
+            raise ValueError("native rows: RoPE takes float32 [rows, heads, dim <= 512] heads")
+        self.library.loramux_rope_f32(
+            x.data_ptr(), x.stride(0), x.stride(1), rows, heads, dim, cos.data_ptr(),
+            sin.data_ptr(), cos.stride(0),
+        )  # fmt: skip
+        return x
+
 
 def load_native_rows(cache_dir: Path | None = None) -> tuple[NativeRows | None, str]:
     """The ops, built here if needed; or None and why they are not available."""
@@ -74,4 +95,8 @@ def load_native_rows(cache_dir: Path | None = None) -> tuple[NativeRows | None, 
     # gate, gate_stride, up, up_stride, rows, size, out, out_stride
     silu.argtypes = [_pointer, _size, _pointer, _size, _size, _size, _pointer, _size]
     silu.restype = None
+    rope = library.loramux_rope_f32
+    # x, x_stride, head_stride, rows, heads, dim, cos, sin, table_stride
+    rope.argtypes = [_pointer, _size, _size, _size, _size, _size, _pointer, _pointer, _size]
+    rope.restype = None
     return NativeRows(library, Path(library._name)), how

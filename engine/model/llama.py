@@ -199,6 +199,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = make_norm(config, config.head_dim)
         self.qk_norm = config.qk_norm
         self.window = config.window_of(layer)  # a sliding window of keys, or None
+        self.native = None  # the CPU's native row ops for long steps (RoPE), where installed
         self.ranks: Collectives | None = None  # set by LlamaForCausalLM.join
 
     def forward(self, x, cos, sin, attention: StepAttention, kv_cache, lora):
@@ -208,8 +209,11 @@ class LlamaAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.native is not None and tokens >= NATIVE_MIN_ROWS:  # in place: fresh tensors
+            q, k = self.native.rope_(q, cos, sin), self.native.rope_(k, cos, sin)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attention.new_token_slots)
@@ -273,9 +277,9 @@ class LlamaDecoderLayer(nn.Module):
 
 def install_native_rows(model: nn.Module, native) -> None:
     """Hand the CPU's native row ops (``kernels/rows_native.NativeRows``) to the model's
-    Llama norms and SiLU MLPs (not Gemma's norms, whose maths differs)."""
+    Llama norms, SiLU MLPs and attention's RoPE (not Gemma's norms, whose maths differs)."""
     for module in model.modules():
-        if type(module) is RMSNorm or isinstance(module, LlamaMLP):
+        if type(module) is RMSNorm or isinstance(module, LlamaMLP | LlamaAttention):
             module.native = native
 
 

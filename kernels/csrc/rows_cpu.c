@@ -5,6 +5,7 @@
  *
  *     rms_norm:  out[t] = weight * (x[t] * (1 / sqrt(mean(x[t]^2) + eps)))   (transformers' Llama)
  *     silu_mul:  out[t] = silu(gate[t]) * up[t],  silu(g) = g / (1 + e^-g)
+ *     rope:      x[t, h] = x[t, h] cos[t] + rotate_half(x[t, h]) sin[t], in place
  *
  * Rows are split over torch's OpenMP threads. e^x is computed sixteen at a time (AVX-512: a
  * degree-7 polynomial after range reduction, within an ulp or two of the correctly rounded
@@ -80,5 +81,33 @@ void loramux_silu_mul_f32(const float *gate, int64_t gate_stride, const float *u
         }
 #endif
         for (; i < size; i++) dst[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+
+/* RoPE in place on x [rows, heads, dim] (row t's heads x_stride apart, each head's dim floats
+ * contiguous, heads head_stride apart): x = x cos[t] + rotate_half(x) sin[t], where
+ * rotate_half(x) = (-x[dim/2:], x[:dim/2]); the two products and their sum rounded apart, as
+ * torch's three ops round them (no contraction: -std=c11). */
+void loramux_rope_f32(float *x, int64_t x_stride, int64_t head_stride, int64_t rows,
+                      int64_t heads, int64_t dim, const float *cos, const float *sin,
+                      int64_t table_stride) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * table_stride, *s = sin + t * table_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * x_stride + h * head_stride;
+            float first[256];
+            if (half > 256) continue; /* the caller checks dim <= 512 */
+            for (int64_t i = 0; i < half; i++) first[i] = v[i];
+            for (int64_t i = 0; i < half; i++) {
+                const float straight = v[i] * c[i], turned = -v[i + half] * s[i];
+                v[i] = straight + turned;
+            }
+            for (int64_t i = half; i < dim; i++) {
+                const float straight = v[i] * c[i], turned = first[i - half] * s[i];
+                v[i] = straight + turned;
+            }
+        }
     }
 }

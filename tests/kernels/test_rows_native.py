@@ -69,3 +69,19 @@ def test_install_reaches_llama_norms_and_mlps_only(rows):
     layer = model.model.layers[0]
     assert layer.input_layernorm.native is rows and isinstance(layer.mlp, LlamaMLP)
     assert layer.mlp.native is rows and model.model.norm.native is rows
+
+
+@pytest.mark.parametrize("dim", [64, 16])
+def test_rope_matches_apply_rotary_in_place(rows, dim):
+    from loramux.engine.model.rope import apply_rotary
+
+    generator = torch.Generator().manual_seed(3)
+    fused = torch.randn(NATIVE_MIN_ROWS, 5 * dim, generator=generator)  # q and k side by side
+    q = fused[:, : 3 * dim].view(NATIVE_MIN_ROWS, 3, dim)  # rows strided, as a fused qkv's
+    angles = torch.rand(NATIVE_MIN_ROWS, dim // 2, generator=generator) * 50
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    expected = apply_rotary(q.clone(), cos, sin)
+    untouched = fused[:, 3 * dim :].clone()
+    assert rows.rope_(q, cos, sin) is q
+    torch.testing.assert_close(q, expected, rtol=0, atol=0)  # the same three roundings
+    assert torch.equal(fused[:, 3 * dim :], untouched)
