@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from loramux.kernels.kv_quant import QuantizedKV, gather_quantized_context, write_quantized_kv
+
+if TYPE_CHECKING:
+    from loramux.kernels.attention_native import NativePrefillAttention
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -338,10 +342,13 @@ def attend_reference(
     scale: float,
     gather: Callable = gather_kv,
     window: int | None = None,
+    prefill: NativePrefillAttention | None = None,
 ) -> torch.Tensor:  # [T, q_heads, head_dim]
     """The torch implementation: batched SDPA for decodes, a causal SDPA per prefilling
     sequence. ``gather`` reads contexts (``gather_kv``'s contract; the CPU's native read of
-    an 8-bit cache, ``kv_native``, is another). ``window``: a sliding window of keys."""
+    an 8-bit cache, ``kv_native``, is another). ``window``: a sliding window of keys.
+    ``prefill``: the CPU's native causal attention (``attention_native``), which takes the
+    prefilling sequences' attention where it takes the operands (no window)."""
     decode_mask, prefill_masks = plan.decode_mask, [causal for *_, causal in plan.prefill]
     if window is not None:
         decode_mask, prefill_masks = plan.windowed_masks(window)
@@ -359,6 +366,11 @@ def attend_reference(
             decode_mask,
         )
         out.index_copy_(0, plan.decode_rows, decoded)
+    if prefill is not None and window is None and prefill.takes(query, k_cache, v_cache):
+        for first, n_new, slots, _ in plan.prefill:
+            span = slice(first, first + n_new)
+            prefill.attend(query[span], k_cache, v_cache, slots, scale, out[span])
+        return out
     _reference_prefills(query, k_cache, v_cache, plan, scale, out, gather, prefill_masks)
     return out
 

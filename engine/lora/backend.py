@@ -137,10 +137,11 @@ def select_backend(
 
 def _native_cpu_ops():
     """The CPU's native ops for ``auto`` on a float32 CPU engine: LoRA, the quantized matmul,
-    the read of an 8-bit KV cache, the decode forward (``engine/native_decode.py``) and the
-    row ops of long steps, each None where it does not build (logged why). All
+    the read of an 8-bit KV cache, the decode forward (``engine/native_decode.py``), the
+    row ops of long steps and prefill attention, each None where it does not build (logged why). All
     are built here, even those a model may not use (a second or less, once per machine):
     the model is loaded after the backend is chosen."""
+    from loramux.kernels.attention_native import load_native_prefill_attention
     from loramux.kernels.decode_native import load_native_decode
     from loramux.kernels.kv_native import load_native_kv_gather
     from loramux.kernels.lora_native import load_native_lora
@@ -154,6 +155,7 @@ def _native_cpu_ops():
         (load_native_kv_gather, "An 8-bit KV cache on the CPU is read by the torch ops (slower)"),
         (load_native_decode, "Decode steps on the CPU run the torch forward (slower)"),
         (load_native_rows, "Norms and activations of prefill steps use the torch ops (slower)"),
+        (load_native_prefill_attention, "Prefill attention on the CPU uses torch's SDPA (slower)"),
     ):
         native, how = load()
         if native is None:

@@ -30,6 +30,7 @@ from loramux.engine.lora.backend import BoundAttention, KernelBackend, LaunchCou
 from loramux.engine.lora.native_lora import NativeStepLoRA
 from loramux.engine.model.llama import LORA_TARGETS, LoRAWeightSource
 from loramux.engine.model.quantized import QuantLinearOp
+from loramux.kernels.attention_native import NativePrefillAttention
 from loramux.kernels.decode_native import NativeDecodeLibrary
 from loramux.kernels.kv_native import NativeKVGather
 from loramux.kernels.lora_batch import LoRATable
@@ -41,7 +42,7 @@ from loramux.kernels.lora_torch import (
     lora_stacked,
     stack_weights,
 )
-from loramux.kernels.paged_attention import attend_reference, plan_attention
+from loramux.kernels.paged_attention import attend_reference, gather_kv, plan_attention
 from loramux.kernels.quant_linear import quant_linear_torch
 from loramux.kernels.quant_native import NativeQuantLinear
 from loramux.kernels.rows_native import NativeRows
@@ -194,6 +195,7 @@ class TorchBackend(KernelBackend):
         native_kv: NativeKVGather | None = None,
         native_decode: NativeDecodeLibrary | None = None,
         native_rows: NativeRows | None = None,
+        native_attention: NativePrefillAttention | None = None,
     ):
         self.device = torch.device(device)
         self.lora_launches = LaunchCount()
@@ -203,11 +205,12 @@ class TorchBackend(KernelBackend):
         # Decode-only steps without adapters in one native call (engine/native_decode.py).
         self.native_decode = native_decode
         self.native_rows = native_rows  # prefill chunks' norms and activations
-        # An 8-bit KV cache read natively (one pass over a context's bytes), else by torch.
-        self.attend = (
-            attend_reference
-            if native_kv is None
-            else functools.partial(attend_reference, gather=native_kv.gather)
+        # An 8-bit KV cache read natively (one pass over a context's bytes), else by torch;
+        # prefill chunks' causal attention natively where it takes them, else by SDPA.
+        self.attend = functools.partial(
+            attend_reference,
+            gather=gather_kv if native_kv is None else native_kv.gather,
+            prefill=native_attention,
         )
 
     @property
