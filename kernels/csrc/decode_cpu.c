@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "quant_rows.h"
+#include "vector_exp.h"
 
 typedef struct {
     int64_t kind; /* 4, 8 (packed, quant_rows.h) or 32 (float32 rows) */
@@ -249,27 +250,6 @@ static void attend_head_generic(const loramux_decoder *m, const loramux_layer *l
 }
 
 #if defined(__AVX512F__)
-/* e^x for x <= 0, sixteen at a time: x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts so
- * n ln 2 is exact), e^r by its Taylor polynomial to r^7 (relative error below 2^-24 there),
- * then scaled by 2^n. Below -87.3 (e^x under float's smallest normal) it gives 0. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 floor_x = _mm512_set1_ps(-87.3f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, floor_x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 poly = _mm512_set1_ps(1.0f / 5040.0f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(poly, n));
-}
 
 /* The same for a head of CHUNKS * 16 floats, the query and the output held in registers, the
  * keys and values read block by block. A NaN score propagates: max keeps the NaN out of `top`
@@ -298,13 +278,13 @@ static inline __m512 exp_nonpositive(__m512 x) {
         const __m512 tops = _mm512_set1_ps(top);                                                  \
         int64_t p = 0;                                                                            \
         for (; p + 16 <= len; p += 16) {                                                          \
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + p), tops));   \
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + p), tops));   \
             _mm512_storeu_ps(scores + p, e);                                                      \
             totals = _mm512_add_ps(totals, e);                                                    \
         }                                                                                         \
         if (p < len) {                                                                            \
             const __mmask16 rest = (__mmask16)((1u << (len - p)) - 1);                            \
-            const __m512 e = exp_nonpositive(                                                     \
+            const __m512 e = exp16(                                                     \
                 _mm512_sub_ps(_mm512_maskz_loadu_ps(rest, scores + p), tops));                    \
             _mm512_mask_storeu_ps(scores + p, rest, e);                                           \
             totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(rest, e));                         \
@@ -346,6 +326,30 @@ static void add_rows(float *x, const float *y, int64_t tokens, int64_t size) {
         for (int64_t c = first; c < end; c++) x[t * size + c] += y[t * size + c];
 }
 
+/* x += W in (+ the module's LoRA deltas) for a projection back to the hidden size (o_proj,
+ * down_proj), inside the parallel region (its barriers are the region's). Without adapters the
+ * products add into x directly; with, they go to `projected` first and take their deltas before
+ * the residual adds them, as the eager forward rounds. */
+static void add_projection(const loramux_layer *layer, int module, const loramux_weight *w,
+                           const float *in, int64_t in_stride, int64_t in_dim, int64_t tokens,
+                           const loramux_step_lora *lora, float *x, int64_t hidden,
+                           float *projected, float *shrunk, float *buffer) {
+    int64_t first, end;
+    share_of(hidden, &first, &end);
+    if (lora == NULL) {
+        project_rows(w, first, end, in, in_stride, tokens, x, hidden, 1, buffer);
+        return;
+    }
+    const int mods[1] = {module};
+    const int64_t widths[1] = {hidden}, offsets[1] = {0};
+    project_rows(w, first, end, in, in_stride, tokens, projected, hidden, 0, buffer);
+    lora_shrink(layer, lora, mods, 1, in, in_stride, in_dim, tokens, shrunk);
+#pragma omp barrier
+    lora_expand(layer, lora, mods, widths, 1, shrunk, tokens, projected, hidden, offsets, buffer);
+#pragma omp barrier
+    add_rows(x, projected, tokens, hidden);
+}
+
 /* x [T, hidden]: the tokens' embeddings in, the last layer's output out (before the final norm).
  * lora: the step's adapters, or NULL. With adapters, o_proj's and down_proj's outputs take their
  * deltas before the residual adds them (as the eager forward rounds); without, the projections
@@ -370,12 +374,9 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
     float *h = shared, *qkv = h + tokens * hidden, *attended = qkv + tokens * qkv_size;
     float *mlp = attended + tokens * q_size, *projected = mlp + tokens * 2 * inter;
     float *shrunk = projected + tokens * hidden;
-    static const int qkv_mods[3] = {Q, K, V}, o_mod[1] = {O}, gate_up_mods[2] = {GATE, UP};
-    static const int down_mod[1] = {DOWN};
+    static const int qkv_mods[3] = {Q, K, V}, gate_up_mods[2] = {GATE, UP};
     const int64_t qkv_offsets[3] = {0, q_size, q_size + kv_size}, gate_up_offsets[2] = {0, inter};
-    const int64_t no_offset[1] = {0};
     const int64_t qkv_widths[3] = {q_size, kv_size, kv_size}, gate_up_widths[2] = {inter, inter};
-    const int64_t hidden_width[1] = {hidden};
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -388,7 +389,6 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
 #pragma omp barrier
         for (int64_t l = 0; l < m->layers && !failed; l++) {
             const loramux_layer *layer = &m->layer[l];
-            int64_t first, end;
 #pragma omp single
             rms_norm(x, layer->input_norm, tokens, hidden, m->eps, h);
             {
@@ -423,20 +423,8 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
                             tables + t * table_stride, lens[t], scores,
                             attended + t * q_size + head * dim);
             }
-            share_of(hidden, &first, &end);
-            if (lora == NULL) {
-                project_rows(&layer->o, first, end, attended, q_size, tokens, x, hidden, 1,
-                             buffer);
-            } else {
-                project_rows(&layer->o, first, end, attended, q_size, tokens, projected, hidden,
-                             0, buffer);
-                lora_shrink(layer, lora, o_mod, 1, attended, q_size, q_size, tokens, shrunk);
-#pragma omp barrier
-                lora_expand(layer, lora, o_mod, hidden_width, 1, shrunk, tokens, projected,
-                            hidden, no_offset, buffer);
-#pragma omp barrier
-                add_rows(x, projected, tokens, hidden);
-            }
+            add_projection(layer, O, &layer->o, attended, q_size, q_size, tokens, lora, x, hidden,
+                           projected, shrunk, buffer);
 #pragma omp barrier
 #pragma omp single
             rms_norm(x, layer->post_norm, tokens, hidden, m->eps, h);
@@ -458,20 +446,8 @@ int loramux_decode_layers(const loramux_decoder *m, int64_t tokens, float *x, co
                 float *gate = mlp + t * 2 * inter;
                 gate[i] = silu(gate[i]) * gate[inter + i];
             }
-            share_of(hidden, &first, &end);
-            if (lora == NULL) {
-                project_rows(&layer->down, first, end, mlp, 2 * inter, tokens, x, hidden, 1,
-                             buffer);
-            } else {
-                project_rows(&layer->down, first, end, mlp, 2 * inter, tokens, projected, hidden,
-                             0, buffer);
-                lora_shrink(layer, lora, down_mod, 1, mlp, 2 * inter, inter, tokens, shrunk);
-#pragma omp barrier
-                lora_expand(layer, lora, down_mod, hidden_width, 1, shrunk, tokens, projected,
-                            hidden, no_offset, buffer);
-#pragma omp barrier
-                add_rows(x, projected, tokens, hidden);
-            }
+            add_projection(layer, DOWN, &layer->down, mlp, 2 * inter, inter, tokens, lora, x,
+                           hidden, projected, shrunk, buffer);
 #pragma omp barrier
         }
         free(buffer);

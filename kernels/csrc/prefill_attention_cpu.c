@@ -12,8 +12,7 @@
  * torch's fused CPU kernel ran SmolLM2's 2,000-token prompts at about a third of the machine's
  * multiply-add rate; this keeps both operands of every multiply-add in L1.
  *
- * e^x by the same vector polynomial as the decode step's (exp_nonpositive: arguments are <= 0
- * after the running maximum is subtracted). Heads of 64 or 128 floats with AVX-512; the caller
+ * e^x by the vector polynomial of vector_exp.h. Heads of 64 or 128 floats with AVX-512; the caller
  * uses torch elsewhere. No -ffast-math: NaN propagates.
  */
 #include <math.h>
@@ -22,6 +21,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "vector_exp.h"
 
 #define BQ 32
 #define BK 64
@@ -36,24 +37,6 @@ int loramux_prefill_attention_supported(int64_t dim) {
 }
 
 #if defined(__AVX512F__)
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 floor_x = _mm512_set1_ps(-87.3f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, floor_x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 poly = _mm512_set1_ps(1.0f / 5040.0f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(poly, n));
-}
 
 /* One work item for heads of CHUNKS * 16 floats: the `group` query heads sharing KV head
  * `kv_head`, queries [first_query, first_query + BQ). Their rows are r = h * BQ + i. */
@@ -117,7 +100,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
                 const __m512 tops = _mm512_set1_ps(new_top);                                      \
                 float block_total = 0.0f, weights[BK];                                            \
                 for (int c = 0; c < 4; c++) {                                                     \
-                    s[c] = exp_nonpositive(_mm512_sub_ps(s[c], tops));                            \
+                    s[c] = exp16(_mm512_sub_ps(s[c], tops));                            \
                     block_total += _mm512_reduce_add_ps(s[c]);                                    \
                     _mm512_storeu_ps(weights + 16 * c, s[c]);                                     \
                 }                                                                                 \

@@ -13,9 +13,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "vector_exp.h"
 
 /* Rows below which a call stays on one thread (a decode step's few rows). */
 #define PARALLEL_MIN_ROWS 16
@@ -35,33 +34,6 @@ void loramux_rms_norm_f32(const float *x, int64_t x_stride, int64_t rows, int64_
     }
 }
 
-#if defined(__AVX512F__)
-/* e^x: x = n ln 2 + r, |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is exact), e^r by its
- * Taylor polynomial to r^7, scaled by 2^n; beyond float's range 0 or infinity, NaN kept. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 low = _mm512_set1_ps(-87.3f), high = _mm512_set1_ps(88.7f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
-    const __mmask16 over = _mm512_cmp_ps_mask(x, high, _CMP_GT_OQ);
-    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, low), high);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 poly = _mm512_set1_ps(1.0f / 5040.0f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-    __m512 result = _mm512_scalef_ps(poly, n);
-    result = _mm512_mask_mov_ps(result, under, _mm512_setzero_ps());
-    result = _mm512_mask_mov_ps(result, over, _mm512_set1_ps(INFINITY));
-    /* a NaN compared false both ways and was clamped: give it back */
-    return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
-}
-#endif
 
 void loramux_silu_mul_f32(const float *gate, int64_t gate_stride, const float *up,
                           int64_t up_stride, int64_t rows, int64_t size, float *out,
