@@ -73,6 +73,11 @@ class StepInterrupt:
             self._step_priority, self._solo = None, False
             self._flag.clear()
 
+    @property
+    def solo(self) -> bool:
+        """Whether the running step is solo (any arrival cuts it short)."""
+        return self._solo
+
     def check(self) -> None:
         """Between layers: abandon the step if a higher priority is waiting."""
         if self._flag.is_set():

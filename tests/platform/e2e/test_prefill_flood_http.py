@@ -9,7 +9,11 @@ see serving SmolLM2. The attacks are scaled down from the issue's (a few seconds
 
 What is asserted is counted in steps, not seconds: the victim's first token comes within
 ``MAX_STEPS_TO_FIRST_TOKEN`` engine steps of its request reaching the engine, and no step
-during an attack takes more prompt tokens than a step of about the target time holds.
+during an attack takes more prompt tokens than a step of about the target time holds, but a
+*solo* step (the scheduler's policy 10: a lone prompt, sized by tokens, which any arrival
+cuts short), which only ever completes with nobody else in the engine. A stretched step's
+cost is slept in slices, the step checking for an interrupting arrival between them as the
+real forward does between layers.
 (``loramux bench prefill-flood`` measures the same attacks in seconds on SmolLM2.)
 """
 
@@ -25,12 +29,14 @@ import openai
 import pytest
 
 from loramux.engine.config import DEFAULT_CPU_STEP_TARGET_S
+from loramux.engine.step_interrupt import StepInterrupted
 from loramux.platform.settings import Settings
 from tests.fixtures.models import build_tiny_model
 from tests.platform.e2e.conftest import Platform, Tenant, start_platform
 
 COST_PER_STEP_S = 0.02
 COST_PER_TOKEN_S = 0.001
+COST_SLICES = 30  # a stretched step checks for an interrupting arrival this often, as per layer
 # Steps from the victim's arrival at the engine to the one that samples its first token:
 # the first step after it arrives serves it (its tenant joins at the attacker's counter and,
 # tied, goes first: it was served less recently).
@@ -46,6 +52,9 @@ VICTIM_TOKENS = 8
 class Step:
     prompt_tokens: int  # rows of prefill (prompt chunks and recomputes)
     sampled_tenants: set[str]  # tenants whose requests sampled a token this step
+    tenants: set[str]  # tenants with a request in the engine as it ran
+    solo: bool = False  # planned as a lone prompt's solo step (scheduler policy 10)
+    cut: bool = False  # cut short by an arrival: nothing of it was applied
 
 
 @dataclass
@@ -62,14 +71,23 @@ def instrument(platform: Platform) -> EngineLog:
 
     def costed(plan):
         rows = sum(item.num_query_tokens for item in plan.scheduled)
-        time.sleep(COST_PER_STEP_S + COST_PER_TOKEN_S * rows)
         sampled = {item.seq.tenant for item in plan.scheduled if item.samples}
         prefill = sum(
             item.num_tokens
             for item in plan.scheduled
             if item.num_tokens > 1 or not item.seq.output_token_ids
         )
-        log.steps.append(Step(prefill, sampled))
+        tenants = {s.tenant for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
+        step = Step(prefill, sampled, tenants, solo=engine.step_interrupt.solo)
+        log.steps.append(step)
+        for _ in range(COST_SLICES):
+            time.sleep((COST_PER_STEP_S + COST_PER_TOKEN_S * rows) / COST_SLICES)
+            if engine.executor.interrupt is not None:
+                try:
+                    engine.executor.interrupt()
+                except StepInterrupted:
+                    step.cut = True
+                    raise
         return execute(plan)
 
     def logged_add(*args, **kwargs):
@@ -169,9 +187,10 @@ async def _attack_then_probe(platform, attacker: Tenant, victim: Tenant, bodies,
     served = next(
         i for i in range(arrived, len(log.steps)) if victim.id in log.steps[i].sampled_tenants
     )
-    assert max(step.prompt_tokens for step in attack_steps) <= MAX_STEP_PROMPT_TOKENS, [
-        step.prompt_tokens for step in attack_steps
-    ]
+    chunked = [step.prompt_tokens for step in attack_steps if not step.solo]
+    assert max(chunked) <= MAX_STEP_PROMPT_TOKENS, chunked
+    for step in attack_steps:  # a solo step completes only with nobody else in the engine
+        assert not step.solo or step.cut or step.tenants == {attacker.id}, step
     return served - arrived + 1
 
 
