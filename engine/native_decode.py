@@ -1,11 +1,13 @@
-"""The CPU's lean decode step: decode-only steps without adapters run the decoder's layers in
-one native call (``kernels/csrc/decode_cpu.c``) instead of some twenty torch ops a layer.
+"""The CPU's lean decode step: decode-only steps run the decoder's layers in one native call
+(``kernels/csrc/decode_cpu.c``) instead of some twenty torch ops a layer, their plain LoRA
+adapters applied inside it from the pool's rows.
 
 At batch 1 a small model's step on the CPU is mostly dispatch: SmolLM2-135M's 30 layers make
 about 600 op calls for a few milliseconds of arithmetic. This is the CPU's counterpart of the
 GPU's static decode path (``static_decode.py``): the same steps (one new token per sequence),
 the same results as the eager forward up to float32 summation order, and the eager forward for
-everything else (prefill chunks, speculative verification, steps with adapters).
+everything else (prefill chunks, speculative verification, steps whose adapters need more than
+one pass of plain LoRA: DoRA, LoRA biases, token rows, experts, compositions).
 
 It binds to a model it can run exactly: float32 on one CPU, Llama's layer (RMSNorm before
 attention and MLP, RoPE of one kind, SiLU-gated MLP, optional projection biases), no sliding
@@ -74,7 +76,7 @@ def unsupported(model: nn.Module, kv_caches) -> str | None:
             if not isinstance(linear, QuantizedLinear | nn.Linear):
                 return f"{name} is a {type(linear).__name__}"
     for keys, values in kv_caches:
-        if not all(isinstance(c, torch.Tensor) and type(c) is torch.Tensor for c in (keys, values)):
+        if type(keys) is not torch.Tensor or type(values) is not torch.Tensor:
             return "the KV cache is quantized"
         if keys.dtype != torch.float32 or values.dtype != torch.float32:
             return "the KV cache is not float32"
@@ -88,7 +90,7 @@ def _projection(linear: nn.Module):
 
 
 class NativeDecode:
-    """Runs decode-only steps without adapters through the native forward."""
+    """Runs decode-only steps (plain LoRA adapters included) through the native forward."""
 
     def __init__(
         self,
@@ -115,21 +117,22 @@ class NativeDecode:
 
     def run(self, inputs: ForwardInputs) -> torch.Tensor:  # hidden states [T, hidden]
         model, block = self.model, self.block_size
-        lens = inputs.context_lens
-        positions = torch.tensor([n - 1 for n in lens], dtype=torch.long)
-        widest = max(len(table) for table in inputs.block_tables)
-        tables = torch.zeros(len(lens), widest, dtype=torch.int32)
-        for row, table in enumerate(inputs.block_tables):
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        lens, block_tables = inputs.context_lens, inputs.block_tables
+        positions = [n - 1 for n in lens]
+        widest = max(len(table) for table in block_tables)
+        # one tensor each, built from lists: this runs every decode step
+        tables = torch.tensor(
+            [table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32
+        )
         slots = torch.tensor(
             [
-                inputs.block_tables[s][(n - 1) // block] * block + (n - 1) % block
-                for s, n in enumerate(lens)
+                table[p // block] * block + p % block
+                for table, p in zip(block_tables, positions, strict=True)
             ],
             dtype=torch.long,
         )
         x = model.embed(torch.tensor(inputs.input_ids, dtype=torch.long)).contiguous()
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(torch.tensor(positions, dtype=torch.long), x.dtype)
         self.decoder.run(
             x,
             cos.contiguous(),
@@ -147,17 +150,24 @@ class NativeDecode:
 def step_adapters(table: LoRATable) -> StepAdapters:
     """The table's adapters as one row per token (a decode step's token is its sequence)."""
     first_rows = table.first_rows()
-    tokens = table.num_tokens
-    first_row = torch.full((tokens,), -1, dtype=torch.long)
-    ranks = torch.zeros(tokens, len(LORA_TARGETS), dtype=torch.int32)
-    scales = torch.zeros(tokens, len(LORA_TARGETS), dtype=torch.float32)
+    modules = len(LORA_TARGETS)
+    first_row, ranks, scales = [], [], []  # per token, made into one tensor each
     for start, end, adapter in table.spans:
-        if adapter is None or end == start:
-            continue
-        first_row[start:end] = first_rows[adapter]
-        ranks[start:end] = torch.tensor([r[adapter] for r in table.ranks], dtype=torch.int32)
-        scales[start:end] = torch.tensor([c[adapter] for c in table.scales])
-    return StepAdapters(first_row, ranks, scales, table.max_rank)
+        count = end - start
+        if adapter is None:
+            first_row += [-1] * count
+            ranks += [[0] * modules] * count
+            scales += [[0.0] * modules] * count
+        else:
+            first_row += [first_rows[adapter]] * count
+            ranks += [[r[adapter] for r in table.ranks]] * count
+            scales += [[c[adapter] for c in table.scales]] * count
+    return StepAdapters(
+        torch.tensor(first_row, dtype=torch.long),
+        torch.tensor(ranks, dtype=torch.int32).reshape(-1, modules),
+        torch.tensor(scales, dtype=torch.float32).reshape(-1, modules),
+        table.max_rank,
+    )
 
 
 def _pools(pools: LoRAWeightSource | None, layer: int):

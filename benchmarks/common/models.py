@@ -23,6 +23,11 @@ def model_key(model_dir: Path) -> str:
     return f"{model_dir.name}-{digest}"
 
 
+# A KV budget for the embedded default that holds an 8,000-token context of SmolLM2 in
+# float32 (368 MiB) with room: what the CPU prefill studies give their engines.
+LONG_CONTEXT_KV_BYTES = 1 << 30
+
+
 def embedded_engine(scratch: Path, **settings):
     """An engine on the embedded default's GGUF as ``loramux serve`` builds it (its 4-bit
     weights as they are, its metadata extracted into ``scratch``), with the engine's

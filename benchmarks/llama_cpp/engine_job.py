@@ -28,8 +28,6 @@ from pathlib import Path
 
 from loramux.benchmarks.common.machine import Clock
 
-# As prefill-cpu's: an 8,000-token context of SmolLM2 in float32 (368 MiB) with room.
-KV_BYTES = 1 << 30
 WARMUP_PROMPT = list(range(100, 132))  # as the llama.cpp side's warm-up
 WARMUP_TOKENS = 4
 
@@ -119,10 +117,10 @@ def run_job(job: dict) -> dict:
     """In a worker: the job's workload on the embedded default; its figures and tokens."""
     import torch
 
-    from loramux.benchmarks.common.models import embedded_engine
+    from loramux.benchmarks.common.models import LONG_CONTEXT_KV_BYTES, embedded_engine
 
     torch.set_num_threads(job["threads"])
-    engine = embedded_engine(Path(job["scratch"]), kv_cache_bytes=KV_BYTES)
+    engine = embedded_engine(Path(job["scratch"]), kv_cache_bytes=LONG_CONTEXT_KV_BYTES)
     try:
         result = WORKLOADS[job["workload"]](engine, job)
         config = engine.config

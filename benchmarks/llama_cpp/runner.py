@@ -63,7 +63,7 @@ MIXED_REQUESTS = 16
 MIXED_ADAPTERS = 8  # request i uses adapter i % 8: two requests each
 ADAPTER_SHAPES = ((8, ALL_SEVEN), (16, ALL_SEVEN))  # adapter i: ADAPTER_SHAPES[i % 2]
 ADAPTER_SEED = 1000  # adapter i's seed is 1000 + i (the other studies' cache is shared)
-MAX_PREFILL_TOKENS = 8000  # the engine's KV budget holds this (engine_job.KV_BYTES)
+MAX_PREFILL_TOKENS = 8000  # the engine's KV budget holds this (common.models.LONG_CONTEXT_KV_BYTES)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

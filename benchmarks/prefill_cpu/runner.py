@@ -38,12 +38,11 @@ from loramux.benchmarks.common.files import (
 )
 from loramux.benchmarks.common.llama_cpp_python import run_script
 from loramux.benchmarks.common.machine import machine_info, machine_text
-from loramux.benchmarks.common.models import embedded_engine
+from loramux.benchmarks.common.models import LONG_CONTEXT_KV_BYTES, embedded_engine
 from loramux.benchmarks.common.prompts import Prompts
 from loramux.benchmarks.common.report import Markdown, num, write
 
 NAME = "prefill_cpu"
-KV_BYTES = 1 << 30  # holds an 8,000-token context of SmolLM2 in float32 (368 MiB) with room
 HOG = "while True: pass"  # one core's worth of busy work, as another process on the machine
 
 
@@ -84,7 +83,7 @@ def run_job(job: dict) -> dict:
     from loramux.engine import SamplingParams
 
     torch.set_num_threads(job["threads"])
-    engine = embedded_engine(Path(job["scratch"]), kv_cache_bytes=KV_BYTES)
+    engine = embedded_engine(Path(job["scratch"]), kv_cache_bytes=LONG_CONTEXT_KV_BYTES)
     params = SamplingParams(max_tokens=1, temperature=0)
     engine.generate([list(range(100, 164))], params)  # warm-up
     seconds = []

@@ -96,7 +96,7 @@ class LocalExecutor:
         # Decode-only steps of up to its largest bucket run over its fixed buffers (CUDA
         # graphs on CUDA); every other step builds its tensors afresh.
         self.static_decode = static_decode
-        # On the CPU, decode-only steps without adapters in one native call.
+        # On the CPU, decode-only steps (plain LoRA included) in one native call.
         self.native_decode = native_decode
         self.interrupt: Callable[[], None] | None = None
         self._mask_filler: MaskFiller | None = None  # built at the first constrained step

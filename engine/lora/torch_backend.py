@@ -202,7 +202,7 @@ class TorchBackend(KernelBackend):
         self.native = native
         self.stacks = StackCache()
         self.native_quant = native_quant
-        # Decode-only steps without adapters in one native call (engine/native_decode.py).
+        # Decode-only steps in one native call, plain LoRA inside (engine/native_decode.py).
         self.native_decode = native_decode
         self.native_rows = native_rows  # prefill chunks' norms and activations
         # An 8-bit KV cache read natively (one pass over a context's bytes), else by torch;
